@@ -1,0 +1,7 @@
+//! Every decision the multirail transfer engine makes, free of I/O.
+//!
+//! Each module is one mechanism, a plain struct fed events and the current time as arguments;
+//! it owns no thread, socket, clock or global, so the engine, the simulator and the tests drive
+//! the same code.
+
+pub mod slicing;
