@@ -1,0 +1,249 @@
+//! Completion tracking: a task per request counts its outstanding parts; a batch counts its
+//! unfinished tasks and wakes waiters when the count reaches zero.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+
+/// State of one request, or of a whole batch.
+#[derive(Debug, Clone)]
+pub enum Status {
+    /// Some bytes are still on their way.
+    Pending,
+    /// Every byte is in place at its destination.
+    Completed,
+    /// The request failed; the error says why.
+    Failed(Error),
+}
+
+impl Status {
+    /// True for `Completed`.
+    pub fn is_completed(&self) -> bool {
+        matches!(self, Status::Completed)
+    }
+}
+
+/// Shared by a batch and its tasks so the last finishing task can wake waiters.
+pub(crate) struct BatchSignal {
+    unfinished: AtomicUsize,
+    lock: Mutex<()>,
+    cond: Condvar,
+}
+
+impl BatchSignal {
+    fn task_finished(&self) {
+        if self.unfinished.fetch_sub(1, Ordering::AcqRel) == 1 {
+            // Taking the lock orders this notify after a waiter's check-then-wait.
+            let _guard = self.lock.lock().expect("batch lock poisoned");
+            self.cond.notify_all();
+        }
+    }
+}
+
+/// One request in flight: finished when every part it was split into has reported.
+pub(crate) struct Task {
+    remaining: AtomicU32,
+    failed: AtomicBool,
+    error: OnceLock<Error>,
+    signal: Arc<BatchSignal>,
+}
+
+impl Task {
+    /// Records one part as done (`Ok`) or failed; the first failure is the task's error.
+    pub(crate) fn part_done(&self, outcome: Result<()>) {
+        if let Err(e) = outcome {
+            let _ = self.error.set(e);
+            self.failed.store(true, Ordering::Release);
+        }
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.signal.task_finished();
+        }
+    }
+
+    /// Adds parts before any is posted; a request is set up with one part and grows as its
+    /// slices are dealt out.
+    pub(crate) fn add_parts(&self, n: u32) {
+        self.remaining.fetch_add(n, Ordering::AcqRel);
+    }
+
+    fn status(&self) -> Status {
+        if self.failed.load(Ordering::Acquire) {
+            if let Some(e) = self.error.get() {
+                return Status::Failed(e.clone());
+            }
+        }
+        if self.remaining.load(Ordering::Acquire) == 0 {
+            Status::Completed
+        } else {
+            Status::Pending
+        }
+    }
+}
+
+/// A batch: up to `capacity` requests whose completion can be polled or awaited together.
+pub(crate) struct Batch {
+    pub(crate) id: u64,
+    capacity: usize,
+    tasks: Mutex<Vec<Arc<Task>>>,
+    signal: Arc<BatchSignal>,
+}
+
+impl Batch {
+    pub(crate) fn new(id: u64, capacity: usize) -> Self {
+        Batch {
+            id,
+            capacity,
+            tasks: Mutex::new(Vec::with_capacity(capacity)),
+            signal: Arc::new(BatchSignal {
+                unfinished: AtomicUsize::new(0),
+                lock: Mutex::new(()),
+                cond: Condvar::new(),
+            }),
+        }
+    }
+
+    /// Creates `n` tasks, each holding one part, or fails if they do not fit.
+    pub(crate) fn add_tasks(&self, n: usize) -> Result<Vec<Arc<Task>>> {
+        let mut tasks = self.tasks.lock().expect("batch poisoned");
+        if tasks.len() + n > self.capacity {
+            return Err(Error::BatchFull {
+                batch: self.id,
+                capacity: self.capacity,
+                used: tasks.len(),
+                requested: n,
+            });
+        }
+        self.signal.unfinished.fetch_add(n, Ordering::AcqRel);
+        let new: Vec<Arc<Task>> = (0..n)
+            .map(|_| {
+                Arc::new(Task {
+                    remaining: AtomicU32::new(1),
+                    failed: AtomicBool::new(false),
+                    error: OnceLock::new(),
+                    signal: self.signal.clone(),
+                })
+            })
+            .collect();
+        tasks.extend(new.iter().cloned());
+        Ok(new)
+    }
+
+    /// Status of request `index` (in submission order).
+    pub(crate) fn status(&self, index: usize) -> Result<Status> {
+        let tasks = self.tasks.lock().expect("batch poisoned");
+        let task = tasks.get(index).ok_or_else(|| {
+            Error::invalid(
+                "index",
+                format!(
+                    "batch {} holds {} requests, asked for #{index}",
+                    self.id,
+                    tasks.len()
+                ),
+            )
+        })?;
+        Ok(task.status())
+    }
+
+    /// `Failed` with the first failure if any request failed, else `Pending` while any runs.
+    pub(crate) fn overall_status(&self) -> Status {
+        let tasks = self.tasks.lock().expect("batch poisoned");
+        let mut pending = false;
+        for task in tasks.iter() {
+            match task.status() {
+                Status::Failed(e) => return Status::Failed(e),
+                Status::Pending => pending = true,
+                Status::Completed => {}
+            }
+        }
+        if pending {
+            Status::Pending
+        } else {
+            Status::Completed
+        }
+    }
+
+    pub(crate) fn unfinished(&self) -> usize {
+        self.signal.unfinished.load(Ordering::Acquire)
+    }
+
+    /// Blocks until every request finished or `timeout` passes.
+    pub(crate) fn wait(&self, timeout: Option<Duration>) -> Result<()> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut guard = self.signal.lock.lock().expect("batch lock poisoned");
+        while self.unfinished() > 0 {
+            match deadline {
+                None => guard = self.signal.cond.wait(guard).expect("batch lock poisoned"),
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        let total = self.tasks.lock().expect("batch poisoned").len();
+                        return Err(Error::WaitTimeout {
+                            pending: self.unfinished(),
+                            total,
+                        });
+                    }
+                    guard = self
+                        .signal
+                        .cond
+                        .wait_timeout(guard, d - now)
+                        .expect("batch lock poisoned")
+                        .0;
+                }
+            }
+        }
+        drop(guard);
+        match self.overall_status() {
+            Status::Failed(e) => Err(e),
+            _ => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tasks_complete_and_fail() {
+        let b = Batch::new(7, 3);
+        let t = b.add_tasks(2).unwrap();
+        assert!(matches!(
+            b.add_tasks(2),
+            Err(Error::BatchFull { used: 2, .. })
+        ));
+        t[0].add_parts(1);
+        t[0].part_done(Ok(()));
+        assert!(matches!(b.status(0).unwrap(), Status::Pending));
+        t[0].part_done(Ok(()));
+        assert!(b.status(0).unwrap().is_completed());
+        assert!(matches!(b.overall_status(), Status::Pending));
+        assert!(matches!(
+            b.wait(Some(Duration::from_millis(10))),
+            Err(Error::WaitTimeout {
+                pending: 1,
+                total: 2
+            })
+        ));
+        t[1].part_done(Err(Error::UnknownSegment(3)));
+        assert!(matches!(
+            b.status(1).unwrap(),
+            Status::Failed(Error::UnknownSegment(3))
+        ));
+        assert!(matches!(b.wait(None), Err(Error::UnknownSegment(3))));
+        assert!(b.status(5).is_err());
+    }
+
+    #[test]
+    fn wait_wakes_on_completion_from_another_thread() {
+        let b = Arc::new(Batch::new(1, 1));
+        let t = b.add_tasks(1).unwrap().remove(0);
+        let h = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            t.part_done(Ok(()));
+        });
+        b.wait(Some(Duration::from_secs(5))).unwrap();
+        h.join().unwrap();
+    }
+}

@@ -1,0 +1,550 @@
+//! The public API: an `Engine` owns registered memory, serves it to peers, opens peers' segments
+//! and moves bytes between them in batches of requests.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use multirail_policy::slicing::SlicePlan;
+
+use crate::batch::{Batch, Status};
+use crate::config::{Config, TransportChoice};
+use crate::error::{Error, Result};
+use crate::memory::{Buffer, Location, MemoryRegistry};
+use crate::metadata::{self, MetadataStore, P2pMetadata};
+use crate::peer::Peer;
+use crate::segment::{self, RailDescriptor, SegmentDescriptor, PROTOCOL_VERSION};
+use crate::server::Server;
+use crate::stats::{RailTraffic, TrafficStats};
+use crate::topology;
+use crate::transport::shm::ShmTransport;
+use crate::transport::tcp::{TcpSettings, TcpTransport};
+use crate::transport::{Opcode, Prepared, Transport};
+
+/// Highest priority, the default: metadata, control, latency-sensitive transfers.
+pub const PRIO_HIGH: u8 = 0;
+/// Interactive and serving traffic.
+pub const PRIO_MEDIUM: u8 = 1;
+/// Bulk and background transfers.
+pub const PRIO_LOW: u8 = 2;
+
+/// Handle of an opened segment, returned by [`Engine::open_segment`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SegmentId(pub u64);
+
+/// Handle of a batch, returned by [`Engine::allocate_batch`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BatchId(pub u64);
+
+/// One transfer: `length` bytes between local address `source` and address `target_offset`
+/// inside segment `target`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Request {
+    /// Read (target to source) or write (source to target).
+    pub opcode: Opcode,
+    /// Local address, inside memory this engine allocated or registered.
+    pub source: u64,
+    /// The segment to read from or write to.
+    pub target: SegmentId,
+    /// Address in the target segment (a buffer's `addr` plus an offset).
+    pub target_offset: u64,
+    /// Bytes to move; at least 1.
+    pub length: u64,
+    /// `PRIO_HIGH` (default), `PRIO_MEDIUM` or `PRIO_LOW`.
+    pub priority: u8,
+    /// Forces a transport for this request; `None` follows the engine's `transport` setting.
+    pub transport: Option<TransportChoice>,
+}
+
+impl Request {
+    /// A write of `length` bytes from `source` to `target_offset` in `target`, at high priority.
+    pub fn write(source: u64, target: SegmentId, target_offset: u64, length: u64) -> Self {
+        Request {
+            opcode: Opcode::Write,
+            source,
+            target,
+            target_offset,
+            length,
+            priority: PRIO_HIGH,
+            transport: None,
+        }
+    }
+
+    /// A read of `length` bytes from `target_offset` in `target` into `source`, at high priority.
+    pub fn read(source: u64, target: SegmentId, target_offset: u64, length: u64) -> Self {
+        Request {
+            opcode: Opcode::Read,
+            ..Request::write(source, target, target_offset, length)
+        }
+    }
+}
+
+struct Peers {
+    by_id: HashMap<u64, Arc<Peer>>,
+    by_name: HashMap<String, u64>,
+    next_id: u64,
+}
+
+/// What the control port publishes; shared with the server thread.
+struct LocalSegment {
+    name: OnceLock<String>,
+    host_id: String,
+    rails: Vec<RailDescriptor>,
+    registry: Arc<MemoryRegistry>,
+}
+
+impl LocalSegment {
+    fn descriptor(&self) -> SegmentDescriptor {
+        SegmentDescriptor {
+            name: self.name.get().cloned().unwrap_or_default(),
+            host_id: self.host_id.clone(),
+            pid: std::process::id(),
+            protocol_version: PROTOCOL_VERSION,
+            rails: self.rails.clone(),
+            buffers: self.registry.descriptors(),
+        }
+    }
+}
+
+struct Inner {
+    config: Config,
+    local: Arc<LocalSegment>,
+    metadata: Box<dyn MetadataStore>,
+    peers: RwLock<Peers>,
+    batches: Mutex<HashMap<u64, Arc<Batch>>>,
+    next_batch: AtomicU64,
+    stats: Arc<TrafficStats>,
+    shm: ShmTransport,
+    tcp: TcpTransport,
+    read_plan: SlicePlan,
+    write_plan: SlicePlan,
+    fallback_logged: OnceLock<()>,
+    server: Mutex<Option<Server>>,
+}
+
+/// A transfer engine: one segment, named `host:port` after its control port.
+///
+/// Cloning gives another handle to the same engine; it stops when the last handle drops.
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+fn advertised_host(config: &Config, listen: &SocketAddr, rails: &[RailDescriptor]) -> String {
+    if let Some(h) = &config.local_hostname {
+        return h.clone();
+    }
+    if !listen.ip().is_unspecified() {
+        return listen.ip().to_string();
+    }
+    rails
+        .iter()
+        .filter_map(|r| r.address.parse::<IpAddr>().ok())
+        .find(|ip| ip.is_ipv4() && !ip.is_loopback())
+        .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
+        .to_string()
+}
+
+impl Engine {
+    /// Starts an engine serving its segment on `listen` (`ADDR:PORT`; port 0 picks a free one).
+    /// Fails on an invalid configuration, an unparsable address or a port that cannot be bound.
+    pub fn new(config: Config, listen: &str) -> Result<Engine> {
+        config.validate()?;
+        let listen: SocketAddr = listen
+            .parse()
+            .map_err(|e| Error::invalid("listen", format!("{listen:?} is not ADDR:PORT: {e}")))?;
+        let rdma = &config.transports.rdma;
+        let rails = topology::discover_rails(
+            &config.rails,
+            rdma.default_bandwidth_gbps,
+            rdma.min_bandwidth_gbps,
+            rdma.max_bandwidth_gbps,
+        );
+        let registry = Arc::new(MemoryRegistry::default());
+        let local = Arc::new(LocalSegment {
+            name: OnceLock::new(),
+            host_id: segment::local_host_id(),
+            rails: rails.clone(),
+            registry: registry.clone(),
+        });
+        let served = local.clone();
+        let server = Server::start(
+            listen,
+            registry,
+            Arc::new(move || {
+                serde_json::to_vec(&served.descriptor()).expect("descriptor serializes")
+            }),
+        )?;
+        let name = format!(
+            "{}:{}",
+            advertised_host(&config, &listen, &rails),
+            server.local_addr().port()
+        );
+        let _ = local.name.set(name);
+
+        let stats = Arc::new(TrafficStats::default());
+        let tcp_cfg = &config.transports.tcp;
+        let settings = TcpSettings {
+            connections_per_peer: tcp_cfg.connections_per_peer,
+            timeout: Duration::from_millis(tcp_cfg.timeout_ms),
+            connect_timeout: Duration::from_millis(tcp_cfg.connect_timeout_ms),
+            max_inflight_bytes: tcp_cfg.max_inflight_bytes_per_connection,
+        };
+        let workers = &config.workers;
+        let plan = |cap| {
+            SlicePlan::new(workers.block_size, cap).map_err(|e| {
+                Error::Config(crate::config::ConfigError::new("workers", e.to_string()))
+            })
+        };
+        let inner = Arc::new(Inner {
+            metadata: Box::new(P2pMetadata::new(settings.connect_timeout, settings.timeout)),
+            shm: ShmTransport::new(workers.shm_copy_threads, &stats)?,
+            tcp: TcpTransport::new(settings, stats.clone()),
+            read_plan: plan(workers.max_slices_per_request)?,
+            write_plan: plan(workers.max_slices_per_write)?,
+            local,
+            peers: RwLock::new(Peers {
+                by_id: HashMap::new(),
+                by_name: HashMap::new(),
+                next_id: 1,
+            }),
+            batches: Mutex::default(),
+            next_batch: AtomicU64::new(1),
+            stats,
+            fallback_logged: OnceLock::new(),
+            server: Mutex::new(Some(server)),
+            config,
+        });
+        spawn_timeout_watch(Arc::downgrade(&inner));
+        Ok(Engine { inner })
+    }
+
+    /// This engine's segment name, `host:port`.
+    pub fn name(&self) -> String {
+        self.inner.local.name.get().cloned().unwrap_or_default()
+    }
+
+    /// The configuration the engine runs with.
+    pub fn config(&self) -> &Config {
+        &self.inner.config
+    }
+
+    /// This engine's own descriptor, as peers receive it.
+    pub fn local_descriptor(&self) -> SegmentDescriptor {
+        self.inner.local.descriptor()
+    }
+
+    /// Allocates `len` bytes the engine owns, in a shared mapping same-host peers can map.
+    /// Fails on `len` 0, a NUMA node that does not exist, or when the OS refuses memory.
+    pub fn allocate(&self, len: usize, location: Location) -> Result<Buffer> {
+        self.inner.local.registry.allocate(len, location)
+    }
+
+    /// Registers `len` bytes of the caller's memory at `ptr` for transfers. The memory must stay
+    /// valid until `unregister`. Fails on a null pointer, `len` 0 or overlap with registered
+    /// memory.
+    pub fn register(&self, ptr: *mut u8, len: usize, location: Location) -> Result<Buffer> {
+        self.inner.local.registry.register(ptr, len, location)
+    }
+
+    /// Stops serving the buffer that starts at `addr` (allocated or registered). Allocated
+    /// memory is released once no `Buffer` handle or in-flight slice holds it. Fails when no
+    /// buffer starts at `addr`.
+    pub fn unregister(&self, addr: u64) -> Result<()> {
+        self.inner.local.registry.unregister(addr)
+    }
+
+    /// Same as `unregister(buffer.addr())`.
+    pub fn free(&self, buffer: &Buffer) -> Result<()> {
+        self.unregister(buffer.addr())
+    }
+
+    /// Opens segment `name` (`host:port`), fetching its descriptor from the segment itself.
+    /// Opening an already open segment returns the same id. Fails with `SegmentUnreachable`
+    /// when nothing answers there.
+    pub fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        let existing = {
+            let peers = self.inner.peers.read().expect("peers poisoned");
+            peers
+                .by_name
+                .get(name)
+                .and_then(|id| peers.by_id.get(id))
+                .cloned()
+        };
+        if let Some(p) = existing {
+            if !p.process_exited() {
+                return Ok(SegmentId(p.id));
+            }
+        }
+        let addr = metadata::resolve(name)?;
+        let descriptor = self.inner.metadata.fetch(name)?;
+        let mut peers = self.inner.peers.write().expect("peers poisoned");
+        let id = match peers.by_name.get(name) {
+            Some(id) => *id,
+            None => {
+                let id = peers.next_id;
+                peers.next_id += 1;
+                id
+            }
+        };
+        let peer = Arc::new(Peer::new(
+            id,
+            name.to_owned(),
+            addr,
+            descriptor,
+            &self.inner.local.host_id,
+        ));
+        peers.by_id.insert(id, peer);
+        peers.by_name.insert(name.to_owned(), id);
+        Ok(SegmentId(id))
+    }
+
+    /// Forgets an opened segment and closes its connections. Fails for an unknown id.
+    pub fn close_segment(&self, segment: SegmentId) -> Result<()> {
+        let mut peers = self.inner.peers.write().expect("peers poisoned");
+        let peer = peers
+            .by_id
+            .remove(&segment.0)
+            .ok_or(Error::UnknownSegment(segment.0))?;
+        peers.by_name.remove(&peer.name);
+        Ok(())
+    }
+
+    /// The cached descriptor of an opened segment.
+    pub fn segment_descriptor(&self, segment: SegmentId) -> Result<SegmentDescriptor> {
+        Ok((*self.peer(segment)?.descriptor()).clone())
+    }
+
+    fn peer(&self, segment: SegmentId) -> Result<Arc<Peer>> {
+        self.inner
+            .peers
+            .read()
+            .expect("peers poisoned")
+            .by_id
+            .get(&segment.0)
+            .cloned()
+            .ok_or(Error::UnknownSegment(segment.0))
+    }
+
+    /// Creates a batch that holds up to `capacity` requests. Fails on capacity 0.
+    pub fn allocate_batch(&self, capacity: usize) -> Result<BatchId> {
+        if capacity == 0 {
+            return Err(Error::invalid("capacity", "must be at least 1"));
+        }
+        let id = self.inner.next_batch.fetch_add(1, Ordering::Relaxed);
+        self.inner
+            .batches
+            .lock()
+            .expect("batches poisoned")
+            .insert(id, Arc::new(Batch::new(id, capacity)));
+        Ok(BatchId(id))
+    }
+
+    /// Frees a batch. Fails with `BatchBusy` while requests are in flight, `UnknownBatch` for a
+    /// batch never allocated or already freed.
+    pub fn free_batch(&self, batch: BatchId) -> Result<()> {
+        let mut batches = self.inner.batches.lock().expect("batches poisoned");
+        let b = batches.get(&batch.0).ok_or(Error::UnknownBatch(batch.0))?;
+        if b.unfinished() > 0 {
+            return Err(Error::BatchBusy(batch.0));
+        }
+        batches.remove(&batch.0);
+        Ok(())
+    }
+
+    fn batch(&self, batch: BatchId) -> Result<Arc<Batch>> {
+        self.inner
+            .batches
+            .lock()
+            .expect("batches poisoned")
+            .get(&batch.0)
+            .cloned()
+            .ok_or(Error::UnknownBatch(batch.0))
+    }
+
+    /// Checks every request, then starts them all. Nothing is started if any request is bad:
+    /// the error names the first problem (length 0, bad priority, source not registered,
+    /// unknown segment, target outside the segment's buffers, a full batch, an unreachable
+    /// peer).
+    pub fn submit(&self, batch: BatchId, requests: &[Request]) -> Result<()> {
+        let b = self.batch(batch)?;
+        let mut routed = Vec::with_capacity(requests.len());
+        for (i, r) in requests.iter().enumerate() {
+            routed.push(self.route(r).map_err(|e| annotate(e, i, requests.len()))?);
+        }
+        let tasks = b.add_tasks(requests.len())?;
+        for ((peer, transport, buffer, r), task) in routed.into_iter().zip(tasks) {
+            let plan = match r.opcode {
+                Opcode::Read => &self.inner.read_plan,
+                Opcode::Write => &self.inner.write_plan,
+            };
+            let prepared = Prepared {
+                op: r.opcode,
+                local: r.source as usize,
+                remote: r.target_offset,
+                len: r.length,
+                buffer,
+                task: task.clone(),
+            };
+            transport.post(&peer, prepared, plan);
+            // Drop the part the task was created with, now that every slice holds its own.
+            task.part_done(Ok(()));
+        }
+        Ok(())
+    }
+
+    /// Validates one request and picks its transport.
+    fn route(
+        &self,
+        r: &Request,
+    ) -> Result<(
+        Arc<Peer>,
+        &dyn Transport,
+        segment::BufferDescriptor,
+        Request,
+    )> {
+        if r.length == 0 {
+            return Err(Error::invalid("length", "must be at least 1 byte"));
+        }
+        if r.priority > PRIO_LOW {
+            return Err(Error::invalid(
+                "priority",
+                format!(
+                    "{} is not PRIO_HIGH (0), PRIO_MEDIUM (1) or PRIO_LOW (2)",
+                    r.priority
+                ),
+            ));
+        }
+        if self.inner.local.registry.find(r.source, r.length).is_none() {
+            return Err(Error::SourceNotRegistered {
+                addr: r.source,
+                len: r.length,
+            });
+        }
+        let peer = self.peer(r.target)?;
+        if peer.process_exited() {
+            return Err(Error::PeerDisconnected {
+                peer: peer.name.clone(),
+                reason: "the process serving the segment has exited".into(),
+            });
+        }
+        let buffer = self.target_buffer(&peer, r.target_offset, r.length)?;
+        let choice = r.transport.unwrap_or(self.inner.config.transport);
+        let transport: &dyn Transport = match choice {
+            TransportChoice::Tcp => &self.inner.tcp,
+            TransportChoice::Shm => &self.inner.shm,
+            TransportChoice::Auto if peer.same_host && self.inner.config.transports.shm.enable => {
+                match self.inner.shm.prepare(&peer, &buffer) {
+                    Ok(()) => &self.inner.shm,
+                    Err(e) => {
+                        if self.inner.fallback_logged.set(()).is_ok() {
+                            tracing::warn!(peer = %peer.name, reason = %e, "shm cannot reach this buffer; using tcp");
+                        }
+                        &self.inner.tcp
+                    }
+                }
+            }
+            TransportChoice::Auto => &self.inner.tcp,
+        };
+        transport.prepare(&peer, &buffer)?;
+        tracing::trace!(transport = transport.name(), peer = %peer.name, "routed");
+        Ok((peer, transport, buffer, *r))
+    }
+
+    /// The buffer of `peer` holding the range, refetching the descriptor once if the cached one
+    /// does not have it (the peer may have registered memory since).
+    fn target_buffer(&self, peer: &Peer, addr: u64, len: u64) -> Result<segment::BufferDescriptor> {
+        if let Some(b) = peer.descriptor().find_buffer(addr, len) {
+            return Ok(b.clone());
+        }
+        let fresh = self.inner.metadata.fetch(&peer.name)?;
+        if !peer.update_descriptor(fresh) {
+            return Err(Error::PeerDisconnected {
+                peer: peer.name.clone(),
+                reason: "the segment is now served by another process; open it again".into(),
+            });
+        }
+        peer.descriptor()
+            .find_buffer(addr, len)
+            .cloned()
+            .ok_or_else(|| Error::TargetOutOfRange {
+                segment: peer.name.clone(),
+                addr,
+                len,
+            })
+    }
+
+    /// Status of request `index` of `batch`, in submission order.
+    pub fn status(&self, batch: BatchId, index: usize) -> Result<Status> {
+        self.batch(batch)?.status(index)
+    }
+
+    /// `Failed` if any request of the batch failed, else `Pending` while any runs, else
+    /// `Completed`.
+    pub fn overall_status(&self, batch: BatchId) -> Result<Status> {
+        Ok(self.batch(batch)?.overall_status())
+    }
+
+    /// Blocks until every request of the batch finished or `timeout` passed (`None`: no
+    /// limit). Returns the first failure, or `WaitTimeout`.
+    pub fn wait(&self, batch: BatchId, timeout: Option<Duration>) -> Result<()> {
+        self.batch(batch)?.wait(timeout)
+    }
+
+    /// Bytes, slices and errors per rail since the engine started.
+    pub fn traffic_stats(&self) -> Vec<RailTraffic> {
+        self.inner.stats.snapshot()
+    }
+
+    /// Stops serving: closes the control port and every connection. Later calls still work on
+    /// local state but peers can no longer reach this engine.
+    pub fn shutdown(&self) {
+        self.inner.server.lock().expect("server poisoned").take();
+        let peers: Vec<Arc<Peer>> = self
+            .inner
+            .peers
+            .read()
+            .expect("peers poisoned")
+            .by_id
+            .values()
+            .cloned()
+            .collect();
+        for p in peers {
+            if let Some(t) = p.tcp.lock().expect("peer poisoned").take() {
+                t.close("engine shut down");
+            }
+        }
+    }
+}
+
+fn annotate(e: Error, index: usize, total: usize) -> Error {
+    if total > 1 {
+        tracing::debug!(index, error = %e, "request refused");
+    }
+    e
+}
+
+/// Fails slices that got no answer within the timeout; runs until the engine is dropped.
+fn spawn_timeout_watch(inner: Weak<Inner>) {
+    let _ = thread::Builder::new()
+        .name("mr-timeouts".into())
+        .spawn(move || loop {
+            thread::sleep(Duration::from_millis(50));
+            let Some(inner) = inner.upgrade() else { return };
+            let peers: Vec<Arc<Peer>> = inner
+                .peers
+                .read()
+                .expect("peers poisoned")
+                .by_id
+                .values()
+                .cloned()
+                .collect();
+            let now = Instant::now();
+            for p in peers {
+                inner.tcp.check_timeouts(&p, now);
+            }
+        });
+}

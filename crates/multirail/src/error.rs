@@ -1,0 +1,149 @@
+//! The one error type of the engine.
+
+use std::sync::Arc;
+
+use crate::config::ConfigError;
+
+/// Everything that can go wrong in the engine. It is `Clone` because a failed request keeps its
+/// error for every later `status` query.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    /// The configuration document is malformed; the inner error names the key.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// An API argument is out of range or malformed.
+    #[error("invalid argument `{arg}`: {reason}")]
+    InvalidArgument {
+        /// The argument's name as the API spells it.
+        arg: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A request's source range is not inside memory this engine registered or allocated.
+    #[error("source range {addr:#x}+{len} is not inside registered memory")]
+    SourceNotRegistered {
+        /// Start of the range.
+        addr: u64,
+        /// Length of the range.
+        len: u64,
+    },
+    /// A request's target range is not inside any buffer the target segment published.
+    #[error("target range {addr:#x}+{len} lies outside every buffer of segment {segment}")]
+    TargetOutOfRange {
+        /// Segment name.
+        segment: String,
+        /// Start of the range (remote address).
+        addr: u64,
+        /// Length of the range.
+        len: u64,
+    },
+    /// A segment id that `open_segment` never returned (or that was closed).
+    #[error("unknown segment id {0}")]
+    UnknownSegment(u64),
+    /// The segment could not be reached or did not answer with a descriptor.
+    #[error("segment {name} is unreachable: {reason}")]
+    SegmentUnreachable {
+        /// Segment name (`host:port`).
+        name: String,
+        /// Why.
+        reason: String,
+    },
+    /// A batch id that was never allocated or was already freed.
+    #[error("unknown batch {0} (never allocated or already freed)")]
+    UnknownBatch(u64),
+    /// Submitting these requests would exceed the batch's capacity.
+    #[error("batch {batch} holds {capacity} requests, {used} used; {requested} more do not fit")]
+    BatchFull {
+        /// Batch id.
+        batch: u64,
+        /// Capacity given to `allocate_batch`.
+        capacity: usize,
+        /// Requests already submitted.
+        used: usize,
+        /// Requests in the refused submit.
+        requested: usize,
+    },
+    /// `free_batch` on a batch whose requests are still in flight.
+    #[error("batch {0} still has requests in flight")]
+    BatchBusy(u64),
+    /// The peer closed the connection or died while requests were in flight.
+    #[error("peer {peer} disconnected: {reason}")]
+    PeerDisconnected {
+        /// Segment name of the peer.
+        peer: String,
+        /// What was observed.
+        reason: String,
+    },
+    /// A slice got no answer from the peer within `transports.tcp.timeout_ms`.
+    #[error("no answer from peer {peer} within {timeout_ms} ms")]
+    Timeout {
+        /// Segment name of the peer.
+        peer: String,
+        /// The configured timeout.
+        timeout_ms: u64,
+    },
+    /// The peer checked the slice and refused it (unknown buffer, wrong key, out of bounds).
+    #[error("peer {peer} refused the slice: {reason}")]
+    RemoteRejected {
+        /// Segment name of the peer.
+        peer: String,
+        /// The peer's reason.
+        reason: String,
+    },
+    /// The peer sent something that is not valid protocol.
+    #[error("protocol error with {peer}: {reason}")]
+    Protocol {
+        /// Segment name or address of the peer.
+        peer: String,
+        /// What was wrong.
+        reason: String,
+    },
+    /// Allocating, mapping or registering memory failed.
+    #[error("memory: {0}")]
+    Memory(String),
+    /// A transport was demanded that cannot serve this request.
+    #[error("transport {transport} cannot serve this request: {reason}")]
+    TransportUnavailable {
+        /// Transport name.
+        transport: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// `wait` gave up before every request of the batch finished.
+    #[error("wait timed out with {pending} of {total} requests still in flight")]
+    WaitTimeout {
+        /// Requests not finished.
+        pending: usize,
+        /// Requests in the batch.
+        total: usize,
+    },
+    /// An operating-system call failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What the engine was doing.
+        context: String,
+        /// The OS error.
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+}
+
+impl Error {
+    /// Wraps an OS error with what the engine was doing when it happened.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            source: Arc::new(source),
+        }
+    }
+
+    pub(crate) fn invalid(arg: &'static str, reason: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            arg,
+            reason: reason.into(),
+        }
+    }
+}
+
+/// Result with the engine's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

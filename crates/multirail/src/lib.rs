@@ -1,0 +1,38 @@
+//! multirail: a transfer engine that moves bytes between the registered memory of processes,
+//! over shared memory on one host and TCP across hosts.
+//!
+//! ```no_run
+//! use multirail::{Config, Engine, Location, Request};
+//! let target = Engine::new(Config::default(), "127.0.0.1:0")?;
+//! let dst = target.allocate(1 << 20, Location::Any)?;
+//!
+//! let engine = Engine::new(Config::default(), "127.0.0.1:0")?;
+//! let src = engine.allocate(1 << 20, Location::Any)?;
+//! let seg = engine.open_segment(&target.name())?;
+//! let batch = engine.allocate_batch(1)?;
+//! engine.submit(batch, &[Request::write(src.addr(), seg, dst.addr(), 1 << 20)])?;
+//! engine.wait(batch, None)?;
+//! engine.free_batch(batch)?;
+//! # Ok::<(), multirail::Error>(())
+//! ```
+
+pub mod batch;
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod memory;
+pub mod metadata;
+pub(crate) mod peer;
+pub mod segment;
+pub(crate) mod server;
+pub mod stats;
+pub mod topology;
+pub mod transport;
+
+pub use batch::Status;
+pub use config::{Config, ConfigError, TransportChoice};
+pub use engine::{BatchId, Engine, Request, SegmentId, PRIO_HIGH, PRIO_LOW, PRIO_MEDIUM};
+pub use error::{Error, Result};
+pub use memory::{Buffer, Location};
+pub use stats::RailTraffic;
+pub use transport::Opcode;

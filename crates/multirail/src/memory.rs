@@ -1,0 +1,486 @@
+//! Memory the engine can move bytes in and out of: buffers it allocates (memfd-backed shared
+//! mappings a same-host peer can map) and caller memory it registers. Every buffer has a random
+//! access key that peers must present.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::str::FromStr;
+use std::sync::{Arc, RwLock};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::segment::{BufferDescriptor, ShmHandle};
+
+/// Where memory lives: a NUMA node (`cpu:N`) or anywhere (`*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Location {
+    /// No placement preference.
+    #[default]
+    Any,
+    /// Host memory on NUMA node N.
+    Cpu(u32),
+}
+
+impl fmt::Display for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Location::Any => f.write_str("*"),
+            Location::Cpu(n) => write!(f, "cpu:{n}"),
+        }
+    }
+}
+
+impl FromStr for Location {
+    type Err = Error;
+
+    /// Parses `*` or `cpu:N`; anything else is an `InvalidArgument` naming `location`.
+    fn from_str(s: &str) -> Result<Self> {
+        if s == "*" {
+            return Ok(Location::Any);
+        }
+        s.strip_prefix("cpu:")
+            .and_then(|n| n.parse::<u32>().ok())
+            .map(Location::Cpu)
+            .ok_or_else(|| {
+                Error::invalid("location", format!("expected `*` or `cpu:N`, got {s:?}"))
+            })
+    }
+}
+
+impl Serialize for Location {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Location {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// Who owns the bytes of a region.
+enum Backing {
+    /// Mapped by the engine from a memfd; unmapped when the last reference goes.
+    Owned { memfd: OwnedFd },
+    /// The caller's memory; the caller keeps it alive until `unregister`.
+    Registered,
+}
+
+/// One contiguous range of registered memory.
+pub(crate) struct Region {
+    addr: usize,
+    len: usize,
+    key: u64,
+    location: Location,
+    backing: Backing,
+}
+
+impl Region {
+    pub(crate) fn key(&self) -> u64 {
+        self.key
+    }
+    pub(crate) fn contains(&self, addr: u64, len: u64) -> bool {
+        let start = self.addr as u64;
+        addr >= start && len <= self.len as u64 && addr - start <= self.len as u64 - len
+    }
+
+    fn descriptor(&self) -> BufferDescriptor {
+        BufferDescriptor {
+            addr: self.addr as u64,
+            len: self.len as u64,
+            key: self.key,
+            location: self.location,
+            shm: match &self.backing {
+                Backing::Owned { memfd } => Some(ShmHandle {
+                    pid: std::process::id(),
+                    fd: memfd.as_raw_fd(),
+                }),
+                Backing::Registered => None,
+            },
+        }
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        if let Backing::Owned { .. } = self.backing {
+            // SAFETY: `addr..addr+len` was mapped by `allocate` and is unmapped exactly once, here,
+            // when the last `Arc<Region>` (buffer handles and in-flight slices) is gone.
+            unsafe {
+                libc::munmap(self.addr as *mut libc::c_void, self.len);
+            }
+        }
+    }
+}
+
+/// A buffer the engine allocated or registered. Cloning is cheap; memory the engine allocated
+/// stays mapped while any clone (or an in-flight slice) holds it, even after `Engine::free`.
+#[derive(Clone)]
+pub struct Buffer {
+    region: Arc<Region>,
+}
+
+impl fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Buffer")
+            .field("addr", &format_args!("{:#x}", self.region.addr))
+            .field("len", &self.region.len)
+            .field("location", &self.region.location)
+            .finish()
+    }
+}
+
+impl Buffer {
+    /// Start address in this process; this is also the address peers use as `target_offset`.
+    pub fn addr(&self) -> u64 {
+        self.region.addr as u64
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.region.len
+    }
+    /// True for a zero-length buffer (the engine never creates one).
+    pub fn is_empty(&self) -> bool {
+        self.region.len == 0
+    }
+    /// The access key peers must present to touch this buffer.
+    pub fn key(&self) -> u64 {
+        self.region.key
+    }
+    /// Where the memory lives.
+    pub fn location(&self) -> Location {
+        self.region.location
+    }
+    /// Raw pointer to the first byte.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.region.addr as *mut u8
+    }
+
+    /// The bytes as a shared slice.
+    ///
+    /// # Safety
+    /// No transfer may write into this range while the slice lives (peers write into allocated
+    /// buffers without this process's involvement), and for registered memory the caller's
+    /// memory must still be alive.
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        std::slice::from_raw_parts(self.as_ptr(), self.len())
+    }
+
+    /// The bytes as a mutable slice.
+    ///
+    /// # Safety
+    /// As [`Buffer::as_slice`], and no other reference to these bytes may exist while it lives.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
+        std::slice::from_raw_parts_mut(self.as_ptr(), self.len())
+    }
+}
+
+/// Every region this engine serves, ordered by address for range lookups.
+#[derive(Default)]
+pub(crate) struct MemoryRegistry {
+    regions: RwLock<BTreeMap<usize, Arc<Region>>>,
+}
+
+fn random_key() -> u64 {
+    // A zero key would read as "unset" in wire dumps; never hand it out.
+    loop {
+        let k: u64 = rand::random();
+        if k != 0 {
+            return k;
+        }
+    }
+}
+
+fn check_numa_node(location: Location) -> Result<()> {
+    if let Location::Cpu(n) = location {
+        let path = format!("/sys/devices/system/node/node{n}");
+        if !std::path::Path::new(&path).exists() {
+            return Err(Error::invalid(
+                "location",
+                format!("NUMA node {n} does not exist on this host"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Prefers pages of `addr..addr+len` on `node`. Placement is a performance hint, so a kernel that
+/// refuses (no NUMA support) only gets a log line.
+fn bind_to_node(addr: usize, len: usize, node: u32) {
+    const MPOL_PREFERRED: libc::c_long = 1;
+    let mut mask = [0u64; 16];
+    if node as usize >= mask.len() * 64 {
+        return;
+    }
+    mask[node as usize / 64] |= 1 << (node % 64);
+    // SAFETY: mbind only reads `mask` (valid for `mask.len() * 64` bits, the maxnode passed) and
+    // changes the placement policy of a mapping this process owns; it never touches the bytes.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mbind,
+            addr,
+            len,
+            MPOL_PREFERRED,
+            mask.as_ptr(),
+            (mask.len() * 64) as libc::c_ulong,
+            0 as libc::c_uint,
+        )
+    };
+    if rc != 0 {
+        tracing::debug!(
+            node,
+            error = %std::io::Error::last_os_error(),
+            "mbind refused; memory placed by the kernel's default policy"
+        );
+    }
+}
+
+impl MemoryRegistry {
+    /// Allocates `len` bytes in a fresh memfd mapping so same-host peers can map it too.
+    pub(crate) fn allocate(&self, len: usize, location: Location) -> Result<Buffer> {
+        if len == 0 {
+            return Err(Error::invalid("len", "must be greater than 0"));
+        }
+        check_numa_node(location)?;
+        let memfd = memfd::MemfdOptions::default()
+            .close_on_exec(true)
+            .create("multirail-buffer")
+            .map_err(|e| Error::Memory(format!("memfd_create: {e}")))?;
+        memfd
+            .as_file()
+            .set_len(len as u64)
+            .map_err(|e| Error::Memory(format!("sizing memfd to {len} bytes: {e}")))?;
+        // SAFETY: a fresh shared mapping of a file we just sized to `len`; no Rust reference to
+        // the range exists yet, and `Region::drop` unmaps it exactly once.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                memfd.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(Error::Memory(format!(
+                "mmap of {len} bytes: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        if let Location::Cpu(n) = location {
+            bind_to_node(ptr as usize, len, n);
+        }
+        let region = Arc::new(Region {
+            addr: ptr as usize,
+            len,
+            key: random_key(),
+            location,
+            backing: Backing::Owned {
+                memfd: memfd.into_file().into(),
+            },
+        });
+        self.insert(region.clone())?;
+        Ok(Buffer { region })
+    }
+
+    /// Registers caller memory. Fails on a null pointer, zero length or overlap with a region
+    /// already registered.
+    pub(crate) fn register(&self, ptr: *mut u8, len: usize, location: Location) -> Result<Buffer> {
+        if ptr.is_null() {
+            return Err(Error::invalid("ptr", "is null"));
+        }
+        if len == 0 {
+            return Err(Error::invalid("len", "must be greater than 0"));
+        }
+        if (ptr as usize).checked_add(len).is_none() {
+            return Err(Error::invalid(
+                "len",
+                "range wraps around the address space",
+            ));
+        }
+        check_numa_node(location)?;
+        let region = Arc::new(Region {
+            addr: ptr as usize,
+            len,
+            key: random_key(),
+            location,
+            backing: Backing::Registered,
+        });
+        self.insert(region.clone())?;
+        Ok(Buffer { region })
+    }
+
+    fn insert(&self, region: Arc<Region>) -> Result<()> {
+        let mut map = self.regions.write().expect("memory registry poisoned");
+        let (start, end) = (region.addr, region.addr + region.len);
+        let overlaps_before = map
+            .range(..end)
+            .next_back()
+            .is_some_and(|(_, r)| r.addr + r.len > start);
+        if overlaps_before {
+            return Err(Error::invalid(
+                "ptr",
+                format!("range {start:#x}+{} overlaps registered memory", region.len),
+            ));
+        }
+        map.insert(start, region);
+        Ok(())
+    }
+
+    /// Removes the region starting at `addr`. Memory the engine allocated is unmapped once no
+    /// buffer handle or in-flight slice holds it.
+    pub(crate) fn unregister(&self, addr: u64) -> Result<()> {
+        let mut map = self.regions.write().expect("memory registry poisoned");
+        map.remove(&(addr as usize)).map(|_| ()).ok_or_else(|| {
+            Error::invalid(
+                "addr",
+                format!("{addr:#x} is not the start of a registered buffer"),
+            )
+        })
+    }
+
+    /// The region that holds all of `addr..addr+len`, if any.
+    pub(crate) fn find(&self, addr: u64, len: u64) -> Option<Arc<Region>> {
+        let map = self.regions.read().expect("memory registry poisoned");
+        let (_, region) = map.range(..=addr as usize).next_back()?;
+        region.contains(addr, len).then(|| region.clone())
+    }
+
+    /// Descriptors of every region, in address order, for the segment descriptor.
+    pub(crate) fn descriptors(&self) -> Vec<BufferDescriptor> {
+        let map = self.regions.read().expect("memory registry poisoned");
+        map.values().map(|r| r.descriptor()).collect()
+    }
+}
+
+/// A mapping of a same-host peer's memfd buffer into this process.
+pub(crate) struct PeerMapping {
+    addr: usize,
+    len: usize,
+}
+
+impl PeerMapping {
+    /// Maps the peer's buffer through `/proc/PID/fd/FD`, which reopens its memfd.
+    pub(crate) fn open(handle: &ShmHandle, len: usize) -> Result<Self> {
+        let path = format!("/proc/{}/fd/{}", handle.pid, handle.fd);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| Error::io(format!("opening peer buffer {path}"), e))?;
+        let size = file
+            .metadata()
+            .map_err(|e| Error::io(format!("stat of peer buffer {path}"), e))?
+            .len();
+        if size < len as u64 {
+            return Err(Error::Memory(format!(
+                "peer buffer {path} holds {size} bytes, descriptor says {len}"
+            )));
+        }
+        // SAFETY: a fresh shared mapping of `len` bytes of a file at least that long; it is
+        // only accessed through raw copies and unmapped exactly once in Drop.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(Error::io(
+                format!("mapping peer buffer {path}"),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(PeerMapping {
+            addr: ptr as usize,
+            len,
+        })
+    }
+
+    pub(crate) fn base(&self) -> usize {
+        self.addr
+    }
+}
+
+impl Drop for PeerMapping {
+    fn drop(&mut self) {
+        // SAFETY: the range was mapped in `open` and is unmapped once, when the last slice
+        // holding this mapping is done.
+        unsafe {
+            libc::munmap(self.addr as *mut libc::c_void, self.len);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn location_parses_and_prints() {
+        assert_eq!("*".parse::<Location>().unwrap(), Location::Any);
+        assert_eq!("cpu:3".parse::<Location>().unwrap(), Location::Cpu(3));
+        assert_eq!(Location::Cpu(1).to_string(), "cpu:1");
+        assert!("gpu:0".parse::<Location>().is_err());
+        assert!("cpu:x".parse::<Location>().is_err());
+    }
+
+    #[test]
+    fn allocate_register_find_unregister() {
+        let reg = MemoryRegistry::default();
+        let a = reg.allocate(1 << 20, Location::Any).unwrap();
+        assert_eq!(a.len(), 1 << 20);
+        assert!(reg.find(a.addr(), 1 << 20).is_some());
+        assert!(reg.find(a.addr() + 10, 100).is_some());
+        assert!(reg.find(a.addr() + 1, 1 << 20).is_none());
+        assert!(reg.find(a.addr() - 1, 2).is_none());
+
+        let mut own = vec![0u8; 4096];
+        let b = reg
+            .register(own.as_mut_ptr(), own.len(), Location::Any)
+            .unwrap();
+        assert_ne!(a.key(), b.key());
+        assert!(
+            reg.register(own.as_mut_ptr(), 10, Location::Any).is_err(),
+            "overlap"
+        );
+        assert!(reg
+            .register(std::ptr::null_mut(), 10, Location::Any)
+            .is_err());
+        assert!(reg.register(own.as_mut_ptr(), 0, Location::Any).is_err());
+        assert_eq!(reg.descriptors().len(), 2);
+        reg.unregister(b.addr()).unwrap();
+        assert!(reg.unregister(b.addr()).is_err());
+        assert!(reg.find(b.addr(), 1).is_none());
+    }
+
+    #[test]
+    fn missing_numa_node_is_an_error() {
+        let reg = MemoryRegistry::default();
+        let err = reg.allocate(4096, Location::Cpu(999)).unwrap_err();
+        assert!(err.to_string().contains("location"), "{err}");
+    }
+
+    #[test]
+    fn peer_mapping_sees_the_same_bytes() {
+        let reg = MemoryRegistry::default();
+        let a = reg.allocate(8192, Location::Any).unwrap();
+        let desc = reg.descriptors().remove(0);
+        let map = PeerMapping::open(desc.shm.as_ref().unwrap(), 8192).unwrap();
+        // SAFETY: both mappings are private to this test and 8192 bytes long.
+        unsafe {
+            *a.as_ptr().add(100) = 42;
+            assert_eq!(*(map.base() as *const u8).add(100), 42);
+        }
+    }
+}

@@ -1,0 +1,91 @@
+//! Where segment descriptors come from. Peer-to-peer first: ask the segment's own control port.
+//! Behind the `MetadataStore` trait so an HTTP server or etcd can be added without touching the
+//! engine.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::segment::SegmentDescriptor;
+use crate::transport::wire::{self, ConnKind};
+
+/// A source of segment descriptors.
+pub trait MetadataStore: Send + Sync {
+    /// Fetches the current descriptor of segment `name` (`host:port`). Fails with
+    /// `SegmentUnreachable` when the segment cannot be reached or answers nonsense.
+    fn fetch(&self, name: &str) -> Result<SegmentDescriptor>;
+}
+
+/// Asks the segment itself over its control port: no metadata server needed.
+pub struct P2pMetadata {
+    connect_timeout: Duration,
+    io_timeout: Duration,
+}
+
+impl P2pMetadata {
+    /// A store that gives up connecting after `connect_timeout` and waiting for an answer after
+    /// `io_timeout`.
+    pub fn new(connect_timeout: Duration, io_timeout: Duration) -> Self {
+        P2pMetadata {
+            connect_timeout,
+            io_timeout,
+        }
+    }
+}
+
+/// Resolves `host:port`; the error says which part is wrong.
+pub fn resolve(name: &str) -> Result<SocketAddr> {
+    let unreachable = |reason: String| Error::SegmentUnreachable {
+        name: name.to_owned(),
+        reason,
+    };
+    let (host, port) = name
+        .rsplit_once(':')
+        .ok_or_else(|| unreachable("segment names are host:port".into()))?;
+    port.parse::<u16>()
+        .map_err(|_| unreachable(format!("bad port {port:?}")))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let port: u16 = port.parse().expect("checked");
+    (host, port)
+        .to_socket_addrs()
+        .map_err(|e| unreachable(format!("cannot resolve {host:?}: {e}")))?
+        .next()
+        .ok_or_else(|| unreachable(format!("{host:?} resolves to no address")))
+}
+
+impl MetadataStore for P2pMetadata {
+    fn fetch(&self, name: &str) -> Result<SegmentDescriptor> {
+        let addr = resolve(name)?;
+        let unreachable = |reason: String| Error::SegmentUnreachable {
+            name: name.to_owned(),
+            reason,
+        };
+        let mut stream = TcpStream::connect_timeout(&addr, self.connect_timeout)
+            .map_err(|e| unreachable(format!("connecting to {addr}: {e}")))?;
+        stream
+            .set_read_timeout(Some(self.io_timeout))
+            .and_then(|_| stream.set_write_timeout(Some(self.io_timeout)))
+            .map_err(|e| unreachable(e.to_string()))?;
+        let mut req = wire::encode_hello(ConnKind::Control).to_vec();
+        req.push(wire::CONTROL_GET_DESCRIPTOR);
+        stream
+            .write_all(&req)
+            .map_err(|e| unreachable(format!("sending descriptor query: {e}")))?;
+        let mut len = [0u8; 4];
+        stream
+            .read_exact(&mut len)
+            .map_err(|e| unreachable(format!("reading descriptor: {e}")))?;
+        let len = u32::from_le_bytes(len);
+        if len > wire::MAX_CONTROL_LEN {
+            return Err(unreachable(format!(
+                "descriptor of {len} bytes is above the limit"
+            )));
+        }
+        let mut json = vec![0u8; len as usize];
+        stream
+            .read_exact(&mut json)
+            .map_err(|e| unreachable(format!("reading descriptor: {e}")))?;
+        serde_json::from_slice(&json).map_err(|e| unreachable(format!("malformed descriptor: {e}")))
+    }
+}

@@ -1,0 +1,103 @@
+//! What the engine keeps about an opened segment: its descriptor (cached, refetched when a target
+//! address is not in it), whether it shares this host, and the transport state to reach it.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+
+use crate::memory::PeerMapping;
+use crate::segment::SegmentDescriptor;
+use crate::transport::tcp::TcpPeer;
+
+/// An opened segment.
+pub(crate) struct Peer {
+    pub id: u64,
+    pub name: String,
+    pub addr: SocketAddr,
+    descriptor: RwLock<Arc<SegmentDescriptor>>,
+    /// Same host and PID namespace: shared memory can reach it.
+    pub same_host: bool,
+    /// This very engine (a segment opened by its own name).
+    pub same_process: bool,
+    /// Becomes readable when the peer process exits; only for same-host peers.
+    pidfd: Option<OwnedFd>,
+    /// Mappings of the peer's memfd buffers, by (address, key).
+    pub mappings: Mutex<HashMap<(u64, u64), Arc<PeerMapping>>>,
+    /// Connections, made on first use and remade when all have failed.
+    pub tcp: Mutex<Option<Arc<TcpPeer>>>,
+    /// Whether the kernel lets us use process_vm_readv/writev on this peer.
+    pub process_vm_allowed: OnceLock<bool>,
+}
+
+fn pidfd_open(pid: u32) -> Option<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1; no memory is
+    // passed.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: the kernel just returned this descriptor to us; nothing else owns it.
+    Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+impl Peer {
+    pub(crate) fn new(
+        id: u64,
+        name: String,
+        addr: SocketAddr,
+        descriptor: SegmentDescriptor,
+        local_host_id: &str,
+    ) -> Peer {
+        let same_host = descriptor.host_id == local_host_id;
+        let same_process = same_host && descriptor.pid == std::process::id();
+        let pidfd = if same_host && !same_process {
+            pidfd_open(descriptor.pid)
+        } else {
+            None
+        };
+        Peer {
+            id,
+            name,
+            addr,
+            descriptor: RwLock::new(Arc::new(descriptor)),
+            same_host,
+            same_process,
+            pidfd,
+            mappings: Mutex::default(),
+            tcp: Mutex::default(),
+            process_vm_allowed: OnceLock::new(),
+        }
+    }
+
+    /// The cached descriptor.
+    pub(crate) fn descriptor(&self) -> Arc<SegmentDescriptor> {
+        self.descriptor.read().expect("peer poisoned").clone()
+    }
+
+    /// Replaces the cached descriptor with a fresh one from the same process. Returns false
+    /// (and keeps the old one) if the segment is now a different process, which needs a new
+    /// `Peer`.
+    pub(crate) fn update_descriptor(&self, fresh: SegmentDescriptor) -> bool {
+        let mut d = self.descriptor.write().expect("peer poisoned");
+        if fresh.pid != d.pid || fresh.host_id != d.host_id {
+            return false;
+        }
+        *d = Arc::new(fresh);
+        true
+    }
+
+    /// True when the peer is known to have exited (same-host peers only; remote peers are
+    /// judged by their connections).
+    pub(crate) fn process_exited(&self) -> bool {
+        let Some(fd) = &self.pidfd else { return false };
+        let mut pfd = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, zero timeout; poll only writes `revents`.
+        let rc = unsafe { libc::poll(&mut pfd, 1, 0) };
+        rc > 0 && pfd.revents & libc::POLLIN != 0
+    }
+}

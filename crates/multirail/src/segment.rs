@@ -1,0 +1,126 @@
+//! Segment descriptors: what an engine publishes about itself so peers can reach its memory.
+
+use serde::{Deserialize, Serialize};
+
+use crate::memory::Location;
+
+/// Version of the descriptor format and of the wire protocol it advertises.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// Handle a same-host peer uses to map an engine-allocated buffer (`/proc/PID/fd/FD`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShmHandle {
+    /// Process that owns the memfd.
+    pub pid: u32,
+    /// The memfd's descriptor number in that process.
+    pub fd: i32,
+}
+
+/// One buffer a segment serves.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BufferDescriptor {
+    /// Start address in the owner's address space (what requests use as `target_offset`).
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Access key every slice must present.
+    pub key: u64,
+    /// Memory placement.
+    pub location: Location,
+    /// Present for engine-allocated buffers, which same-host peers can map.
+    pub shm: Option<ShmHandle>,
+}
+
+impl BufferDescriptor {
+    /// True when `addr..addr+len` lies inside this buffer.
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        addr >= self.addr && len <= self.len && addr - self.addr <= self.len - len
+    }
+}
+
+/// One rail (network interface) of a segment.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RailDescriptor {
+    /// Interface name, e.g. `eth0`.
+    pub name: String,
+    /// IP address bound on that interface.
+    pub address: String,
+    /// NUMA node of the device, -1 when unknown.
+    pub numa_node: i32,
+    /// Link speed used for scheduling, Gbps.
+    pub bandwidth_gbps: f64,
+}
+
+/// Everything a peer needs to move bytes to and from a segment.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SegmentDescriptor {
+    /// `host:port` of the engine's control port.
+    pub name: String,
+    /// Identifies the host (and PID namespace), so peers know when shared memory can be used.
+    pub host_id: String,
+    /// Process id of the engine, meaningful to peers with the same `host_id`.
+    pub pid: u32,
+    /// Wire protocol version the engine speaks.
+    pub protocol_version: u16,
+    /// The engine's rails.
+    pub rails: Vec<RailDescriptor>,
+    /// Buffers the engine serves, in address order.
+    pub buffers: Vec<BufferDescriptor>,
+}
+
+impl SegmentDescriptor {
+    /// The buffer holding all of `addr..addr+len`, if any.
+    pub fn find_buffer(&self, addr: u64, len: u64) -> Option<&BufferDescriptor> {
+        let idx = self.buffers.partition_point(|b| b.addr <= addr);
+        let buffer = self.buffers.get(idx.checked_sub(1)?)?;
+        buffer.contains(addr, len).then_some(buffer)
+    }
+}
+
+/// Identity of this host as peers compare it: the kernel's boot id plus the PID namespace, since
+/// shared-memory handles (`/proc/PID/fd/FD`) only resolve inside the same one.
+pub fn local_host_id() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "unknown-boot".to_owned());
+    let pidns = std::fs::read_link("/proc/self/ns/pid")
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "unknown-pidns".to_owned());
+    format!("{boot}/{pidns}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn buf(addr: u64, len: u64) -> BufferDescriptor {
+        BufferDescriptor {
+            addr,
+            len,
+            key: 1,
+            location: Location::Any,
+            shm: None,
+        }
+    }
+
+    #[test]
+    fn find_buffer_checks_bounds() {
+        let d = SegmentDescriptor {
+            name: "h:1".into(),
+            host_id: local_host_id(),
+            pid: 1,
+            protocol_version: PROTOCOL_VERSION,
+            rails: vec![],
+            buffers: vec![buf(1000, 100), buf(5000, 10)],
+        };
+        assert_eq!(d.find_buffer(1000, 100).unwrap().addr, 1000);
+        assert_eq!(d.find_buffer(1050, 50).unwrap().addr, 1000);
+        assert!(d.find_buffer(1050, 51).is_none());
+        assert!(d.find_buffer(999, 1).is_none());
+        assert_eq!(d.find_buffer(5009, 1).unwrap().addr, 5000);
+        assert!(d.find_buffer(5010, 1).is_none());
+        assert!(d.find_buffer(u64::MAX, 2).is_none());
+        let json = serde_json::to_string(&d).unwrap();
+        assert_eq!(serde_json::from_str::<SegmentDescriptor>(&json).unwrap(), d);
+    }
+}

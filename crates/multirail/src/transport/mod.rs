@@ -1,0 +1,53 @@
+//! Transports move the slices of a request. `shm` copies through shared memory on the same host;
+//! `tcp` carries slices over persistent connections. The engine picks one per request.
+
+pub(crate) mod shm;
+pub(crate) mod sockio;
+pub(crate) mod tcp;
+pub mod wire;
+
+use std::sync::Arc;
+
+use multirail_policy::slicing::SlicePlan;
+
+use crate::batch::Task;
+use crate::error::Result;
+use crate::peer::Peer;
+use crate::segment::BufferDescriptor;
+
+/// Direction of a transfer, seen from the initiator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Opcode {
+    /// Copy from the target segment into local memory.
+    Read,
+    /// Copy from local memory into the target segment.
+    Write,
+}
+
+/// One request after validation: every address has been checked.
+pub(crate) struct Prepared {
+    pub op: Opcode,
+    /// Local address (source of a write, destination of a read).
+    pub local: usize,
+    /// Address in the target's memory.
+    pub remote: u64,
+    pub len: u64,
+    /// The target buffer that holds `remote..remote+len`.
+    pub buffer: BufferDescriptor,
+    pub task: Arc<Task>,
+}
+
+/// A way of moving slices to and from a peer.
+pub(crate) trait Transport: Send + Sync {
+    /// Name used in logs, statistics and the `transport` setting.
+    fn name(&self) -> &'static str;
+
+    /// Gets ready to carry `buffer` of `peer` (connects, maps, probes); an error means this
+    /// transport cannot serve it and another should be tried or the submit refused.
+    fn prepare(&self, peer: &Peer, buffer: &BufferDescriptor) -> Result<()>;
+
+    /// Posts the slices of `req` per `plan`. Every part it adds to the task reports exactly once,
+    /// with success or the error that stopped it.
+    fn post(&self, peer: &Peer, req: Prepared, plan: &SlicePlan);
+}

@@ -1,0 +1,139 @@
+//! Raw socket I/O straight from and into registered memory: vectored writes that survive partial
+//! progress, and reads into raw pointers. Standard library streams would need `&mut [u8]` views
+//! of memory that peers may touch concurrently, so these work on pointers.
+
+use std::io;
+use std::os::fd::RawFd;
+
+/// Most iovecs one `writev` takes (Linux's IOV_MAX).
+pub(crate) const MAX_IOV: usize = 1024;
+
+/// Writes every byte described by `iov`, advancing through partial writes.
+///
+/// The caller guarantees each iovec describes readable memory that stays valid for the call.
+pub(crate) fn write_all_vectored(fd: RawFd, mut iov: &mut [libc::iovec]) -> io::Result<()> {
+    while !iov.is_empty() {
+        let n = iov.len().min(MAX_IOV);
+        // SAFETY: the caller guarantees the iovecs point at readable memory valid for this call;
+        // writev only reads through them.
+        let rc = unsafe { libc::writev(fd, iov.as_ptr(), n as libc::c_int) };
+        if rc < 0 {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(err);
+        }
+        let mut written = rc as usize;
+        if written == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::WriteZero,
+                "socket accepted no bytes",
+            ));
+        }
+        // Skip the iovecs written whole, trim the one written in part.
+        let mut skip = 0;
+        while skip < iov.len() && written >= iov[skip].iov_len {
+            written -= iov[skip].iov_len;
+            skip += 1;
+        }
+        iov = &mut iov[skip..];
+        if written > 0 {
+            let first = &mut iov[0];
+            // SAFETY: `written < first.iov_len`, so the advanced pointer stays inside the range
+            // the caller described.
+            first.iov_base =
+                unsafe { (first.iov_base as *mut u8).add(written) } as *mut libc::c_void;
+            first.iov_len -= written;
+        }
+    }
+    Ok(())
+}
+
+/// One read of up to `len` bytes into `ptr`; `Ok(0)` means the peer closed the connection.
+///
+/// The caller guarantees `ptr..ptr+len` is writable memory nothing else reads or writes during
+/// the call.
+pub(crate) fn read_raw(fd: RawFd, ptr: *mut u8, len: usize) -> io::Result<usize> {
+    loop {
+        // SAFETY: the caller guarantees `ptr..ptr+len` is writable and unaliased for this call.
+        let rc = unsafe { libc::read(fd, ptr as *mut libc::c_void, len) };
+        if rc < 0 {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(err);
+        }
+        return Ok(rc as usize);
+    }
+}
+
+/// One vectored read; `Ok(0)` means the peer closed the connection.
+///
+/// The caller guarantees each iovec describes writable memory nothing else touches during the call.
+pub(crate) fn readv_raw(fd: RawFd, iov: &[libc::iovec]) -> io::Result<usize> {
+    loop {
+        // SAFETY: the caller guarantees the iovecs are writable and unaliased for this call.
+        let rc = unsafe { libc::readv(fd, iov.as_ptr(), iov.len() as libc::c_int) };
+        if rc < 0 {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(err);
+        }
+        return Ok(rc as usize);
+    }
+}
+
+/// Reads exactly `len` bytes into `ptr`, failing with `UnexpectedEof` if the peer closes first.
+///
+/// Same contract as [`read_raw`].
+pub(crate) fn read_exact_raw(fd: RawFd, ptr: *mut u8, len: usize) -> io::Result<()> {
+    let mut done = 0;
+    while done < len {
+        // SAFETY: `ptr + done .. ptr + len` lies inside the caller's range.
+        let n = read_raw(fd, unsafe { ptr.add(done) }, len - done)?;
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "connection closed by peer",
+            ));
+        }
+        done += n;
+    }
+    Ok(())
+}
+
+/// A read that does not block: `Ok(None)` when nothing is waiting.
+pub(crate) fn recv_nonblocking(fd: RawFd, buf: &mut [u8]) -> io::Result<Option<usize>> {
+    loop {
+        // SAFETY: `buf` is a valid, exclusively borrowed slice for the call's duration.
+        let rc = unsafe {
+            libc::recv(
+                fd,
+                buf.as_mut_ptr() as *mut libc::c_void,
+                buf.len(),
+                libc::MSG_DONTWAIT,
+            )
+        };
+        if rc < 0 {
+            let err = io::Error::last_os_error();
+            match err.kind() {
+                io::ErrorKind::Interrupted => continue,
+                io::ErrorKind::WouldBlock => return Ok(None),
+                _ => return Err(err),
+            }
+        }
+        return Ok(Some(rc as usize));
+    }
+}
+
+/// An iovec over `len` bytes at `ptr`.
+pub(crate) fn iovec(ptr: *const u8, len: usize) -> libc::iovec {
+    libc::iovec {
+        iov_base: ptr as *mut libc::c_void,
+        iov_len: len,
+    }
+}

@@ -1,0 +1,256 @@
+//! The wire format: a connection hello, then fixed-size, length-checked frames. Everything is
+//! little-endian. Decoding never trusts a length it has not checked against a limit.
+
+use crate::segment::PROTOCOL_VERSION;
+
+/// First bytes of every connection.
+pub const MAGIC: [u8; 4] = *b"MRAL";
+/// Size of the hello every connection starts with.
+pub const HELLO_LEN: usize = 8;
+/// Size of a request header (initiator to target).
+pub const REQUEST_LEN: usize = 32;
+/// Size of a response header (target to initiator).
+pub const RESPONSE_LEN: usize = 16;
+/// Largest slice one frame may carry; larger lengths are malformed frames.
+pub const MAX_SLICE_LEN: u32 = 1 << 30;
+/// Largest control message (a segment descriptor as JSON).
+pub const MAX_CONTROL_LEN: u32 = 64 << 20;
+
+/// What a connection is for, announced in its hello.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnKind {
+    /// Descriptor queries.
+    Control = 1,
+    /// Slices.
+    Data = 2,
+}
+
+/// Encodes the hello for a connection of `kind`.
+pub fn encode_hello(kind: ConnKind) -> [u8; HELLO_LEN] {
+    let mut b = [0u8; HELLO_LEN];
+    b[..4].copy_from_slice(&MAGIC);
+    b[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    b[6] = kind as u8;
+    b
+}
+
+/// Decodes a hello; the error says what was wrong with it.
+pub fn decode_hello(b: &[u8; HELLO_LEN]) -> Result<ConnKind, String> {
+    if b[..4] != MAGIC {
+        return Err(format!("bad magic {:02x?}", &b[..4]));
+    }
+    let version = u16::from_le_bytes([b[4], b[5]]);
+    if version != PROTOCOL_VERSION {
+        return Err(format!(
+            "protocol version {version}, this engine speaks {PROTOCOL_VERSION}"
+        ));
+    }
+    match b[6] {
+        1 => Ok(ConnKind::Control),
+        2 => Ok(ConnKind::Data),
+        k => Err(format!("unknown connection kind {k}")),
+    }
+}
+
+/// Operation of a request frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestOp {
+    /// Payload of `len` bytes follows; the target stores it at `addr`.
+    Write = 1,
+    /// The target answers with `len` bytes read at `addr`.
+    Read = 2,
+}
+
+/// A request header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestHeader {
+    /// What to do.
+    pub op: RequestOp,
+    /// Bytes to move.
+    pub len: u32,
+    /// Initiator's token, echoed in the response.
+    pub id: u64,
+    /// Address in the target's memory.
+    pub addr: u64,
+    /// Access key of the target buffer.
+    pub key: u64,
+}
+
+impl RequestHeader {
+    /// Serializes into `out`.
+    pub fn encode(&self, out: &mut [u8; REQUEST_LEN]) {
+        out[0] = self.op as u8;
+        out[1..4].fill(0);
+        out[4..8].copy_from_slice(&self.len.to_le_bytes());
+        out[8..16].copy_from_slice(&self.id.to_le_bytes());
+        out[16..24].copy_from_slice(&self.addr.to_le_bytes());
+        out[24..32].copy_from_slice(&self.key.to_le_bytes());
+    }
+
+    /// Parses a header; an unknown op or a length of 0 or above [`MAX_SLICE_LEN`] is malformed.
+    pub fn decode(b: &[u8]) -> Result<Self, String> {
+        let b: &[u8; REQUEST_LEN] = b
+            .get(..REQUEST_LEN)
+            .and_then(|s| s.try_into().ok())
+            .ok_or("short request header")?;
+        let op = match b[0] {
+            1 => RequestOp::Write,
+            2 => RequestOp::Read,
+            op => return Err(format!("unknown request op {op}")),
+        };
+        let len = u32::from_le_bytes(b[4..8].try_into().unwrap());
+        if len == 0 || len > MAX_SLICE_LEN {
+            return Err(format!("request length {len} outside 1..={MAX_SLICE_LEN}"));
+        }
+        Ok(RequestHeader {
+            op,
+            len,
+            id: u64::from_le_bytes(b[8..16].try_into().unwrap()),
+            addr: u64::from_le_bytes(b[16..24].try_into().unwrap()),
+            key: u64::from_le_bytes(b[24..32].try_into().unwrap()),
+        })
+    }
+}
+
+/// Outcome a target reports for one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    /// Done: for a write the bytes are in place, for a read `len` payload bytes follow.
+    Ok = 0,
+    /// No buffer at that address, or the key did not match.
+    BadKey = 1,
+    /// The range runs past the end of the buffer.
+    OutOfBounds = 2,
+}
+
+impl Status {
+    /// Human reason for a refusal.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Status::Ok => "ok",
+            Status::BadKey => "no buffer at that address with that key",
+            Status::OutOfBounds => "range runs past the end of the buffer",
+        }
+    }
+}
+
+/// A response header; a successful read is followed by `len` payload bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResponseHeader {
+    /// Outcome.
+    pub status: Status,
+    /// Payload bytes that follow (0 unless a successful read).
+    pub len: u32,
+    /// The request's token.
+    pub id: u64,
+}
+
+impl ResponseHeader {
+    /// Serializes into `out`.
+    pub fn encode(&self, out: &mut [u8; RESPONSE_LEN]) {
+        out[0] = 0xA5;
+        out[1] = self.status as u8;
+        out[2..4].fill(0);
+        out[4..8].copy_from_slice(&self.len.to_le_bytes());
+        out[8..16].copy_from_slice(&self.id.to_le_bytes());
+    }
+
+    /// Parses a header; a bad marker, unknown status or oversized length is malformed.
+    pub fn decode(b: &[u8]) -> Result<Self, String> {
+        let b: &[u8; RESPONSE_LEN] = b
+            .get(..RESPONSE_LEN)
+            .and_then(|s| s.try_into().ok())
+            .ok_or("short response header")?;
+        if b[0] != 0xA5 {
+            return Err(format!("bad response marker {:#04x}", b[0]));
+        }
+        let status = match b[1] {
+            0 => Status::Ok,
+            1 => Status::BadKey,
+            2 => Status::OutOfBounds,
+            s => return Err(format!("unknown response status {s}")),
+        };
+        let len = u32::from_le_bytes(b[4..8].try_into().unwrap());
+        if len > MAX_SLICE_LEN {
+            return Err(format!("response length {len} above {MAX_SLICE_LEN}"));
+        }
+        Ok(ResponseHeader {
+            status,
+            len,
+            id: u64::from_le_bytes(b[8..16].try_into().unwrap()),
+        })
+    }
+}
+
+/// Control request: send me your segment descriptor.
+pub const CONTROL_GET_DESCRIPTOR: u8 = 1;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn hello_round_trip_and_rejects() {
+        let h = encode_hello(ConnKind::Data);
+        assert_eq!(decode_hello(&h).unwrap(), ConnKind::Data);
+        let mut bad = h;
+        bad[0] = b'X';
+        assert!(decode_hello(&bad).unwrap_err().contains("magic"));
+        let mut bad = h;
+        bad[4] = 99;
+        assert!(decode_hello(&bad).unwrap_err().contains("version"));
+        let mut bad = h;
+        bad[6] = 7;
+        assert!(decode_hello(&bad).unwrap_err().contains("kind"));
+    }
+
+    #[test]
+    fn malformed_requests_are_rejected() {
+        let mut b = [0u8; REQUEST_LEN];
+        RequestHeader {
+            op: RequestOp::Write,
+            len: 10,
+            id: 1,
+            addr: 2,
+            key: 3,
+        }
+        .encode(&mut b);
+        assert!(RequestHeader::decode(&b).is_ok());
+        let mut z = b;
+        z[4..8].copy_from_slice(&0u32.to_le_bytes());
+        assert!(RequestHeader::decode(&z).is_err());
+        let mut big = b;
+        big[4..8].copy_from_slice(&(MAX_SLICE_LEN + 1).to_le_bytes());
+        assert!(RequestHeader::decode(&big).is_err());
+        let mut op = b;
+        op[0] = 9;
+        assert!(RequestHeader::decode(&op).is_err());
+        assert!(RequestHeader::decode(&b[..10]).is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn request_round_trip(write in any::<bool>(), len in 1..=MAX_SLICE_LEN, id in any::<u64>(), addr in any::<u64>(), key in any::<u64>()) {
+            let h = RequestHeader { op: if write { RequestOp::Write } else { RequestOp::Read }, len, id, addr, key };
+            let mut b = [0u8; REQUEST_LEN];
+            h.encode(&mut b);
+            prop_assert_eq!(RequestHeader::decode(&b).unwrap(), h);
+        }
+
+        #[test]
+        fn response_round_trip(status in 0u8..3, len in 0..=MAX_SLICE_LEN, id in any::<u64>()) {
+            let status = [Status::Ok, Status::BadKey, Status::OutOfBounds][status as usize];
+            let h = ResponseHeader { status, len, id };
+            let mut b = [0u8; RESPONSE_LEN];
+            h.encode(&mut b);
+            prop_assert_eq!(ResponseHeader::decode(&b).unwrap(), h);
+        }
+
+        #[test]
+        fn decoding_garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..40)) {
+            let _ = RequestHeader::decode(&bytes);
+            let _ = ResponseHeader::decode(&bytes);
+        }
+    }
+}
