@@ -1,0 +1,449 @@
+//! `multirail bench`: an initiator that keeps batches of requests going against a target for a
+//! fixed time and reports throughput, batch latency and what each rail carried.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context};
+use clap::{Args, ValueEnum};
+use hdrhistogram::Histogram;
+use indicatif::{ProgressBar, ProgressStyle};
+use multirail::{Buffer, Config, Engine, Location, Opcode, Request, SegmentId, TransportChoice};
+
+use crate::pattern;
+use crate::units;
+use crate::Failure;
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Op {
+    Read,
+    Write,
+}
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// Segment to benchmark against (`host:port`, as `multirail target` prints it).
+    #[arg(long, required_unless_present = "local", conflicts_with = "local")]
+    target: Option<String>,
+    /// Start a target on this host as a child process and benchmark against it.
+    #[arg(long)]
+    local: bool,
+    /// Operation. Default: write.
+    #[arg(long, value_enum, default_value = "write")]
+    op: Op,
+    /// Bytes per request. Default: 1MiB.
+    #[arg(long, default_value = "1MiB", value_parser = units::parse_size)]
+    block_size: u64,
+    /// Requests per batch. Default: 16.
+    #[arg(long, default_value_t = 16)]
+    batch_size: usize,
+    /// Submitting threads, each with its own region of the buffers. Default: 1.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// How long to run (seconds, or e.g. 500ms). Default: 5.
+    #[arg(long, default_value = "5", value_parser = units::parse_duration)]
+    duration: Duration,
+    /// Transport: auto, shm or tcp. Default: auto (shm on the same host).
+    #[arg(long, default_value = "auto", value_parser = parse_transport)]
+    transport: TransportChoice,
+    /// Buffer size on each side (and of the `--local` target). Default: 1GiB.
+    #[arg(long, default_value = "1GiB", value_parser = units::parse_size)]
+    size: u64,
+    /// After the run, check every byte that landed. Default: off.
+    #[arg(long)]
+    verify: bool,
+    /// Print one JSON object instead of tables.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_transport(s: &str) -> Result<TransportChoice, String> {
+    match s {
+        "auto" => Ok(TransportChoice::Auto),
+        "shm" => Ok(TransportChoice::Shm),
+        "tcp" => Ok(TransportChoice::Tcp),
+        _ => Err(format!(
+            "unknown transport {s:?}; expected auto, shm or tcp"
+        )),
+    }
+}
+
+/// A `multirail target` child, stopped when dropped.
+struct LocalTarget {
+    child: Child,
+    name: String,
+}
+
+impl LocalTarget {
+    fn start(config_path: Option<&Path>, size: u64) -> anyhow::Result<LocalTarget> {
+        let exe = std::env::current_exe().context("locating the multirail binary")?;
+        let mut cmd = Command::new(exe);
+        if let Some(p) = config_path {
+            cmd.arg("--config").arg(p);
+        }
+        cmd.args([
+            "target",
+            "--listen",
+            "127.0.0.1:0",
+            "--exit-with-parent",
+            "--size",
+        ])
+        .arg(size.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+        let mut child = cmd.spawn().context("starting the local target")?;
+        let stdout = child.stdout.take().expect("piped");
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .context("reading the local target's segment name")?;
+        let name = line.trim().to_owned();
+        if name.is_empty() {
+            let status = child.wait()?;
+            bail!("the local target exited ({status}) before printing its segment name");
+        }
+        Ok(LocalTarget { child, name })
+    }
+}
+
+impl Drop for LocalTarget {
+    fn drop(&mut self) {
+        // SAFETY: kill only sends a signal to our own child process.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
+}
+
+struct Plan {
+    op: Opcode,
+    block: u64,
+    batch: usize,
+    region: u64,
+    local_base: u64,
+    remote_base: u64,
+    seg: SegmentId,
+    transport: TransportChoice,
+}
+
+struct ThreadResult {
+    histogram: Histogram<u64>,
+    requests: u64,
+    touched: u64,
+    error: Option<String>,
+}
+
+fn worker(
+    engine: &Engine,
+    plan: &Plan,
+    index: usize,
+    stop: &AtomicBool,
+    bytes: &AtomicU64,
+) -> ThreadResult {
+    let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds");
+    let mut requests = 0u64;
+    let per_batch = plan.block * plan.batch as u64;
+    let steps = plan.region / per_batch;
+    let base = index as u64 * plan.region;
+    let mut step = 0u64;
+    let mut reqs = Vec::with_capacity(plan.batch);
+    let mut touched = 0u64;
+    let fail = |histogram, requests, touched, e: String| ThreadResult {
+        histogram,
+        requests,
+        touched,
+        error: Some(e),
+    };
+    while !stop.load(Ordering::Relaxed) {
+        let off = base + (step % steps) * per_batch;
+        reqs.clear();
+        for k in 0..plan.batch as u64 {
+            let o = off + k * plan.block;
+            reqs.push(Request {
+                opcode: plan.op,
+                source: plan.local_base + o,
+                target: plan.seg,
+                target_offset: plan.remote_base + o,
+                length: plan.block,
+                priority: multirail::PRIO_HIGH,
+                transport: Some(plan.transport),
+            });
+        }
+        let t0 = Instant::now();
+        let batch = match engine.allocate_batch(plan.batch) {
+            Ok(b) => b,
+            Err(e) => return fail(histogram, requests, touched, e.to_string()),
+        };
+        if let Err(e) = engine.submit(batch, &reqs) {
+            return fail(histogram, requests, touched, e.to_string());
+        }
+        if let Err(e) = engine.wait(batch, Some(Duration::from_secs(60))) {
+            return fail(histogram, requests, touched, e.to_string());
+        }
+        let _ = engine.free_batch(batch);
+        histogram.saturating_record(t0.elapsed().as_micros().max(1) as u64);
+        requests += plan.batch as u64;
+        bytes.fetch_add(per_batch, Ordering::Relaxed);
+        step += 1;
+        touched = touched.max(step.min(steps) * per_batch);
+    }
+    ThreadResult {
+        histogram,
+        requests,
+        touched,
+        error: None,
+    }
+}
+
+pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Result<(), Failure> {
+    if args.block_size == 0 || args.batch_size == 0 || args.threads == 0 {
+        return Err(Failure::Usage(
+            "--block-size, --batch-size and --threads must be at least 1".into(),
+        ));
+    }
+    let per_batch = args.block_size * args.batch_size as u64;
+    let region = (args.size / args.threads as u64) / per_batch * per_batch;
+    if region == 0 {
+        return Err(Failure::Usage(format!(
+            "--size {} cannot hold {} thread(s) × one batch of {} × {}",
+            units::format_size(args.size),
+            args.threads,
+            args.batch_size,
+            units::format_size(args.block_size)
+        )));
+    }
+    let local_target = if args.local {
+        Some(LocalTarget::start(config_path, args.size)?)
+    } else {
+        None
+    };
+    let target_name = match &local_target {
+        Some(t) => t.name.clone(),
+        None => args
+            .target
+            .clone()
+            .expect("clap requires --target without --local"),
+    };
+    let listen = if args.local {
+        "127.0.0.1:0"
+    } else {
+        "0.0.0.0:0"
+    };
+    let engine = Engine::new(config, listen)?;
+    let local = engine.allocate(args.size as usize, Location::Any)?;
+    // SAFETY: nothing is in flight yet.
+    pattern::fill(unsafe { local.as_mut_slice() }, 0, pattern::INITIATOR_SEED);
+    let seg = engine.open_segment(&target_name)?;
+    let descriptor = engine.segment_descriptor(seg)?;
+    let remote = descriptor
+        .buffers
+        .iter()
+        .find(|b| b.len >= region * args.threads as u64)
+        .ok_or_else(|| {
+            anyhow!(
+                "segment {target_name} has no buffer of at least {} bytes",
+                region * args.threads as u64
+            )
+        })?;
+    let op = match args.op {
+        Op::Read => Opcode::Read,
+        Op::Write => Opcode::Write,
+    };
+    let plan = Arc::new(Plan {
+        op,
+        block: args.block_size,
+        batch: args.batch_size,
+        region,
+        local_base: local.addr(),
+        remote_base: remote.addr,
+        seg,
+        transport: args.transport,
+    });
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let bytes = Arc::new(AtomicU64::new(0));
+    let progress = if args.json || !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        ProgressBar::hidden()
+    } else {
+        let pb = ProgressBar::new(args.duration.as_millis() as u64);
+        pb.set_style(
+            ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {msg}")
+                .expect("valid template"),
+        );
+        pb
+    };
+    let start = Instant::now();
+    let handles: Vec<_> = (0..args.threads)
+        .map(|i| {
+            let (engine, plan, stop, bytes) =
+                (engine.clone(), plan.clone(), stop.clone(), bytes.clone());
+            thread::spawn(move || worker(&engine, &plan, i, &stop, &bytes))
+        })
+        .collect();
+    while start.elapsed() < args.duration && !handles.iter().all(|h| h.is_finished()) {
+        thread::sleep(Duration::from_millis(100));
+        let secs = start.elapsed().as_secs_f64();
+        progress.set_position(start.elapsed().as_millis() as u64);
+        progress.set_message(format!(
+            "{:.2} GB/s",
+            bytes.load(Ordering::Relaxed) as f64 / secs / 1e9
+        ));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let results: Vec<ThreadResult> = handles
+        .into_iter()
+        .map(|h| h.join().expect("bench thread"))
+        .collect();
+    let secs = start.elapsed().as_secs_f64();
+    progress.finish_and_clear();
+    if let Some(e) = results.iter().find_map(|r| r.error.clone()) {
+        return Err(Failure::Runtime(anyhow!("transfer failed: {e}")));
+    }
+    let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds");
+    for r in &results {
+        histogram.add(&r.histogram).expect("same bounds");
+    }
+    let total_bytes = bytes.load(Ordering::Relaxed);
+    let requests: u64 = results.iter().map(|r| r.requests).sum();
+    let verified = if args.verify {
+        Some(verify(&engine, &plan, &local, &results, args.threads)?)
+    } else {
+        None
+    };
+    let rails = engine.traffic_stats();
+    let gbps = total_bytes as f64 / secs / 1e9;
+    let report = serde_json::json!({
+        "op": match op { Opcode::Read => "read", Opcode::Write => "write" },
+        "transport": args.transport.as_str(),
+        "target": target_name,
+        "block_size": args.block_size,
+        "batch_size": args.batch_size,
+        "threads": args.threads,
+        "duration_s": secs,
+        "bytes": total_bytes,
+        "gb_per_s": gbps,
+        "requests_per_s": requests as f64 / secs,
+        "batch_latency_us": {
+            "p50": histogram.value_at_quantile(0.5),
+            "p99": histogram.value_at_quantile(0.99),
+            "max": histogram.max(),
+        },
+        "rails": rails.iter().map(|r| serde_json::json!({"name": r.name, "bytes": r.bytes, "slices": r.slices, "errors": r.errors})).collect::<Vec<_>>(),
+        "verified_bytes": verified,
+    });
+    if args.json {
+        println!("{report}");
+    } else {
+        print_human(&report, &rails);
+    }
+    drop(engine);
+    drop(local_target);
+    Ok(())
+}
+
+fn print_human(report: &serde_json::Value, rails: &[multirail::RailTraffic]) {
+    use comfy_table::{presets::UTF8_FULL, Table};
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL);
+    t.set_header(vec![
+        "op",
+        "transport",
+        "block",
+        "batch",
+        "threads",
+        "GB/s",
+        "requests/s",
+        "p50 batch µs",
+        "p99 batch µs",
+    ]);
+    t.add_row(vec![
+        report["op"].as_str().unwrap_or("").to_owned(),
+        report["transport"].as_str().unwrap_or("").to_owned(),
+        units::format_size(report["block_size"].as_u64().unwrap_or(0)),
+        report["batch_size"].to_string(),
+        report["threads"].to_string(),
+        format!("{:.3}", report["gb_per_s"].as_f64().unwrap_or(0.0)),
+        format!("{:.0}", report["requests_per_s"].as_f64().unwrap_or(0.0)),
+        report["batch_latency_us"]["p50"].to_string(),
+        report["batch_latency_us"]["p99"].to_string(),
+    ]);
+    println!("{t}");
+    let mut r = Table::new();
+    r.load_preset(UTF8_FULL);
+    r.set_header(vec!["rail", "bytes", "slices", "errors"]);
+    for rail in rails {
+        r.add_row(vec![
+            rail.name.clone(),
+            rail.bytes.to_string(),
+            rail.slices.to_string(),
+            rail.errors.to_string(),
+        ]);
+    }
+    println!("{r}");
+    if let Some(v) = report["verified_bytes"].as_u64() {
+        println!("verified: {v} bytes match");
+    }
+}
+
+/// Checks the bytes that landed: after reads, the local regions hold the target's pattern;
+/// after writes, reading the target's regions back gives the initiator's pattern.
+fn verify(
+    engine: &Engine,
+    plan: &Plan,
+    local: &Buffer,
+    results: &[ThreadResult],
+    threads: usize,
+) -> Result<u64, Failure> {
+    let mut checked = 0u64;
+    for (i, r) in results.iter().enumerate().take(threads) {
+        let start = i as u64 * plan.region;
+        let len = r.touched;
+        if len == 0 {
+            continue;
+        }
+        match plan.op {
+            Opcode::Read => {
+                // SAFETY: every batch completed; nothing is in flight on the local buffer.
+                let bytes = unsafe { &local.as_slice()[start as usize..(start + len) as usize] };
+                if let Some(at) = pattern::first_mismatch(bytes, start, pattern::TARGET_SEED) {
+                    return Err(Failure::Runtime(anyhow!(
+                        "verify: byte {} read from the target is wrong",
+                        start + at as u64
+                    )));
+                }
+            }
+            Opcode::Write => {
+                let scratch = engine.allocate(len as usize, Location::Any)?;
+                let batch = engine.allocate_batch(1)?;
+                let req = Request {
+                    opcode: Opcode::Read,
+                    source: scratch.addr(),
+                    target: plan.seg,
+                    target_offset: plan.remote_base + start,
+                    length: len,
+                    priority: multirail::PRIO_HIGH,
+                    transport: Some(plan.transport),
+                };
+                engine.submit(batch, &[req])?;
+                engine.wait(batch, Some(Duration::from_secs(120)))?;
+                engine.free_batch(batch)?;
+                // SAFETY: the read completed; nothing else touches `scratch`.
+                let bytes = unsafe { scratch.as_slice() };
+                if let Some(at) = pattern::first_mismatch(bytes, start, pattern::INITIATOR_SEED) {
+                    return Err(Failure::Runtime(anyhow!(
+                        "verify: byte {} written to the target is wrong",
+                        start + at as u64
+                    )));
+                }
+                engine.free(&scratch)?;
+            }
+        }
+        checked += len;
+    }
+    Ok(checked)
+}

@@ -1,0 +1,114 @@
+//! `multirail`: serve a segment, benchmark transfers against one, show the configuration.
+
+mod bench;
+mod membench;
+mod pattern;
+mod target;
+mod units;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use multirail::Config;
+
+/// Exit code for a usage or configuration error.
+const EXIT_USAGE: u8 = 2;
+/// Exit code for a failure at run time.
+const EXIT_RUNTIME: u8 = 1;
+
+#[derive(Parser)]
+#[command(name = "multirail", version, about = "multirail transfer engine")]
+struct Cli {
+    /// Configuration file (JSON). Default: $MULTIRAIL_CONF (a path or inline JSON), else built-in defaults.
+    #[arg(long, global = true)]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve a segment with one buffer until interrupted; prints the segment name first.
+    Target(target::TargetArgs),
+    /// Run as initiator against a target and report throughput and latency.
+    Bench(bench::BenchArgs),
+    /// Measure single-thread memcpy bandwidth walking two buffers block by block.
+    Membench(membench::MembenchArgs),
+    /// Configuration commands.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum ConfigCommand {
+    /// Print the effective configuration as JSON.
+    Show,
+}
+
+/// A failure with the exit code it deserves.
+pub enum Failure {
+    /// Bad flags or configuration: exit 2.
+    Usage(String),
+    /// Something went wrong while running: exit 1.
+    Runtime(anyhow::Error),
+}
+
+impl From<anyhow::Error> for Failure {
+    fn from(e: anyhow::Error) -> Self {
+        Failure::Runtime(e)
+    }
+}
+
+impl From<multirail::Error> for Failure {
+    fn from(e: multirail::Error) -> Self {
+        match e {
+            multirail::Error::Config(_) | multirail::Error::InvalidArgument { .. } => {
+                Failure::Usage(e.to_string())
+            }
+            e => Failure::Runtime(e.into()),
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let config = match Config::load(cli.config.as_deref()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let outcome = match cli.command {
+        Command::Target(args) => target::run(config, args),
+        Command::Bench(args) => bench::run(config, cli.config.as_deref(), args),
+        Command::Membench(args) => membench::run(args),
+        Command::Config {
+            command: ConfigCommand::Show,
+        } => {
+            println!("{}", config.to_json_pretty());
+            Ok(())
+        }
+    };
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::Usage(msg)) => {
+            eprintln!("error: {msg}");
+            ExitCode::from(EXIT_USAGE)
+        }
+        Err(Failure::Runtime(e)) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(EXIT_RUNTIME)
+        }
+    }
+}

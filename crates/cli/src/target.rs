@@ -1,0 +1,63 @@
+//! `multirail target`: serve one patterned buffer until SIGINT or SIGTERM.
+
+use std::io::Write;
+
+use clap::Args;
+use multirail::{Config, Engine, Location};
+use nix::sys::signal::{SigSet, Signal};
+
+use crate::pattern;
+use crate::units;
+use crate::Failure;
+
+#[derive(Args)]
+pub struct TargetArgs {
+    /// Size of the buffer to serve (e.g. 64MiB, 1GiB). Default: 1GiB.
+    #[arg(long, default_value = "1GiB", value_parser = units::parse_size)]
+    size: u64,
+    /// Address and port to listen on. Default: every interface, a free port (0.0.0.0:0).
+    #[arg(long, default_value = "0.0.0.0:0")]
+    listen: String,
+    /// NUMA placement of the buffer: `*` or `cpu:N`. Default: `*`.
+    #[arg(long, default_value = "*")]
+    location: String,
+    /// Exit when the parent process exits (used by `bench --local`). Default: off.
+    #[arg(long, hide = true)]
+    exit_with_parent: bool,
+}
+
+pub fn run(config: Config, args: TargetArgs) -> Result<(), Failure> {
+    if args.exit_with_parent {
+        // SAFETY: prctl(PR_SET_PDEATHSIG) only sets a flag on this process.
+        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) };
+    }
+    // Block the stop signals before any engine thread starts so they reach only sigwait below.
+    let mut stop = SigSet::empty();
+    stop.add(Signal::SIGINT);
+    stop.add(Signal::SIGTERM);
+    stop.thread_block()
+        .map_err(|e| Failure::Runtime(e.into()))?;
+
+    let location: Location = args.location.parse()?;
+    let len = usize::try_from(args.size).map_err(|_| Failure::Usage("--size too large".into()))?;
+    let engine = Engine::new(config, &args.listen)?;
+    let buffer = engine.allocate(len, location)?;
+    // SAFETY: the buffer is not published to anyone until `name()` is printed below.
+    pattern::fill(unsafe { buffer.as_mut_slice() }, 0, pattern::TARGET_SEED);
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{}", engine.name());
+    let _ = writeln!(
+        out,
+        "serving buffer addr={:#x} len={} ({}) location={}; Ctrl-C to stop",
+        buffer.addr(),
+        buffer.len(),
+        units::format_size(buffer.len() as u64),
+        buffer.location()
+    );
+    let _ = out.flush();
+    drop(out);
+    let sig = stop.wait().map_err(|e| Failure::Runtime(e.into()))?;
+    tracing::info!(signal = ?sig, "stopping");
+    engine.shutdown();
+    Ok(())
+}
