@@ -2,9 +2,9 @@
 
 mod bench;
 mod membench;
-mod pattern;
 mod target;
-mod units;
+
+use multirail_cli::{pattern, units};
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -1,0 +1,55 @@
+//! Helpers for tests that run `multirail target` as a separate process.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+
+/// A `multirail target` child process, killed when dropped.
+pub struct TargetProcess {
+    pub child: Child,
+    pub name: String,
+}
+
+impl TargetProcess {
+    /// Starts a target serving `size` bytes on a free loopback port with config `conf` (inline
+    /// JSON) and waits for its segment name.
+    pub fn start(size: &str, conf: Option<&str>) -> TargetProcess {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_multirail"));
+        cmd.args(["target", "--listen", "127.0.0.1:0", "--size", size])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .stdin(Stdio::null());
+        match conf {
+            Some(c) => cmd.env("MULTIRAIL_CONF", c),
+            None => cmd.env_remove("MULTIRAIL_CONF"),
+        };
+        let mut child = cmd.spawn().expect("start multirail target");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .expect("read segment name");
+        let name = line.trim().to_owned();
+        assert!(
+            name.starts_with("127.0.0.1:"),
+            "segment name on the first line, got {name:?}"
+        );
+        TargetProcess { child, name }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: sends a signal to our own child process.
+        unsafe { libc::kill(self.pid(), sig) };
+    }
+}
+
+impl Drop for TargetProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,253 @@
+//! Two engines in separate processes: 1 GiB each way over each transport with every byte
+//! checked, and a peer that dies or stops answering mid-transfer.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::TargetProcess;
+use multirail::{Config, Engine, Error, Location, Opcode, Request, SegmentId, TransportChoice};
+use multirail_cli::pattern;
+
+const GIB: u64 = 1 << 30;
+const PIECE: u64 = 64 << 20;
+
+fn requests(
+    op: Opcode,
+    local: u64,
+    seg: SegmentId,
+    remote: u64,
+    len: u64,
+    t: TransportChoice,
+) -> Vec<Request> {
+    (0..len / PIECE)
+        .map(|i| Request {
+            opcode: op,
+            source: local + i * PIECE,
+            target: seg,
+            target_offset: remote + i * PIECE,
+            length: PIECE,
+            priority: multirail::PRIO_HIGH,
+            transport: Some(t),
+        })
+        .collect()
+}
+
+fn run(engine: &Engine, reqs: &[Request]) -> multirail::Result<()> {
+    let batch = engine.allocate_batch(reqs.len())?;
+    engine.submit(batch, reqs)?;
+    let out = engine.wait(batch, Some(Duration::from_secs(120)));
+    if out.is_ok() {
+        engine.free_batch(batch)?;
+    }
+    out
+}
+
+fn one_gib_each_way(transport: TransportChoice) {
+    let target = TargetProcess::start("1GiB", None);
+    let engine = Engine::new(Config::default(), "127.0.0.1:0").unwrap();
+    let seg = engine.open_segment(&target.name).unwrap();
+    let desc = engine.segment_descriptor(seg).unwrap();
+    assert_eq!(desc.pid as i32, target.pid());
+    let remote = desc
+        .buffers
+        .iter()
+        .find(|b| b.len == GIB)
+        .expect("1 GiB buffer")
+        .addr;
+
+    // Read: the target filled its buffer with its pattern before printing its name.
+    let local = engine.allocate(GIB as usize, Location::Any).unwrap();
+    run(
+        &engine,
+        &requests(Opcode::Read, local.addr(), seg, remote, GIB, transport),
+    )
+    .unwrap();
+    // SAFETY: the batch completed; nothing is in flight on `local`.
+    let bytes = unsafe { local.as_slice() };
+    assert_eq!(
+        pattern::first_mismatch(bytes, 0, pattern::TARGET_SEED),
+        None,
+        "read 1 GiB"
+    );
+
+    // Write our own pattern over the whole buffer, then read it back into fresh memory.
+    // SAFETY: nothing is in flight on `local`.
+    pattern::fill(unsafe { local.as_mut_slice() }, 0, pattern::INITIATOR_SEED);
+    run(
+        &engine,
+        &requests(Opcode::Write, local.addr(), seg, remote, GIB, transport),
+    )
+    .unwrap();
+    let back = engine.allocate(GIB as usize, Location::Any).unwrap();
+    run(
+        &engine,
+        &requests(Opcode::Read, back.addr(), seg, remote, GIB, transport),
+    )
+    .unwrap();
+    // SAFETY: as above.
+    let bytes = unsafe { back.as_slice() };
+    assert_eq!(
+        pattern::first_mismatch(bytes, 0, pattern::INITIATOR_SEED),
+        None,
+        "wrote 1 GiB"
+    );
+
+    let moved: u64 = engine
+        .traffic_stats()
+        .iter()
+        .filter(|r| (r.name == "shm") == (transport == TransportChoice::Shm))
+        .map(|r| r.bytes)
+        .sum();
+    assert_eq!(moved, 3 * GIB, "every byte went over {transport}");
+}
+
+#[test]
+fn one_gib_each_way_over_shm() {
+    one_gib_each_way(TransportChoice::Shm);
+}
+
+#[test]
+fn one_gib_each_way_over_tcp() {
+    one_gib_each_way(TransportChoice::Tcp);
+}
+
+fn engine_with_timeout(ms: u64) -> Engine {
+    let conf = format!(r#"{{"transports": {{"tcp": {{"timeout_ms": {ms}}}}}}}"#);
+    Engine::new(Config::from_json_str(&conf, "test").unwrap(), "127.0.0.1:0").unwrap()
+}
+
+fn first_buffer(engine: &Engine, seg: SegmentId) -> u64 {
+    engine.segment_descriptor(seg).unwrap().buffers[0].addr
+}
+
+/// Submits a long tcp write to `seg`, returns its batch.
+fn long_write(engine: &Engine, local: u64, seg: SegmentId) -> multirail::BatchId {
+    let remote = first_buffer(engine, seg);
+    let reqs = requests(
+        Opcode::Write,
+        local,
+        seg,
+        remote,
+        512 << 20,
+        TransportChoice::Tcp,
+    );
+    let reqs: Vec<Request> = reqs.iter().cycle().take(64).copied().collect();
+    let batch = engine.allocate_batch(reqs.len()).unwrap();
+    engine.submit(batch, &reqs).unwrap();
+    batch
+}
+
+#[test]
+fn killed_peer_fails_in_flight_requests_and_others_go_on() {
+    let doomed = TargetProcess::start("512MiB", None);
+    let healthy = TargetProcess::start("64MiB", None);
+    let engine = engine_with_timeout(2000);
+    let local = engine.allocate(512 << 20, Location::Any).unwrap();
+    let doomed_seg = engine.open_segment(&doomed.name).unwrap();
+    let healthy_seg = engine.open_segment(&healthy.name).unwrap();
+
+    let batch = long_write(&engine, local.addr(), doomed_seg);
+    std::thread::sleep(Duration::from_millis(100));
+    doomed.signal(libc::SIGKILL);
+    let t0 = Instant::now();
+    let err = engine
+        .wait(batch, Some(Duration::from_secs(10)))
+        .unwrap_err();
+    assert!(
+        t0.elapsed() < Duration::from_secs(3),
+        "failed within the timeout: {:?}",
+        t0.elapsed()
+    );
+    assert!(
+        matches!(err, Error::PeerDisconnected { .. } | Error::Timeout { .. }),
+        "{err}"
+    );
+    assert!(matches!(engine.free_batch(batch), Ok(())));
+
+    // The other peer is unaffected.
+    let remote = first_buffer(&engine, healthy_seg);
+    run(
+        &engine,
+        &requests(
+            Opcode::Write,
+            local.addr(),
+            healthy_seg,
+            remote,
+            64 << 20,
+            TransportChoice::Tcp,
+        ),
+    )
+    .unwrap();
+    // New work for the dead peer is refused, not hung.
+    let b = engine.allocate_batch(1).unwrap();
+    let r = Request::write(
+        local.addr(),
+        doomed_seg,
+        first_buffer(&engine, doomed_seg),
+        4096,
+    );
+    let outcome = engine
+        .submit(b, &[r])
+        .and_then(|_| engine.wait(b, Some(Duration::from_secs(10))));
+    assert!(outcome.is_err(), "a dead peer cannot complete a write");
+}
+
+#[test]
+fn silent_peer_times_out() {
+    let frozen = TargetProcess::start("512MiB", None);
+    let engine = engine_with_timeout(1000);
+    let local = engine.allocate(512 << 20, Location::Any).unwrap();
+    let seg = engine.open_segment(&frozen.name).unwrap();
+    // Stop the process: its sockets stay open, so only our timeout can notice.
+    frozen.signal(libc::SIGSTOP);
+    let batch = long_write(&engine, local.addr(), seg);
+    let t0 = Instant::now();
+    let err = engine
+        .wait(batch, Some(Duration::from_secs(10)))
+        .unwrap_err();
+    let waited = t0.elapsed();
+    assert!(
+        matches!(
+            err,
+            Error::Timeout {
+                timeout_ms: 1000,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        waited >= Duration::from_millis(900) && waited < Duration::from_secs(4),
+        "{waited:?}"
+    );
+    frozen.signal(libc::SIGCONT);
+}
+
+#[test]
+fn dead_same_host_peer_is_refused_over_shm() {
+    let doomed = TargetProcess::start("16MiB", None);
+    let engine = Engine::new(Config::default(), "127.0.0.1:0").unwrap();
+    let local = engine.allocate(16 << 20, Location::Any).unwrap();
+    let seg = engine.open_segment(&doomed.name).unwrap();
+    let remote = first_buffer(&engine, seg);
+    let r = Request {
+        transport: Some(TransportChoice::Shm),
+        ..Request::write(local.addr(), seg, remote, 1 << 20)
+    };
+    run(&engine, &[r]).unwrap();
+    doomed.signal(libc::SIGKILL);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let b = engine.allocate_batch(1).unwrap();
+        match engine.submit(b, &[r]) {
+            Err(Error::PeerDisconnected { .. }) => break,
+            Err(e) => panic!("unexpected error {e}"),
+            Ok(()) => {
+                engine.wait(b, Some(Duration::from_secs(5))).unwrap();
+                assert!(Instant::now() < deadline, "death never noticed");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
