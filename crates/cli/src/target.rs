@@ -21,9 +21,20 @@ pub struct TargetArgs {
     /// NUMA placement of the buffer: `*` or `cpu:N`. Default: `*`.
     #[arg(long, default_value = "*")]
     location: String,
+    /// Memory to serve: `allocated` (engine-owned shared mapping, which same-host peers map) or
+    /// `registered` (ordinary heap memory registered with the engine, which same-host peers reach
+    /// with process_vm_readv/writev). Default: allocated.
+    #[arg(long, value_enum, default_value = "allocated")]
+    memory: MemoryKind,
     /// Exit when the parent process exits (used by `bench --local`). Default: off.
     #[arg(long, hide = true)]
     exit_with_parent: bool,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum MemoryKind {
+    Allocated,
+    Registered,
 }
 
 pub fn run(config: Config, args: TargetArgs) -> Result<(), Failure> {
@@ -41,7 +52,16 @@ pub fn run(config: Config, args: TargetArgs) -> Result<(), Failure> {
     let location: Location = args.location.parse()?;
     let len = usize::try_from(args.size).map_err(|_| Failure::Usage("--size too large".into()))?;
     let engine = Engine::new(config, &args.listen)?;
-    let buffer = engine.allocate(len, location)?;
+    // Registered memory must outlive its registration: `heap` lives until this function returns,
+    // after the engine has stopped serving.
+    let mut heap: Vec<u8> = Vec::new();
+    let buffer = match args.memory {
+        MemoryKind::Allocated => engine.allocate(len, location)?,
+        MemoryKind::Registered => {
+            heap.resize(len, 0);
+            engine.register(heap.as_mut_ptr(), len, location)?
+        }
+    };
     // SAFETY: the buffer is not published to anyone until `name()` is printed below.
     pattern::fill(unsafe { buffer.as_mut_slice() }, 0, pattern::TARGET_SEED);
     let mut out = std::io::stdout().lock();
@@ -59,5 +79,7 @@ pub fn run(config: Config, args: TargetArgs) -> Result<(), Failure> {
     let sig = stop.wait().map_err(|e| Failure::Runtime(e.into()))?;
     tracing::info!(signal = ?sig, "stopping");
     engine.shutdown();
+    drop(engine);
+    drop(heap);
     Ok(())
 }

@@ -15,8 +15,14 @@ impl TargetProcess {
     /// Starts a target serving `size` bytes on a free loopback port with config `conf` (inline
     /// JSON) and waits for its segment name.
     pub fn start(size: &str, conf: Option<&str>) -> TargetProcess {
+        Self::start_with(size, conf, &[])
+    }
+
+    /// As `start`, with extra `multirail target` flags.
+    pub fn start_with(size: &str, conf: Option<&str>, extra: &[&str]) -> TargetProcess {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_multirail"));
         cmd.args(["target", "--listen", "127.0.0.1:0", "--size", size])
+            .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .stdin(Stdio::null());

@@ -251,3 +251,56 @@ fn dead_same_host_peer_is_refused_over_shm() {
         }
     }
 }
+
+#[test]
+fn registered_memory_of_a_same_host_peer_moves_with_process_vm() {
+    let target = TargetProcess::start_with("64MiB", None, &["--memory", "registered"]);
+    let engine = Engine::new(Config::default(), "127.0.0.1:0").unwrap();
+    let seg = engine.open_segment(&target.name).unwrap();
+    let desc = engine.segment_descriptor(seg).unwrap();
+    assert!(
+        desc.buffers[0].shm.is_none(),
+        "registered memory has no shared-memory handle"
+    );
+    let remote = desc.buffers[0].addr;
+    let len = 64u64 << 20;
+    let local = engine.allocate(len as usize, Location::Any).unwrap();
+    let read = Request {
+        transport: Some(TransportChoice::Shm),
+        ..Request::read(local.addr(), seg, remote, len)
+    };
+    run(&engine, &[read]).unwrap();
+    // SAFETY: the batch completed; nothing is in flight on `local`.
+    assert_eq!(
+        pattern::first_mismatch(unsafe { local.as_slice() }, 0, pattern::TARGET_SEED),
+        None
+    );
+    // SAFETY: as above.
+    pattern::fill(unsafe { local.as_mut_slice() }, 0, pattern::INITIATOR_SEED);
+    run(
+        &engine,
+        &[Request {
+            opcode: Opcode::Write,
+            ..read
+        }],
+    )
+    .unwrap();
+    let back = engine.allocate(len as usize, Location::Any).unwrap();
+    let tcp_read = Request {
+        transport: Some(TransportChoice::Tcp),
+        ..Request::read(back.addr(), seg, remote, len)
+    };
+    run(&engine, &[tcp_read]).unwrap();
+    // SAFETY: as above.
+    assert_eq!(
+        pattern::first_mismatch(unsafe { back.as_slice() }, 0, pattern::INITIATOR_SEED),
+        None
+    );
+    let shm_bytes: u64 = engine
+        .traffic_stats()
+        .iter()
+        .filter(|r| r.name == "shm")
+        .map(|r| r.bytes)
+        .sum();
+    assert_eq!(shm_bytes, 2 * len);
+}

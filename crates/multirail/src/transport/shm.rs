@@ -148,8 +148,8 @@ impl Transport for ShmTransport {
                 return;
             }
         };
-        let slices: Vec<_> = match plan.slices(req.len) {
-            Ok(s) => s.collect(),
+        let slices = match plan.slices(req.len) {
+            Ok(s) => s,
             Err(e) => {
                 req.task.add_parts(1);
                 req.task
@@ -157,12 +157,15 @@ impl Transport for ShmTransport {
                 return;
             }
         };
-        let jobs = slices.len().min(self.workers).max(1);
+        let count = slices.len();
+        let jobs = count.min(self.workers).max(1);
         req.task.add_parts(jobs as u32);
         for j in 0..jobs {
-            let (first, last) = (j * slices.len() / jobs, (j + 1) * slices.len() / jobs - 1);
-            let offset = slices[first].offset;
-            let len = slices[last].offset + slices[last].length - offset;
+            let (first, last) = (j * count / jobs, (j + 1) * count / jobs - 1);
+            let start = slices.clone().nth(first).expect("index below count");
+            let end = slices.clone().nth(last).expect("index below count");
+            let offset = start.offset;
+            let len = end.offset + end.length - offset;
             let job = CopyJob {
                 op: req.op,
                 local: req.local + offset as usize,
