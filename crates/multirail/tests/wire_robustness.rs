@@ -1,0 +1,196 @@
+//! Bad bytes from the wire close that connection and never take the engine down, on either
+//! side of a transfer.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::Duration;
+
+use multirail::segment::{BufferDescriptor, SegmentDescriptor, PROTOCOL_VERSION};
+use multirail::transport::wire::{self, ConnKind, RequestHeader, RequestOp};
+use multirail::{Config, Engine, Error, Location, Request, TransportChoice};
+
+fn engine() -> Engine {
+    Engine::new(Config::default(), "127.0.0.1:0").unwrap()
+}
+
+/// True once the peer has closed `s` (EOF or reset) within two seconds.
+fn closed_by_peer(s: &mut TcpStream) -> bool {
+    s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let mut buf = [0u8; 64];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) => {
+                return e.kind() != std::io::ErrorKind::WouldBlock
+                    && e.kind() != std::io::ErrorKind::TimedOut
+            }
+        }
+    }
+}
+
+fn still_serves(target: &Engine) {
+    let dst = target.allocate(1 << 20, Location::Any).unwrap();
+    let init = engine();
+    let src = init.allocate(1 << 20, Location::Any).unwrap();
+    let seg = init.open_segment(&target.name()).unwrap();
+    let batch = init.allocate_batch(1).unwrap();
+    let r = Request {
+        transport: Some(TransportChoice::Tcp),
+        ..Request::write(src.addr(), seg, dst.addr(), 1 << 20)
+    };
+    init.submit(batch, &[r]).unwrap();
+    init.wait(batch, Some(Duration::from_secs(10))).unwrap();
+}
+
+#[test]
+fn target_closes_connections_that_send_garbage() {
+    let target = engine();
+    let buf = target.allocate(4096, Location::Any).unwrap();
+
+    let mut bad_magic = TcpStream::connect(target.name()).unwrap();
+    bad_magic.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    assert!(closed_by_peer(&mut bad_magic));
+
+    let mut bad_version = TcpStream::connect(target.name()).unwrap();
+    let mut hello = wire::encode_hello(ConnKind::Data);
+    hello[4] = 0xEE;
+    bad_version.write_all(&hello).unwrap();
+    assert!(closed_by_peer(&mut bad_version));
+
+    let mut bad_op = TcpStream::connect(target.name()).unwrap();
+    bad_op
+        .write_all(&wire::encode_hello(ConnKind::Data))
+        .unwrap();
+    let mut frame = [0u8; wire::REQUEST_LEN];
+    RequestHeader {
+        op: RequestOp::Write,
+        len: 16,
+        id: 0,
+        addr: buf.addr(),
+        key: buf.key(),
+    }
+    .encode(&mut frame);
+    frame[0] = 77;
+    bad_op.write_all(&frame).unwrap();
+    assert!(closed_by_peer(&mut bad_op));
+
+    let mut huge = TcpStream::connect(target.name()).unwrap();
+    huge.write_all(&wire::encode_hello(ConnKind::Data)).unwrap();
+    frame[0] = RequestOp::Write as u8;
+    frame[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+    huge.write_all(&frame).unwrap();
+    assert!(closed_by_peer(&mut huge));
+
+    let mut truncated = TcpStream::connect(target.name()).unwrap();
+    truncated
+        .write_all(&wire::encode_hello(ConnKind::Data))
+        .unwrap();
+    truncated.write_all(&frame[..10]).unwrap();
+    drop(truncated);
+
+    let mut bad_control = TcpStream::connect(target.name()).unwrap();
+    bad_control
+        .write_all(&wire::encode_hello(ConnKind::Control))
+        .unwrap();
+    bad_control.write_all(&[42]).unwrap();
+    assert!(closed_by_peer(&mut bad_control));
+
+    still_serves(&target);
+}
+
+#[test]
+fn target_refuses_wrong_key_and_out_of_bounds_without_closing() {
+    let target = engine();
+    let buf = target.allocate(4096, Location::Any).unwrap();
+    let mut s = TcpStream::connect(target.name()).unwrap();
+    s.write_all(&wire::encode_hello(ConnKind::Data)).unwrap();
+    let mut frame = [0u8; wire::REQUEST_LEN];
+    let mut resp = [0u8; wire::RESPONSE_LEN];
+    let cases = [
+        (buf.key() ^ 1, buf.addr(), 16u32, wire::Status::BadKey),
+        (buf.key(), buf.addr() + 4090, 16, wire::Status::OutOfBounds),
+        (buf.key(), 0x1000, 16, wire::Status::BadKey),
+        (buf.key(), buf.addr(), 16, wire::Status::Ok),
+    ];
+    for (id, (key, addr, len, want)) in cases.into_iter().enumerate() {
+        RequestHeader {
+            op: RequestOp::Write,
+            len,
+            id: id as u64,
+            addr,
+            key,
+        }
+        .encode(&mut frame);
+        s.write_all(&frame).unwrap();
+        s.write_all(&vec![0xAB; len as usize]).unwrap();
+        s.read_exact(&mut resp).unwrap();
+        let r = wire::ResponseHeader::decode(&resp).unwrap();
+        assert_eq!((r.id, r.status), (id as u64, want));
+    }
+    // Only the accepted write touched memory.
+    // SAFETY: no transfer is in flight on `buf`.
+    let bytes = unsafe { buf.as_slice() };
+    assert!(bytes[..16].iter().all(|&b| b == 0xAB) && bytes[16..].iter().all(|&b| b == 0));
+}
+
+/// A fake target that answers the descriptor query properly and then sends garbage on data
+/// connections: the initiator's requests fail with a protocol error, nothing panics or hangs.
+#[test]
+fn initiator_fails_requests_on_garbage_responses() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let name = addr.to_string();
+    let descriptor = SegmentDescriptor {
+        name: name.clone(),
+        host_id: "another-host".into(),
+        pid: 1,
+        protocol_version: PROTOCOL_VERSION,
+        rails: vec![],
+        buffers: vec![BufferDescriptor {
+            addr: 0x10000,
+            len: 1 << 20,
+            key: 7,
+            location: Location::Any,
+            shm: None,
+        }],
+    };
+    let json = serde_json::to_vec(&descriptor).unwrap();
+    let fake = std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut hello = [0u8; wire::HELLO_LEN];
+            s.read_exact(&mut hello).unwrap();
+            match wire::decode_hello(&hello).unwrap() {
+                ConnKind::Control => {
+                    let mut op = [0u8; 1];
+                    s.read_exact(&mut op).unwrap();
+                    s.write_all(&(json.len() as u32).to_le_bytes()).unwrap();
+                    s.write_all(&json).unwrap();
+                }
+                ConnKind::Data => {
+                    let mut frame = [0u8; wire::REQUEST_LEN];
+                    if s.read_exact(&mut frame).is_ok() {
+                        let _ = s.write_all(&[0xFF; wire::RESPONSE_LEN]);
+                    }
+                    held.push(s);
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    });
+    let conf = r#"{"transports": {"tcp": {"connections_per_peer": 2}}}"#;
+    let init = Engine::new(Config::from_json_str(conf, "test").unwrap(), "127.0.0.1:0").unwrap();
+    let src = init.allocate(4096, Location::Any).unwrap();
+    let seg = init.open_segment(&name).unwrap();
+    let batch = init.allocate_batch(2).unwrap();
+    let r = Request::write(src.addr(), seg, 0x10000, 4096);
+    init.submit(batch, &[r, r]).unwrap();
+    let err = init.wait(batch, Some(Duration::from_secs(10))).unwrap_err();
+    assert!(
+        matches!(err, Error::Protocol { .. } | Error::PeerDisconnected { .. }),
+        "{err}"
+    );
+    fake.join().unwrap();
+}
