@@ -9,6 +9,7 @@
 //! dotted path (`transports.rdma.numa_penalties[1]`, `rails[0].address`), because a
 //! message that only says "invalid value" sends the operator hunting through the file.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::net::IpAddr;
 use std::path::Path;
@@ -102,6 +103,9 @@ pub struct Config {
     pub workers: WorkersConfig,
     /// Rails (NICs) to spray over; empty = discover them from sysfs.
     pub rails: Vec<RailConfig>,
+    /// Tier overrides: memory location (`"cpu:N"` or `"*"`) → rail name → tier (0, 1 or 2).
+    /// Rails a location does not list keep the tier NUMA distance gives them.
+    pub tiers: BTreeMap<String, BTreeMap<String, u8>>,
     /// Where segment descriptors are published.
     pub metadata: MetadataConfig,
     /// Per-transport settings; `rdma` holds TENT's scheduling keys.
@@ -115,6 +119,7 @@ impl Default for Config {
             transport: TransportChoice::Auto,
             workers: WorkersConfig::default(),
             rails: Vec::new(),
+            tiers: BTreeMap::new(),
             metadata: MetadataConfig::default(),
             transports: TransportsConfig::default(),
         }
@@ -129,7 +134,7 @@ pub struct WorkersConfig {
     pub block_size: u64,
     /// Most slices one request is cut into (default 64); must be >= 1.
     pub max_slices_per_request: u32,
-    /// Most slices gathered into one write on a connection (default 32); must be >= 1.
+    /// Most slices one WRITE request is cut into (default 32); must be >= 1.
     pub max_slices_per_write: u32,
     /// Threads copying for the shared-memory transport (default 2); 1..=64.
     pub shm_copy_threads: usize,
@@ -290,8 +295,8 @@ const RDMA_KEYS: &[&str] = &[
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TcpConfig {
-    /// Connections opened to each peer per rail (default 2); 1..=64.
-    pub connections_per_peer: usize,
+    /// Connections opened per (local rail, remote rail) pair to each peer (default 2); 1..=64.
+    pub connections_per_rail: usize,
     /// A slice not answered within this many milliseconds fails (default 5000); >= 1.
     pub timeout_ms: u64,
     /// Connection attempt timeout in milliseconds (default 3000); >= 1.
@@ -305,7 +310,7 @@ pub struct TcpConfig {
 impl Default for TcpConfig {
     fn default() -> Self {
         TcpConfig {
-            connections_per_peer: 2,
+            connections_per_rail: 2,
             timeout_ms: 5000,
             connect_timeout_ms: 3000,
             max_retries: 8,
@@ -442,6 +447,26 @@ impl Config {
                     format!("{prefix}.name"),
                     format!("duplicate rail name {:?}", rail.name),
                 ));
+            }
+        }
+        for (location, rails) in &self.tiers {
+            let key = format!("tiers.{location}");
+            location
+                .parse::<crate::memory::Location>()
+                .map_err(|_| ConfigError::new(key.clone(), "is not a location (`*` or `cpu:N`)"))?;
+            for (rail, tier) in rails {
+                if rail.is_empty() {
+                    return Err(ConfigError::new(
+                        key.clone(),
+                        "rail names must not be empty",
+                    ));
+                }
+                if *tier > 2 {
+                    return Err(ConfigError::new(
+                        format!("{key}.{rail}"),
+                        format!("tier must be 0, 1 or 2, got {tier}"),
+                    ));
+                }
             }
         }
         self.transports.rdma.validate("transports.rdma")?;
@@ -611,7 +636,7 @@ impl RdmaConfig {
 
 impl TcpConfig {
     fn validate(&self, prefix: &str) -> Result<(), ConfigError> {
-        within_count(prefix, "connections_per_peer", self.connections_per_peer)?;
+        within_count(prefix, "connections_per_rail", self.connections_per_rail)?;
         at_least_one(prefix, "timeout_ms", self.timeout_ms)?;
         at_least_one(prefix, "connect_timeout_ms", self.connect_timeout_ms)?;
         if self.max_inflight_bytes_per_connection == 0 {
@@ -896,7 +921,7 @@ mod tests {
         assert_eq!(r.shared_quota_shm_path, "");
         assert!(r.qos_work_conserving);
         let t = &c.transports.tcp;
-        assert_eq!(t.connections_per_peer, 2);
+        assert_eq!(t.connections_per_rail, 2);
         assert_eq!(t.timeout_ms, 5000);
         assert_eq!(t.connect_timeout_ms, 3000);
         assert_eq!(t.max_retries, 8);
@@ -910,7 +935,7 @@ mod tests {
     fn partial_sections_keep_sibling_defaults() {
         let c = parse(r#"{"transports": {"tcp": {"timeout_ms": 10}}, "workers": {}}"#).unwrap();
         assert_eq!(c.transports.tcp.timeout_ms, 10);
-        assert_eq!(c.transports.tcp.connections_per_peer, 2);
+        assert_eq!(c.transports.tcp.connections_per_rail, 2);
         assert_eq!(c.transports.rdma, RdmaConfig::default());
         assert_eq!(c.workers, WorkersConfig::default());
     }
@@ -929,7 +954,7 @@ mod tests {
               ],
               "metadata": {"type": "p2p"},
               "transports": {
-                "tcp": {"connections_per_peer": 4, "timeout_ms": 100, "connect_timeout_ms": 50,
+                "tcp": {"connections_per_rail": 4, "timeout_ms": 100, "connect_timeout_ms": 50,
                         "max_retries": 0, "max_inflight_bytes_per_connection": 1048576},
                 "shm": {"enable": false, "process_vm": false}
               }
@@ -945,7 +970,7 @@ mod tests {
         assert_eq!(c.rails[0].numa_node, 0);
         assert_eq!(c.rails[1].numa_node, -1);
         assert_eq!(c.rails[1].bandwidth_gbps, None);
-        assert_eq!(c.transports.tcp.connections_per_peer, 4);
+        assert_eq!(c.transports.tcp.connections_per_rail, 4);
         assert_eq!(c.transports.tcp.max_retries, 0);
         assert!(!c.transports.shm.enable);
         assert!(!c.transports.shm.process_vm);
@@ -1317,6 +1342,21 @@ mod tests {
     }
 
     #[test]
+    fn tier_overrides_load_and_are_checked() {
+        let c = Config::from_json_str(
+            r#"{"tiers": {"cpu:0": {"eth0": 0, "eth1": 2}, "*": {"eth1": 1}}}"#,
+            "t",
+        )
+        .unwrap();
+        assert_eq!(c.tiers["cpu:0"]["eth1"], 2);
+        let e = parse_err(r#"{"tiers": {"gpu:0": {"eth0": 0}}}"#);
+        assert_eq!(e.key, "tiers.gpu:0");
+        let e = parse_err(r#"{"tiers": {"cpu:0": {"eth0": 3}}}"#);
+        assert_eq!(e.key, "tiers.cpu:0.eth0");
+        assert!(e.message.contains("0, 1 or 2"), "{e}");
+    }
+
+    #[test]
     fn block_size_zero() {
         let e = parse_err(r#"{"workers": {"block_size": 0}}"#);
         assert_eq!(e.key, "workers.block_size");
@@ -1344,9 +1384,9 @@ mod tests {
     }
 
     #[test]
-    fn connections_per_peer_zero() {
-        let e = parse_err(r#"{"transports": {"tcp": {"connections_per_peer": 0}}}"#);
-        assert_eq!(e.key, "transports.tcp.connections_per_peer");
+    fn connections_per_rail_zero() {
+        let e = parse_err(r#"{"transports": {"tcp": {"connections_per_rail": 0}}}"#);
+        assert_eq!(e.key, "transports.tcp.connections_per_rail");
         assert_eq!(e.message, "must be within [1, 64], got 0");
     }
 

@@ -156,13 +156,8 @@ impl Engine {
         let listen: SocketAddr = listen
             .parse()
             .map_err(|e| Error::invalid("listen", format!("{listen:?} is not ADDR:PORT: {e}")))?;
-        let rdma = &config.transports.rdma;
-        let rails = topology::discover_rails(
-            &config.rails,
-            rdma.default_bandwidth_gbps,
-            rdma.min_bandwidth_gbps,
-            rdma.max_bandwidth_gbps,
-        );
+        let topology = topology::Topology::discover(&config, listen.ip())?;
+        let rails = topology.descriptors();
         let registry = Arc::new(MemoryRegistry::default());
         let local = Arc::new(LocalSegment {
             name: OnceLock::new(),
@@ -188,7 +183,7 @@ impl Engine {
         let stats = Arc::new(TrafficStats::default());
         let tcp_cfg = &config.transports.tcp;
         let settings = TcpSettings {
-            connections_per_peer: tcp_cfg.connections_per_peer,
+            connections_per_rail: tcp_cfg.connections_per_rail,
             timeout: Duration::from_millis(tcp_cfg.timeout_ms),
             connect_timeout: Duration::from_millis(tcp_cfg.connect_timeout_ms),
             max_inflight_bytes: tcp_cfg.max_inflight_bytes_per_connection,
@@ -201,7 +196,11 @@ impl Engine {
         };
         let inner = Arc::new(Inner {
             metadata: Box::new(P2pMetadata::new(settings.connect_timeout, settings.timeout)),
-            shm: ShmTransport::new(workers.shm_copy_threads, &stats)?,
+            shm: ShmTransport::new(
+                workers.shm_copy_threads,
+                config.transports.shm.process_vm,
+                &stats,
+            )?,
             tcp: TcpTransport::new(settings, stats.clone()),
             read_plan: plan(workers.max_slices_per_request)?,
             write_plan: plan(workers.max_slices_per_write)?,

@@ -1,9 +1,99 @@
-//! The host's rails (network interfaces), discovered from sysfs or declared in config.
+//! The host's rails (network interfaces) and how near each is to each memory location.
+//!
+//! Rails come from config or from the interfaces that are up with an IPv4 address (loopback only
+//! when nothing else is). An engine listening on one address publishes only the rail holding it.
+//! Tiers rank rails for a memory location: tier 0 shares its NUMA node (or its node is unknown),
+//! tier 1 sits on the nearest other nodes by `/sys/devices/system/node/node*/distance`, tier 2
+//! farther; config `tiers` overrides per location and rail name.
 
-use std::net::IpAddr;
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr};
 
-use crate::config::RailConfig;
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::memory::Location;
 use crate::segment::RailDescriptor;
+
+/// One rail of this host.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Rail {
+    /// Interface name (or the name config gives it).
+    pub name: String,
+    /// Address sockets on this rail bind to.
+    pub address: IpAddr,
+    /// Prefix length of the rail's subnet; 32 when unknown.
+    pub prefix_len: u8,
+    /// NUMA node of the NIC, -1 when unknown.
+    pub numa_node: i32,
+    /// Link speed the OS or config reports, Gbps.
+    pub reported_gbps: Option<f64>,
+    /// Speed scheduling assumes: the reported one when within
+    /// [`min_bandwidth_gbps`, `max_bandwidth_gbps`], else `default_bandwidth_gbps`.
+    pub bandwidth_gbps: f64,
+    /// True for an interface that exists on the host (socket binding to its name works).
+    pub is_interface: bool,
+}
+
+impl Rail {
+    /// True when `addr` lies in this rail's subnet.
+    pub fn same_subnet(&self, addr: IpAddr) -> bool {
+        match (self.address, addr) {
+            (IpAddr::V4(a), IpAddr::V4(b)) => {
+                let bits = u32::from(self.prefix_len.min(32));
+                let mask = if bits == 0 {
+                    0
+                } else {
+                    u32::MAX << (32 - bits)
+                };
+                u32::from(a) & mask == u32::from(b) & mask
+            }
+            (a, b) => a == b,
+        }
+    }
+}
+
+/// An interface as the OS shows it.
+#[derive(Debug, Clone)]
+struct Interface {
+    name: String,
+    address: Ipv4Addr,
+    prefix_len: u8,
+    loopback: bool,
+}
+
+fn interfaces() -> Vec<Interface> {
+    let Ok(addrs) = nix::ifaddrs::getifaddrs() else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for ifa in addrs {
+        use nix::net::if_::InterfaceFlags as F;
+        if !ifa.flags.contains(F::IFF_UP) {
+            continue;
+        }
+        let Some(v4) = ifa
+            .address
+            .as_ref()
+            .and_then(|a| a.as_sockaddr_in())
+            .map(|a| a.ip())
+        else {
+            continue;
+        };
+        let prefix_len = ifa
+            .netmask
+            .as_ref()
+            .and_then(|m| m.as_sockaddr_in())
+            .map(|m| u32::from(m.ip()).count_ones() as u8)
+            .unwrap_or(32);
+        out.push(Interface {
+            loopback: ifa.flags.contains(F::IFF_LOOPBACK),
+            name: ifa.interface_name,
+            address: v4,
+            prefix_len,
+        });
+    }
+    out
+}
 
 /// Name of the interface that holds `addr`, if any (loopback included).
 pub fn interface_for_address(addr: IpAddr) -> Option<String> {
@@ -30,69 +120,304 @@ fn read_sys(path: &str) -> Option<String> {
         .map(|s| s.trim().to_owned())
 }
 
-/// Rails of this host: the configured ones, else every interface that is up and has an IPv4
-/// address, loopback only when nothing else is. Bandwidth is the link speed when sysfs knows it
-/// and it lies in `[min_gbps, max_gbps]`, else `default_gbps`.
-pub fn discover_rails(
-    configured: &[RailConfig],
-    default_gbps: f64,
-    min_gbps: f64,
-    max_gbps: f64,
-) -> Vec<RailDescriptor> {
-    let pick = |speed: Option<f64>| match speed {
-        Some(s) if s >= min_gbps && s <= max_gbps => s,
-        _ => default_gbps,
-    };
-    if !configured.is_empty() {
-        return configured
-            .iter()
-            .map(|r| RailDescriptor {
-                name: r.name.clone(),
-                address: r.address.clone(),
-                numa_node: r.numa_node,
-                bandwidth_gbps: pick(r.bandwidth_gbps),
-            })
-            .collect();
+/// Speed the scheduler assumes for a rail: the reported one when it lies in `[min, max]`, else
+/// the default (so a NIC that reports nothing or nonsense gets a sane figure).
+pub fn theoretical_bandwidth(reported: Option<f64>, default: f64, min: f64, max: f64) -> f64 {
+    match reported {
+        Some(s) if s >= min && s <= max => s,
+        _ => default,
     }
-    let mut rails = Vec::new();
-    let mut loopback = Vec::new();
-    let Ok(addrs) = nix::ifaddrs::getifaddrs() else {
-        return rails;
+}
+
+/// The NUMA distance table: `distance[a][b]`, by node id. Empty when sysfs has no nodes.
+fn numa_distances() -> BTreeMap<u32, BTreeMap<u32, u32>> {
+    let mut table = BTreeMap::new();
+    let Ok(dir) = std::fs::read_dir("/sys/devices/system/node") else {
+        return table;
     };
-    for ifa in addrs {
-        let Some(v4) = ifa
-            .address
-            .as_ref()
-            .and_then(|a| a.as_sockaddr_in())
-            .map(|a| a.ip())
+    for entry in dir.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(id) = name
+            .strip_prefix("node")
+            .and_then(|n| n.parse::<u32>().ok())
         else {
             continue;
         };
-        let name = ifa.interface_name;
-        let base = format!("/sys/class/net/{name}");
-        let up = ifa.flags.contains(nix::net::if_::InterfaceFlags::IFF_UP);
-        if !up {
+        let Some(line) = read_sys(&format!("/sys/devices/system/node/{name}/distance")) else {
             continue;
-        }
-        let speed_mbps = read_sys(&format!("{base}/speed")).and_then(|s| s.parse::<i64>().ok());
-        let numa_node = read_sys(&format!("{base}/device/numa_node"))
-            .and_then(|s| s.parse::<i32>().ok())
-            .unwrap_or(-1);
-        let rail = RailDescriptor {
-            name: name.clone(),
-            address: v4.to_string(),
-            numa_node,
-            bandwidth_gbps: pick(speed_mbps.filter(|s| *s > 0).map(|s| s as f64 / 1000.0)),
         };
-        if v4.is_loopback() {
-            loopback.push(rail);
+        // The k-th number is the distance to the k-th online node, which for sysfs's contiguous
+        // numbering is node k.
+        let row = line
+            .split_whitespace()
+            .filter_map(|d| d.parse::<u32>().ok())
+            .enumerate()
+            .map(|(k, d)| (k as u32, d))
+            .collect();
+        table.insert(id, row);
+    }
+    table
+}
+
+/// Rails and NUMA layout of this host.
+#[derive(Debug, Clone)]
+pub struct Topology {
+    /// The rails this engine sends on and publishes.
+    pub rails: Vec<Rail>,
+    distances: BTreeMap<u32, BTreeMap<u32, u32>>,
+    overrides: BTreeMap<String, BTreeMap<String, u8>>,
+}
+
+impl Topology {
+    /// Finds the rails for an engine listening on `listen`. Fails when config names a tier
+    /// override for a rail that does not exist, or a configured rail address does not parse.
+    pub fn discover(config: &Config, listen: IpAddr) -> Result<Topology> {
+        let rdma = &config.transports.rdma;
+        let theoretical = |r: Option<f64>| {
+            theoretical_bandwidth(
+                r,
+                rdma.default_bandwidth_gbps,
+                rdma.min_bandwidth_gbps,
+                rdma.max_bandwidth_gbps,
+            )
+        };
+        let ifaces = interfaces();
+        let rails: Vec<Rail> = if !config.rails.is_empty() {
+            let mut rails = Vec::new();
+            for (i, r) in config.rails.iter().enumerate() {
+                let address: IpAddr = r.address.parse().map_err(|_| {
+                    Error::Config(crate::config::ConfigError::new(
+                        format!("rails[{i}].address"),
+                        "not an IP address",
+                    ))
+                })?;
+                let iface = ifaces.iter().find(|f| IpAddr::V4(f.address) == address);
+                rails.push(Rail {
+                    name: r.name.clone(),
+                    address,
+                    prefix_len: iface.map_or(32, |f| f.prefix_len),
+                    numa_node: r.numa_node,
+                    reported_gbps: r.bandwidth_gbps,
+                    bandwidth_gbps: theoretical(r.bandwidth_gbps),
+                    is_interface: iface.is_some_and(|f| f.name == r.name),
+                });
+            }
+            rails
         } else {
-            rails.push(rail);
+            let pick: Vec<&Interface> = if !listen.is_unspecified() {
+                ifaces
+                    .iter()
+                    .filter(|f| IpAddr::V4(f.address) == listen)
+                    .collect()
+            } else {
+                let real: Vec<&Interface> = ifaces.iter().filter(|f| !f.loopback).collect();
+                if real.is_empty() {
+                    ifaces.iter().filter(|f| f.loopback).collect()
+                } else {
+                    real
+                }
+            };
+            pick.into_iter()
+                .map(|f| {
+                    let base = format!("/sys/class/net/{}", f.name);
+                    let reported = read_sys(&format!("{base}/speed"))
+                        .and_then(|s| s.parse::<i64>().ok())
+                        .filter(|s| *s > 0)
+                        .map(|s| s as f64 / 1000.0);
+                    Rail {
+                        name: f.name.clone(),
+                        address: IpAddr::V4(f.address),
+                        prefix_len: f.prefix_len,
+                        numa_node: read_sys(&format!("{base}/device/numa_node"))
+                            .and_then(|s| s.parse().ok())
+                            .unwrap_or(-1),
+                        reported_gbps: reported,
+                        bandwidth_gbps: theoretical(reported),
+                        is_interface: true,
+                    }
+                })
+                .collect()
+        };
+        for (location, names) in &config.tiers {
+            for name in names.keys() {
+                if !rails.iter().any(|r| &r.name == name) {
+                    return Err(Error::Config(crate::config::ConfigError::new(
+                        format!("tiers.{location}.{name}"),
+                        format!(
+                            "no rail named {name:?} on this host (rails: {})",
+                            rails
+                                .iter()
+                                .map(|r| r.name.as_str())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
+                    )));
+                }
+            }
+        }
+        Ok(Topology {
+            rails,
+            distances: numa_distances(),
+            overrides: config.tiers.clone(),
+        })
+    }
+
+    /// A topology with the given rails and distance table, for tests and tools.
+    pub fn with_rails(rails: Vec<Rail>, distances: BTreeMap<u32, BTreeMap<u32, u32>>) -> Topology {
+        Topology {
+            rails,
+            distances,
+            overrides: BTreeMap::new(),
         }
     }
-    if rails.is_empty() {
-        loopback
-    } else {
-        rails
+
+    /// NUMA node ids of this host.
+    pub fn numa_nodes(&self) -> Vec<u32> {
+        self.distances.keys().copied().collect()
+    }
+
+    /// Tier (0, 1 or 2) of every rail for memory at `location`, in rail order.
+    pub fn tiers(&self, location: Location) -> Vec<u8> {
+        let override_for = self.overrides.get(&location.to_string());
+        self.rails
+            .iter()
+            .map(|rail| {
+                if let Some(t) = override_for.and_then(|o| o.get(&rail.name)) {
+                    return *t;
+                }
+                let Location::Cpu(node) = location else {
+                    return 0;
+                };
+                if rail.numa_node < 0 || rail.numa_node as u32 == node {
+                    return 0;
+                }
+                let Some(row) = self.distances.get(&node) else {
+                    return 1;
+                };
+                let nearest_remote = row
+                    .iter()
+                    .filter(|(n, _)| **n != node)
+                    .map(|(_, d)| *d)
+                    .min();
+                match (row.get(&(rail.numa_node as u32)), nearest_remote) {
+                    (Some(d), Some(near)) if *d <= near => 1,
+                    (Some(_), Some(_)) => 2,
+                    _ => 1,
+                }
+            })
+            .collect()
+    }
+
+    /// The rails as a segment descriptor publishes them.
+    pub fn descriptors(&self) -> Vec<RailDescriptor> {
+        self.rails
+            .iter()
+            .map(|r| RailDescriptor {
+                name: r.name.clone(),
+                address: r.address.to_string(),
+                numa_node: r.numa_node,
+                bandwidth_gbps: r.bandwidth_gbps,
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rail(name: &str, addr: &str, prefix: u8, numa: i32) -> Rail {
+        Rail {
+            name: name.into(),
+            address: addr.parse().unwrap(),
+            prefix_len: prefix,
+            numa_node: numa,
+            reported_gbps: None,
+            bandwidth_gbps: 100.0,
+            is_interface: false,
+        }
+    }
+
+    fn four_nodes() -> BTreeMap<u32, BTreeMap<u32, u32>> {
+        // Nodes 0,1 are close (21); 2,3 are far from them (31).
+        let d = [
+            [10, 21, 31, 31],
+            [21, 10, 31, 31],
+            [31, 31, 10, 21],
+            [31, 31, 21, 10],
+        ];
+        (0..4u32)
+            .map(|a| {
+                (
+                    a,
+                    (0..4u32).map(|b| (b, d[a as usize][b as usize])).collect(),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn tiers_follow_numa_distance() {
+        let t = Topology::with_rails(
+            vec![
+                rail("a", "10.0.0.1", 24, 0),
+                rail("b", "10.0.1.1", 24, 1),
+                rail("c", "10.0.2.1", 24, 2),
+                rail("d", "10.0.3.1", 24, -1),
+            ],
+            four_nodes(),
+        );
+        assert_eq!(t.tiers(Location::Cpu(0)), vec![0, 1, 2, 0]);
+        assert_eq!(t.tiers(Location::Cpu(2)), vec![2, 2, 0, 0]);
+        assert_eq!(t.tiers(Location::Cpu(3)), vec![2, 2, 1, 0]);
+        assert_eq!(t.tiers(Location::Any), vec![0, 0, 0, 0]);
+        assert_eq!(t.numa_nodes(), vec![0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn overrides_win() {
+        let mut t = Topology::with_rails(
+            vec![rail("a", "10.0.0.1", 24, 0), rail("b", "10.0.1.1", 24, 1)],
+            four_nodes(),
+        );
+        t.overrides.insert(
+            "cpu:0".into(),
+            [("a".to_string(), 2u8)].into_iter().collect(),
+        );
+        assert_eq!(t.tiers(Location::Cpu(0)), vec![2, 1]);
+        assert_eq!(t.tiers(Location::Cpu(1)), vec![1, 0]);
+    }
+
+    #[test]
+    fn subnets_and_bandwidth_rule() {
+        let r = rail("a", "10.77.1.1", 24, 0);
+        assert!(r.same_subnet("10.77.1.2".parse().unwrap()));
+        assert!(!r.same_subnet("10.77.2.2".parse().unwrap()));
+        assert_eq!(
+            theoretical_bandwidth(Some(100.0), 400.0, 10.0, 800.0),
+            100.0
+        );
+        assert_eq!(theoretical_bandwidth(Some(1.0), 400.0, 10.0, 800.0), 400.0);
+        assert_eq!(
+            theoretical_bandwidth(Some(1000.0), 400.0, 10.0, 800.0),
+            400.0
+        );
+        assert_eq!(theoretical_bandwidth(None, 400.0, 10.0, 800.0), 400.0);
+    }
+
+    #[test]
+    fn listening_on_loopback_publishes_only_loopback() {
+        let t = Topology::discover(&Config::default(), "127.0.0.1".parse().unwrap()).unwrap();
+        assert_eq!(t.rails.len(), 1);
+        assert_eq!(t.rails[0].address, "127.0.0.1".parse::<IpAddr>().unwrap());
+        let all = Topology::discover(&Config::default(), "0.0.0.0".parse().unwrap()).unwrap();
+        assert!(!all.rails.is_empty());
+    }
+
+    #[test]
+    fn unknown_rail_in_tier_override_is_an_error() {
+        let c = Config::from_json_str(r#"{"tiers": {"*": {"nosuchrail": 1}}}"#, "t").unwrap();
+        let e = Topology::discover(&c, "127.0.0.1".parse().unwrap()).unwrap_err();
+        assert!(e.to_string().contains("tiers.*.nosuchrail"), "{e}");
     }
 }

@@ -180,7 +180,7 @@ fn initiator_fails_requests_on_garbage_responses() {
         }
         std::thread::sleep(Duration::from_secs(1));
     });
-    let conf = r#"{"transports": {"tcp": {"connections_per_peer": 2}}}"#;
+    let conf = r#"{"transports": {"tcp": {"connections_per_rail": 2}}}"#;
     let init = Engine::new(Config::from_json_str(conf, "test").unwrap(), "127.0.0.1:0").unwrap();
     let src = init.allocate(4096, Location::Any).unwrap();
     let seg = init.open_segment(&name).unwrap();

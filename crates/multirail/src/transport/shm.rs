@@ -47,12 +47,15 @@ struct CopyJob {
 pub(crate) struct ShmTransport {
     tx: Sender<CopyJob>,
     workers: usize,
+    /// `transports.shm.process_vm`: reach registered memory of same-host peers with
+    /// process_vm_readv/writev.
+    process_vm: bool,
     rail: Arc<RailCounters>,
 }
 
 impl ShmTransport {
     /// Starts `workers` copy threads.
-    pub(crate) fn new(workers: usize, stats: &TrafficStats) -> Result<Self> {
+    pub(crate) fn new(workers: usize, process_vm: bool, stats: &TrafficStats) -> Result<Self> {
         let (tx, rx) = channel::unbounded::<CopyJob>();
         let rail = stats.rail("shm");
         for i in 0..workers {
@@ -62,7 +65,12 @@ impl ShmTransport {
                 .spawn(move || copy_worker(rx, rail))
                 .map_err(|e| Error::io("spawning shm worker", e))?;
         }
-        Ok(ShmTransport { tx, workers, rail })
+        Ok(ShmTransport {
+            tx,
+            workers,
+            process_vm,
+            rail,
+        })
     }
 
     fn reach(&self, peer: &Peer, buffer: &BufferDescriptor) -> Result<Reach> {
@@ -88,6 +96,13 @@ impl ShmTransport {
             return Ok(Reach::Mapped {
                 mapping: m,
                 buffer_addr: buffer.addr,
+            });
+        }
+        if !self.process_vm {
+            return Err(Error::TransportUnavailable {
+                transport: "shm",
+                reason: "the buffer is registered memory and transports.shm.process_vm is off"
+                    .into(),
             });
         }
         let pid = peer.descriptor().pid as i32;

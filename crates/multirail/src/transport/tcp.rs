@@ -27,7 +27,7 @@ const SLICES_PER_WRITE: usize = 64;
 /// Settings of the tcp transport, taken from `transports.tcp`.
 #[derive(Debug, Clone)]
 pub(crate) struct TcpSettings {
-    pub connections_per_peer: usize,
+    pub connections_per_rail: usize,
     pub timeout: Duration,
     pub connect_timeout: Duration,
     pub max_inflight_bytes: u64,
@@ -150,15 +150,15 @@ pub(crate) struct TcpPeer {
 }
 
 impl TcpPeer {
-    /// Opens `settings.connections_per_peer` data connections to `addr` and starts their threads.
+    /// Opens `settings.connections_per_rail` data connections to `addr` and starts their threads.
     pub(crate) fn connect(
         peer: &str,
         addr: SocketAddr,
         settings: &TcpSettings,
         stats: &TrafficStats,
     ) -> Result<Arc<TcpPeer>> {
-        let mut conns = Vec::with_capacity(settings.connections_per_peer);
-        for i in 0..settings.connections_per_peer {
+        let mut conns = Vec::with_capacity(settings.connections_per_rail);
+        for i in 0..settings.connections_per_rail {
             let stream =
                 TcpStream::connect_timeout(&addr, settings.connect_timeout).map_err(|e| {
                     Error::SegmentUnreachable {
