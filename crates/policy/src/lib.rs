@@ -5,3 +5,5 @@
 //! the same code.
 
 pub mod slicing;
+pub mod health;
+pub mod pairing;
