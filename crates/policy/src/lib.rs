@@ -7,3 +7,4 @@
 pub mod slicing;
 pub mod health;
 pub mod pairing;
+pub mod selector;
