@@ -54,6 +54,9 @@ pub struct BenchArgs {
     /// Buffer size on each side (and of the `--local` target). Default: 1GiB.
     #[arg(long, default_value = "1GiB", value_parser = units::parse_size)]
     size: u64,
+    /// Stop after moving this many bytes (e.g. 256MiB) instead of after --duration. Default: off.
+    #[arg(long, value_parser = units::parse_size)]
+    total: Option<u64>,
     /// After the run, check every byte that landed. Default: off.
     #[arg(long)]
     verify: bool,
@@ -138,13 +141,24 @@ struct ThreadResult {
     error: Option<String>,
 }
 
-fn worker(
-    engine: &Engine,
-    plan: &Plan,
-    index: usize,
-    stop: &AtomicBool,
-    bytes: &AtomicU64,
-) -> ThreadResult {
+/// Takes one batch's bytes from the shared budget; false once it is spent.
+fn take_budget(budget: &AtomicU64, bytes: u64) -> bool {
+    budget
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| {
+            left.checked_sub(bytes)
+        })
+        .is_ok()
+}
+
+/// Counters shared by the benchmark threads.
+struct Shared {
+    stop: AtomicBool,
+    bytes: AtomicU64,
+    budget: AtomicU64,
+}
+
+fn worker(engine: &Engine, plan: &Plan, index: usize, shared: &Shared) -> ThreadResult {
+    let (stop, bytes, budget) = (&shared.stop, &shared.bytes, &shared.budget);
     let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds");
     let mut requests = 0u64;
     let per_batch = plan.block * plan.batch as u64;
@@ -159,7 +173,7 @@ fn worker(
         touched,
         error: Some(e),
     };
-    while !stop.load(Ordering::Relaxed) {
+    while !stop.load(Ordering::Relaxed) && take_budget(budget, per_batch) {
         let off = base + (step % steps) * per_batch;
         reqs.clear();
         for k in 0..plan.batch as u64 {
@@ -265,8 +279,11 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         transport: args.transport,
     });
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let bytes = Arc::new(AtomicU64::new(0));
+    let shared = Arc::new(Shared {
+        stop: AtomicBool::new(false),
+        bytes: AtomicU64::new(0),
+        budget: AtomicU64::new(args.total.unwrap_or(u64::MAX)),
+    });
     let progress = if args.json || !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         ProgressBar::hidden()
     } else {
@@ -280,21 +297,25 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
     let start = Instant::now();
     let handles: Vec<_> = (0..args.threads)
         .map(|i| {
-            let (engine, plan, stop, bytes) =
-                (engine.clone(), plan.clone(), stop.clone(), bytes.clone());
-            thread::spawn(move || worker(&engine, &plan, i, &stop, &bytes))
+            let (engine, plan, shared) = (engine.clone(), plan.clone(), shared.clone());
+            thread::spawn(move || worker(&engine, &plan, i, &shared))
         })
         .collect();
-    while start.elapsed() < args.duration && !handles.iter().all(|h| h.is_finished()) {
+    let deadline = if args.total.is_some() {
+        Duration::MAX
+    } else {
+        args.duration
+    };
+    while start.elapsed() < deadline && !handles.iter().all(|h| h.is_finished()) {
         thread::sleep(Duration::from_millis(100));
         let secs = start.elapsed().as_secs_f64();
         progress.set_position(start.elapsed().as_millis() as u64);
         progress.set_message(format!(
             "{:.2} GB/s",
-            bytes.load(Ordering::Relaxed) as f64 / secs / 1e9
+            shared.bytes.load(Ordering::Relaxed) as f64 / secs / 1e9
         ));
     }
-    stop.store(true, Ordering::Relaxed);
+    shared.stop.store(true, Ordering::Relaxed);
     let results: Vec<ThreadResult> = handles
         .into_iter()
         .map(|h| h.join().expect("bench thread"))
@@ -308,14 +329,16 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
     for r in &results {
         histogram.add(&r.histogram).expect("same bounds");
     }
-    let total_bytes = bytes.load(Ordering::Relaxed);
+    let total_bytes = shared.bytes.load(Ordering::Relaxed);
     let requests: u64 = results.iter().map(|r| r.requests).sum();
+    // Rails as the timed run left them, before verification adds its own traffic.
+    let rails = engine.traffic_stats();
+    let stats_report = engine.traffic_stats_report();
     let verified = if args.verify {
         Some(verify(&engine, &plan, &local, &results, args.threads)?)
     } else {
         None
     };
-    let rails = engine.traffic_stats();
     let gbps = total_bytes as f64 / secs / 1e9;
     let report = serde_json::json!({
         "op": match op { Opcode::Read => "read", Opcode::Write => "write" },
@@ -333,13 +356,17 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
             "p99": histogram.value_at_quantile(0.99),
             "max": histogram.max(),
         },
-        "rails": rails.iter().map(|r| serde_json::json!({"name": r.name, "bytes": r.bytes, "slices": r.slices, "errors": r.errors})).collect::<Vec<_>>(),
+        "rails": rails.iter().map(|r| serde_json::json!({
+            "name": r.name, "bytes": r.bytes, "slices": r.slices, "errors": r.errors,
+            "ewma_gbps": r.ewma_gbps, "inflight_bytes": r.inflight_bytes,
+        })).collect::<Vec<_>>(),
         "verified_bytes": verified,
     });
     if args.json {
         println!("{report}");
     } else {
         print_human(&report, &rails);
+        print!("{stats_report}");
     }
     drop(engine);
     drop(local_target);

@@ -3,6 +3,7 @@
 mod bench;
 mod membench;
 mod target;
+mod topo;
 
 use multirail_cli::{pattern, units};
 
@@ -33,6 +34,8 @@ enum Command {
     Target(target::TargetArgs),
     /// Run as initiator against a target and report throughput and latency.
     Bench(bench::BenchArgs),
+    /// Show the rails, their speeds and NUMA nodes, and each rail's tier per memory location.
+    Topo(topo::TopoArgs),
     /// Measure single-thread memcpy bandwidth walking two buffers block by block.
     Membench(membench::MembenchArgs),
     /// Configuration commands.
@@ -93,6 +96,7 @@ fn main() -> ExitCode {
         Command::Target(args) => target::run(config, args),
         Command::Bench(args) => bench::run(config, cli.config.as_deref(), args),
         Command::Membench(args) => membench::run(args),
+        Command::Topo(args) => topo::run(config, args),
         Command::Config {
             command: ConfigCommand::Show,
         } => {

@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::memory::{Buffer, Location, MemoryRegistry};
 use crate::metadata::{self, MetadataStore, P2pMetadata};
 use crate::peer::Peer;
+use crate::rails::RailScheduler;
 use crate::segment::{self, RailDescriptor, SegmentDescriptor, PROTOCOL_VERSION};
 use crate::server::Server;
 use crate::stats::{RailTraffic, TrafficStats};
@@ -119,6 +120,7 @@ struct Inner {
     stats: Arc<TrafficStats>,
     shm: ShmTransport,
     tcp: TcpTransport,
+    scheduler: Arc<RailScheduler>,
     read_plan: SlicePlan,
     write_plan: SlicePlan,
     fallback_logged: OnceLock<()>,
@@ -187,7 +189,13 @@ impl Engine {
             timeout: Duration::from_millis(tcp_cfg.timeout_ms),
             connect_timeout: Duration::from_millis(tcp_cfg.connect_timeout_ms),
             max_inflight_bytes: tcp_cfg.max_inflight_bytes_per_connection,
+            max_retries: tcp_cfg.max_retries,
         };
+        let scheduler = Arc::new(RailScheduler::new(
+            topology,
+            &config.transports.rdma,
+            &stats,
+        ));
         let workers = &config.workers;
         let plan = |cap| {
             SlicePlan::new(workers.block_size, cap).map_err(|e| {
@@ -201,7 +209,8 @@ impl Engine {
                 config.transports.shm.process_vm,
                 &stats,
             )?,
-            tcp: TcpTransport::new(settings, stats.clone()),
+            tcp: TcpTransport::new(settings, scheduler.clone(), stats.clone()),
+            scheduler,
             read_plan: plan(workers.max_slices_per_request)?,
             write_plan: plan(workers.max_slices_per_write)?,
             local,
@@ -375,7 +384,7 @@ impl Engine {
             routed.push(self.route(r).map_err(|e| annotate(e, i, requests.len()))?);
         }
         let tasks = b.add_tasks(requests.len())?;
-        for ((peer, transport, buffer, r), task) in routed.into_iter().zip(tasks) {
+        for ((peer, transport, buffer, location, r), task) in routed.into_iter().zip(tasks) {
             let plan = match r.opcode {
                 Opcode::Read => &self.inner.read_plan,
                 Opcode::Write => &self.inner.write_plan,
@@ -385,6 +394,7 @@ impl Engine {
                 local: r.source as usize,
                 remote: r.target_offset,
                 len: r.length,
+                location,
                 buffer,
                 task: task.clone(),
             };
@@ -396,15 +406,7 @@ impl Engine {
     }
 
     /// Validates one request and picks its transport.
-    fn route(
-        &self,
-        r: &Request,
-    ) -> Result<(
-        Arc<Peer>,
-        &dyn Transport,
-        segment::BufferDescriptor,
-        Request,
-    )> {
+    fn route(&self, r: &Request) -> Result<Routed<'_>> {
         if r.length == 0 {
             return Err(Error::invalid("length", "must be at least 1 byte"));
         }
@@ -417,12 +419,16 @@ impl Engine {
                 ),
             ));
         }
-        if self.inner.local.registry.find(r.source, r.length).is_none() {
-            return Err(Error::SourceNotRegistered {
+        let location = self
+            .inner
+            .local
+            .registry
+            .find(r.source, r.length)
+            .ok_or(Error::SourceNotRegistered {
                 addr: r.source,
                 len: r.length,
-            });
-        }
+            })?
+            .location();
         let peer = self.peer(r.target)?;
         if peer.process_exited() {
             return Err(Error::PeerDisconnected {
@@ -450,7 +456,7 @@ impl Engine {
         };
         transport.prepare(&peer, &buffer)?;
         tracing::trace!(transport = transport.name(), peer = %peer.name, "routed");
-        Ok((peer, transport, buffer, *r))
+        Ok((peer, transport, buffer, location, *r))
     }
 
     /// The buffer of `peer` holding the range, refetching the descriptor once if the cached one
@@ -493,9 +499,40 @@ impl Engine {
         self.batch(batch)?.wait(timeout)
     }
 
-    /// Bytes, slices and errors per rail since the engine started.
+    /// Per rail since the engine started: bytes, slices and errors moved, and for network
+    /// rails the scheduler's EWMA bandwidth and the bytes in flight.
     pub fn traffic_stats(&self) -> Vec<RailTraffic> {
-        self.inner.stats.snapshot()
+        let mut rails = self.inner.stats.snapshot();
+        for (name, s) in self.inner.scheduler.stats() {
+            if let Some(r) = rails.iter_mut().find(|r| r.name == name) {
+                r.ewma_gbps = Some(s.ewma_gbps);
+                r.inflight_bytes = s.inflight_bytes;
+            }
+        }
+        rails
+    }
+
+    /// The scheduler's view of the rails in TENT's format: `=== Device Traffic Statistics ===`,
+    /// then `Dev N: Total=… GB, EWMA BW=… Gbps, Inflight=… bytes` per rail, in rail order.
+    pub fn traffic_stats_report(&self) -> String {
+        let stats: Vec<_> = self
+            .inner
+            .scheduler
+            .stats()
+            .into_iter()
+            .map(|(_, s)| s)
+            .collect();
+        multirail_policy::selector::format_traffic_stats(&stats)
+    }
+
+    /// Prints [`Engine::traffic_stats_report`] to standard output.
+    pub fn print_traffic_stats(&self) {
+        print!("{}", self.traffic_stats_report());
+    }
+
+    /// The rails this engine sends on, in scheduler order (`Dev N` in the report).
+    pub fn rails(&self) -> Vec<topology::Rail> {
+        self.inner.scheduler.topology().rails.clone()
     }
 
     /// Stops serving: closes the control port and every connection. Later calls still work on
@@ -518,6 +555,15 @@ impl Engine {
         }
     }
 }
+
+/// A validated request: its peer, transport, target buffer and source location.
+type Routed<'a> = (
+    Arc<Peer>,
+    &'a dyn Transport,
+    segment::BufferDescriptor,
+    Location,
+    Request,
+);
 
 fn annotate(e: Error, index: usize, total: usize) -> Error {
     if total > 1 {
@@ -543,7 +589,7 @@ fn spawn_timeout_watch(inner: Weak<Inner>) {
                 .collect();
             let now = Instant::now();
             for p in peers {
-                inner.tcp.check_timeouts(&p, now);
+                inner.tcp.maintain(&p, now);
             }
         });
 }

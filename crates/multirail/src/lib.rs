@@ -23,6 +23,7 @@ pub mod error;
 pub mod memory;
 pub mod metadata;
 pub(crate) mod peer;
+pub(crate) mod rails;
 pub mod segment;
 pub(crate) mod server;
 pub mod stats;

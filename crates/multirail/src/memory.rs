@@ -83,6 +83,9 @@ impl Region {
     pub(crate) fn key(&self) -> u64 {
         self.key
     }
+    pub(crate) fn location(&self) -> Location {
+        self.location
+    }
     pub(crate) fn contains(&self, addr: u64, len: u64) -> bool {
         let start = self.addr as u64;
         addr >= start && len <= self.len as u64 && addr - start <= self.len as u64 - len

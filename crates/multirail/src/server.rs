@@ -19,6 +19,10 @@ use crate::transport::wire::{self, ConnKind, RequestHeader, RequestOp, ResponseH
 
 /// Responses gathered before one `writev`.
 const RESPONSES_PER_WRITE: usize = 64;
+/// Longest a finished slice's response may wait for company. Batching responses saves
+/// syscalls at high slice rates, but a held-back acknowledgement delays the initiator's
+/// completion and distorts the bandwidth it measures per rail.
+const RESPONSE_DELAY: Duration = Duration::from_micros(100);
 /// How long a new connection may take to say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -188,6 +192,8 @@ fn check(registry: &MemoryRegistry, h: &RequestHeader) -> Result<Arc<Region>, St
 
 /// Responses waiting for one `writev`, in request order.
 struct Responses {
+    /// When the oldest unsent response was queued.
+    oldest: Option<std::time::Instant>,
     headers: Vec<[u8; wire::RESPONSE_LEN]>,
     payloads: Vec<Option<(usize, usize)>>,
     held: Vec<Arc<Region>>,
@@ -213,8 +219,10 @@ impl Responses {
         }
     }
 
-    fn full(&self) -> bool {
-        self.headers.len() >= RESPONSES_PER_WRITE || self.bytes >= 8 << 20
+    fn due(&self) -> bool {
+        self.headers.len() >= RESPONSES_PER_WRITE
+            || self.bytes >= 8 << 20
+            || self.oldest.is_some_and(|t| t.elapsed() >= RESPONSE_DELAY)
     }
 
     fn flush(&mut self, fd: RawFd) -> Result<(), String> {
@@ -235,6 +243,7 @@ impl Responses {
         self.payloads.clear();
         self.held.clear();
         self.bytes = 0;
+        self.oldest = None;
         Ok(())
     }
 }
@@ -267,6 +276,7 @@ fn serve_data(fd: RawFd, registry: &MemoryRegistry) -> Result<(), String> {
     };
     let mut scratch = vec![0u8; 64 * 1024];
     let mut out = Responses {
+        oldest: None,
         headers: Vec::with_capacity(RESPONSES_PER_WRITE),
         payloads: Vec::with_capacity(RESPONSES_PER_WRITE),
         held: Vec::with_capacity(RESPONSES_PER_WRITE),
@@ -341,7 +351,7 @@ fn serve_data(fd: RawFd, registry: &MemoryRegistry) -> Result<(), String> {
                 }
             }
         }
-        if out.full() {
+        if out.due() {
             out.flush(fd)?;
         }
     }

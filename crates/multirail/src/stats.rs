@@ -23,7 +23,7 @@ impl RailCounters {
 }
 
 /// What one rail carried since the engine started.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct RailTraffic {
     /// Rail name: a network interface, or `shm` for same-host copies.
     pub name: String,
@@ -33,6 +33,10 @@ pub struct RailTraffic {
     pub slices: u64,
     /// Slices that failed.
     pub errors: u64,
+    /// The scheduler's EWMA bandwidth estimate, Gbps (network rails only).
+    pub ewma_gbps: Option<f64>,
+    /// Bytes assigned to the rail and not yet answered (network rails only).
+    pub inflight_bytes: u64,
 }
 
 /// The set of rails that have carried traffic, created on first use.
@@ -68,6 +72,8 @@ impl TrafficStats {
                 bytes: r.bytes.load(Ordering::Relaxed),
                 slices: r.slices.load(Ordering::Relaxed),
                 errors: r.errors.load(Ordering::Relaxed),
+                ewma_gbps: None,
+                inflight_bytes: 0,
             })
             .collect()
     }

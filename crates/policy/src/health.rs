@@ -183,7 +183,9 @@ mod tests {
         let mut pauses = vec![];
         for _ in 0..6 {
             h.on_probe(now, false);
-            let RailState::Paused { until_ns } = h.state() else { panic!() };
+            let RailState::Paused { until_ns } = h.state() else {
+                panic!()
+            };
             pauses.push((until_ns - now) / S);
             now = until_ns;
             assert!(h.poll_probe(now));
@@ -204,13 +206,23 @@ mod tests {
         for t in [33, 34, 35] {
             h.on_error(t * S);
         }
-        assert_eq!(h.state(), RailState::Paused { until_ns: 95 * S }, "second pause is 60 s");
+        assert_eq!(
+            h.state(),
+            RailState::Paused { until_ns: 95 * S },
+            "second pause is 60 s"
+        );
         assert!(h.poll_probe(95 * S));
         h.on_probe(95 * S, true);
         let later = 95 * S + 300 * S;
         for t in 0..3 {
             h.on_error(later + t * S);
         }
-        assert_eq!(h.state(), RailState::Paused { until_ns: later + 2 * S + 30 * S }, "reset after 300 s up");
+        assert_eq!(
+            h.state(),
+            RailState::Paused {
+                until_ns: later + 2 * S + 30 * S
+            },
+            "reset after 300 s up"
+        );
     }
 }

@@ -4,7 +4,7 @@
 //! it owns no thread, socket, clock or global, so the engine, the simulator and the tests drive
 //! the same code.
 
-pub mod slicing;
 pub mod health;
 pub mod pairing;
 pub mod selector;
+pub mod slicing;

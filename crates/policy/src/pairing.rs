@@ -28,29 +28,36 @@ pub struct RailInfo {
 
 /// For each local rail, the index of the remote rail it pairs with, or `None` when it reaches
 /// none. `reach(l, r)` says how local rail `l` reaches remote rail `r`.
-pub fn pair_rails(local: &[RailInfo], remote: &[RailInfo], reach: impl Fn(usize, usize) -> Reach) -> Vec<Option<usize>> {
+pub fn pair_rails(
+    local: &[RailInfo],
+    remote: &[RailInfo],
+    reach: impl Fn(usize, usize) -> Reach,
+) -> Vec<Option<usize>> {
     let mut load = vec![0usize; remote.len()];
     local
         .iter()
         .enumerate()
         .map(|(l, lrail)| {
-            let best_reach = (0..remote.len()).map(|r| reach(l, r)).max().unwrap_or(Reach::No);
+            let best_reach = (0..remote.len())
+                .map(|r| reach(l, r))
+                .max()
+                .unwrap_or(Reach::No);
             if best_reach == Reach::No {
                 return None;
             }
-            let candidates: Vec<usize> = (0..remote.len()).filter(|&r| reach(l, r) == best_reach).collect();
-            let least_loaded = |pool: &mut dyn Iterator<Item = usize>| pool.min_by_key(|&r| (load[r], r));
+            let candidates: Vec<usize> = (0..remote.len())
+                .filter(|&r| reach(l, r) == best_reach)
+                .collect();
+            let least_loaded =
+                |pool: &mut dyn Iterator<Item = usize>| pool.min_by_key(|&r| (load[r], r));
             let choice = candidates
                 .iter()
                 .copied()
                 .find(|&r| remote[r].name == lrail.name)
                 .or_else(|| {
-                    least_loaded(
-                        &mut candidates
-                            .iter()
-                            .copied()
-                            .filter(|&r| lrail.numa_node >= 0 && remote[r].numa_node == lrail.numa_node),
-                    )
+                    least_loaded(&mut candidates.iter().copied().filter(|&r| {
+                        lrail.numa_node >= 0 && remote[r].numa_node == lrail.numa_node
+                    }))
                 })
                 .or_else(|| least_loaded(&mut candidates.iter().copied()))?;
             load[choice] += 1;
@@ -77,7 +84,11 @@ mod tests {
         let l = rails(&[("b0", 0), ("b1", 0), ("b2", 1), ("b3", 1)]);
         let r = rails(&[("a0", 0), ("a1", 0), ("a2", 1), ("a3", 1)]);
         // Rail i shares a subnet only with remote rail i.
-        let p = pair_rails(&l, &r, |a, b| if a == b { Reach::SameSubnet } else { Reach::No });
+        let p = pair_rails(
+            &l,
+            &r,
+            |a, b| if a == b { Reach::SameSubnet } else { Reach::No },
+        );
         assert_eq!(p, vec![Some(0), Some(1), Some(2), Some(3)]);
     }
 

@@ -33,6 +33,8 @@ pub(crate) struct Prepared {
     /// Address in the target's memory.
     pub remote: u64,
     pub len: u64,
+    /// Where the local memory lives; picks the rails' tiers.
+    pub location: crate::memory::Location,
     /// The target buffer that holds `remote..remote+len`.
     pub buffer: BufferDescriptor,
     pub task: Arc<Task>,

@@ -1,13 +1,13 @@
-//! The `tcp` transport, initiator side: several persistent connections per peer, each with a
-//! sender thread that writes many slices per `writev` straight from registered memory and a
-//! reader thread that reaps responses in order and reads READ payloads straight into
-//! registered memory. Many slices are in flight on every connection.
+//! One initiator-side connection of the `tcp` transport: a sender thread that writes many slices
+//! per `writev` straight from registered memory, and a reader thread that reaps responses in
+//! order and reads READ payloads straight into registered memory. Many slices are in flight at
+//! once. When the connection dies, its slices go back to the peer to be retried on another rail.
 
 use std::collections::VecDeque;
-use std::net::{SocketAddr, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::thread::{self, Thread};
 use std::time::{Duration, Instant};
 
@@ -15,8 +15,7 @@ use crossbeam::channel::{self, Receiver, Sender};
 
 use crate::batch::Task;
 use crate::error::{Error, Result};
-use crate::stats::{RailCounters, TrafficStats};
-use crate::topology;
+use crate::stats::RailCounters;
 use crate::transport::sockio::{self, iovec};
 use crate::transport::wire::{self, ConnKind, RequestHeader, RequestOp, ResponseHeader};
 use crate::transport::Opcode;
@@ -31,6 +30,7 @@ pub(crate) struct TcpSettings {
     pub timeout: Duration,
     pub connect_timeout: Duration,
     pub max_inflight_bytes: u64,
+    pub max_retries: u32,
 }
 
 /// One slice to post.
@@ -41,6 +41,24 @@ pub(crate) struct Outgoing {
     pub key: u64,
     pub len: u32,
     pub task: Arc<Task>,
+    /// The rail the selector charged this slice to.
+    pub rail: usize,
+    /// Times this slice was handed back after a connection failed.
+    pub attempts: u32,
+    /// When the slice first went on the wire; bounds how long retries may go on.
+    pub first_posted: Option<Instant>,
+}
+
+/// What a connection reports to: the peer that owns it.
+pub(crate) trait ConnOwner: Send + Sync {
+    /// A slice posted at `posted` was answered: `ok` when its bytes are in place, false when the
+    /// target refused it (which no retry can fix).
+    fn answered(&self, rail: usize, bytes: u64, posted: Instant, now: Instant, ok: bool);
+    /// The connection on `rail` died with `err` (reported once per connection).
+    fn connection_lost(&self, rail: usize, err: &Error);
+    /// Slices that were in flight or queued on a dead connection of `rail`; each must be
+    /// retried elsewhere or failed.
+    fn slices_returned(&self, rail: usize, slices: Vec<Outgoing>, err: Error);
 }
 
 enum Msg {
@@ -51,10 +69,7 @@ enum Msg {
 /// A slice written to the socket whose response has not arrived yet.
 struct Inflight {
     seq: u64,
-    op: Opcode,
-    local: usize,
-    len: u32,
-    task: Arc<Task>,
+    slice: Outgoing,
     posted: Instant,
 }
 
@@ -65,9 +80,10 @@ struct ConnState {
     dead: Option<Error>,
 }
 
-/// One connection to a peer.
-struct Conn {
+/// One connection to a peer on one rail pair.
+pub(crate) struct Conn {
     peer: String,
+    rail: usize,
     fd: RawFd,
     stream: TcpStream,
     tx: Sender<Msg>,
@@ -75,37 +91,173 @@ struct Conn {
     inflight_bytes: AtomicU64,
     reads_outstanding: AtomicU32,
     dead: AtomicBool,
+    /// Nanoseconds after `epoch` of the last answered slice; 0 = never.
+    last_answer_ns: AtomicU64,
+    epoch: Instant,
     sender: OnceLock<Thread>,
-    rail: Arc<RailCounters>,
+    counters: Arc<RailCounters>,
+    owner: Weak<dyn ConnOwner>,
     settings: TcpSettings,
 }
 
+/// Where and how to open a connection.
+pub(crate) struct ConnTarget<'a> {
+    pub peer: &'a str,
+    pub remote: SocketAddr,
+    /// Local address to bind, and the interface to pin the socket to.
+    pub bind: Option<(IpAddr, Option<&'a str>)>,
+    pub rail: usize,
+}
+
+fn open_socket(target: &ConnTarget<'_>, settings: &TcpSettings) -> std::io::Result<TcpStream> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(
+        Domain::for_address(target.remote),
+        Type::STREAM,
+        Some(Protocol::TCP),
+    )?;
+    if let Some((addr, iface)) = target.bind {
+        if let Some(iface) = iface {
+            // Pinning to the interface keeps the kernel from routing this rail's traffic out of
+            // another one. It needs CAP_NET_RAW; without it the address binding still steers
+            // traffic on any sane routing table.
+            if let Err(e) = socket.bind_device(Some(iface.as_bytes())) {
+                static WARNED: OnceLock<()> = OnceLock::new();
+                if WARNED.set(()).is_ok() {
+                    tracing::warn!(interface = iface, error = %e, "SO_BINDTODEVICE refused; binding rails by address only");
+                }
+            }
+        }
+        socket.bind(&SocketAddr::new(addr, 0).into())?;
+    }
+    socket.connect_timeout(&target.remote.into(), settings.connect_timeout)?;
+    let stream: TcpStream = socket.into();
+    configure_stream(&stream, settings)?;
+    Ok(stream)
+}
+
 impl Conn {
-    /// Marks the connection dead with `err`, fails every slice in flight on it and wakes both
-    /// threads. Idempotent: the first error wins.
-    fn kill(&self, err: Error) {
-        let drained: Vec<Inflight> = {
+    /// Opens a data connection and starts its two threads.
+    pub(crate) fn open(
+        target: &ConnTarget<'_>,
+        settings: &TcpSettings,
+        counters: Arc<RailCounters>,
+        owner: Weak<dyn ConnOwner>,
+        epoch: Instant,
+    ) -> Result<Arc<Conn>> {
+        let stream = open_socket(target, settings).map_err(|e| Error::SegmentUnreachable {
+            name: target.peer.to_owned(),
+            reason: format!("data connection to {}: {e}", target.remote),
+        })?;
+        let hello = wire::encode_hello(ConnKind::Data);
+        let mut iov = [iovec(hello.as_ptr(), hello.len())];
+        sockio::write_all_vectored(stream.as_raw_fd(), &mut iov)
+            .map_err(|e| Error::io(format!("hello to {}", target.peer), e))?;
+        let (tx, rx) = channel::unbounded();
+        let conn = Arc::new(Conn {
+            peer: target.peer.to_owned(),
+            rail: target.rail,
+            fd: stream.as_raw_fd(),
+            stream,
+            tx,
+            state: Mutex::new(ConnState {
+                queue: VecDeque::with_capacity(1024),
+                next_seq: 0,
+                dead: None,
+            }),
+            inflight_bytes: AtomicU64::new(0),
+            reads_outstanding: AtomicU32::new(0),
+            dead: AtomicBool::new(false),
+            last_answer_ns: AtomicU64::new(0),
+            epoch,
+            sender: OnceLock::new(),
+            counters,
+            owner,
+            settings: settings.clone(),
+        });
+        let c = conn.clone();
+        let sender = thread::Builder::new()
+            .name(format!("mr-tcp-send-{}", target.rail))
+            .spawn(move || sender_loop(&c, rx))
+            .map_err(|e| Error::io("spawning tcp sender thread", e))?;
+        let _ = conn.sender.set(sender.thread().clone());
+        let c = conn.clone();
+        thread::Builder::new()
+            .name(format!("mr-tcp-recv-{}", target.rail))
+            .spawn(move || reader_loop(&c))
+            .map_err(|e| Error::io("spawning tcp reader thread", e))?;
+        Ok(conn)
+    }
+
+    /// Queues a slice; hands it back when the connection is dead.
+    pub(crate) fn send(&self, slice: Outgoing) -> std::result::Result<(), Outgoing> {
+        // Checking and queueing under the state lock orders every queued slice before the
+        // Stop that `kill` queues, so the sender thread hands back everything it was given.
+        let st = self.state.lock().expect("conn poisoned");
+        if st.dead.is_some() {
+            return Err(slice);
+        }
+        let sent = self.tx.send(Msg::Slice(slice));
+        drop(st);
+        match sent {
+            Ok(()) => Ok(()),
+            Err(channel::SendError(Msg::Slice(s))) => Err(s),
+            Err(_) => unreachable!("only slices are sent here"),
+        }
+    }
+
+    /// When this connection last got an answer, if ever.
+    pub(crate) fn last_answer(&self) -> Option<Instant> {
+        match self.last_answer_ns.load(Ordering::Relaxed) {
+            0 => None,
+            ns => Some(self.epoch + Duration::from_nanos(ns)),
+        }
+    }
+
+    /// Marks the connection dead with `err` and hands every slice in flight on it back to the
+    /// owner. Idempotent: the first error wins and slices are handed back once.
+    pub(crate) fn kill(&self, err: Error) {
+        let (drained, reason) = {
             let mut st = self.state.lock().expect("conn poisoned");
             if st.dead.is_none() {
-                st.dead = Some(err.clone());
+                st.dead = Some(err);
             }
-            st.queue.drain(..).collect()
+            let reason = st.dead.clone().expect("just set");
+            (
+                st.queue.drain(..).map(|i| i.slice).collect::<Vec<_>>(),
+                reason,
+            )
         };
-        self.dead.store(true, Ordering::Release);
+        let first = !self.dead.swap(true, Ordering::AcqRel);
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
-        let reason = self
-            .state
-            .lock()
-            .expect("conn poisoned")
-            .dead
-            .clone()
-            .unwrap_or(err);
-        for slice in drained {
-            self.rail.record_error();
-            slice.task.part_done(Err(reason.clone()));
+        if first {
+            if let Some(owner) = self.owner.upgrade() {
+                owner.connection_lost(self.rail, &reason);
+            }
+        }
+        self.hand_back(drained, reason);
+        if first {
+            let _ = self.tx.send(Msg::Stop);
         }
         if let Some(t) = self.sender.get() {
             t.unpark();
+        }
+    }
+
+    fn hand_back(&self, slices: Vec<Outgoing>, err: Error) {
+        if slices.is_empty() {
+            return;
+        }
+        for _ in &slices {
+            self.counters.record_error();
+        }
+        match self.owner.upgrade() {
+            Some(owner) => owner.slices_returned(self.rail, slices, err),
+            None => {
+                for s in slices {
+                    s.task.part_done(Err(err.clone()));
+                }
+            }
         }
     }
 
@@ -121,18 +273,19 @@ impl Conn {
             })
     }
 
-    fn is_dead(&self) -> bool {
+    /// True once the connection has failed or was closed.
+    pub(crate) fn is_dead(&self) -> bool {
         self.dead.load(Ordering::Acquire)
     }
 
-    /// Fails the oldest slice if it waited longer than the timeout, killing the connection: a
-    /// peer that stopped answering is treated as gone.
-    fn check_timeout(&self, now: Instant) {
+    /// Kills the connection if its oldest slice waited longer than the timeout: a peer that
+    /// stopped answering is treated as gone.
+    pub(crate) fn check_timeout(&self, now: Instant) {
         let expired = {
             let st = self.state.lock().expect("conn poisoned");
             st.queue
                 .front()
-                .is_some_and(|f| now.duration_since(f.posted) > self.settings.timeout)
+                .is_some_and(|f| now.saturating_duration_since(f.posted) > self.settings.timeout)
         };
         if expired {
             self.kill(Error::Timeout {
@@ -140,130 +293,6 @@ impl Conn {
                 timeout_ms: self.settings.timeout.as_millis() as u64,
             });
         }
-    }
-}
-
-/// The connections to one peer.
-pub(crate) struct TcpPeer {
-    conns: Vec<Arc<Conn>>,
-    next: AtomicUsize,
-}
-
-impl TcpPeer {
-    /// Opens `settings.connections_per_rail` data connections to `addr` and starts their threads.
-    pub(crate) fn connect(
-        peer: &str,
-        addr: SocketAddr,
-        settings: &TcpSettings,
-        stats: &TrafficStats,
-    ) -> Result<Arc<TcpPeer>> {
-        let mut conns = Vec::with_capacity(settings.connections_per_rail);
-        for i in 0..settings.connections_per_rail {
-            let stream =
-                TcpStream::connect_timeout(&addr, settings.connect_timeout).map_err(|e| {
-                    Error::SegmentUnreachable {
-                        name: peer.to_owned(),
-                        reason: format!("data connection {i} to {addr}: {e}"),
-                    }
-                })?;
-            configure_stream(&stream, settings)
-                .map_err(|e| Error::io(format!("configuring connection to {peer}"), e))?;
-            let hello = wire::encode_hello(ConnKind::Data);
-            let mut iov = [iovec(hello.as_ptr(), hello.len())];
-            sockio::write_all_vectored(stream.as_raw_fd(), &mut iov)
-                .map_err(|e| Error::io(format!("hello to {peer}"), e))?;
-            let rail_name = stream
-                .local_addr()
-                .ok()
-                .and_then(|a| topology::interface_for_address(a.ip()))
-                .unwrap_or_else(|| "tcp".to_owned());
-            let (tx, rx) = channel::unbounded();
-            let conn = Arc::new(Conn {
-                peer: peer.to_owned(),
-                fd: stream.as_raw_fd(),
-                stream,
-                tx,
-                state: Mutex::new(ConnState {
-                    queue: VecDeque::with_capacity(1024),
-                    next_seq: 0,
-                    dead: None,
-                }),
-                inflight_bytes: AtomicU64::new(0),
-                reads_outstanding: AtomicU32::new(0),
-                dead: AtomicBool::new(false),
-                sender: OnceLock::new(),
-                rail: stats.rail(&rail_name),
-                settings: settings.clone(),
-            });
-            let c = conn.clone();
-            let sender = thread::Builder::new()
-                .name(format!("mr-tcp-send-{i}"))
-                .spawn(move || sender_loop(&c, rx))
-                .map_err(|e| Error::io("spawning tcp sender thread", e))?;
-            let _ = conn.sender.set(sender.thread().clone());
-            let c = conn.clone();
-            thread::Builder::new()
-                .name(format!("mr-tcp-recv-{i}"))
-                .spawn(move || reader_loop(&c))
-                .map_err(|e| Error::io("spawning tcp reader thread", e))?;
-            conns.push(conn);
-        }
-        Ok(Arc::new(TcpPeer {
-            conns,
-            next: AtomicUsize::new(0),
-        }))
-    }
-
-    /// True once every connection has failed; the peer must be reconnected.
-    pub(crate) fn is_dead(&self) -> bool {
-        self.conns.iter().all(|c| c.is_dead())
-    }
-
-    /// Hands slices to live connections, spreading consecutive slices across them. A slice that
-    /// finds no live connection fails its task part with the connection's error.
-    pub(crate) fn post(&self, slices: impl Iterator<Item = Outgoing>) {
-        let n = self.conns.len();
-        for slice in slices {
-            let start = self.next.fetch_add(1, Ordering::Relaxed);
-            let conn = (0..n)
-                .map(|k| &self.conns[(start + k) % n])
-                .find(|c| !c.is_dead());
-            match conn {
-                Some(conn) => {
-                    if let Err(channel::SendError(Msg::Slice(s))) = conn.tx.send(Msg::Slice(slice))
-                    {
-                        s.task.part_done(Err(conn.dead_error()));
-                    }
-                }
-                None => slice.task.part_done(Err(self.conns[0].dead_error())),
-            }
-        }
-    }
-
-    /// Fails slices that waited longer than the timeout.
-    pub(crate) fn check_timeouts(&self, now: Instant) {
-        for c in &self.conns {
-            if !c.is_dead() {
-                c.check_timeout(now);
-            }
-        }
-    }
-
-    /// Closes every connection; slices in flight fail with `reason`.
-    pub(crate) fn close(&self, reason: &str) {
-        for c in &self.conns {
-            c.kill(Error::PeerDisconnected {
-                peer: c.peer.clone(),
-                reason: reason.to_owned(),
-            });
-            let _ = c.tx.send(Msg::Stop);
-        }
-    }
-}
-
-impl Drop for TcpPeer {
-    fn drop(&mut self) {
-        self.close("engine shut down");
     }
 }
 
@@ -317,13 +346,11 @@ fn sender_loop(conn: &Arc<Conn>, rx: Receiver<Msg>) {
             let mut st = conn.state.lock().expect("conn poisoned");
             if let Some(err) = st.dead.clone() {
                 drop(st);
-                for s in batch.drain(..) {
-                    s.task.part_done(Err(err.clone()));
-                }
+                conn.hand_back(std::mem::take(&mut batch), err);
                 continue;
             }
             let now = Instant::now();
-            for (i, s) in batch.drain(..).enumerate() {
+            for (i, mut s) in batch.drain(..).enumerate() {
                 let seq = st.next_seq;
                 st.next_seq += 1;
                 let op = match s.op {
@@ -344,12 +371,10 @@ fn sender_loop(conn: &Arc<Conn>, rx: Receiver<Msg>) {
                 } else {
                     reads += 1;
                 }
+                s.first_posted.get_or_insert(now);
                 st.queue.push_back(Inflight {
                     seq,
-                    op: s.op,
-                    local: s.local,
-                    len: s.len,
-                    task: s.task,
+                    slice: s,
                     posted: now,
                 });
             }
@@ -365,16 +390,14 @@ fn sender_loop(conn: &Arc<Conn>, rx: Receiver<Msg>) {
             });
         }
     }
-    // Fail whatever is still queued so no task waits forever.
-    let err = conn.dead_error();
-    for s in batch.drain(..) {
-        s.task.part_done(Err(err.clone()));
-    }
+    // Hand back whatever is still queued so no task waits forever.
+    let mut rest = std::mem::take(&mut batch);
     while let Ok(msg) = rx.try_recv() {
         if let Msg::Slice(s) = msg {
-            s.task.part_done(Err(err.clone()));
+            rest.push(s);
         }
     }
+    conn.hand_back(rest, conn.dead_error());
 }
 
 /// Reads exactly one response header, pulling in more bytes only when no READ payload can
@@ -447,19 +470,26 @@ fn reader_loop(conn: &Arc<Conn>) {
 
 fn reap(conn: &Arc<Conn>, staging: &mut Staging) -> Result<()> {
     let peer = || conn.peer.clone();
+    // Responses that arrive in one read share one arrival time, so the selector sees them as
+    // delivered together rather than as a burst of impossibly short intervals.
+    let mut now = Instant::now();
     loop {
         let reads = conn.reads_outstanding.load(Ordering::Acquire) > 0;
+        let must_read = staging.available() < wire::RESPONSE_LEN;
         let raw = staging
             .fill_header(conn.fd, reads)
             .map_err(|e| Error::PeerDisconnected {
                 peer: peer(),
                 reason: e.to_string(),
             })?;
+        if must_read {
+            now = Instant::now();
+        }
         let header = ResponseHeader::decode(&raw).map_err(|reason| Error::Protocol {
             peer: peer(),
             reason,
         })?;
-        let slice = {
+        let inflight = {
             let mut st = conn.state.lock().expect("conn poisoned");
             match st.queue.front() {
                 Some(f) if f.seq == header.id => st.queue.pop_front().expect("front exists"),
@@ -480,15 +510,27 @@ fn reap(conn: &Arc<Conn>, staging: &mut Staging) -> Result<()> {
                 }
             }
         };
-        let outcome = match header.status {
+        // A failure below leaves the slice unanswered: put it back so `kill` hands it back.
+        let requeue = |inflight: Inflight, err: Error| {
+            conn.state
+                .lock()
+                .expect("conn poisoned")
+                .queue
+                .push_front(inflight);
+            err
+        };
+        let slice = &inflight.slice;
+        let ok = match header.status {
             wire::Status::Ok if slice.op == Opcode::Read => {
                 if header.len != slice.len {
-                    let err = Error::Protocol {
-                        peer: peer(),
-                        reason: format!("read returned {} bytes, asked {}", header.len, slice.len),
-                    };
-                    slice.task.part_done(Err(err.clone()));
-                    return Err(err);
+                    let reason = format!("read returned {} bytes, asked {}", header.len, slice.len);
+                    return Err(requeue(
+                        inflight,
+                        Error::Protocol {
+                            peer: peer(),
+                            reason,
+                        },
+                    ));
                 }
                 let dst = slice.local as *mut u8;
                 let len = slice.len as usize;
@@ -502,16 +544,15 @@ fn reap(conn: &Arc<Conn>, staging: &mut Staging) -> Result<()> {
                         peer: peer(),
                         reason: e.to_string(),
                     };
-                    slice.task.part_done(Err(err.clone()));
-                    return Err(err);
+                    return Err(requeue(inflight, err));
                 }
-                Ok(())
+                if staged < len {
+                    now = Instant::now();
+                }
+                true
             }
-            wire::Status::Ok => Ok(()),
-            status => Err(Error::RemoteRejected {
-                peer: peer(),
-                reason: status.reason().to_owned(),
-            }),
+            wire::Status::Ok => true,
+            _ => false,
         };
         if slice.op == Opcode::Read {
             conn.reads_outstanding.fetch_sub(1, Ordering::AcqRel);
@@ -524,94 +565,23 @@ fn reap(conn: &Arc<Conn>, staging: &mut Staging) -> Result<()> {
                 t.unpark();
             }
         }
-        match &outcome {
-            Ok(()) => conn.rail.record(slice.len as u64, 1),
-            Err(_) => conn.rail.record_error(),
+        conn.last_answer_ns.store(
+            now.duration_since(conn.epoch).as_nanos().max(1) as u64,
+            Ordering::Relaxed,
+        );
+        if let Some(owner) = conn.owner.upgrade() {
+            owner.answered(slice.rail, slice.len as u64, inflight.posted, now, ok);
         }
-        slice.task.part_done(outcome);
-    }
-}
-
-/// The tcp transport: owns nothing per peer itself; each `Peer` keeps its `TcpPeer`.
-pub(crate) struct TcpTransport {
-    settings: TcpSettings,
-    stats: Arc<TrafficStats>,
-}
-
-impl TcpTransport {
-    pub(crate) fn new(settings: TcpSettings, stats: Arc<TrafficStats>) -> Self {
-        TcpTransport { settings, stats }
-    }
-
-    fn connected(&self, peer: &crate::peer::Peer) -> Result<Arc<TcpPeer>> {
-        let mut slot = peer.tcp.lock().expect("peer poisoned");
-        if let Some(p) = slot.as_ref() {
-            if !p.is_dead() {
-                return Ok(p.clone());
-            }
-        }
-        let fresh = TcpPeer::connect(&peer.name, peer.addr, &self.settings, &self.stats)?;
-        *slot = Some(fresh.clone());
-        Ok(fresh)
-    }
-}
-
-impl crate::transport::Transport for TcpTransport {
-    fn name(&self) -> &'static str {
-        "tcp"
-    }
-
-    fn prepare(
-        &self,
-        peer: &crate::peer::Peer,
-        _buffer: &crate::segment::BufferDescriptor,
-    ) -> Result<()> {
-        self.connected(peer).map(|_| ())
-    }
-
-    fn post(
-        &self,
-        peer: &crate::peer::Peer,
-        req: crate::transport::Prepared,
-        plan: &multirail_policy::slicing::SlicePlan,
-    ) {
-        let slices = match plan.slices(req.len) {
-            Ok(s) => s,
-            Err(e) => {
-                req.task.add_parts(1);
-                req.task
-                    .part_done(Err(Error::invalid("length", e.to_string())));
-                return;
-            }
-        };
-        let tcp = match self.connected(peer) {
-            Ok(t) => t,
-            Err(e) => {
-                req.task.add_parts(1);
-                req.task.part_done(Err(e));
-                return;
-            }
-        };
-        req.task.add_parts(slices.len() as u32);
-        let (op, local, remote, key, task) =
-            (req.op, req.local, req.remote, req.buffer.key, &req.task);
-        tcp.post(slices.map(|s| Outgoing {
-            op,
-            local: local + s.offset as usize,
-            remote: remote + s.offset,
-            key,
-            len: s.length as u32,
-            task: task.clone(),
-        }));
-    }
-}
-
-impl TcpTransport {
-    /// Fails slices of `peer` that waited longer than the timeout.
-    pub(crate) fn check_timeouts(&self, peer: &crate::peer::Peer, now: Instant) {
-        let tcp = peer.tcp.lock().expect("peer poisoned").clone();
-        if let Some(t) = tcp {
-            t.check_timeouts(now);
+        let Inflight { slice, .. } = inflight;
+        if ok {
+            conn.counters.record(slice.len as u64, 1);
+            slice.task.part_done(Ok(()));
+        } else {
+            conn.counters.record_error();
+            slice.task.part_done(Err(Error::RemoteRejected {
+                peer: peer(),
+                reason: header.status.reason().to_owned(),
+            }));
         }
     }
 }

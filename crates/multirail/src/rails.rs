@@ -1,0 +1,143 @@
+//! The engine's rail scheduler: the DeviceSelector (from `multirail-policy`) driven with real
+//! time, the per-rail traffic counters, and the tiers of every rail for each memory location.
+//! Shared by every peer of every rail-carrying transport, since rails are a host resource.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use multirail_policy::selector::{self, DeviceSelector, RailId, SelectorConfig, SliceShape};
+
+use crate::config::RdmaConfig;
+use crate::memory::Location;
+use crate::stats::{RailCounters, TrafficStats};
+use crate::topology::Topology;
+
+/// Selector, counters and tiers for the host's rails.
+pub(crate) struct RailScheduler {
+    topology: Topology,
+    selector: Mutex<DeviceSelector>,
+    counters: Vec<Arc<RailCounters>>,
+    tiers: Mutex<HashMap<Location, Arc<Vec<u8>>>>,
+    epoch: Instant,
+}
+
+/// The selector settings TENT's keys give.
+pub(crate) fn selector_config(rdma: &RdmaConfig) -> SelectorConfig {
+    SelectorConfig {
+        enable_smart_scheduling: rdma.enable_smart_scheduling,
+        numa_penalties: rdma.numa_penalties.clone(),
+        bandwidth_learning_rate: rdma.bandwidth_learning_rate,
+        ewma_min_bandwidth_multiplier: rdma.ewma_min_bandwidth_multiplier,
+        ewma_max_bandwidth_multiplier: rdma.ewma_max_bandwidth_multiplier,
+        score_jitter_range: rdma.score_jitter_range,
+        score_epsilon: rdma.score_epsilon,
+        default_bandwidth_gbps: rdma.default_bandwidth_gbps,
+        min_bandwidth_gbps: rdma.min_bandwidth_gbps,
+        max_bandwidth_gbps: rdma.max_bandwidth_gbps,
+    }
+}
+
+impl RailScheduler {
+    pub(crate) fn new(topology: Topology, rdma: &RdmaConfig, stats: &TrafficStats) -> Self {
+        let reported: Vec<Option<f64>> = topology.rails.iter().map(|r| r.reported_gbps).collect();
+        let counters = topology.rails.iter().map(|r| stats.rail(&r.name)).collect();
+        RailScheduler {
+            selector: Mutex::new(DeviceSelector::new(
+                selector_config(rdma),
+                &reported,
+                rand::random(),
+            )),
+            counters,
+            topology,
+            tiers: Mutex::default(),
+            epoch: Instant::now(),
+        }
+    }
+
+    pub(crate) fn topology(&self) -> &Topology {
+        &self.topology
+    }
+
+    /// Clock origin of the nanosecond times the selector and rail health work in.
+    pub(crate) fn epoch(&self) -> Instant {
+        self.epoch
+    }
+
+    pub(crate) fn ns(&self, t: Instant) -> u64 {
+        t.saturating_duration_since(self.epoch).as_nanos() as u64
+    }
+
+    pub(crate) fn now_ns(&self) -> u64 {
+        self.ns(Instant::now())
+    }
+
+    /// Counters of rail `rail` (by scheduler index).
+    pub(crate) fn counters(&self, rail: RailId) -> Arc<RailCounters> {
+        self.counters[rail.min(self.counters.len().saturating_sub(1))].clone()
+    }
+
+    /// Tier of every rail for memory at `location`, computed once per location.
+    pub(crate) fn tiers(&self, location: Location) -> Arc<Vec<u8>> {
+        let mut cache = self.tiers.lock().expect("scheduler poisoned");
+        cache
+            .entry(location)
+            .or_insert_with(|| Arc::new(self.topology.tiers(location)))
+            .clone()
+    }
+
+    /// Chooses a rail per slice among `candidates` (rails per tier); `out[i]` carries slice
+    /// `i`. Leaves `out` empty when every tier is empty.
+    pub(crate) fn select(
+        &self,
+        candidates: &[Vec<RailId>; 3],
+        shape: SliceShape,
+        out: &mut Vec<RailId>,
+    ) {
+        let tiers: [&[RailId]; 3] = [&candidates[0], &candidates[1], &candidates[2]];
+        let mut sel = self.selector.lock().expect("scheduler poisoned");
+        if let Err(e) = sel.select(&tiers, shape, out) {
+            tracing::debug!(error = %e, "no rail selected");
+            out.clear();
+        }
+    }
+
+    /// A slice on `rail` posted at `posted` is in place at `now`.
+    pub(crate) fn completed(&self, rail: RailId, bytes: u64, posted: Instant, now: Instant) {
+        let (p, n) = (self.ns(posted), self.ns(now));
+        let _ = self
+            .selector
+            .lock()
+            .expect("scheduler poisoned")
+            .on_completed(rail, bytes, p, n);
+    }
+
+    /// A slice on `rail` failed.
+    pub(crate) fn failed(&self, rail: RailId, bytes: u64) {
+        let _ = self
+            .selector
+            .lock()
+            .expect("scheduler poisoned")
+            .on_failed(rail, bytes);
+    }
+
+    /// A slice assigned to `rail` was never posted there.
+    pub(crate) fn unassigned(&self, rail: RailId, bytes: u64) {
+        let _ = self
+            .selector
+            .lock()
+            .expect("scheduler poisoned")
+            .on_unassigned(rail, bytes);
+    }
+
+    /// Selector statistics per rail, in rail order, with the rail names.
+    pub(crate) fn stats(&self) -> Vec<(String, selector::RailStats)> {
+        let sel = self.selector.lock().expect("scheduler poisoned");
+        self.topology
+            .rails
+            .iter()
+            .map(|r| r.name.clone())
+            .zip(sel.stats())
+            .collect()
+    }
+}
