@@ -57,6 +57,10 @@ pub struct BenchArgs {
     /// Stop after moving this many bytes (e.g. 256MiB) instead of after --duration. Default: off.
     #[arg(long, value_parser = units::parse_size)]
     total: Option<u64>,
+    /// Also report throughput per interval of this length (e.g. 250ms), counted per slice as
+    /// the rails deliver them. Default: off.
+    #[arg(long, value_parser = units::parse_duration)]
+    interval: Option<Duration>,
     /// After the run, check every byte that landed. Default: off.
     #[arg(long)]
     verify: bool,
@@ -306,8 +310,24 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
     } else {
         args.duration
     };
+    let tick = args.interval.unwrap_or(Duration::from_millis(100)).min(Duration::from_millis(100));
+    let rail_bytes = |e: &Engine| e.traffic_stats().iter().map(|r| r.bytes).sum::<u64>();
+    let mut timeline = Vec::new();
+    let (mut mark, mut mark_bytes) = (start, rail_bytes(&engine));
     while start.elapsed() < deadline && !handles.iter().all(|h| h.is_finished()) {
-        thread::sleep(Duration::from_millis(100));
+        thread::sleep(tick);
+        if let Some(interval) = args.interval {
+            if mark.elapsed() >= interval {
+                let (now, bytes) = (Instant::now(), rail_bytes(&engine));
+                let gbps = (bytes - mark_bytes) as f64 / now.duration_since(mark).as_secs_f64() / 1e9;
+                let t = now.duration_since(start).as_secs_f64();
+                timeline.push(serde_json::json!({"t": t, "gb_per_s": gbps}));
+                if !args.json {
+                    progress.suspend(|| println!("t={t:7.2}s {:8.3} GB/s {:9.1} Mbit/s", gbps, gbps * 8000.0));
+                }
+                (mark, mark_bytes) = (now, bytes);
+            }
+        }
         let secs = start.elapsed().as_secs_f64();
         progress.set_position(start.elapsed().as_millis() as u64);
         progress.set_message(format!(
@@ -361,6 +381,7 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
             "ewma_gbps": r.ewma_gbps, "inflight_bytes": r.inflight_bytes,
         })).collect::<Vec<_>>(),
         "verified_bytes": verified,
+        "timeline": timeline,
     });
     if args.json {
         println!("{report}");
