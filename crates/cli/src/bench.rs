@@ -310,7 +310,10 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
     } else {
         args.duration
     };
-    let tick = args.interval.unwrap_or(Duration::from_millis(100)).min(Duration::from_millis(100));
+    let tick = args
+        .interval
+        .unwrap_or(Duration::from_millis(100))
+        .min(Duration::from_millis(100));
     let rail_bytes = |e: &Engine| e.traffic_stats().iter().map(|r| r.bytes).sum::<u64>();
     let mut timeline = Vec::new();
     let (mut mark, mut mark_bytes) = (start, rail_bytes(&engine));
@@ -319,11 +322,17 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         if let Some(interval) = args.interval {
             if mark.elapsed() >= interval {
                 let (now, bytes) = (Instant::now(), rail_bytes(&engine));
-                let gbps = (bytes - mark_bytes) as f64 / now.duration_since(mark).as_secs_f64() / 1e9;
+                let gbps =
+                    (bytes - mark_bytes) as f64 / now.duration_since(mark).as_secs_f64() / 1e9;
                 let t = now.duration_since(start).as_secs_f64();
                 timeline.push(serde_json::json!({"t": t, "gb_per_s": gbps}));
-                if !args.json {
-                    progress.suspend(|| println!("t={t:7.2}s {:8.3} GB/s {:9.1} Mbit/s", gbps, gbps * 8000.0));
+                if args.json {
+                    // Live, one JSON object per line, for scripts that act during the run.
+                    eprintln!("{}", serde_json::json!({"t": t, "gb_per_s": gbps}));
+                } else {
+                    progress.suspend(|| {
+                        println!("t={t:7.2}s {:8.3} GB/s {:9.1} Mbit/s", gbps, gbps * 8000.0)
+                    });
                 }
                 (mark, mark_bytes) = (now, bytes);
             }

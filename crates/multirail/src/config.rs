@@ -244,6 +244,9 @@ pub struct RdmaConfig {
     pub shared_quota_shm_path: String,
     /// Let lower priorities use a slot that the allowed priorities leave idle.
     pub qos_work_conserving: bool,
+    /// multirail's own: busy time, in microseconds, a rail's bandwidth sample must span before
+    /// the EWMA learns from it (default 1000; 0 = every slice is a sample, as TENT does).
+    pub bandwidth_sample_min_us: u64,
 }
 
 impl Default for RdmaConfig {
@@ -266,6 +269,7 @@ impl Default for RdmaConfig {
             slot_rotation_interval_ms: 2,
             shared_quota_shm_path: String::new(),
             qos_work_conserving: true,
+            bandwidth_sample_min_us: 1000,
         }
     }
 }
@@ -289,6 +293,7 @@ const RDMA_KEYS: &[&str] = &[
     "slot_rotation_interval_ms",
     "shared_quota_shm_path",
     "qos_work_conserving",
+    "bandwidth_sample_min_us",
 ];
 
 /// TCP transport settings.

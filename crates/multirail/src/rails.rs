@@ -20,6 +20,7 @@ pub(crate) struct RailScheduler {
     counters: Vec<Arc<RailCounters>>,
     tiers: Mutex<HashMap<Location, Arc<Vec<u8>>>>,
     epoch: Instant,
+    smart: bool,
 }
 
 /// The selector settings TENT's keys give.
@@ -35,6 +36,7 @@ pub(crate) fn selector_config(rdma: &RdmaConfig) -> SelectorConfig {
         default_bandwidth_gbps: rdma.default_bandwidth_gbps,
         min_bandwidth_gbps: rdma.min_bandwidth_gbps,
         max_bandwidth_gbps: rdma.max_bandwidth_gbps,
+        min_sample_ns: rdma.bandwidth_sample_min_us.saturating_mul(1000),
     }
 }
 
@@ -52,7 +54,13 @@ impl RailScheduler {
             topology,
             tiers: Mutex::default(),
             epoch: Instant::now(),
+            smart: rdma.enable_smart_scheduling,
         }
+    }
+
+    /// True in smart (EWMA) mode, false in baseline round-robin mode.
+    pub(crate) fn smart(&self) -> bool {
+        self.smart
     }
 
     pub(crate) fn topology(&self) -> &Topology {
@@ -105,6 +113,7 @@ impl RailScheduler {
     /// A slice on `rail` posted at `posted` is in place at `now`.
     pub(crate) fn completed(&self, rail: RailId, bytes: u64, posted: Instant, now: Instant) {
         let (p, n) = (self.ns(posted), self.ns(now));
+        tracing::trace!(rail, bytes, posted_ns = p, now_ns = n, "slice completed");
         let _ = self
             .selector
             .lock()
@@ -128,6 +137,13 @@ impl RailScheduler {
             .lock()
             .expect("scheduler poisoned")
             .on_unassigned(rail, bytes);
+    }
+
+    /// Fills `out` with every rail's EWMA bandwidth in bytes per second, in rail order.
+    pub(crate) fn fill_ewma_bytes_per_sec(&self, out: &mut Vec<f64>) {
+        let sel = self.selector.lock().expect("scheduler poisoned");
+        out.clear();
+        out.extend(sel.stats().map(|s| s.ewma_gbps * 1e9 / 8.0));
     }
 
     /// Selector statistics per rail, in rail order, with the rail names.

@@ -323,7 +323,7 @@ fn serve_data(fd: RawFd, registry: &MemoryRegistry) -> Result<(), String> {
                 let len = h.len as usize;
                 match check(registry, &h) {
                     Ok(region) => {
-                        receive_payload(fd, &mut st, h.addr as usize as *mut u8, len)?;
+                        receive_payload(fd, &mut st, h.addr as usize as *mut u8, len, &mut out)?;
                         drop(region);
                         out.push(Status::Ok, h.id, None);
                     }
@@ -332,7 +332,7 @@ fn serve_data(fd: RawFd, registry: &MemoryRegistry) -> Result<(), String> {
                         let mut left = len;
                         while left > 0 {
                             let chunk = left.min(scratch.len());
-                            receive_payload(fd, &mut st, scratch.as_mut_ptr(), chunk)?;
+                            receive_payload(fd, &mut st, scratch.as_mut_ptr(), chunk, &mut out)?;
                             left -= chunk;
                         }
                         out.push(status, h.id, None);
@@ -358,8 +358,16 @@ fn serve_data(fd: RawFd, registry: &MemoryRegistry) -> Result<(), String> {
 }
 
 /// Receives `len` payload bytes into `dst`: first what is already staged, then straight from the
-/// socket, picking up the next request header in the same `readv` when it has arrived.
-fn receive_payload(fd: RawFd, st: &mut Staging, dst: *mut u8, len: usize) -> Result<(), String> {
+/// socket, picking up the next request header in the same `readv` when it has arrived. Answers
+/// queued responses before waiting for bytes, so a slow payload never holds back the
+/// acknowledgements of slices already in place.
+fn receive_payload(
+    fd: RawFd,
+    st: &mut Staging,
+    dst: *mut u8,
+    len: usize,
+    out: &mut Responses,
+) -> Result<(), String> {
     let staged = st.available().min(len);
     // SAFETY: `dst..dst+len` was checked against a registered region (or is our scratch
     // buffer) and `staged <= len`.
@@ -378,7 +386,18 @@ fn receive_payload(fd: RawFd, st: &mut Staging, dst: *mut u8, len: usize) -> Res
             iovec(unsafe { dst.add(done) }, len - done),
             iovec(st.buf.as_mut_ptr(), wire::REQUEST_LEN),
         ];
-        let n = sockio::readv_raw(fd, &iov).map_err(|e| format!("reading payload: {e}"))?;
+        let ready = if out.headers.is_empty() {
+            None
+        } else {
+            sockio::readv_nonblocking(fd, &iov).map_err(|e| format!("reading payload: {e}"))?
+        };
+        let n = match ready {
+            Some(n) => n,
+            None => {
+                out.flush(fd)?;
+                sockio::readv_raw(fd, &iov).map_err(|e| format!("reading payload: {e}"))?
+            }
+        };
         if n == 0 {
             return Err("connection closed inside a payload".into());
         }

@@ -68,6 +68,12 @@ pub struct SelectorConfig {
     pub min_bandwidth_gbps: f64,
     /// Largest plausible reported bandwidth. Default 800 Gbps.
     pub max_bandwidth_gbps: f64,
+    /// Busy time a bandwidth sample must span before the EWMA learns from it (multirail's own
+    /// setting, not TENT's). 0 = one sample per slice, as TENT does. Over TCP, completions arrive
+    /// with scheduling and acknowledgement jitter of tens of microseconds, so per-slice samples
+    /// of small slices swing by orders of magnitude; pooling the bytes and busy time of
+    /// consecutive completions for a millisecond measures the rail instead of the jitter.
+    pub min_sample_ns: u64,
 }
 
 impl Default for SelectorConfig {
@@ -84,6 +90,7 @@ impl Default for SelectorConfig {
             default_bandwidth_gbps: 400.0,
             min_bandwidth_gbps: 10.0,
             max_bandwidth_gbps: 800.0,
+            min_sample_ns: 0,
         }
     }
 }
@@ -236,6 +243,13 @@ struct Rail {
     /// The latest EWMA sample, kept so that completions reaped in the same instant can be
     /// folded into it (see `on_completed`).
     last_sample: Option<Sample>,
+    /// Bytes and closed busy time pooled towards the next sample when `min_sample_ns` > 0.
+    pooled_bytes: u64,
+    pooled_busy_ns: u64,
+    /// Start of the open busy period (something in flight since then), and the latest
+    /// completion in it.
+    segment_start_ns: Option<u64>,
+    segment_end_ns: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -313,6 +327,10 @@ impl DeviceSelector {
                     errors: 0,
                     last_completion_ns: None,
                     last_sample: None,
+                    pooled_bytes: 0,
+                    pooled_busy_ns: 0,
+                    segment_start_ns: None,
+                    segment_end_ns: 0,
                 };
                 rail.secs_per_byte = 1.0 / theoretical_bps;
                 rail
@@ -455,6 +473,7 @@ impl DeviceSelector {
         now_ns: u64,
     ) -> Result<(), SelectError> {
         let alpha = self.cfg.bandwidth_learning_rate;
+        let min_sample_ns = self.cfg.min_sample_ns;
         let r = self
             .rails
             .get_mut(rail)
@@ -467,6 +486,33 @@ impl DeviceSelector {
             .map_or(posted_at_ns, |l| l.max(posted_at_ns));
         r.last_completion_ns = Some(r.last_completion_ns.map_or(now_ns, |l| l.max(now_ns)));
         if bytes == 0 {
+            return Ok(());
+        }
+        if min_sample_ns > 0 {
+            // Delivery rate over the rail's busy periods: a period opens when a slice is
+            // posted on an idle rail and closes when nothing is left in flight. Completions
+            // reaped by several threads may report their times out of order; taking the
+            // latest end and the period's fixed start keeps that from inventing bandwidth.
+            let seg_start = *r.segment_start_ns.get_or_insert(posted_at_ns.min(now_ns));
+            r.segment_end_ns = r.segment_end_ns.max(now_ns);
+            r.pooled_bytes = r.pooled_bytes.saturating_add(bytes);
+            if r.inflight == 0 {
+                r.pooled_busy_ns += r.segment_end_ns.saturating_sub(seg_start);
+                r.segment_start_ns = None;
+            }
+            let open = r
+                .segment_start_ns
+                .map_or(0, |st| r.segment_end_ns.saturating_sub(st));
+            let busy = r.pooled_busy_ns + open;
+            if busy >= min_sample_ns {
+                let observed = r.pooled_bytes as f64 * NS_PER_S / busy as f64;
+                r.set_ewma(alpha * r.ewma_bps + (1.0 - alpha) * observed);
+                r.pooled_bytes = 0;
+                r.pooled_busy_ns = 0;
+                if r.segment_start_ns.is_some() {
+                    r.segment_start_ns = Some(r.segment_end_ns);
+                }
+            }
             return Ok(());
         }
         let sample = if now_ns > start {
@@ -1264,6 +1310,39 @@ mod tests {
             sel.on_completed(0, b, 0, MS).unwrap();
         }
         assert!(close(ewma_gbps(&sel, 0), 95.0), "{}", ewma_gbps(&sel, 0));
+    }
+
+    #[test]
+    fn pooled_samples_learn_from_the_busy_time_of_many_completions() {
+        // Completions 0.1 ms apart, with one arriving in a burst 1 µs after another: per slice
+        // that burst reads as 100x the rail's speed; pooled over 1 ms it does not.
+        let b = bytes_at(10.0, MS / 10);
+        let mut cfg = learning(0.0);
+        cfg.min_sample_ns = MS;
+        let mut sel = DeviceSelector::new(cfg, &[gbps(100.0)], 1);
+        let mut out = Vec::new();
+        sel.select(&[&[0]], SliceShape::uniform(20, b), &mut out)
+            .unwrap();
+        let mut t = 0;
+        for i in 0..9 {
+            t += if i == 4 { 1_000 } else { MS / 10 };
+            sel.on_completed(0, b, 0, t).unwrap();
+            assert_eq!(
+                ewma_gbps(&sel, 0),
+                100.0,
+                "no sample before 1 ms of busy time"
+            );
+        }
+        // A completion reaped late by another thread reports an earlier time: no bandwidth
+        // appears out of nowhere.
+        sel.on_completed(0, b, 0, t - MS / 20).unwrap();
+        assert_eq!(ewma_gbps(&sel, 0), 100.0);
+        t += MS / 10 + MS / 10;
+        sel.on_completed(0, b, 0, t).unwrap();
+        let pooled = ewma_gbps(&sel, 0);
+        // 11 slices worth 0.1 ms each at 10 Gbps over ~1.0 ms of busy time.
+        assert!((10.0..=11.5).contains(&pooled), "{pooled}");
+        assert_eq!(sel.rail_stats(0).unwrap().slices, 11);
     }
 
     #[test]

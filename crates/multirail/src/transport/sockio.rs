@@ -87,6 +87,31 @@ pub(crate) fn readv_raw(fd: RawFd, iov: &[libc::iovec]) -> io::Result<usize> {
     }
 }
 
+/// A vectored read that does not block: `Ok(None)` when nothing is waiting, `Ok(Some(0))` when
+/// the peer closed the connection.
+///
+/// Same contract as [`readv_raw`].
+pub(crate) fn readv_nonblocking(fd: RawFd, iov: &[libc::iovec]) -> io::Result<Option<usize>> {
+    loop {
+        // SAFETY: an all-zero msghdr is valid; we point it at the caller's iovecs, which the
+        // caller guarantees are writable and unaliased for this call.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+        msg.msg_iovlen = iov.len() as _;
+        // SAFETY: `msg` describes only the caller's iovecs; no control buffer or name is given.
+        let rc = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT) };
+        if rc < 0 {
+            let err = io::Error::last_os_error();
+            match err.kind() {
+                io::ErrorKind::Interrupted => continue,
+                io::ErrorKind::WouldBlock => return Ok(None),
+                _ => return Err(err),
+            }
+        }
+        return Ok(Some(rc as usize));
+    }
+}
+
 /// Reads exactly `len` bytes into `ptr`, failing with `UnexpectedEof` if the peer closes first.
 ///
 /// Same contract as [`read_raw`].

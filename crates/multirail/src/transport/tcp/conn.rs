@@ -41,8 +41,10 @@ pub(crate) struct Outgoing {
     pub key: u64,
     pub len: u32,
     pub task: Arc<Task>,
-    /// The rail the selector charged this slice to.
+    /// The rail the selector charged this slice to (`usize::MAX` while queued).
     pub rail: usize,
+    /// Where the local memory lives, which ranks the rails for it.
+    pub location: crate::memory::Location,
     /// Times this slice was handed back after a connection failed.
     pub attempts: u32,
     /// When the slice first went on the wire; bounds how long retries may go on.

@@ -1,8 +1,13 @@
 //! The `tcp` transport, initiator side. Each peer is reached over paths, one per (local rail,
 //! remote rail) pair, each with `connections_per_rail` connections bound to the local rail's
-//! address and interface. The engine's rail scheduler deals each request's slices over the rails
-//! whose paths are usable; a slice whose connection fails is retried on another rail; a rail
-//! that keeps failing is paused and probed back (rail health).
+//! address and interface.
+//!
+//! Slices wait in the peer's queue and are dealt to rails only while a rail's window has room:
+//! about twice its bandwidth-delay product (EWMA bandwidth × smallest round trip seen), at least
+//! one slice. So the rail scheduler decides with little in flight, when its predicted completion
+//! times mean something, and backlog waits here rather than in socket buffers. A slice whose
+//! connection fails goes back to the front of the queue for another rail; a rail that keeps
+//! failing is paused and probed back (rail health).
 
 mod conn;
 
@@ -80,15 +85,26 @@ impl Path {
     }
 }
 
-fn s_fail(slice: Outgoing, err: Error) {
-    slice.task.part_done(Err(err));
+/// A slice waiting for a rail.
+struct Queued {
+    slice: Outgoing,
+    since: Instant,
+    /// Why it was handed back, if it was.
+    error: Option<Error>,
 }
 
-/// A slice waiting for a usable path, with the error that sent it here.
-struct Pending {
-    slice: Outgoing,
-    error: Error,
-    since: Instant,
+/// Window used before a path has measured a round trip.
+const INITIAL_WINDOW: u64 = 1 << 20;
+
+/// The peer's queue of slices and what each path has in flight.
+struct Dispatch {
+    queue: VecDeque<Queued>,
+    /// Per path: bytes handed to its connections and not yet answered.
+    posted: Vec<u64>,
+    /// Per path: smallest time from posting to answer seen, ns; 0 = none yet.
+    min_rtt_ns: Vec<u64>,
+    rails: Vec<usize>,
+    ewma: Vec<f64>,
 }
 
 /// Everything needed to reach one peer.
@@ -97,7 +113,7 @@ pub(crate) struct TcpPeer {
     paths: Vec<Path>,
     /// Local rail → index into `paths`.
     rail_path: Vec<Option<usize>>,
-    pending: Mutex<VecDeque<Pending>>,
+    dispatch: Mutex<Dispatch>,
     scheduler: Arc<RailScheduler>,
     settings: TcpSettings,
     stats: Arc<TrafficStats>,
@@ -188,11 +204,18 @@ impl TcpPeer {
                 usable: AtomicBool::new(false),
             });
         }
+        let npaths = paths.len();
         let tcp = Arc::new_cyclic(|me| TcpPeer {
             name: peer.name.clone(),
             paths,
             rail_path,
-            pending: Mutex::default(),
+            dispatch: Mutex::new(Dispatch {
+                queue: VecDeque::new(),
+                posted: vec![0; npaths],
+                min_rtt_ns: vec![0; npaths],
+                rails: Vec::new(),
+                ewma: Vec::new(),
+            }),
             scheduler: scheduler.clone(),
             settings: settings.clone(),
             stats: stats.clone(),
@@ -254,20 +277,7 @@ impl TcpPeer {
         self.closed.load(Ordering::Acquire) || self.paths.iter().all(|p| !p.is_up())
     }
 
-    /// Candidate rails per tier for memory at `location`: only rails with a usable path.
-    fn candidates(&self, location: crate::memory::Location) -> [Vec<usize>; 3] {
-        let tiers = self.scheduler.tiers(location);
-        let mut out: [Vec<usize>; 3] = Default::default();
-        for path in &self.paths {
-            if path.usable.load(Ordering::Acquire) {
-                let tier = tiers.get(path.rail).copied().unwrap_or(0).min(2) as usize;
-                out[tier].push(path.rail);
-            }
-        }
-        out
-    }
-
-    /// Deals the slices of one request over the usable rails.
+    /// Queues the slices of one request and deals out what the rails' windows allow.
     fn post(&self, req: Prepared, plan: &SlicePlan) {
         let slices = match plan.slices(req.len) {
             Ok(s) => s,
@@ -279,57 +289,177 @@ impl TcpPeer {
             }
         };
         req.task.add_parts(slices.len() as u32);
-        let candidates = self.candidates(req.location);
-        let make = |s: multirail_policy::slicing::Slice, rail: usize| Outgoing {
-            op: req.op,
-            local: req.local + s.offset as usize,
-            remote: req.remote + s.offset,
-            key: req.buffer.key,
-            len: s.length as u32,
-            task: req.task.clone(),
-            rail,
-            attempts: 0,
-            first_posted: None,
+        if self.is_dead() {
+            let err = self.down_error();
+            for _ in slices {
+                req.task.part_done(Err(err.clone()));
+            }
+            return;
+        }
+        let now = Instant::now();
+        {
+            let mut d = self.dispatch.lock().expect("peer poisoned");
+            for s in slices {
+                d.queue.push_back(Queued {
+                    slice: Outgoing {
+                        op: req.op,
+                        local: req.local + s.offset as usize,
+                        remote: req.remote + s.offset,
+                        key: req.buffer.key,
+                        len: s.length as u32,
+                        task: req.task.clone(),
+                        rail: usize::MAX,
+                        location: req.location,
+                        attempts: 0,
+                        first_posted: None,
+                    },
+                    since: now,
+                    error: None,
+                });
+            }
+        }
+        self.pump();
+    }
+
+    /// Window of path `p`: about twice its bandwidth-delay product, at least one slice.
+    fn window(d: &Dispatch, p: usize, rail: usize, slice: u64) -> u64 {
+        let rtt = d.min_rtt_ns[p];
+        if rtt == 0 {
+            return INITIAL_WINDOW.max(slice);
+        }
+        let bdp = d.ewma.get(rail).copied().unwrap_or(0.0) * rtt as f64 / 1e9;
+        ((4.0 * bdp) as u64).max(4 * slice)
+    }
+
+    /// Deals queued slices to rails while some usable rail has room in its window.
+    fn pump(&self) {
+        let mut guard = self.dispatch.lock().expect("peer poisoned");
+        let d = &mut *guard;
+        self.scheduler.fill_ewma_bytes_per_sec(&mut d.ewma);
+        let smart = self.scheduler.smart();
+        while let Some(head) = d.queue.front() {
+            let len = head.slice.len as u64;
+            // Baseline mode chose this slice's rail without looking at load: it waits for room
+            // on that rail, as plain round-robin striping does.
+            if head.slice.rail != usize::MAX {
+                let rail = head.slice.rail;
+                let Some(p) = self.rail_path.get(rail).copied().flatten() else {
+                    break;
+                };
+                let path = &self.paths[p];
+                if !path.usable.load(Ordering::Acquire) {
+                    self.scheduler.unassigned(rail, len);
+                    d.queue.front_mut().expect("head exists").slice.rail = usize::MAX;
+                    continue;
+                }
+                if d.posted[p] >= Self::window(d, p, rail, len) {
+                    break;
+                }
+                let q = d.queue.pop_front().expect("head exists");
+                self.post_on(d, p, q);
+                continue;
+            }
+            let tiers = self.scheduler.tiers(head.slice.location);
+            let mut candidates: [Vec<usize>; 3] = Default::default();
+            let mut room = 0u64;
+            for (p, path) in self.paths.iter().enumerate() {
+                if !path.usable.load(Ordering::Acquire) {
+                    continue;
+                }
+                let window = Self::window(d, p, path.rail, len);
+                if !smart || d.posted[p] < window {
+                    let tier = tiers.get(path.rail).copied().unwrap_or(0).min(2) as usize;
+                    candidates[tier].push(path.rail);
+                    room += window.saturating_sub(d.posted[p]);
+                }
+            }
+            if candidates.iter().all(Vec::is_empty) {
+                break;
+            }
+            // A run of equal slices at the head, as many as the windows hold (at least one).
+            let mut k = 1;
+            while k < d.queue.len().min(64)
+                && d.queue[k].slice.len as u64 == len
+                && (k as u64 + 1) * len <= room
+            {
+                k += 1;
+            }
+            let mut rails = std::mem::take(&mut d.rails);
+            self.scheduler
+                .select(&candidates, SliceShape::uniform(k, len), &mut rails);
+            if rails.len() != k {
+                d.rails = rails;
+                break;
+            }
+            // Charge the choices first; posting happens as windows allow (at once in smart
+            // mode, where only rails with room were candidates).
+            for (i, &rail) in rails.iter().enumerate() {
+                d.queue[i].slice.rail = rail;
+            }
+            d.rails = rails;
+            if smart {
+                for _ in 0..k {
+                    let q = d.queue.pop_front().expect("k slices queued");
+                    let p = self.rail_path[q.slice.rail].expect("candidates have paths");
+                    self.post_on(d, p, q);
+                }
+            }
+        }
+        self.expire_queue(d, Instant::now());
+    }
+
+    /// Hands a slice with a chosen rail to a connection of path `p`, or puts it back at the head
+    /// of the queue (without a rail) if the path died under us.
+    fn post_on(&self, d: &mut Dispatch, p: usize, q: Queued) {
+        let len = q.slice.len as u64;
+        let rail = q.slice.rail;
+        let refused = match self.paths[p].pick() {
+            Some(conn) => conn.send(q.slice).err(),
+            None => Some(q.slice),
         };
-        if candidates.iter().all(Vec::is_empty) {
-            let err = self.down_error();
-            for s in slices {
-                self.park(make(s, usize::MAX), err.clone());
+        match refused {
+            None => d.posted[p] += len,
+            Some(mut slice) => {
+                self.scheduler.unassigned(rail, len);
+                self.paths[p].refresh_usable();
+                slice.rail = usize::MAX;
+                d.queue.push_front(Queued {
+                    slice,
+                    since: q.since,
+                    error: q.error,
+                });
             }
-            self.dispatch_pending(Instant::now());
-            return;
-        }
-        let mut rails = Vec::with_capacity(slices.len());
-        self.scheduler
-            .select(&candidates, SliceShape::of(&slices), &mut rails);
-        if rails.len() != slices.len() {
-            let err = self.down_error();
-            for s in slices {
-                s_fail(make(s, usize::MAX), err.clone());
-            }
-            return;
-        }
-        for (s, rail) in slices.zip(rails) {
-            self.send_on(rail, make(s, rail));
         }
     }
 
-    /// Puts a slice on a connection of `rail`'s path, or retries it elsewhere.
-    fn send_on(&self, rail: usize, slice: Outgoing) {
-        let conn = self
-            .rail_path
-            .get(rail)
-            .copied()
-            .flatten()
-            .and_then(|p| self.paths[p].pick());
-        let Some(conn) = conn else {
-            self.scheduler.unassigned(rail, slice.len as u64);
-            self.retry(slice, self.down_error());
+    /// Fails queued slices when no rail can take them: at once when every rail is paused,
+    /// after the timeout when rails are only reconnecting.
+    fn expire_queue(&self, d: &mut Dispatch, now: Instant) {
+        if d.queue.is_empty() || self.paths.iter().any(|p| p.usable.load(Ordering::Acquire)) {
             return;
-        };
-        if let Err(slice) = conn.send(slice) {
-            self.scheduler.unassigned(rail, slice.len as u64);
-            self.retry(slice, self.down_error());
+        }
+        let all_down = self.is_dead();
+        while let Some(q) = d.queue.front() {
+            let expired = now.saturating_duration_since(q.since) > self.settings.timeout;
+            if !all_down && !expired {
+                // The queue is in arrival order except for handed-back slices at the front;
+                // later ones expire later.
+                break;
+            }
+            let q = d.queue.pop_front().expect("front exists");
+            if q.slice.rail != usize::MAX {
+                self.scheduler.unassigned(q.slice.rail, q.slice.len as u64);
+            }
+            let err = match (&q.error, all_down) {
+                (Some(e @ Error::Timeout { .. }), _) => e.clone(),
+                (Some(e), true) => Error::PeerDisconnected {
+                    peer: self.name.clone(),
+                    reason: format!("every rail to it is down (last error: {e})"),
+                },
+                (Some(e), false) => e.clone(),
+                (None, _) => self.down_error(),
+            };
+            q.slice.task.part_done(Err(err));
         }
     }
 
@@ -353,77 +483,6 @@ impl TcpPeer {
                         })
                 })
             })
-    }
-
-    /// Gives a slice that lost its connection another try on another rail, or fails it.
-    fn retry(&self, mut slice: Outgoing, err: Error) {
-        slice.attempts += 1;
-        if slice.attempts > self.settings.max_retries || self.closed.load(Ordering::Acquire) {
-            slice.task.part_done(Err(err));
-            return;
-        }
-        self.park(slice, err);
-        self.dispatch_pending(Instant::now());
-    }
-
-    fn park(&self, slice: Outgoing, error: Error) {
-        self.pending
-            .lock()
-            .expect("peer poisoned")
-            .push_back(Pending {
-                slice,
-                error,
-                since: Instant::now(),
-            });
-    }
-
-    /// Sends parked slices to usable rails; fails them when every rail is paused or they waited
-    /// longer than the timeout.
-    fn dispatch_pending(&self, now: Instant) {
-        loop {
-            let Some(p) = self.pending.lock().expect("peer poisoned").pop_front() else {
-                return;
-            };
-            let candidates = self.candidates(crate::memory::Location::Any);
-            if candidates.iter().all(Vec::is_empty) {
-                let all_down = self.is_dead();
-                let expired = now.saturating_duration_since(p.since) > self.settings.timeout;
-                if all_down || expired {
-                    let err = if all_down {
-                        self.down_error_with(&p.error)
-                    } else {
-                        p.error
-                    };
-                    p.slice.task.part_done(Err(err));
-                    continue;
-                }
-                self.pending.lock().expect("peer poisoned").push_front(p);
-                return;
-            }
-            let mut rails = Vec::with_capacity(1);
-            self.scheduler.select(
-                &candidates,
-                SliceShape::uniform(1, p.slice.len as u64),
-                &mut rails,
-            );
-            let mut slice = p.slice;
-            let Some(&rail) = rails.first() else {
-                slice.task.part_done(Err(p.error));
-                continue;
-            };
-            slice.rail = rail;
-            self.send_on(rail, slice);
-        }
-    }
-
-    fn down_error_with(&self, last: &Error) -> Error {
-        match last {
-            Error::Timeout { .. } => last.clone(),
-            _ => Error::PeerDisconnected {
-                peer: self.name.clone(),
-                reason: format!("every rail to it is down (last error: {last})"),
-            },
-        }
     }
 
     /// Periodic upkeep: timeouts, link state, reconnects and probes, parked slices.
@@ -495,7 +554,7 @@ impl TcpPeer {
             }
             path.refresh_usable();
         }
-        self.dispatch_pending(now);
+        self.pump();
     }
 
     /// Closes every connection; slices in flight fail with `reason`.
@@ -510,7 +569,8 @@ impl TcpPeer {
             }
             path.usable.store(false, Ordering::Release);
         }
-        self.dispatch_pending(Instant::now());
+        let mut d = self.dispatch.lock().expect("peer poisoned");
+        self.expire_queue(&mut d, Instant::now());
     }
 }
 
@@ -521,6 +581,15 @@ impl ConnOwner for TcpPeer {
         } else {
             self.scheduler.failed(rail, bytes);
         }
+        if let Some(p) = self.rail_path.get(rail).copied().flatten() {
+            let mut d = self.dispatch.lock().expect("peer poisoned");
+            d.posted[p] = d.posted[p].saturating_sub(bytes);
+            let rtt = now.saturating_duration_since(posted).as_nanos() as u64;
+            if rtt > 0 && (d.min_rtt_ns[p] == 0 || rtt < d.min_rtt_ns[p]) {
+                d.min_rtt_ns[p] = rtt;
+            }
+        }
+        self.pump();
     }
 
     fn connection_lost(&self, rail: usize, err: &Error) {
@@ -542,16 +611,30 @@ impl ConnOwner for TcpPeer {
         let now = Instant::now();
         let timed_out = matches!(err, Error::Timeout { .. });
         let elsewhere = timed_out && self.progress_elsewhere(rail, now);
-        for s in slices {
-            self.scheduler.failed(s.rail, s.len as u64);
-            if timed_out && !elsewhere {
-                // The peer answers on no rail: it is gone or stuck, and retrying would only
-                // stretch the wait past the timeout.
-                s.task.part_done(Err(err.clone()));
-            } else {
-                self.retry(s, err.clone());
+        let closed = self.closed.load(Ordering::Acquire);
+        {
+            let mut d = self.dispatch.lock().expect("peer poisoned");
+            for mut s in slices {
+                self.scheduler.failed(s.rail, s.len as u64);
+                if let Some(p) = self.rail_path.get(s.rail).copied().flatten() {
+                    d.posted[p] = d.posted[p].saturating_sub(s.len as u64);
+                }
+                s.attempts += 1;
+                s.rail = usize::MAX;
+                // A peer that answers on no rail is gone or stuck: retrying would only stretch
+                // the wait past the timeout.
+                if closed || (timed_out && !elsewhere) || s.attempts > self.settings.max_retries {
+                    s.task.part_done(Err(err.clone()));
+                } else {
+                    d.queue.push_front(Queued {
+                        slice: s,
+                        since: now,
+                        error: Some(err.clone()),
+                    });
+                }
             }
         }
+        self.pump();
     }
 }
 
