@@ -6,5 +6,6 @@
 
 pub mod health;
 pub mod pairing;
+pub mod qos;
 pub mod selector;
 pub mod slicing;
