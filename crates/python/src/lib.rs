@@ -1,0 +1,720 @@
+//! `multirail._native`: the PyO3 extension module under the Python package `multirail`.
+//!
+//! The Pythonic surface (`multirail.Engine`, `multirail.Buffer`, `multirail.mooncake`) is written
+//! in Python on top of these classes; everything that touches memory or waits for the network is
+//! here and runs with the GIL released.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use multirail::{BatchId, Config, Engine, Location, Opcode, SegmentId, Status, TransportChoice};
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+mod view;
+
+create_exception!(
+    multirail,
+    Error,
+    PyException,
+    "Base class of every error the multirail engine reports; str(e) is the engine's message."
+);
+create_exception!(multirail, ConfigError, Error, "The configuration is malformed; the message names the key.");
+create_exception!(multirail, InvalidArgumentError, Error, "An argument is out of range or malformed.");
+create_exception!(multirail, SourceNotRegisteredError, Error, "A request's local range is not inside memory this engine allocated or registered.");
+create_exception!(multirail, TargetOutOfRangeError, Error, "A request's remote range lies outside every buffer of the target segment.");
+create_exception!(multirail, UnknownSegmentError, Error, "A segment that was never opened or was closed.");
+create_exception!(multirail, SegmentUnreachableError, Error, "Nothing answered at the segment's address.");
+create_exception!(multirail, UnknownBatchError, Error, "A batch that was never allocated or was already freed.");
+create_exception!(multirail, BatchFullError, Error, "The requests do not fit in the batch.");
+create_exception!(multirail, BatchBusyError, Error, "The batch still has requests in flight.");
+create_exception!(multirail, PeerDisconnectedError, Error, "The peer closed the connection or died while requests were in flight.");
+create_exception!(multirail, TransferTimeoutError, Error, "The peer did not answer within transports.tcp.timeout_ms.");
+create_exception!(multirail, RemoteRejectedError, Error, "The peer checked a slice and refused it (unknown buffer, wrong key, out of bounds).");
+create_exception!(multirail, ProtocolError, Error, "The peer sent something that is not valid protocol.");
+create_exception!(multirail, AllocationError, Error, "Allocating, mapping or registering memory failed.");
+create_exception!(multirail, TransportUnavailableError, Error, "The demanded transport cannot serve this request.");
+create_exception!(multirail, WaitTimeoutError, Error, "wait() gave up before every request of the batch finished.");
+create_exception!(multirail, IoError, Error, "An operating-system call failed.");
+
+/// Turns an engine error into the matching `multirail.Error` subclass, keeping its message.
+fn to_py(e: multirail::Error) -> PyErr {
+    use multirail::Error as E;
+    let msg = e.to_string();
+    #[allow(unreachable_patterns)]
+    match e {
+        E::Config(_) => ConfigError::new_err(msg),
+        E::InvalidArgument { .. } => InvalidArgumentError::new_err(msg),
+        E::SourceNotRegistered { .. } => SourceNotRegisteredError::new_err(msg),
+        E::TargetOutOfRange { .. } => TargetOutOfRangeError::new_err(msg),
+        E::UnknownSegment(_) => UnknownSegmentError::new_err(msg),
+        E::SegmentUnreachable { .. } => SegmentUnreachableError::new_err(msg),
+        E::UnknownBatch(_) => UnknownBatchError::new_err(msg),
+        E::BatchFull { .. } => BatchFullError::new_err(msg),
+        E::BatchBusy(_) => BatchBusyError::new_err(msg),
+        E::PeerDisconnected { .. } => PeerDisconnectedError::new_err(msg),
+        E::Timeout { .. } => TransferTimeoutError::new_err(msg),
+        E::RemoteRejected { .. } => RemoteRejectedError::new_err(msg),
+        E::Protocol { .. } => ProtocolError::new_err(msg),
+        E::Memory(_) => AllocationError::new_err(msg),
+        E::TransportUnavailable { .. } => TransportUnavailableError::new_err(msg),
+        E::WaitTimeout { .. } => WaitTimeoutError::new_err(msg),
+        E::Io { .. } => IoError::new_err(msg),
+        // Variants added to the engine later still reach Python as multirail.Error.
+        _ => Error::new_err(msg),
+    }
+}
+
+fn config_err(e: multirail::ConfigError) -> PyErr {
+    to_py(multirail::Error::Config(e))
+}
+
+fn parse_opcode(op: &str) -> PyResult<Opcode> {
+    match op.to_ascii_lowercase().as_str() {
+        "read" => Ok(Opcode::Read),
+        "write" => Ok(Opcode::Write),
+        _ => Err(InvalidArgumentError::new_err(format!(
+            "invalid argument `opcode`: expected \"read\" or \"write\", got {op:?}"
+        ))),
+    }
+}
+
+fn parse_transport(t: Option<&str>) -> PyResult<Option<TransportChoice>> {
+    match t {
+        None => Ok(None),
+        Some("auto") => Ok(Some(TransportChoice::Auto)),
+        Some("tcp") => Ok(Some(TransportChoice::Tcp)),
+        Some("shm") => Ok(Some(TransportChoice::Shm)),
+        Some(other) => Err(InvalidArgumentError::new_err(format!(
+            "invalid argument `transport`: expected \"auto\", \"tcp\" or \"shm\", got {other:?}"
+        ))),
+    }
+}
+
+fn parse_location(loc: &str) -> PyResult<Location> {
+    loc.parse::<Location>().map_err(to_py)
+}
+
+fn status_str(s: &Status) -> &'static str {
+    match s {
+        Status::Pending => "pending",
+        Status::Completed => "completed",
+        Status::Failed(_) => "failed",
+    }
+}
+
+fn timeout_arg(timeout: Option<f64>) -> PyResult<Option<Duration>> {
+    match timeout {
+        None => Ok(None),
+        Some(t) if t.is_finite() && t >= 0.0 => Ok(Some(Duration::from_secs_f64(t))),
+        Some(t) => Err(InvalidArgumentError::new_err(format!(
+            "invalid argument `timeout`: must be a non-negative number of seconds or None, got {t}"
+        ))),
+    }
+}
+
+/// Memory the engine allocated or registered; keeps allocated memory mapped while it lives.
+#[pyclass(module = "multirail._native", frozen)]
+struct NativeBuffer {
+    buffer: multirail::Buffer,
+}
+
+#[pymethods]
+impl NativeBuffer {
+    /// Start address in this process (also what peers use as `target_offset`).
+    #[getter]
+    fn addr(&self) -> u64 {
+        self.buffer.addr()
+    }
+    /// Length in bytes.
+    #[getter]
+    fn size(&self) -> usize {
+        self.buffer.len()
+    }
+    /// The access key peers present to touch this buffer.
+    #[getter]
+    fn key(&self) -> u64 {
+        self.buffer.key()
+    }
+    /// `"*"` or `"cpu:N"`.
+    #[getter]
+    fn location(&self) -> String {
+        self.buffer.location().to_string()
+    }
+}
+
+/// One transfer, as `multirail.Request` builds it.
+#[pyclass(module = "multirail._native", frozen)]
+#[derive(Clone)]
+struct NativeRequest {
+    req: multirail::Request,
+}
+
+#[pymethods]
+impl NativeRequest {
+    #[new]
+    #[pyo3(signature = (opcode, source, target, target_offset, length, priority, transport=None))]
+    fn new(
+        opcode: &str,
+        source: u64,
+        target: u64,
+        target_offset: u64,
+        length: u64,
+        priority: u8,
+        transport: Option<&str>,
+    ) -> PyResult<Self> {
+        Ok(NativeRequest {
+            req: multirail::Request {
+                opcode: parse_opcode(opcode)?,
+                source,
+                target: SegmentId(target),
+                target_offset,
+                length,
+                priority,
+                transport: parse_transport(transport)?,
+            },
+        })
+    }
+}
+
+/// A submitted batch; freed when the object goes away (if nothing is in flight then).
+#[pyclass(module = "multirail._native", frozen)]
+struct NativeBatch {
+    engine: Engine,
+    id: BatchId,
+    len: usize,
+}
+
+impl Drop for NativeBatch {
+    fn drop(&mut self) {
+        // A batch still in flight stays with the engine (freed when the engine goes).
+        let _ = self.engine.free_batch(self.id);
+    }
+}
+
+#[pymethods]
+impl NativeBatch {
+    /// Number of requests in the batch.
+    fn __len__(&self) -> usize {
+        self.len
+    }
+    /// Engine batch id.
+    #[getter]
+    fn id(&self) -> u64 {
+        self.id.0
+    }
+    /// `(status, error)` of request `index`; error is None unless status is "failed".
+    fn status(&self, py: Python<'_>, index: usize) -> PyResult<(&'static str, Option<PyErr>)> {
+        let s = self.engine.status(self.id, index).map_err(to_py)?;
+        let _ = py;
+        Ok(match s {
+            Status::Failed(e) => ("failed", Some(to_py(e))),
+            other => (status_str(&other), None),
+        })
+    }
+    /// `(status, error)` of the whole batch: failed if any failed, else pending while any runs.
+    fn overall_status(&self) -> PyResult<(&'static str, Option<PyErr>)> {
+        let s = self.engine.overall_status(self.id).map_err(to_py)?;
+        Ok(match s {
+            Status::Failed(e) => ("failed", Some(to_py(e))),
+            other => (status_str(&other), None),
+        })
+    }
+    /// Blocks (GIL released) until every request finished or `timeout` seconds passed.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        let timeout = timeout_arg(timeout)?;
+        let engine = self.engine.clone();
+        let id = self.id;
+        py.allow_threads(move || engine.wait(id, timeout))
+            .map_err(to_py)
+    }
+    /// Frees the batch now; fails with BatchBusyError while requests are in flight.
+    fn free(&self) -> PyResult<()> {
+        self.engine.free_batch(self.id).map_err(to_py)
+    }
+}
+
+/// Memory ranges the Mooncake layer registered, to check raw-address copies against.
+#[derive(Default)]
+struct Ranges {
+    by_addr: BTreeMap<u64, u64>,
+}
+
+impl Ranges {
+    fn contains(&self, addr: u64, len: u64) -> bool {
+        match self.by_addr.range(..=addr).next_back() {
+            Some((&start, &size)) => {
+                len <= size && addr - start <= size - len
+            }
+            None => false,
+        }
+    }
+}
+
+/// The engine as the Python layer sees it.
+#[pyclass(module = "multirail._native", frozen)]
+struct NativeEngine {
+    engine: Engine,
+    /// Segments opened by name for the Mooncake-style calls.
+    segments: Mutex<HashMap<String, SegmentId>>,
+    /// Registered or allocated ranges (Mooncake layer), for write/read_bytes checks.
+    ranges: Mutex<Ranges>,
+    /// Buffers allocated through `allocate` and kept alive by address (Mooncake's managed buffers).
+    managed: Mutex<HashMap<u64, multirail::Buffer>>,
+}
+
+impl NativeEngine {
+    fn segment(&self, py: Python<'_>, name: &str) -> PyResult<SegmentId> {
+        if let Some(id) = self.segments.lock().unwrap().get(name) {
+            return Ok(*id);
+        }
+        let engine = self.engine.clone();
+        let owned = name.to_owned();
+        let id = py
+            .allow_threads(move || engine.open_segment(&owned))
+            .map_err(to_py)?;
+        self.segments.lock().unwrap().insert(name.to_owned(), id);
+        Ok(id)
+    }
+
+    fn forget_segment(&self, name: &str) {
+        if let Some(id) = self.segments.lock().unwrap().remove(name) {
+            let _ = self.engine.close_segment(id);
+        }
+    }
+
+    fn requests(
+        seg: SegmentId,
+        op: Opcode,
+        sources: &[u64],
+        targets: &[u64],
+        lengths: &[u64],
+    ) -> PyResult<Vec<multirail::Request>> {
+        if sources.len() != targets.len() || sources.len() != lengths.len() {
+            return Err(InvalidArgumentError::new_err(format!(
+                "invalid argument `buffers`: buffers, peer_buffer_addresses and lengths have different lengths ({}, {}, {})",
+                sources.len(),
+                targets.len(),
+                lengths.len()
+            )));
+        }
+        if sources.is_empty() {
+            return Err(InvalidArgumentError::new_err(
+                "invalid argument `buffers`: no transfer given",
+            ));
+        }
+        Ok(sources
+            .iter()
+            .zip(targets)
+            .zip(lengths)
+            .map(|((&s, &t), &l)| {
+                let mut r = multirail::Request::write(s, seg, t, l);
+                r.opcode = op;
+                r
+            })
+            .collect())
+    }
+}
+
+#[pymethods]
+impl NativeEngine {
+    /// Starts an engine listening on `listen`. `config_json` (inline JSON) wins over
+    /// `config_path`; with neither, MULTIRAIL_CONF or the defaults apply. `local_hostname`, when
+    /// given and the configuration sets none, becomes the host part of the segment name.
+    #[new]
+    #[pyo3(signature = (listen, config_json=None, config_path=None, local_hostname=None, transport=None))]
+    fn new(
+        py: Python<'_>,
+        listen: &str,
+        config_json: Option<&str>,
+        config_path: Option<&str>,
+        local_hostname: Option<String>,
+        transport: Option<&str>,
+    ) -> PyResult<Self> {
+        let mut config = match (config_json, config_path) {
+            (Some(json), _) => Config::from_json_str(json, "config").map_err(config_err)?,
+            (None, Some(path)) => Config::from_file(Path::new(path)).map_err(config_err)?,
+            (None, None) => Config::load(None).map_err(config_err)?,
+        };
+        if config.local_hostname.is_none() {
+            config.local_hostname = local_hostname;
+        }
+        if let Some(t) = parse_transport(transport)? {
+            config.transport = t;
+        }
+        let listen = listen.to_owned();
+        let engine = py
+            .allow_threads(move || Engine::new(config, &listen))
+            .map_err(to_py)?;
+        Ok(NativeEngine {
+            engine,
+            segments: Mutex::default(),
+            ranges: Mutex::default(),
+            managed: Mutex::default(),
+        })
+    }
+
+    /// Segment name, `host:port`.
+    #[getter]
+    fn name(&self) -> String {
+        self.engine.name()
+    }
+
+    /// The effective configuration as JSON.
+    fn config_json(&self) -> String {
+        self.engine.config().to_json_pretty()
+    }
+
+    #[pyo3(signature = (size, location="*"))]
+    fn allocate(&self, py: Python<'_>, size: usize, location: &str) -> PyResult<NativeBuffer> {
+        let loc = parse_location(location)?;
+        let engine = self.engine.clone();
+        let buffer = py
+            .allow_threads(move || engine.allocate(size, loc))
+            .map_err(to_py)?;
+        Ok(NativeBuffer { buffer })
+    }
+
+    #[pyo3(signature = (addr, length, location="*"))]
+    fn register(&self, addr: u64, length: usize, location: &str) -> PyResult<NativeBuffer> {
+        let loc = parse_location(location)?;
+        let buffer = self
+            .engine
+            .register(addr as usize as *mut u8, length, loc)
+            .map_err(to_py)?;
+        Ok(NativeBuffer { buffer })
+    }
+
+    fn unregister(&self, addr: u64) -> PyResult<()> {
+        self.engine.unregister(addr).map_err(to_py)
+    }
+
+    /// Opens segment `name`, returning its id (GIL released while the peer answers).
+    fn open_segment(&self, py: Python<'_>, name: &str) -> PyResult<u64> {
+        let engine = self.engine.clone();
+        let owned = name.to_owned();
+        py.allow_threads(move || engine.open_segment(&owned))
+            .map(|s| s.0)
+            .map_err(to_py)
+    }
+
+    fn close_segment(&self, id: u64) -> PyResult<()> {
+        self.engine.close_segment(SegmentId(id)).map_err(to_py)
+    }
+
+    /// `(name, [(addr, len), ...])` of an opened segment, from the cached descriptor.
+    fn segment_info(&self, id: u64) -> PyResult<(String, Vec<(u64, u64)>)> {
+        let d = self.engine.segment_descriptor(SegmentId(id)).map_err(to_py)?;
+        Ok((d.name, d.buffers.iter().map(|b| (b.addr, b.len)).collect()))
+    }
+
+    /// Allocates a batch sized for `requests`, submits them all (none if any is bad).
+    fn submit(&self, py: Python<'_>, requests: Vec<NativeRequest>) -> PyResult<NativeBatch> {
+        let reqs: Vec<multirail::Request> = requests.into_iter().map(|r| r.req).collect();
+        if reqs.is_empty() {
+            return Err(InvalidArgumentError::new_err(
+                "invalid argument `requests`: submit needs at least one request",
+            ));
+        }
+        let engine = self.engine.clone();
+        let len = reqs.len();
+        let id = py
+            .allow_threads(|| {
+                let id = engine.allocate_batch(reqs.len())?;
+                if let Err(e) = engine.submit(id, &reqs) {
+                    let _ = engine.free_batch(id);
+                    return Err(e);
+                }
+                Ok(id)
+            })
+            .map_err(to_py)?;
+        Ok(NativeBatch {
+            engine: self.engine.clone(),
+            id,
+            len,
+        })
+    }
+
+    /// Per rail: name, bytes, slices, errors, ewma_gbps, inflight_bytes.
+    fn traffic_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        for r in self.engine.traffic_stats() {
+            let d = PyDict::new(py);
+            d.set_item("name", r.name)?;
+            d.set_item("bytes", r.bytes)?;
+            d.set_item("slices", r.slices)?;
+            d.set_item("errors", r.errors)?;
+            d.set_item("ewma_gbps", r.ewma_gbps)?;
+            d.set_item("inflight_bytes", r.inflight_bytes)?;
+            out.append(d)?;
+        }
+        Ok(out)
+    }
+
+    /// Stops serving: closes the control port and every connection.
+    fn shutdown(&self) {
+        self.engine.shutdown();
+    }
+
+    // ---- helpers for the Mooncake layer (addresses as integers, segments by name) ----
+
+    /// Registers ranges (all or none); records them for the byte-copy checks.
+    fn mc_register(&self, addrs: Vec<u64>, lens: Vec<u64>, location: &str) -> PyResult<()> {
+        if addrs.len() != lens.len() {
+            return Err(InvalidArgumentError::new_err(
+                "invalid argument `capacities`: buffer_addresses and capacities have different lengths",
+            ));
+        }
+        let loc = parse_location(location)?;
+        let mut done = Vec::new();
+        for (&a, &l) in addrs.iter().zip(&lens) {
+            match self.engine.register(a as usize as *mut u8, l as usize, loc) {
+                Ok(_) => done.push((a, l)),
+                Err(e) => {
+                    for (a, _) in done {
+                        let _ = self.engine.unregister(a);
+                    }
+                    return Err(to_py(e));
+                }
+            }
+        }
+        let mut ranges = self.ranges.lock().unwrap();
+        for (a, l) in done {
+            ranges.by_addr.insert(a, l);
+        }
+        Ok(())
+    }
+
+    /// Unregisters every address it can; raises the first failure after trying them all.
+    fn mc_unregister(&self, addrs: Vec<u64>) -> PyResult<()> {
+        let mut first = None;
+        for a in addrs {
+            match self.engine.unregister(a) {
+                Ok(()) => {
+                    self.ranges.lock().unwrap().by_addr.remove(&a);
+                }
+                Err(e) => {
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        first.map_or(Ok(()), |e| Err(to_py(e)))
+    }
+
+    /// Allocates an engine buffer kept until `mc_free`; returns its address.
+    fn mc_allocate(&self, py: Python<'_>, len: usize) -> PyResult<u64> {
+        let engine = self.engine.clone();
+        let b = py
+            .allow_threads(move || engine.allocate(len, Location::Any))
+            .map_err(to_py)?;
+        let addr = b.addr();
+        self.ranges.lock().unwrap().by_addr.insert(addr, len as u64);
+        self.managed.lock().unwrap().insert(addr, b);
+        Ok(addr)
+    }
+
+    fn mc_free(&self, addr: u64) -> PyResult<()> {
+        let b = self.managed.lock().unwrap().remove(&addr).ok_or_else(|| {
+            InvalidArgumentError::new_err(format!(
+                "invalid argument `buffer_addr`: {addr:#x} is not a managed buffer of this engine"
+            ))
+        })?;
+        self.ranges.lock().unwrap().by_addr.remove(&addr);
+        self.engine.free(&b).map_err(to_py)
+    }
+
+    /// Copies `data[:length]` to `addr`, which must lie in registered or managed memory.
+    fn mc_write_bytes(&self, addr: u64, data: &[u8], length: usize) -> PyResult<()> {
+        if length > data.len() {
+            return Err(InvalidArgumentError::new_err(format!(
+                "invalid argument `length`: {length} is more than the {} bytes given",
+                data.len()
+            )));
+        }
+        if !self.ranges.lock().unwrap().contains(addr, length as u64) {
+            return Err(SourceNotRegisteredError::new_err(format!(
+                "range {addr:#x}+{length} is not inside memory registered or allocated through this engine"
+            )));
+        }
+        // SAFETY: the range lies inside memory the caller registered (and promised to keep
+        // alive until unregister) or that the engine allocated and still holds.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as usize as *mut u8, length) };
+        Ok(())
+    }
+
+    /// Copies `length` bytes at `addr` (registered or managed memory) into a new `bytes`.
+    fn mc_read_bytes<'py>(
+        &self,
+        py: Python<'py>,
+        addr: u64,
+        length: usize,
+    ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+        if length > 0 && !self.ranges.lock().unwrap().contains(addr, length as u64) {
+            return Err(SourceNotRegisteredError::new_err(format!(
+                "range {addr:#x}+{length} is not inside memory registered or allocated through this engine"
+            )));
+        }
+        // SAFETY: as in mc_write_bytes.
+        let slice = unsafe { std::slice::from_raw_parts(addr as usize as *const u8, length) };
+        Ok(pyo3::types::PyBytes::new(py, slice))
+    }
+
+    /// Address of the first buffer segment `name` publishes (0 when it has none).
+    fn mc_first_buffer(&self, py: Python<'_>, name: &str) -> PyResult<u64> {
+        let seg = self.segment(py, name)?;
+        let d = self.engine.segment_descriptor(seg).map_err(to_py)?;
+        Ok(d.buffers.first().map_or(0, |b| b.addr))
+    }
+
+    /// Submits the transfers to segment `name` and waits for them (GIL released).
+    #[pyo3(signature = (name, opcode, sources, targets, lengths, timeout))]
+    fn mc_transfer_sync(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        opcode: &str,
+        sources: Vec<u64>,
+        targets: Vec<u64>,
+        lengths: Vec<u64>,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let op = parse_opcode(opcode)?;
+        let timeout = timeout_arg(Some(timeout))?;
+        let seg = self.segment(py, name)?;
+        let reqs = Self::requests(seg, op, &sources, &targets, &lengths)?;
+        let engine = self.engine.clone();
+        let result = py.allow_threads(move || {
+            let id = engine.allocate_batch(reqs.len())?;
+            if let Err(e) = engine.submit(id, &reqs) {
+                let _ = engine.free_batch(id);
+                return Err(e);
+            }
+            let waited = engine.wait(id, timeout);
+            let _ = engine.free_batch(id);
+            waited
+        });
+        if let Err(e) = &result {
+            if matches!(
+                e,
+                multirail::Error::PeerDisconnected { .. } | multirail::Error::UnknownSegment(_)
+            ) {
+                self.forget_segment(name);
+            }
+        }
+        result.map_err(to_py)
+    }
+
+    /// Submits the transfers to segment `name` without waiting; returns the batch id.
+    fn mc_transfer_async(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        opcode: &str,
+        sources: Vec<u64>,
+        targets: Vec<u64>,
+        lengths: Vec<u64>,
+    ) -> PyResult<u64> {
+        let op = parse_opcode(opcode)?;
+        let seg = self.segment(py, name)?;
+        let reqs = Self::requests(seg, op, &sources, &targets, &lengths)?;
+        let engine = self.engine.clone();
+        py.allow_threads(move || {
+            let id = engine.allocate_batch(reqs.len())?;
+            if let Err(e) = engine.submit(id, &reqs) {
+                let _ = engine.free_batch(id);
+                return Err(e);
+            }
+            Ok(id.0)
+        })
+        .map_err(to_py)
+    }
+
+    /// Waits for an async batch up to `timeout` seconds; frees it once it finished (whatever
+    /// the outcome). Returns "completed", "failed" or "pending" (timed out, still in flight).
+    fn mc_wait_batch(&self, py: Python<'_>, id: u64, timeout: f64) -> PyResult<&'static str> {
+        let timeout = timeout_arg(Some(timeout))?;
+        let engine = self.engine.clone();
+        let batch = BatchId(id);
+        py.allow_threads(move || {
+            let outcome = match engine.wait(batch, timeout) {
+                Ok(()) => "completed",
+                Err(multirail::Error::WaitTimeout { .. }) => return Ok("pending"),
+                Err(multirail::Error::UnknownBatch(b)) => {
+                    return Err(multirail::Error::UnknownBatch(b))
+                }
+                Err(_) => "failed",
+            };
+            // A failed batch may still have requests in flight; it is freed when they end.
+            let _ = engine.free_batch(batch);
+            Ok(outcome)
+        })
+        .map_err(to_py)
+    }
+
+    /// Non-blocking status of an async batch: "completed" (and freed), "failed" (freed when
+    /// nothing is in flight any more) or "pending".
+    fn mc_poll_batch(&self, id: u64) -> PyResult<&'static str> {
+        let batch = BatchId(id);
+        let s = self.engine.overall_status(batch).map_err(to_py)?;
+        let out = status_str(&s);
+        if out != "pending" {
+            let _ = self.engine.free_batch(batch);
+        }
+        Ok(out)
+    }
+}
+
+/// `multirail._native.init_logging()`: sends the engine's tracing output to stderr, filtered by
+/// RUST_LOG (nothing is printed when RUST_LOG is unset). Called once at import.
+#[pyfunction]
+fn init_logging() {
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<NativeEngine>()?;
+    m.add_class::<NativeBuffer>()?;
+    m.add_class::<NativeRequest>()?;
+    m.add_class::<NativeBatch>()?;
+    m.add_function(wrap_pyfunction!(init_logging, m)?)?;
+    m.add("PRIO_HIGH", multirail::PRIO_HIGH)?;
+    m.add("PRIO_MEDIUM", multirail::PRIO_MEDIUM)?;
+    m.add("PRIO_LOW", multirail::PRIO_LOW)?;
+    m.add("BufferView", view::create_type(py)?)?;
+    macro_rules! exc {
+        ($($name:ident),*) => { $( m.add(stringify!($name), py.get_type::<$name>())?; )* };
+    }
+    exc!(
+        Error,
+        ConfigError,
+        InvalidArgumentError,
+        SourceNotRegisteredError,
+        TargetOutOfRangeError,
+        UnknownSegmentError,
+        SegmentUnreachableError,
+        UnknownBatchError,
+        BatchFullError,
+        BatchBusyError,
+        PeerDisconnectedError,
+        TransferTimeoutError,
+        RemoteRejectedError,
+        ProtocolError,
+        AllocationError,
+        TransportUnavailableError,
+        WaitTimeoutError,
+        IoError
+    );
+    Ok(())
+}
