@@ -5,6 +5,7 @@
 //! the same code.
 
 pub mod health;
+pub mod latency;
 pub mod pairing;
 pub mod qos;
 pub mod selector;
