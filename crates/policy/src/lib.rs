@@ -8,5 +8,6 @@ pub mod health;
 pub mod latency;
 pub mod pairing;
 pub mod qos;
+pub mod receive;
 pub mod selector;
 pub mod slicing;
