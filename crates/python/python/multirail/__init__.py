@@ -1,0 +1,466 @@
+"""multirail: move bytes between the registered memory of processes, from Python.
+
+    import multirail, numpy as np
+
+    target = multirail.Engine(name="127.0.0.1")          # serves segment target.name
+    dst = target.allocate(1 << 20)                       # multirail.Buffer (buffer protocol)
+
+    engine = multirail.Engine(name="127.0.0.1")
+    src = engine.allocate(1 << 20)
+    np.frombuffer(src, dtype=np.uint8)[:] = 7            # no copy: NumPy sees engine memory
+    seg = engine.open_segment(target.name)
+    batch = engine.submit([multirail.Request(multirail.WRITE, src, seg, dst.addr, len(src))])
+    batch.wait()                                         # raises a multirail.Error subclass on failure
+
+Every error the engine reports is raised as a subclass of :class:`multirail.Error` whose message
+is the engine's. Calls that wait for the network or for memory (``Engine()``, ``allocate``,
+``open_segment``, ``submit``, ``Batch.wait``) release the GIL.
+
+:mod:`multirail.mooncake` offers ``TransferEngine``, a drop-in for Mooncake's
+``mooncake.engine.TransferEngine``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import ipaddress
+import json
+import os
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+from . import _native
+from ._native import (
+    PRIO_HIGH,
+    PRIO_LOW,
+    PRIO_MEDIUM,
+    AllocationError,
+    BatchBusyError,
+    BatchFullError,
+    ConfigError,
+    Error,
+    InvalidArgumentError,
+    IoError,
+    PeerDisconnectedError,
+    ProtocolError,
+    RemoteRejectedError,
+    SegmentUnreachableError,
+    SourceNotRegisteredError,
+    TargetOutOfRangeError,
+    TransferTimeoutError,
+    TransportUnavailableError,
+    UnknownBatchError,
+    UnknownSegmentError,
+    WaitTimeoutError,
+)
+
+__all__ = [
+    "Engine",
+    "Buffer",
+    "Segment",
+    "Request",
+    "Batch",
+    "Status",
+    "READ",
+    "WRITE",
+    "PRIO_HIGH",
+    "PRIO_MEDIUM",
+    "PRIO_LOW",
+    "Error",
+    "ConfigError",
+    "InvalidArgumentError",
+    "SourceNotRegisteredError",
+    "TargetOutOfRangeError",
+    "UnknownSegmentError",
+    "SegmentUnreachableError",
+    "UnknownBatchError",
+    "BatchFullError",
+    "BatchBusyError",
+    "PeerDisconnectedError",
+    "TransferTimeoutError",
+    "RemoteRejectedError",
+    "ProtocolError",
+    "AllocationError",
+    "TransportUnavailableError",
+    "WaitTimeoutError",
+    "IoError",
+]
+
+_native.init_logging()
+
+#: Opcode of a request that copies from the target segment into local memory.
+READ = "read"
+#: Opcode of a request that copies from local memory into the target segment.
+WRITE = "write"
+
+
+class Status(str, enum.Enum):
+    """State of one request or of a whole batch."""
+
+    PENDING = "pending"
+    """Some bytes are still on their way."""
+    COMPLETED = "completed"
+    """Every byte is in place at its destination."""
+    FAILED = "failed"
+    """The request failed; ``Batch.error()`` or ``Batch.wait()`` says why."""
+
+
+def _uint(value: Any, what: str) -> int:
+    """An address or length argument: a non-negative int (bool is refused)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    if value < 0 or value >= 1 << 64:
+        raise InvalidArgumentError(f"invalid argument `{what}`: {value} is not a 64-bit unsigned integer")
+    return value
+
+
+class Buffer(_native.BufferView):
+    """Memory the engine allocated or registered.
+
+    Supports the buffer protocol (writable, format ``"B"``, one dimension), so
+    ``memoryview(buf)`` and ``numpy.frombuffer(buf, dtype)`` see the memory itself, without a
+    copy. Memory the engine allocated stays mapped while this object, or any view of it, lives,
+    even after :meth:`Engine.unregister`. ``len(buf)`` is its size in bytes.
+    """
+
+    _handle: Any
+    _keep: Any
+
+    @property
+    def addr(self) -> int:
+        """Start address in this process; peers use it (plus an offset) as ``target_offset``."""
+        return self._handle.addr
+
+    @property
+    def size(self) -> int:
+        """Length in bytes."""
+        return self._handle.size
+
+    @property
+    def key(self) -> int:
+        """The random 64-bit access key peers present to touch this memory."""
+        return self._handle.key
+
+    @property
+    def location(self) -> str:
+        """``"*"`` (anywhere) or ``"cpu:N"`` (NUMA node N)."""
+        return self._handle.location
+
+    def __len__(self) -> int:
+        return self._handle.size
+
+    def __repr__(self) -> str:
+        return f"<multirail.Buffer addr={self.addr:#x} size={self.size} location={self.location!r}>"
+
+
+def _make_buffer(handle: Any, keep: Any = None) -> Buffer:
+    buf = Buffer(handle.addr, handle.size, handle)
+    buf._handle = handle
+    buf._keep = keep
+    return buf
+
+
+class Segment:
+    """A peer's segment, opened with :meth:`Engine.open_segment`."""
+
+    __slots__ = ("_engine", "id", "name")
+
+    def __init__(self, engine: "Engine", seg_id: int, name: str) -> None:
+        self._engine = engine
+        self.id: int = seg_id
+        """Engine handle of the segment (what :class:`Request` carries)."""
+        self.name: str = name
+        """The name it was opened with, ``host:port``."""
+
+    @property
+    def buffers(self) -> List[Tuple[int, int]]:
+        """``[(addr, length), ...]`` the segment published, from the cached descriptor."""
+        return self._engine._native.segment_info(self.id)[1]
+
+    @property
+    def first_buffer_address(self) -> int:
+        """Address of the segment's first buffer (0 when it publishes none)."""
+        b = self.buffers
+        return b[0][0] if b else 0
+
+    def close(self) -> None:
+        """Forgets the segment and closes its connections."""
+        self._engine._native.close_segment(self.id)
+
+    def __repr__(self) -> str:
+        return f"<multirail.Segment {self.name} id={self.id}>"
+
+
+class Request:
+    """One transfer of ``length`` bytes between local ``source`` and ``target_offset`` in ``target``.
+
+    ``opcode`` is :data:`READ` (target to source) or :data:`WRITE` (source to target);
+    ``source`` a local address or a :class:`Buffer` (its start); ``target`` a :class:`Segment`
+    or its id; ``target_offset`` the remote address (a peer buffer's ``addr`` plus an offset);
+    ``priority`` :data:`PRIO_HIGH` (default), :data:`PRIO_MEDIUM` or :data:`PRIO_LOW`;
+    ``transport`` ``None`` (the engine's setting), ``"auto"``, ``"tcp"`` or ``"shm"``.
+    A bad opcode or transport raises :class:`InvalidArgumentError` here; ranges, priority and
+    length are checked by :meth:`Engine.submit`.
+    """
+
+    __slots__ = ("opcode", "source", "target", "target_offset", "length", "priority", "transport", "_native")
+
+    def __init__(
+        self,
+        opcode: str,
+        source: Union[int, Buffer],
+        target: Union[Segment, int],
+        target_offset: int,
+        length: int,
+        priority: int = PRIO_HIGH,
+        transport: Optional[str] = None,
+    ) -> None:
+        self.opcode = opcode
+        self.source = source.addr if isinstance(source, Buffer) else _uint(source, "source")
+        self.target = target.id if isinstance(target, Segment) else _uint(target, "target")
+        self.target_offset = _uint(target_offset, "target_offset")
+        self.length = _uint(length, "length")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if not 0 <= priority <= 255:
+            raise InvalidArgumentError(
+                f"invalid argument `priority`: {priority} is not PRIO_HIGH (0), PRIO_MEDIUM (1) or PRIO_LOW (2)"
+            )
+        self.priority = priority
+        self.transport = transport
+        if not isinstance(opcode, str):
+            raise TypeError(f"opcode must be multirail.READ or multirail.WRITE, got {opcode!r}")
+        self._native = _native.NativeRequest(
+            opcode, self.source, self.target, self.target_offset, self.length, priority, transport
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.opcode!r}, source={self.source:#x}, target={self.target}, "
+            f"target_offset={self.target_offset:#x}, length={self.length}, priority={self.priority})"
+        )
+
+
+class Batch:
+    """Requests submitted together by :meth:`Engine.submit`; freed when garbage-collected."""
+
+    __slots__ = ("_native",)
+
+    def __init__(self, native: Any) -> None:
+        self._native = native
+
+    def __len__(self) -> int:
+        return len(self._native)
+
+    def status(self, index: Optional[int] = None) -> Status:
+        """Status of request ``index`` (submission order), or of the whole batch when None:
+        FAILED if any failed, else PENDING while any runs, else COMPLETED. Never blocks."""
+        s, _ = self._native.overall_status() if index is None else self._native.status(index)
+        return Status(s)
+
+    def error(self, index: Optional[int] = None) -> Optional[Error]:
+        """The exception of failed request ``index`` (or the batch's first failure), else None."""
+        _, e = self._native.overall_status() if index is None else self._native.status(index)
+        return e
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Blocks until every request finished, ``timeout`` seconds at most (None: no limit).
+
+        Raises the first failure as a :class:`multirail.Error` subclass, or
+        :class:`WaitTimeoutError` when the time ran out. The GIL is released meanwhile."""
+        self._native.wait(timeout)
+
+    def free(self) -> None:
+        """Frees the batch now (otherwise when the object goes away). Raises
+        :class:`BatchBusyError` while requests are in flight."""
+        self._native.free()
+
+    def __repr__(self) -> str:
+        return f"<multirail.Batch id={self._native.id} requests={len(self)} status={self.status().value}>"
+
+
+ConfigArg = Union[None, Mapping[str, Any], str, "os.PathLike[str]"]
+
+
+def _listen_for(name: Optional[str]) -> Tuple[str, Optional[str]]:
+    """Maps ``Engine(name=...)`` to (listen address, local_hostname)."""
+    if name is None:
+        return "0.0.0.0:0", None
+    if not isinstance(name, str) or not name:
+        raise InvalidArgumentError(f"invalid argument `name`: expected \"host\" or \"host:port\", got {name!r}")
+    host, port = name, "0"
+    if name.startswith("["):  # [v6]:port or [v6]
+        end = name.find("]")
+        if end < 0:
+            raise InvalidArgumentError(f"invalid argument `name`: unbalanced '[' in {name!r}")
+        host, rest = name[1:end], name[end + 1 :]
+        if rest:
+            if not rest.startswith(":"):
+                raise InvalidArgumentError(f"invalid argument `name`: expected [host]:port, got {name!r}")
+            port = rest[1:]
+    elif name.count(":") == 1:
+        host, port = name.split(":")
+    if not port.isdigit() or int(port) > 65535:
+        raise InvalidArgumentError(f"invalid argument `name`: port {port!r} is not 0-65535")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        # A host name: listen everywhere, publish the name.
+        return f"0.0.0.0:{port}", host
+    return (f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"), None
+
+
+class Engine:
+    """A transfer engine serving one segment, named ``host:port``.
+
+    ``config``: None (``MULTIRAIL_CONF`` when set, else the defaults), a dict (the JSON
+    document, TENT keys included), a path to a JSON file, or a string of inline JSON starting
+    with ``{``. Invalid configuration raises :class:`ConfigError` naming the key.
+
+    ``name``: where the engine listens and what it calls itself. ``"HOST"`` or
+    ``"HOST:PORT"``; port 0 or no port picks a free one. When HOST is an IP address the engine
+    listens on it only (``"127.0.0.1"`` keeps everything on loopback) and its segment name is
+    ``HOST:PORT``. When HOST is a host name the engine listens on every address (0.0.0.0) and
+    publishes ``HOST:PORT`` (``local_hostname``), unless the configuration sets
+    ``local_hostname`` itself. None listens on 0.0.0.0 and publishes the first non-loopback
+    IPv4 address of the host (else 127.0.0.1).
+
+    ``transport`` overrides the configuration's ``transport`` key: ``"auto"`` (shared memory
+    to same-host peers, TCP otherwise), ``"tcp"`` or ``"shm"``.
+
+    The engine stops serving on :meth:`close` (also at the end of a ``with`` block) or when the
+    last reference goes away.
+    """
+
+    def __init__(self, config: ConfigArg = None, name: Optional[str] = None, *, transport: Optional[str] = None) -> None:
+        config_json: Optional[str] = None
+        config_path: Optional[str] = None
+        if config is None:
+            pass
+        elif isinstance(config, Mapping):
+            config_json = json.dumps(config)
+        elif isinstance(config, (str, os.PathLike)):
+            text = os.fspath(config)
+            if isinstance(text, bytes):
+                text = os.fsdecode(text)
+            if text.lstrip().startswith("{"):
+                config_json = text
+            else:
+                config_path = text
+        else:
+            raise TypeError(f"config must be None, a dict or a path, got {type(config).__name__}")
+        listen, hostname = _listen_for(name)
+        self._native = _native.NativeEngine(
+            listen, config_json=config_json, config_path=config_path, local_hostname=hostname, transport=transport
+        )
+
+    @property
+    def name(self) -> str:
+        """This engine's segment name, ``host:port``: what peers pass to ``open_segment``."""
+        return self._native.name
+
+    @property
+    def config(self) -> Dict[str, Any]:
+        """The effective configuration, as a dict."""
+        return json.loads(self._native.config_json())
+
+    def allocate(self, size: int, location: str = "*") -> Buffer:
+        """Allocates ``size`` bytes (zeroed) in a shared mapping same-host peers can map, and serves
+        them. Raises :class:`InvalidArgumentError` for size 0, :class:`AllocationError` when the
+        OS refuses."""
+        return _make_buffer(self._native.allocate(_uint(size, "size"), location))
+
+    def register(self, ptr_or_buffer: Any, length: Optional[int] = None, location: str = "*") -> Buffer:
+        """Serves memory the caller owns, and returns a :class:`Buffer` over it.
+
+        ``ptr_or_buffer`` is an address (int; ``length`` required, the memory must stay valid
+        until :meth:`unregister`) or a writable, C-contiguous object with the buffer protocol
+        (``bytearray``, NumPy array, ``mmap``...; ``length`` defaults to its size in bytes and
+        may be smaller). An object is kept alive, and cannot be resized, while the returned
+        Buffer lives. Raises :class:`InvalidArgumentError` (length 0, null address),
+        :class:`AllocationError` (overlap with registered memory) or TypeError (read-only or
+        non-contiguous object)."""
+        keep = None
+        if isinstance(ptr_or_buffer, int) and not isinstance(ptr_or_buffer, bool):
+            if length is None:
+                raise InvalidArgumentError("invalid argument `length`: required when registering an address")
+            addr = _uint(ptr_or_buffer, "ptr")
+        else:
+            try:
+                mv = memoryview(ptr_or_buffer)
+            except TypeError:
+                raise TypeError(
+                    f"register() needs an address or an object with the buffer protocol, got {type(ptr_or_buffer).__name__}"
+                ) from None
+            nbytes = mv.nbytes
+            mv.release()
+            if nbytes == 0:
+                raise InvalidArgumentError("invalid argument `length`: the object is empty")
+            try:
+                keep = (ctypes.c_char * nbytes).from_buffer(ptr_or_buffer)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"register() needs writable, C-contiguous memory: {e}") from None
+            addr = ctypes.addressof(keep)
+            if length is None:
+                length = nbytes
+            elif _uint(length, "length") > nbytes:
+                raise InvalidArgumentError(
+                    f"invalid argument `length`: {length} is more than the object's {nbytes} bytes"
+                )
+        return _make_buffer(self._native.register(addr, _uint(length, "length"), location), keep)
+
+    def unregister(self, buffer_or_addr: Union[Buffer, int]) -> None:
+        """Stops serving a buffer (a :class:`Buffer` or its start address). Raises
+        :class:`InvalidArgumentError` when no buffer starts there."""
+        addr = buffer_or_addr.addr if isinstance(buffer_or_addr, Buffer) else _uint(buffer_or_addr, "addr")
+        self._native.unregister(addr)
+
+    def open_segment(self, name: str) -> Segment:
+        """Opens peer segment ``name`` (``host:port``), fetching its descriptor from the peer.
+        Raises :class:`SegmentUnreachableError` when nothing answers, :class:`InvalidArgumentError`
+        for a malformed name."""
+        if not isinstance(name, str):
+            raise TypeError(f"segment name must be a str, got {type(name).__name__}")
+        return Segment(self, self._native.open_segment(name), name)
+
+    def submit(self, requests: Union[Request, Sequence[Request]]) -> Batch:
+        """Checks every request, then starts them all, as one :class:`Batch`. Nothing starts if
+        any is bad; the exception names the first problem (:class:`SourceNotRegisteredError`,
+        :class:`TargetOutOfRangeError`, :class:`UnknownSegmentError`,
+        :class:`InvalidArgumentError` for length 0 or a bad priority...)."""
+        if isinstance(requests, Request):
+            requests = [requests]
+        natives = []
+        for r in requests:
+            if not isinstance(r, Request):
+                raise TypeError(f"submit() takes multirail.Request objects, got {type(r).__name__}")
+            natives.append(r._native)
+        return Batch(self._native.submit(natives))
+
+    def transfer(self, requests: Union[Request, Sequence[Request]], timeout: Optional[float] = None) -> None:
+        """``submit(requests).wait(timeout)``, freeing the batch afterwards."""
+        batch = self.submit(requests)
+        batch.wait(timeout)
+
+    def traffic_stats(self) -> Dict[str, Dict[str, Any]]:
+        """Per rail (``"shm"`` for same-host copies, an interface name for TCP): ``bytes``,
+        ``slices``, ``errors`` since the engine started, and for network rails the scheduler's
+        ``ewma_gbps`` and ``inflight_bytes``."""
+        out: Dict[str, Dict[str, Any]] = {}
+        for r in self._native.traffic_stats():
+            name = r.pop("name")
+            out[name] = r
+        return out
+
+    def close(self) -> None:
+        """Stops serving: peers can no longer reach this engine."""
+        self._native.shutdown()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<multirail.Engine {self.name}>"
