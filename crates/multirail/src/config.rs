@@ -310,6 +310,8 @@ pub struct TcpConfig {
     pub max_retries: u32,
     /// Bytes in flight on one connection before the sender waits (default 64 MiB); > 0.
     pub max_inflight_bytes_per_connection: u64,
+    /// Receive path of two-sided messages over TCP.
+    pub receive: ReceiveConfig,
 }
 
 impl Default for TcpConfig {
@@ -320,6 +322,7 @@ impl Default for TcpConfig {
             connect_timeout_ms: 3000,
             max_retries: 8,
             max_inflight_bytes_per_connection: 64 * 1024 * 1024,
+            receive: ReceiveConfig::default(),
         }
     }
 }
@@ -332,6 +335,8 @@ pub struct ShmConfig {
     pub enable: bool,
     /// Use process_vm_readv/writev for registered memory of same-host peers.
     pub process_vm: bool,
+    /// Receive path of two-sided messages over shared memory.
+    pub receive: ReceiveConfig,
 }
 
 impl Default for ShmConfig {
@@ -339,7 +344,94 @@ impl Default for ShmConfig {
         ShmConfig {
             enable: true,
             process_vm: true,
+            receive: ReceiveConfig::default(),
         }
+    }
+}
+
+/// When a consumed receive buffer is posted again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReturnPolicy {
+    /// As soon as its message is consumed (default).
+    #[default]
+    Individual,
+    /// All together, once no posted buffer is left.
+    Bulk,
+}
+
+/// Whether a responder returns a request's buffer before or after sending its answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReturnOrder {
+    /// Return, then answer (default).
+    #[default]
+    BeforeReply,
+    /// Answer, then return.
+    AfterReply,
+}
+
+/// Receive path of two-sided messages (`transports.<tcp|shm>.receive`), the knobs of seed 003.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReceiveConfig {
+    /// Receive buffers posted per connection, or in the shared pool (default 64); 1..=1048576.
+    pub queue_depth: usize,
+    /// One pool shared by every connection of the engine (an SRQ) instead of one per connection.
+    pub shared_receive_queue: bool,
+    /// The pool is allocated and registered as this many chunks of queue_depth / chunks buffers
+    /// (default 1); must divide queue_depth.
+    pub registration_chunks: usize,
+    /// Most scatter/gather entries a receive may use (default 1); 1..=32.
+    pub max_sge: usize,
+    /// Bytes per receive buffer, the largest message (default 8192); 1..=64 MiB.
+    pub buffer_size: usize,
+    /// `individual` (default) or `bulk`.
+    pub return_policy: ReturnPolicy,
+    /// `before_reply` (default) or `after_reply`.
+    pub return_order: ReturnOrder,
+}
+
+impl Default for ReceiveConfig {
+    fn default() -> Self {
+        let d = multirail_policy::receive::ReceiveSettings::default();
+        ReceiveConfig {
+            queue_depth: d.queue_depth,
+            shared_receive_queue: d.shared_receive_queue,
+            registration_chunks: d.registration_chunks,
+            max_sge: d.max_sge,
+            buffer_size: d.buffer_size,
+            return_policy: ReturnPolicy::Individual,
+            return_order: ReturnOrder::BeforeReply,
+        }
+    }
+}
+
+impl ReceiveConfig {
+    /// The settings the receive accounting takes.
+    pub fn settings(&self) -> multirail_policy::receive::ReceiveSettings {
+        use multirail_policy::receive as r;
+        r::ReceiveSettings {
+            queue_depth: self.queue_depth,
+            shared_receive_queue: self.shared_receive_queue,
+            registration_chunks: self.registration_chunks,
+            max_sge: self.max_sge,
+            buffer_size: self.buffer_size,
+            return_policy: match self.return_policy {
+                ReturnPolicy::Individual => r::ReturnPolicy::Individual,
+                ReturnPolicy::Bulk => r::ReturnPolicy::Bulk,
+            },
+            return_order: match self.return_order {
+                ReturnOrder::BeforeReply => r::ReturnOrder::BeforeReply,
+                ReturnOrder::AfterReply => r::ReturnOrder::AfterReply,
+            },
+        }
+    }
+
+    fn validate(&self, prefix: &str) -> Result<(), ConfigError> {
+        self.settings()
+            .validate()
+            .map_err(|e| ConfigError::new(format!("{prefix}.{}", e.key), e.message))
     }
 }
 
@@ -476,6 +568,10 @@ impl Config {
         }
         self.transports.rdma.validate("transports.rdma")?;
         self.transports.tcp.validate("transports.tcp")?;
+        self.transports
+            .shm
+            .receive
+            .validate("transports.shm.receive")?;
         Ok(())
     }
 
@@ -650,6 +746,7 @@ impl TcpConfig {
                 "must be greater than 0, got 0",
             ));
         }
+        self.receive.validate(&format!("{prefix}.receive"))?;
         Ok(())
     }
 }

@@ -125,6 +125,7 @@ struct Inner {
     write_plan: SlicePlan,
     fallback_logged: OnceLock<()>,
     server: Mutex<Option<Server>>,
+    messaging: Arc<crate::messaging::Messaging>,
 }
 
 /// A transfer engine: one segment, named `host:port` after its control port.
@@ -168,12 +169,14 @@ impl Engine {
             registry: registry.clone(),
         });
         let served = local.clone();
+        let messaging = Arc::new(crate::messaging::Messaging::new(&config, registry.clone())?);
         let server = Server::start(
             listen,
             registry,
             Arc::new(move || {
                 serde_json::to_vec(&served.descriptor()).expect("descriptor serializes")
             }),
+            messaging.clone(),
         )?;
         let name = format!(
             "{}:{}",
@@ -224,6 +227,7 @@ impl Engine {
             stats,
             fallback_logged: OnceLock::new(),
             server: Mutex::new(Some(server)),
+            messaging,
             config,
         });
         spawn_timeout_watch(Arc::downgrade(&inner));
@@ -326,7 +330,12 @@ impl Engine {
         Ok((*self.peer(segment)?.descriptor()).clone())
     }
 
-    fn peer(&self, segment: SegmentId) -> Result<Arc<Peer>> {
+    /// The messaging state (two-sided messages and notifications; see `crate::messaging`).
+    pub(crate) fn messaging(&self) -> &Arc<crate::messaging::Messaging> {
+        &self.inner.messaging
+    }
+
+    pub(crate) fn peer(&self, segment: SegmentId) -> Result<Arc<Peer>> {
         self.inner
             .peers
             .read()
@@ -461,7 +470,12 @@ impl Engine {
 
     /// The buffer of `peer` holding the range, refetching the descriptor once if the cached one
     /// does not have it (the peer may have registered memory since).
-    fn target_buffer(&self, peer: &Peer, addr: u64, len: u64) -> Result<segment::BufferDescriptor> {
+    pub(crate) fn target_buffer(
+        &self,
+        peer: &Peer,
+        addr: u64,
+        len: u64,
+    ) -> Result<segment::BufferDescriptor> {
         if let Some(b) = peer.descriptor().find_buffer(addr, len) {
             return Ok(b.clone());
         }

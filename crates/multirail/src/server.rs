@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::memory::{MemoryRegistry, Region};
+use crate::messaging::Messaging;
 use crate::transport::sockio::{self, iovec};
 use crate::transport::wire::{self, ConnKind, RequestHeader, RequestOp, ResponseHeader, Status};
 
@@ -44,6 +45,7 @@ impl Server {
         listen: SocketAddr,
         registry: Arc<MemoryRegistry>,
         descriptor: DescriptorSource,
+        messages: Arc<Messaging>,
     ) -> Result<Server> {
         let listener = TcpListener::bind(listen)
             .map_err(|e| Error::io(format!("binding control port {listen}"), e))?;
@@ -58,7 +60,16 @@ impl Server {
         let (stop, conns2) = (stopping.clone(), conns.clone());
         let accept_thread = thread::Builder::new()
             .name("mr-accept".into())
-            .spawn(move || accept_loop(accept_listener, stop, conns2, registry, descriptor))
+            .spawn(move || {
+                accept_loop(
+                    accept_listener,
+                    stop,
+                    conns2,
+                    registry,
+                    descriptor,
+                    messages,
+                )
+            })
             .map_err(|e| Error::io("spawning accept thread", e))?;
         Ok(Server {
             local_addr,
@@ -98,6 +109,7 @@ fn accept_loop(
     conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
     registry: Arc<MemoryRegistry>,
     descriptor: DescriptorSource,
+    messages: Arc<Messaging>,
 ) {
     let next_id = AtomicU64::new(0);
     loop {
@@ -120,10 +132,11 @@ fn accept_loop(
             conns.lock().expect("server poisoned").insert(id, clone);
         }
         let (registry, descriptor, conns) = (registry.clone(), descriptor.clone(), conns.clone());
+        let messages = messages.clone();
         let spawned = thread::Builder::new()
             .name(format!("mr-serve-{id}"))
             .spawn(move || {
-                if let Err(reason) = serve(stream, &registry, &descriptor) {
+                if let Err(reason) = serve(stream, &registry, &descriptor, &messages) {
                     tracing::warn!(%peer, %reason, "closed connection");
                 }
                 conns.lock().expect("server poisoned").remove(&id);
@@ -138,6 +151,7 @@ fn serve(
     mut stream: TcpStream,
     registry: &MemoryRegistry,
     descriptor: &DescriptorSource,
+    messages: &Messaging,
 ) -> Result<(), String> {
     stream
         .set_read_timeout(Some(HELLO_TIMEOUT))
@@ -152,6 +166,7 @@ fn serve(
     match kind {
         ConnKind::Control => serve_control(stream, descriptor),
         ConnKind::Data => serve_data(stream.as_raw_fd(), registry),
+        ConnKind::Message => messages.accept(stream),
     }
 }
 

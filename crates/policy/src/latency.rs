@@ -375,7 +375,7 @@ fn group(
     let mine: std::collections::HashSet<usize> = members.iter().map(|m| m.0).collect();
     covered.extend(&mine);
     let mut cycle = p;
-    for q in (1..p).filter(|q| p % q == 0) {
+    for q in (1..p).filter(|q| p.is_multiple_of(*q)) {
         let residues: std::collections::BTreeSet<usize> = mine.iter().map(|k| k % q).collect();
         if residues
             .iter()

@@ -120,7 +120,7 @@ impl ReceiveSettings {
         if self.registration_chunks == 0 {
             return Err(err("registration_chunks", "must be at least 1, got 0"));
         }
-        if self.queue_depth % self.registration_chunks != 0 {
+        if !self.queue_depth.is_multiple_of(self.registration_chunks) {
             return Err(err(
                 "registration_chunks",
                 format!(

@@ -23,6 +23,8 @@ pub enum ConnKind {
     Control = 1,
     /// Slices.
     Data = 2,
+    /// Two-sided messages and notifications, one connection per sending peer.
+    Message = 3,
 }
 
 /// Encodes the hello for a connection of `kind`.
@@ -48,6 +50,7 @@ pub fn decode_hello(b: &[u8; HELLO_LEN]) -> Result<ConnKind, String> {
     match b[6] {
         1 => Ok(ConnKind::Control),
         2 => Ok(ConnKind::Data),
+        3 => Ok(ConnKind::Message),
         k => Err(format!("unknown connection kind {k}")),
     }
 }
@@ -185,6 +188,62 @@ impl ResponseHeader {
 /// Control request: send me your segment descriptor.
 pub const CONTROL_GET_DESCRIPTOR: u8 = 1;
 
+/// Size of a message-connection frame header: `len: u32, kind: u8, 3 zero bytes`. Small
+/// messages carry this and nothing else, no slice header.
+pub const MSG_HEADER_LEN: usize = 8;
+/// Longest engine name a message connection's opening may carry.
+pub const MAX_NAME_LEN: usize = 1024;
+
+/// What a message-connection frame carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MsgKind {
+    /// Sender to receiver: `len` bytes of a message follow.
+    Message = 1,
+    /// Sender to receiver: `len` bytes of a notification (UTF-8) follow.
+    Notification = 2,
+    /// Receiver to sender: `len` more receive buffers are posted for you (credits).
+    Credit = 3,
+}
+
+/// A message-connection frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MsgHeader {
+    /// What follows.
+    pub kind: MsgKind,
+    /// Payload bytes, or credits for [`MsgKind::Credit`].
+    pub len: u32,
+}
+
+impl MsgHeader {
+    /// Serializes into `out`.
+    pub fn encode(&self, out: &mut [u8; MSG_HEADER_LEN]) {
+        out[..4].copy_from_slice(&self.len.to_le_bytes());
+        out[4] = self.kind as u8;
+        out[5..8].fill(0);
+    }
+
+    /// Parses a header; an unknown kind or a payload above `max_len` is malformed.
+    pub fn decode(b: &[u8], max_len: u32) -> Result<Self, String> {
+        let b: &[u8; MSG_HEADER_LEN] = b
+            .get(..MSG_HEADER_LEN)
+            .and_then(|s| s.try_into().ok())
+            .ok_or("short message header")?;
+        let len = u32::from_le_bytes(b[..4].try_into().unwrap());
+        let kind = match b[4] {
+            1 => MsgKind::Message,
+            2 => MsgKind::Notification,
+            3 => MsgKind::Credit,
+            k => return Err(format!("unknown message kind {k}")),
+        };
+        if kind != MsgKind::Credit && len > max_len {
+            return Err(format!(
+                "message of {len} bytes above the {max_len}-byte receive buffers"
+            ));
+        }
+        Ok(MsgHeader { kind, len })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -227,6 +286,25 @@ mod tests {
         op[0] = 9;
         assert!(RequestHeader::decode(&op).is_err());
         assert!(RequestHeader::decode(&b[..10]).is_err());
+    }
+
+    #[test]
+    fn message_headers() {
+        let mut b = [0u8; MSG_HEADER_LEN];
+        let h = MsgHeader {
+            kind: MsgKind::Notification,
+            len: 100,
+        };
+        h.encode(&mut b);
+        assert_eq!(MsgHeader::decode(&b, 100).unwrap(), h);
+        assert!(MsgHeader::decode(&b, 99).is_err());
+        b[4] = 9;
+        assert!(MsgHeader::decode(&b, 100).is_err());
+        assert!(MsgHeader::decode(&b[..3], 100).is_err());
+        assert_eq!(
+            decode_hello(&encode_hello(ConnKind::Message)).unwrap(),
+            ConnKind::Message
+        );
     }
 
     proptest! {
