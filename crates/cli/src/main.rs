@@ -2,6 +2,7 @@
 
 mod bench;
 mod membench;
+mod pingpong;
 mod target;
 mod topo;
 
@@ -36,6 +37,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Show the rails, their speeds and NUMA nodes, and each rail's tier per memory location.
     Topo(topo::TopoArgs),
+    /// Small-message round-trip latency (the seed's ping-pong), with periodic-pattern report.
+    Pingpong(pingpong::PingpongArgs),
     /// Measure single-thread memcpy bandwidth walking two buffers block by block.
     Membench(membench::MembenchArgs),
     /// Configuration commands.
@@ -96,6 +99,7 @@ fn main() -> ExitCode {
         Command::Target(args) => target::run(config, args),
         Command::Bench(args) => bench::run(config, cli.config.as_deref(), args),
         Command::Membench(args) => membench::run(args),
+        Command::Pingpong(args) => pingpong::run(config, cli.config.as_deref(), args),
         Command::Topo(args) => topo::run(config, args),
         Command::Config {
             command: ConfigCommand::Show,

@@ -1,0 +1,541 @@
+//! `multirail pingpong`: the seed's latency method as a tool. A client sends a message of
+//! `--size` bytes, the server answers with one of the same size, `--iterations` times, both
+//! single-threaded and busy polling. Reports perftest's columns (one-way = round trip / 2),
+//! the raw trace, periodic patterns in words and a plot.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+use multirail::config::{ReturnOrder, ReturnPolicy};
+use multirail::{Config, Engine, TransportChoice};
+use multirail_policy::latency::{self, PatternReport, Summary};
+
+use crate::Failure;
+
+/// How long the client waits for one answer before giving up.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Transport {
+    Shm,
+    Tcp,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum PolicyArg {
+    Individual,
+    Bulk,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum OrderArg {
+    BeforeReply,
+    AfterReply,
+}
+
+#[derive(Args)]
+pub struct PingpongArgs {
+    /// Serve: answer every message with one of the same size until interrupted. Prints the
+    /// segment name first.
+    #[arg(long, conflicts_with_all = ["connect", "local"])]
+    server: bool,
+    /// Segment (`host:port`) of a `multirail pingpong --server` to ping.
+    #[arg(long, required_unless_present_any = ["server", "local"], conflicts_with = "local")]
+    connect: Option<String>,
+    /// Start the server as a child process on loopback and ping it.
+    #[arg(long)]
+    local: bool,
+    /// Address the server listens on. Default: 127.0.0.1:0.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: String,
+    /// Message size in bytes, each way. Default: 128.
+    #[arg(long, default_value_t = 128)]
+    size: usize,
+    /// Round trips measured. Default: 10000.
+    #[arg(long, default_value_t = 10_000)]
+    iterations: usize,
+    /// Round trips before measuring. Default: 1000.
+    #[arg(long, default_value_t = 1_000)]
+    warmup: usize,
+    /// Transport carrying the messages. Default: shm.
+    #[arg(long, value_enum, default_value_t = Transport::Shm)]
+    transport: Transport,
+    /// Receive buffers per connection or in the shared pool (N). Default: the configuration's
+    /// `transports.<transport>.receive.queue_depth` (64).
+    #[arg(long)]
+    queue_depth: Option<usize>,
+    /// One receive pool shared by all connections (SRQ). Default: the configuration's (false).
+    #[arg(long)]
+    shared_receive_queue: Option<bool>,
+    /// Registration chunks M (must divide N). Default: the configuration's (1).
+    #[arg(long)]
+    registration_chunks: Option<usize>,
+    /// Most scatter/gather entries per receive. Default: the configuration's (1).
+    #[arg(long)]
+    max_sge: Option<usize>,
+    /// When consumed buffers go back. Default: the configuration's (individual).
+    #[arg(long, value_enum)]
+    return_policy: Option<PolicyArg>,
+    /// Return a request's buffer before or after the reply. Default: the configuration's
+    /// (before-reply).
+    #[arg(long, value_enum)]
+    return_order: Option<OrderArg>,
+    /// Microseconds the client spins between an answer and its next message. Default: 0.
+    #[arg(long, default_value_t = 0)]
+    think_us: u64,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    json: bool,
+    /// Write every round trip as CSV (`iteration,rtt_ns`). Default: none.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Draw round trip against iteration (a window) and a histogram into this PNG. Default: none.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Iterations in the plot's window, from the first measured one. Default: 128.
+    #[arg(long, default_value_t = 128)]
+    plot_window: usize,
+    /// Exit after one client said goodbye (used by --local).
+    #[arg(long, hide = true)]
+    once: bool,
+}
+
+impl PingpongArgs {
+    fn apply(&self, config: &mut Config) {
+        config.transport = match self.transport {
+            Transport::Shm => TransportChoice::Shm,
+            Transport::Tcp => TransportChoice::Tcp,
+        };
+        for r in [
+            &mut config.transports.tcp.receive,
+            &mut config.transports.shm.receive,
+        ] {
+            if let Some(v) = self.queue_depth {
+                r.queue_depth = v;
+            }
+            if let Some(v) = self.shared_receive_queue {
+                r.shared_receive_queue = v;
+            }
+            if let Some(v) = self.registration_chunks {
+                r.registration_chunks = v;
+            }
+            if let Some(v) = self.max_sge {
+                r.max_sge = v;
+            }
+            if let Some(v) = self.return_policy {
+                r.return_policy = match v {
+                    PolicyArg::Individual => ReturnPolicy::Individual,
+                    PolicyArg::Bulk => ReturnPolicy::Bulk,
+                };
+            }
+            if let Some(v) = self.return_order {
+                r.return_order = match v {
+                    OrderArg::BeforeReply => ReturnOrder::BeforeReply,
+                    OrderArg::AfterReply => ReturnOrder::AfterReply,
+                };
+            }
+            r.buffer_size = r.buffer_size.max(self.size);
+        }
+    }
+
+    /// The flags a `--local` server needs to match this client.
+    fn server_flags(&self) -> Vec<String> {
+        let mut f = vec![
+            "--transport".to_string(),
+            match self.transport {
+                Transport::Shm => "shm",
+                Transport::Tcp => "tcp",
+            }
+            .into(),
+            "--size".into(),
+            self.size.to_string(),
+        ];
+        let mut opt = |name: &str, v: Option<String>| {
+            if let Some(v) = v {
+                f.push(format!("--{name}"));
+                f.push(v);
+            }
+        };
+        opt("queue-depth", self.queue_depth.map(|v| v.to_string()));
+        opt(
+            "shared-receive-queue",
+            self.shared_receive_queue.map(|v| v.to_string()),
+        );
+        opt(
+            "registration-chunks",
+            self.registration_chunks.map(|v| v.to_string()),
+        );
+        opt("max-sge", self.max_sge.map(|v| v.to_string()));
+        opt(
+            "return-policy",
+            self.return_policy.map(|v| {
+                match v {
+                    PolicyArg::Individual => "individual",
+                    PolicyArg::Bulk => "bulk",
+                }
+                .into()
+            }),
+        );
+        opt(
+            "return-order",
+            self.return_order.map(|v| {
+                match v {
+                    OrderArg::BeforeReply => "before-reply",
+                    OrderArg::AfterReply => "after-reply",
+                }
+                .into()
+            }),
+        );
+        f
+    }
+}
+
+pub fn run(
+    mut config: Config,
+    config_path: Option<&Path>,
+    args: PingpongArgs,
+) -> Result<(), Failure> {
+    if args.size == 0 {
+        return Err(Failure::Usage(
+            "--size must be at least 1 byte (an empty message ends a session)".into(),
+        ));
+    }
+    if !args.server && args.iterations == 0 {
+        return Err(Failure::Usage("--iterations must be at least 1".into()));
+    }
+    args.apply(&mut config);
+    config
+        .validate()
+        .map_err(|e| Failure::Usage(e.to_string()))?;
+    if args.server {
+        return serve(config, &args);
+    }
+    let mut child = None;
+    let target = match &args.connect {
+        Some(name) => name.clone(),
+        None => {
+            let (c, name) = start_server(config_path, &args)?;
+            child = Some(c);
+            name
+        }
+    };
+    let outcome = client(config, &args, &target);
+    if let Some(mut c) = child {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = c.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    outcome
+}
+
+fn serve(config: Config, args: &PingpongArgs) -> Result<(), Failure> {
+    let engine = Engine::new(config, &args.listen)?;
+    println!("{}", engine.name());
+    std::io::stdout().flush().ok();
+    let mut peers: HashMap<String, multirail::SegmentId> = HashMap::new();
+    loop {
+        let Some(m) = engine.recv(None)? else {
+            continue;
+        };
+        if m.data.is_empty() {
+            peers.remove(&m.from);
+            if args.once {
+                return Ok(());
+            }
+            continue;
+        }
+        let seg = match peers.get(&m.from) {
+            Some(s) => *s,
+            None => {
+                let s = engine.open_segment(&m.from)?;
+                peers.insert(m.from.clone(), s);
+                s
+            }
+        };
+        engine.send(seg, &m.data)?;
+    }
+}
+
+fn start_server(
+    config_path: Option<&Path>,
+    args: &PingpongArgs,
+) -> anyhow::Result<(Child, String)> {
+    let exe = std::env::current_exe().context("locating the multirail binary")?;
+    let mut cmd = Command::new(exe);
+    if let Some(p) = config_path {
+        cmd.arg("--config").arg(p);
+    }
+    cmd.args(["pingpong", "--server", "--once", "--listen", "127.0.0.1:0"])
+        .args(args.server_flags())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let mut child = cmd.spawn().context("starting the local server")?;
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("piped"))
+        .read_line(&mut line)
+        .context("reading the local server's segment name")?;
+    let name = line.trim().to_owned();
+    if name.is_empty() {
+        let status = child.wait()?;
+        bail!("the local server exited ({status}) before printing its segment name");
+    }
+    Ok((child, name))
+}
+
+fn client(config: Config, args: &PingpongArgs, target: &str) -> Result<(), Failure> {
+    let receive = match args.transport {
+        Transport::Shm => config.transports.shm.receive.clone(),
+        Transport::Tcp => config.transports.tcp.receive.clone(),
+    };
+    let engine = Engine::new(config, "127.0.0.1:0")?;
+    let seg = engine.open_segment(target)?;
+    let msg = vec![0xA5u8; args.size];
+    let total = args.warmup + args.iterations;
+    let mut rtt = Vec::with_capacity(args.iterations);
+    let think = Duration::from_micros(args.think_us);
+    for i in 0..total {
+        let t0 = Instant::now();
+        engine.send(seg, &msg)?;
+        let answer = engine
+            .recv(Some(ANSWER_TIMEOUT))?
+            .ok_or_else(|| anyhow::anyhow!("no answer to round trip {i} within 10 s"))?;
+        let took = t0.elapsed();
+        if answer.data.len() != args.size {
+            return Err(anyhow::anyhow!(
+                "answer of {} bytes to a {}-byte message",
+                answer.data.len(),
+                args.size
+            )
+            .into());
+        }
+        if i >= args.warmup {
+            rtt.push(took.as_nanos() as u64);
+        }
+        if !think.is_zero() {
+            let t = Instant::now();
+            while t.elapsed() < think {
+                std::hint::spin_loop();
+            }
+        }
+    }
+    engine.send(seg, &[])?;
+    let summary = Summary::from_round_trips(&rtt).expect("at least one iteration");
+    let patterns = latency::find_patterns(&rtt);
+    if let Some(path) = &args.trace {
+        write_trace(path, &rtt).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &args.plot {
+        plot::draw(path, &rtt, args.plot_window, &summary, &patterns)
+            .with_context(|| format!("drawing {}", path.display()))?;
+    }
+    let transport = match args.transport {
+        Transport::Shm => "shm",
+        Transport::Tcp => "tcp",
+    };
+    if args.json {
+        let json = serde_json::json!({
+            "transport": transport,
+            "bytes": args.size,
+            "iterations": summary.iterations,
+            "receive": receive,
+            "t_min_us": summary.t_min,
+            "t_max_us": summary.t_max,
+            "t_typical_us": summary.t_typical,
+            "t_avg_us": summary.t_avg,
+            "t_stdev_us": summary.t_stdev,
+            "p99_us": summary.p99,
+            "p999_us": summary.p999,
+            "pattern": patterns.describe(),
+            "patterns": patterns.patterns.iter().map(|p| serde_json::json!({
+                "period": p.period,
+                "groups": p.groups.iter().map(|g| serde_json::json!({
+                    "phases": g.phases,
+                    "cycle": g.cycle,
+                    "round_trip_us": g.level_ns / 1000.0,
+                })).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>(),
+            "others_round_trip_us": patterns.others_ns / 1000.0,
+        });
+        println!("{}", serde_json::to_string_pretty(&json).expect("json"));
+    } else {
+        print_table(transport, args.size, &receive, &summary, &patterns);
+    }
+    Ok(())
+}
+
+fn print_table(
+    transport: &str,
+    size: usize,
+    r: &multirail::config::ReceiveConfig,
+    s: &Summary,
+    patterns: &PatternReport,
+) {
+    println!(
+        "transport {transport}, queue_depth {}, shared_receive_queue {}, registration_chunks {}, max_sge {}, return {:?} {:?}",
+        r.queue_depth, r.shared_receive_queue, r.registration_chunks, r.max_sge, r.return_policy, r.return_order
+    );
+    println!(
+        " {:<7} {:<11} {:>12} {:>12} {:>16} {:>12} {:>14} {:>22} {:>24}",
+        "#bytes",
+        "#iterations",
+        "t_min[usec]",
+        "t_max[usec]",
+        "t_typical[usec]",
+        "t_avg[usec]",
+        "t_stdev[usec]",
+        "99% percentile[usec]",
+        "99.9% percentile[usec]"
+    );
+    println!(
+        " {:<7} {:<11} {:>12.2} {:>12.2} {:>16.2} {:>12.2} {:>14.2} {:>22.2} {:>24.2}",
+        size, s.iterations, s.t_min, s.t_max, s.t_typical, s.t_avg, s.t_stdev, s.p99, s.p999
+    );
+    println!(
+        "pattern: {}",
+        patterns.describe().replace('\n', "\n         ")
+    );
+}
+
+fn write_trace(path: &Path, rtt: &[u64]) -> std::io::Result<()> {
+    let mut w = std::io::BufWriter::new(std::fs::File::create(path)?);
+    writeln!(w, "iteration,rtt_ns")?;
+    for (i, v) in rtt.iter().enumerate() {
+        writeln!(w, "{},{}", i + 1, v)?;
+    }
+    w.flush()
+}
+
+/// The seed's picture: round trip against iteration for a window, and a histogram.
+mod plot {
+    use std::path::Path;
+    use std::sync::OnceLock;
+
+    use anyhow::{anyhow, Context};
+    use multirail_policy::latency::{percentile_sorted, PatternReport, Summary};
+    use plotters::prelude::*;
+    use plotters::style::{register_font, FontStyle};
+
+    const FONTS: &[&str] = &[
+        "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+        "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+        "/usr/share/fonts/TTF/DejaVuSans.ttf",
+        "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+    ];
+
+    fn font() -> anyhow::Result<()> {
+        static DONE: OnceLock<Result<(), String>> = OnceLock::new();
+        DONE.get_or_init(|| {
+            let bytes = FONTS
+                .iter()
+                .find_map(|p| std::fs::read(p).ok())
+                .ok_or_else(|| {
+                    format!("no TrueType font found (looked for {})", FONTS.join(", "))
+                })?;
+            let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+            register_font("sans-serif", FontStyle::Normal, bytes)
+                .map_err(|_| "the font file does not parse".to_string())
+        })
+        .clone()
+        .map_err(|e| anyhow!(e))
+    }
+
+    pub(super) fn draw(
+        path: &Path,
+        rtt: &[u64],
+        window: usize,
+        summary: &Summary,
+        patterns: &PatternReport,
+    ) -> anyhow::Result<()> {
+        font()?;
+        let us: Vec<f64> = rtt.iter().map(|&v| v as f64 / 1000.0).collect();
+        let mut sorted = rtt.to_vec();
+        sorted.sort_unstable();
+        let hi = percentile_sorted(&sorted, 99.9) as f64 / 1000.0 * 1.15;
+        let lo = sorted[0] as f64 / 1000.0 * 0.9;
+        let root = BitMapBackend::new(path, (1200, 900)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+        let (top, bottom) = root.split_vertically(480);
+        let n = window.clamp(2, us.len().max(2)).min(us.len());
+        let title = format!(
+            "round trip per iteration (first {n}); median one-way {:.2} µs; {}",
+            summary.t_typical,
+            patterns.describe().lines().next().unwrap_or("")
+        );
+        let mut chart = ChartBuilder::on(&top)
+            .caption(title, ("sans-serif", 16))
+            .margin(12)
+            .x_label_area_size(36)
+            .y_label_area_size(56)
+            .build_cartesian_2d(1usize..n.max(2), lo..hi)
+            .map_err(|e| anyhow!("{e}"))?;
+        chart
+            .configure_mesh()
+            .x_desc("iteration")
+            .y_desc("round trip (µs)")
+            .draw()
+            .map_err(|e| anyhow!("{e}"))?;
+        chart
+            .draw_series(LineSeries::new(
+                us.iter()
+                    .take(n)
+                    .enumerate()
+                    .map(|(i, &v)| (i + 1, v.min(hi))),
+                BLUE.stroke_width(1),
+            ))
+            .map_err(|e| anyhow!("{e}"))?;
+        chart
+            .draw_series(
+                us.iter()
+                    .take(n)
+                    .enumerate()
+                    .map(|(i, &v)| Circle::new((i + 1, v.min(hi)), 2, BLUE.filled())),
+            )
+            .map_err(|e| anyhow!("{e}"))?;
+
+        let bins = 120usize;
+        let width = (hi - lo) / bins as f64;
+        let mut counts = vec![0u32; bins];
+        for &v in &us {
+            let b = (((v - lo) / width) as isize).clamp(0, bins as isize - 1) as usize;
+            counts[b] += 1;
+        }
+        let top_count = counts.iter().copied().max().unwrap_or(1).max(1);
+        let mut hist = ChartBuilder::on(&bottom)
+            .caption(
+                format!(
+                    "histogram of {} round trips (above {hi:.1} µs in the last bin)",
+                    us.len()
+                ),
+                ("sans-serif", 16),
+            )
+            .margin(12)
+            .x_label_area_size(36)
+            .y_label_area_size(56)
+            .build_cartesian_2d(lo..hi, 0u32..top_count + top_count / 10 + 1)
+            .map_err(|e| anyhow!("{e}"))?;
+        hist.configure_mesh()
+            .x_desc("round trip (µs)")
+            .y_desc("iterations")
+            .draw()
+            .map_err(|e| anyhow!("{e}"))?;
+        hist.draw_series(counts.iter().enumerate().map(|(i, &c)| {
+            let x0 = lo + i as f64 * width;
+            Rectangle::new([(x0, 0), (x0 + width, c)], RED.mix(0.6).filled())
+        }))
+        .map_err(|e| anyhow!("{e}"))?;
+        root.present().context("writing the PNG")?;
+        Ok(())
+    }
+}

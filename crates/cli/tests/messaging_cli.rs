@@ -1,0 +1,177 @@
+//! `multirail pingpong`: both transports across processes, its outputs, and every bad receive
+//! setting refused with exit code 2 and the key named.
+
+use std::process::{Command, Output};
+
+fn multirail(args: &[&str], conf: Option<&str>) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_multirail"));
+    cmd.args(args);
+    match conf {
+        Some(c) => cmd.env("MULTIRAIL_CONF", c),
+        None => cmd.env_remove("MULTIRAIL_CONF"),
+    };
+    cmd.output().expect("run multirail")
+}
+
+fn pingpong_json(transport: &str, extra: &[&str]) -> serde_json::Value {
+    let dir = std::env::temp_dir().join(format!(
+        "mr-pingpong-{}-{transport}-{}",
+        std::process::id(),
+        extra.len()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("trace.csv");
+    let plot = dir.join("plot.png");
+    let mut args = vec![
+        "pingpong",
+        "--local",
+        "--transport",
+        transport,
+        "--iterations",
+        "3000",
+        "--warmup",
+        "200",
+        "--json",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--plot",
+        plot.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let out = multirail(&args, None);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    let csv = std::fs::read_to_string(&trace).unwrap();
+    let mut lines = csv.lines();
+    assert_eq!(lines.next(), Some("iteration,rtt_ns"));
+    assert_eq!(lines.count(), 3000);
+    let png = std::fs::read(&plot).unwrap();
+    assert_eq!(&png[1..4], b"PNG");
+    std::fs::remove_dir_all(&dir).ok();
+    v
+}
+
+fn check_columns(v: &serde_json::Value, transport: &str) {
+    assert_eq!(v["transport"], transport);
+    assert_eq!(v["bytes"], 128);
+    assert_eq!(v["iterations"], 3000);
+    let f = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k} in {v}"));
+    assert!(f("t_min_us") > 0.0);
+    assert!(f("t_min_us") <= f("t_typical_us"));
+    assert!(f("t_typical_us") <= f("p99_us"));
+    assert!(f("p99_us") <= f("p999_us"));
+    assert!(f("p999_us") <= f("t_max_us"));
+    assert!(f("t_stdev_us") >= 0.0);
+    assert!(v["pattern"].is_string());
+}
+
+#[test]
+fn pingpong_local_over_shm() {
+    let v = pingpong_json("shm", &[]);
+    check_columns(&v, "shm");
+}
+
+#[test]
+fn pingpong_local_over_tcp() {
+    let v = pingpong_json("tcp", &[]);
+    check_columns(&v, "tcp");
+}
+
+#[test]
+fn pingpong_with_receive_knobs() {
+    let v = pingpong_json(
+        "shm",
+        &[
+            "--queue-depth",
+            "32",
+            "--shared-receive-queue",
+            "true",
+            "--registration-chunks",
+            "4",
+            "--max-sge",
+            "2",
+            "--return-policy",
+            "bulk",
+            "--return-order",
+            "after-reply",
+        ],
+    );
+    check_columns(&v, "shm");
+    assert_eq!(v["receive"]["queue_depth"], 32);
+    assert_eq!(v["receive"]["return_policy"], "bulk");
+    assert_eq!(v["receive"]["return_order"], "after_reply");
+}
+
+#[test]
+fn pingpong_human_table() {
+    let out = multirail(
+        &[
+            "pingpong",
+            "--local",
+            "--iterations",
+            "500",
+            "--warmup",
+            "10",
+        ],
+        None,
+    );
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("t_typical[usec]"), "{text}");
+    assert!(text.contains("99.9% percentile[usec]"), "{text}");
+    assert!(text.contains("pattern: "), "{text}");
+}
+
+#[test]
+fn every_bad_receive_setting_is_a_usage_error() {
+    let flags: &[(&[&str], &str)] = &[
+        (&["--queue-depth", "0"], "receive.queue_depth"),
+        (
+            &["--queue-depth", "32", "--registration-chunks", "3"],
+            "receive.registration_chunks",
+        ),
+        (
+            &["--registration-chunks", "0"],
+            "receive.registration_chunks",
+        ),
+        (&["--max-sge", "0"], "receive.max_sge"),
+    ];
+    for (extra, key) in flags {
+        let mut args = vec!["pingpong", "--local", "--iterations", "10"];
+        args.extend_from_slice(extra);
+        let out = multirail(&args, None);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {err}");
+        assert!(err.contains(key), "{extra:?}: {err}");
+    }
+    let confs = [
+        (
+            r#"{"transports":{"tcp":{"receive":{"return_policy":"later"}}}}"#,
+            "transports.tcp.receive.return_policy",
+        ),
+        (
+            r#"{"transports":{"shm":{"receive":{"return_order":"never"}}}}"#,
+            "transports.shm.receive.return_order",
+        ),
+        (
+            r#"{"transports":{"shm":{"receive":{"buffer_size":0}}}}"#,
+            "transports.shm.receive.buffer_size",
+        ),
+        (
+            r#"{"transports":{"tcp":{"receive":{"queue_depth":0}}}}"#,
+            "transports.tcp.receive.queue_depth",
+        ),
+    ];
+    for (conf, key) in confs {
+        let out = multirail(&["pingpong", "--local", "--iterations", "10"], Some(conf));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{conf}: {err}");
+        assert!(err.contains(key), "{conf}: {err}");
+    }
+    let out = multirail(&["pingpong", "--local", "--size", "0"], None);
+    assert_eq!(out.status.code(), Some(2));
+}
