@@ -190,7 +190,9 @@ pub struct ReceiveQueue {
     /// Consumed buffers waiting for a bulk return.
     held: Vec<BufferId>,
     /// Buffers holding a message not yet consumed, and the connection it came from.
-    filled: BTreeMap<BufferId, ConnId>,
+    filled: Vec<Option<ConnId>>,
+    /// How many entries of `filled` are `Some`.
+    filled_count: usize,
     conns: BTreeMap<ConnId, ConnState>,
 }
 
@@ -201,7 +203,8 @@ impl ReceiveQueue {
         Ok(ReceiveQueue {
             free: (0..settings.queue_depth as u32).map(BufferId).collect(),
             held: Vec::new(),
-            filled: BTreeMap::new(),
+            filled: vec![None; settings.queue_depth],
+            filled_count: 0,
             conns: BTreeMap::new(),
             settings,
         })
@@ -226,7 +229,7 @@ impl ReceiveQueue {
 
     /// Buffers holding unconsumed messages.
     pub fn filled(&self) -> usize {
-        self.filled.len()
+        self.filled_count
     }
 
     /// Credits the sender of `conn` holds as far as the receiver has told it.
@@ -313,19 +316,33 @@ impl ReceiveQueue {
                 ),
             )
         })?;
-        self.filled.insert(id, conn);
+        let slot = self
+            .filled
+            .get_mut(id.0 as usize)
+            .ok_or_else(|| err("arrival", format!("buffer {} outside the queue", id.0)))?;
+        *slot = Some(conn);
+        self.filled_count += 1;
         Ok(id)
     }
 
     /// The message in `id` was consumed: post the buffer again now (`individual`) or once no
     /// posted buffer is left (`bulk`). Fails for a buffer holding no message.
     pub fn on_consumed(&mut self, id: BufferId) -> Result<(), ReceiveError> {
-        if self.filled.remove(&id).is_none() {
+        if self
+            .filled
+            .get_mut(id.0 as usize)
+            .and_then(Option::take)
+            .is_none()
+        {
             return Err(err("consume", format!("buffer {} holds no message", id.0)));
         }
         match self.settings.return_policy {
-            ReturnPolicy::Individual => self.free.push_back(id),
+            ReturnPolicy::Individual => {
+                self.filled_count -= 1;
+                self.free.push_back(id)
+            }
             ReturnPolicy::Bulk => {
+                self.filled_count -= 1;
                 self.held.push(id);
                 if self.posted() == 0 {
                     self.held.sort_unstable();

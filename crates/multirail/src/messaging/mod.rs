@@ -27,7 +27,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -76,7 +76,7 @@ const SPIN: Duration = Duration::from_micros(200);
 struct Pool {
     queue: ReceiveQueue,
     chunks: Vec<Buffer>,
-    /// Shared memory: tell grants at once (writing a ring entry costs nothing).
+    /// Tell grants at once instead of when a sender holds half its share or less.
     eager: bool,
 }
 
@@ -145,6 +145,8 @@ struct Rx {
     notifications: VecDeque<Notification>,
     /// Consumed buffers to return after the next reply (`return_order: after_reply`).
     after_reply: Vec<(u64, BufferId)>,
+    /// Pools that took in messages during a poll (kept to avoid allocating per poll).
+    touched: Vec<u64>,
 }
 
 enum OutIo {
@@ -183,6 +185,8 @@ pub(crate) struct Messaging {
     timeout: Duration,
     connect_timeout: Duration,
     rx: Mutex<Rx>,
+    /// Whether `Rx::after_reply` holds buffers (read without taking the lock on every send).
+    after_reply_pending: AtomicBool,
     out: Mutex<HashMap<u64, Arc<Mutex<OutConn>>>>,
     next_conn: AtomicU64,
 }
@@ -206,6 +210,7 @@ impl Messaging {
             timeout: Duration::from_millis(t.tcp.timeout_ms),
             connect_timeout: Duration::from_millis(t.tcp.connect_timeout_ms),
             rx: Mutex::default(),
+            after_reply_pending: AtomicBool::new(false),
             out: Mutex::default(),
             next_conn: AtomicU64::new(2),
         })
@@ -262,7 +267,9 @@ impl Messaging {
             if exists {
                 None
             } else {
-                match Pool::new(&self.registry, settings, shm) {
+                // Grants go out in batches on shm too: posting one at a time costs the receiver
+                // a ring write per message and saves the sender nothing.
+                match Pool::new(&self.registry, settings, false) {
                     Ok(p) => Some(p),
                     Err(e) => return Err(refuse(stream, format!("receive pool: {e}"))),
                 }
@@ -345,9 +352,10 @@ impl Messaging {
             pools,
             ready,
             notifications,
+            touched,
             ..
         } = rx;
-        let mut touched: Vec<u64> = Vec::new();
+        touched.clear();
         for c in conns.iter_mut().filter(|c| !c.dead) {
             let pool = pools.get_mut(&c.pool).expect("connection's pool");
             let before = ready.len() + notifications.len();
@@ -362,9 +370,14 @@ impl Messaging {
         if conns.iter().any(|c| c.dead) {
             self.reap(rx);
         }
-        let Rx { conns, pools, .. } = rx;
+        let Rx {
+            conns,
+            pools,
+            touched,
+            ..
+        } = rx;
         touched.dedup();
-        for key in touched {
+        for &key in touched.iter() {
             grant(conns, pools, key);
         }
     }
@@ -407,6 +420,7 @@ impl Messaging {
     /// Returns the buffers held for `after_reply`.
     fn release_after_reply(&self) {
         let mut rx = self.rx.lock().expect("rx poisoned");
+        self.after_reply_pending.store(false, Ordering::Relaxed);
         let held = std::mem::take(&mut rx.after_reply);
         for (pool, buf) in held {
             self.consume(&mut rx, pool, buf);
@@ -423,7 +437,10 @@ impl Messaging {
         let order = pool.queue.settings().return_order;
         match order {
             ReturnOrder::BeforeReply => self.consume(rx, r.pool, r.buf),
-            ReturnOrder::AfterReply => rx.after_reply.push((r.pool, r.buf)),
+            ReturnOrder::AfterReply => {
+                rx.after_reply.push((r.pool, r.buf));
+                self.after_reply_pending.store(true, Ordering::Relaxed);
+            }
         }
         Some(Message {
             from: r.from.to_string(),
@@ -433,12 +450,9 @@ impl Messaging {
 
     fn recv(&self, timeout: Option<Duration>) -> Result<Option<Message>> {
         let start = Instant::now();
-        {
+        if self.after_reply_pending.load(Ordering::Relaxed) {
             // A receive with buffers still held for a reply that never came: return them.
-            let pending = !self.rx.lock().expect("rx poisoned").after_reply.is_empty();
-            if pending {
-                self.release_after_reply();
-            }
+            self.release_after_reply();
         }
         let mut idle = 0u32;
         loop {
@@ -584,8 +598,16 @@ impl Messaging {
     }
 
     fn send(&self, engine: &Engine, segment: SegmentId, kind: MsgKind, data: &[u8]) -> Result<()> {
-        let peer = engine.peer(segment)?;
-        let conn = self.out_conn(engine, &peer)?;
+        let known = self
+            .out
+            .lock()
+            .expect("out poisoned")
+            .get(&segment.0)
+            .cloned();
+        let conn = match known {
+            Some(c) => c,
+            None => self.out_conn(engine, &engine.peer(segment)?)?,
+        };
         let outcome =
             conn.lock()
                 .expect("message connection poisoned")
@@ -595,16 +617,13 @@ impl Messaging {
             Err(_) => {
                 // Broken: the next send connects again.
                 let mut out = self.out.lock().expect("out poisoned");
-                if out.get(&peer.id).is_some_and(|c| Arc::ptr_eq(c, &conn)) {
-                    out.remove(&peer.id);
+                if out.get(&segment.0).is_some_and(|c| Arc::ptr_eq(c, &conn)) {
+                    out.remove(&segment.0);
                 }
             }
         }
-        if kind == MsgKind::Message {
-            let pending = !self.rx.lock().expect("rx poisoned").after_reply.is_empty();
-            if pending {
-                self.release_after_reply();
-            }
+        if kind == MsgKind::Message && self.after_reply_pending.load(Ordering::Relaxed) {
+            self.release_after_reply();
         }
         outcome
     }
@@ -736,7 +755,7 @@ fn receive(
             }
         }
         InIo::Shm { ring, polls, .. } => {
-            for (buf, len, kind) in ring.completions() {
+            ring.completions(|buf, len, kind| {
                 let kind = match kind {
                     1 => MsgKind::Message,
                     2 => MsgKind::Notification,
@@ -745,8 +764,8 @@ fn receive(
                 if len > max_len as usize {
                     return Err(format!("message of {len} bytes above {max_len}"));
                 }
-                deliver(pool, kind, Some(buf), None, len)?;
-            }
+                deliver(pool, kind, Some(buf), None, len)
+            })?;
             *polls = polls.wrapping_add(1);
             if polls.is_multiple_of(4096) {
                 let mut b = [0u8; 1];
@@ -882,8 +901,8 @@ impl OutConn {
                     .on_grant(std::iter::repeat_n(BufferId(0), granted));
             }
             OutIo::Shm { ring, .. } => {
-                let ids = ring.take_grants();
-                self.credits.on_grant(ids);
+                let credits = &mut self.credits;
+                ring.take_grants(|id| credits.on_grant([id]));
             }
         }
         Ok(())

@@ -81,22 +81,21 @@ impl Ring {
         tail.store(t, Ordering::Release);
     }
 
-    /// Sender: takes every posted buffer.
-    pub(super) fn take_grants(&self) -> Vec<BufferId> {
+    /// Sender: takes every posted buffer, oldest first.
+    pub(super) fn take_grants(&self, mut f: impl FnMut(BufferId)) {
         let tail = self.counter(GRANT_TAIL).load(Ordering::Acquire);
         let head = self.counter(GRANT_HEAD);
         let h = head.load(Ordering::Relaxed);
         if h == tail {
-            return Vec::new();
+            return;
         }
         // A corrupt tail must not make us loop forever.
         let n = tail.wrapping_sub(h).min(self.depth as u64);
-        // SAFETY: slots h..h+n were published by the Release store of the tail.
-        let ids = (h..h + n)
-            .map(|i| BufferId(unsafe { self.slot32(i).read_volatile() }))
-            .collect();
+        for i in h..h + n {
+            // SAFETY: slots h..h+n were published by the Release store of the tail.
+            f(BufferId(unsafe { self.slot32(i).read_volatile() }));
+        }
         head.store(h + n, Ordering::Release);
-        ids
     }
 
     /// Sender: publishes a message in buffer `id` as completion number `tail`.
@@ -107,27 +106,29 @@ impl Ring {
         self.counter(COMP_TAIL).store(tail + 1, Ordering::Release);
     }
 
-    /// Receiver: every completion published since the last call: (buffer, length, kind).
-    pub(super) fn completions(&self) -> Vec<(BufferId, usize, u8)> {
+    /// Receiver: hands every completion published since the last call to `f` (buffer, length,
+    /// kind), stopping at the first error.
+    pub(super) fn completions<E>(
+        &self,
+        mut f: impl FnMut(BufferId, usize, u8) -> Result<(), E>,
+    ) -> Result<(), E> {
         let tail = self.counter(COMP_TAIL).load(Ordering::Acquire);
         let head = self.counter(COMP_HEAD);
         let h = head.load(Ordering::Relaxed);
         if h == tail {
-            return Vec::new();
+            return Ok(());
         }
         let n = tail.wrapping_sub(h).min(self.depth as u64);
-        let out = (h..h + n)
-            .map(|i| {
-                // SAFETY: published by the sender's Release store of the tail.
-                let e = unsafe { self.slot64(i).read_volatile() };
-                (
-                    BufferId(e as u32),
-                    ((e >> 32) & 0x0fff_ffff) as usize,
-                    (e >> 60) as u8,
-                )
-            })
-            .collect();
-        head.store(h + n, Ordering::Release);
-        out
+        for i in h..h + n {
+            // SAFETY: published by the sender's Release store of the tail.
+            let e = unsafe { self.slot64(i).read_volatile() };
+            head.store(i + 1, Ordering::Release);
+            f(
+                BufferId(e as u32),
+                ((e >> 32) & 0x0fff_ffff) as usize,
+                (e >> 60) as u8,
+            )?;
+        }
+        Ok(())
     }
 }
