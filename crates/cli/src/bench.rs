@@ -64,6 +64,13 @@ pub struct BenchArgs {
     /// After the run, check every byte that landed. Default: off.
     #[arg(long)]
     verify: bool,
+    /// Priority of every request: high, medium or low. Default: high.
+    #[arg(long, default_value = "high", value_parser = parse_priority)]
+    priority: u8,
+    /// Mixed workload instead of --block-size/--threads/--priority: comma-separated
+    /// priority:block:submitters, e.g. high:64KiB:1,low:4MiB:8. Default: off.
+    #[arg(long, value_parser = parse_mix)]
+    mix: Option<Vec<Class>>,
     /// Print one JSON object instead of tables.
     #[arg(long)]
     json: bool,
@@ -129,13 +136,72 @@ impl Drop for LocalTarget {
 
 struct Plan {
     op: Opcode,
-    block: u64,
-    batch: usize,
-    region: u64,
     local_base: u64,
     remote_base: u64,
     seg: SegmentId,
     transport: TransportChoice,
+    submitters: Vec<Submitter>,
+}
+
+/// One submitting thread: its class of work and its own region of the buffers.
+#[derive(Clone)]
+struct Submitter {
+    class: usize,
+    priority: u8,
+    block: u64,
+    batch: usize,
+    base: u64,
+    region: u64,
+}
+
+/// A class of a mixed workload: `priority:block:submitters`.
+#[derive(Clone, Debug, PartialEq)]
+struct Class {
+    priority: u8,
+    block: u64,
+    submitters: usize,
+}
+
+fn parse_priority(s: &str) -> Result<u8, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "high" | "0" => Ok(multirail::PRIO_HIGH),
+        "medium" | "1" => Ok(multirail::PRIO_MEDIUM),
+        "low" | "2" => Ok(multirail::PRIO_LOW),
+        _ => Err(format!(
+            "unknown priority {s:?}; expected high, medium or low"
+        )),
+    }
+}
+
+fn priority_name(p: u8) -> &'static str {
+    ["high", "medium", "low"][(p as usize).min(2)]
+}
+
+fn parse_mix(s: &str) -> Result<Vec<Class>, String> {
+    s.split(',')
+        .map(|part| {
+            let f: Vec<&str> = part.trim().split(':').collect();
+            if f.len() != 3 {
+                return Err(format!(
+                    "mix entry {part:?} is not priority:block:submitters"
+                ));
+            }
+            let submitters: usize = f[2]
+                .parse()
+                .map_err(|_| format!("bad submitter count {:?} in {part:?}", f[2]))?;
+            let block = units::parse_size(f[1])?;
+            if submitters == 0 || block == 0 {
+                return Err(format!(
+                    "mix entry {part:?} needs a block size and submitters of at least 1"
+                ));
+            }
+            Ok(Class {
+                priority: parse_priority(f[0])?,
+                block,
+                submitters,
+            })
+        })
+        .collect()
 }
 
 struct ThreadResult {
@@ -163,13 +229,14 @@ struct Shared {
 
 fn worker(engine: &Engine, plan: &Plan, index: usize, shared: &Shared) -> ThreadResult {
     let (stop, bytes, budget) = (&shared.stop, &shared.bytes, &shared.budget);
+    let me = &plan.submitters[index];
     let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds");
     let mut requests = 0u64;
-    let per_batch = plan.block * plan.batch as u64;
-    let steps = plan.region / per_batch;
-    let base = index as u64 * plan.region;
+    let per_batch = me.block * me.batch as u64;
+    let steps = me.region / per_batch;
+    let base = me.base;
     let mut step = 0u64;
-    let mut reqs = Vec::with_capacity(plan.batch);
+    let mut reqs = Vec::with_capacity(me.batch);
     let mut touched = 0u64;
     let fail = |histogram, requests, touched, e: String| ThreadResult {
         histogram,
@@ -180,20 +247,20 @@ fn worker(engine: &Engine, plan: &Plan, index: usize, shared: &Shared) -> Thread
     while !stop.load(Ordering::Relaxed) && take_budget(budget, per_batch) {
         let off = base + (step % steps) * per_batch;
         reqs.clear();
-        for k in 0..plan.batch as u64 {
-            let o = off + k * plan.block;
+        for k in 0..me.batch as u64 {
+            let o = off + k * me.block;
             reqs.push(Request {
                 opcode: plan.op,
                 source: plan.local_base + o,
                 target: plan.seg,
                 target_offset: plan.remote_base + o,
-                length: plan.block,
-                priority: multirail::PRIO_HIGH,
+                length: me.block,
+                priority: me.priority,
                 transport: Some(plan.transport),
             });
         }
         let t0 = Instant::now();
-        let batch = match engine.allocate_batch(plan.batch) {
+        let batch = match engine.allocate_batch(me.batch) {
             Ok(b) => b,
             Err(e) => return fail(histogram, requests, touched, e.to_string()),
         };
@@ -205,7 +272,7 @@ fn worker(engine: &Engine, plan: &Plan, index: usize, shared: &Shared) -> Thread
         }
         let _ = engine.free_batch(batch);
         histogram.saturating_record(t0.elapsed().as_micros().max(1) as u64);
-        requests += plan.batch as u64;
+        requests += me.batch as u64;
         bytes.fetch_add(per_batch, Ordering::Relaxed);
         step += 1;
         touched = touched.max(step.min(steps) * per_batch);
@@ -224,16 +291,38 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
             "--block-size, --batch-size and --threads must be at least 1".into(),
         ));
     }
-    let per_batch = args.block_size * args.batch_size as u64;
-    let region = (args.size / args.threads as u64) / per_batch * per_batch;
-    if region == 0 {
-        return Err(Failure::Usage(format!(
-            "--size {} cannot hold {} thread(s) × one batch of {} × {}",
-            units::format_size(args.size),
-            args.threads,
-            args.batch_size,
-            units::format_size(args.block_size)
-        )));
+    let classes = args.mix.clone().unwrap_or_else(|| {
+        vec![Class {
+            priority: args.priority,
+            block: args.block_size,
+            submitters: args.threads,
+        }]
+    });
+    let threads: usize = classes.iter().map(|c| c.submitters).sum();
+    // Every submitter gets an equal share of the buffers, whole batches of its class.
+    let share = args.size / threads as u64;
+    let mut submitters = Vec::with_capacity(threads);
+    for (class, c) in classes.iter().enumerate() {
+        let per_batch = c.block * args.batch_size as u64;
+        let region = share / per_batch * per_batch;
+        if region == 0 {
+            return Err(Failure::Usage(format!(
+                "--size {} cannot hold {threads} submitter(s) × one batch of {} × {}",
+                units::format_size(args.size),
+                args.batch_size,
+                units::format_size(c.block)
+            )));
+        }
+        for _ in 0..c.submitters {
+            submitters.push(Submitter {
+                class,
+                priority: c.priority,
+                block: c.block,
+                batch: args.batch_size,
+                base: submitters.len() as u64 * share,
+                region,
+            });
+        }
     }
     let local_target = if args.local {
         Some(LocalTarget::start(config_path, args.size)?)
@@ -261,11 +350,11 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
     let remote = descriptor
         .buffers
         .iter()
-        .find(|b| b.len >= region * args.threads as u64)
+        .find(|b| b.len >= share * threads as u64)
         .ok_or_else(|| {
             anyhow!(
                 "segment {target_name} has no buffer of at least {} bytes",
-                region * args.threads as u64
+                share * threads as u64
             )
         })?;
     let op = match args.op {
@@ -274,13 +363,11 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
     };
     let plan = Arc::new(Plan {
         op,
-        block: args.block_size,
-        batch: args.batch_size,
-        region,
         local_base: local.addr(),
         remote_base: remote.addr,
         seg,
         transport: args.transport,
+        submitters,
     });
 
     let shared = Arc::new(Shared {
@@ -299,7 +386,7 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         pb
     };
     let start = Instant::now();
-    let handles: Vec<_> = (0..args.threads)
+    let handles: Vec<_> = (0..threads)
         .map(|i| {
             let (engine, plan, shared) = (engine.clone(), plan.clone(), shared.clone());
             thread::spawn(move || worker(&engine, &plan, i, &shared))
@@ -364,18 +451,44 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
     let rails = engine.traffic_stats();
     let stats_report = engine.traffic_stats_report();
     let verified = if args.verify {
-        Some(verify(&engine, &plan, &local, &results, args.threads)?)
+        Some(verify(&engine, &plan, &local, &results)?)
     } else {
         None
     };
     let gbps = total_bytes as f64 / secs / 1e9;
+    let class_reports: Vec<serde_json::Value> = classes
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let mut h = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds");
+            let mut reqs = 0;
+            for (sub, r) in plan.submitters.iter().zip(&results) {
+                if sub.class == i {
+                    h.add(&r.histogram).expect("same bounds");
+                    reqs += r.requests;
+                }
+            }
+            let bytes = reqs * c.block;
+            serde_json::json!({
+                "priority": priority_name(c.priority),
+                "block_size": c.block,
+                "submitters": c.submitters,
+                "bytes": bytes,
+                "gb_per_s": bytes as f64 / secs / 1e9,
+                "requests_per_s": reqs as f64 / secs,
+                "batch_latency_us": {"p50": h.value_at_quantile(0.5), "p99": h.value_at_quantile(0.99), "max": h.max()},
+            })
+        })
+        .collect();
+    let qos = engine.qos_stats();
     let report = serde_json::json!({
         "op": match op { Opcode::Read => "read", Opcode::Write => "write" },
         "transport": args.transport.as_str(),
         "target": target_name,
         "block_size": args.block_size,
         "batch_size": args.batch_size,
-        "threads": args.threads,
+        "threads": threads,
+        "priority": priority_name(args.priority),
         "duration_s": secs,
         "bytes": total_bytes,
         "gb_per_s": gbps,
@@ -391,6 +504,8 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         })).collect::<Vec<_>>(),
         "verified_bytes": verified,
         "timeline": timeline,
+        "classes": class_reports,
+        "qos": qos,
     });
     if args.json {
         println!("{report}");
@@ -442,6 +557,54 @@ fn print_human(report: &serde_json::Value, rails: &[multirail::RailTraffic]) {
         ]);
     }
     println!("{r}");
+    if let Some(classes) = report["classes"].as_array().filter(|c| c.len() > 1) {
+        let mut c = Table::new();
+        c.load_preset(UTF8_FULL);
+        c.set_header(vec![
+            "priority",
+            "block",
+            "submitters",
+            "GB/s",
+            "requests/s",
+            "p50 batch µs",
+            "p99 batch µs",
+        ]);
+        for k in classes {
+            c.add_row(vec![
+                k["priority"].as_str().unwrap_or("").to_owned(),
+                units::format_size(k["block_size"].as_u64().unwrap_or(0)),
+                k["submitters"].to_string(),
+                format!("{:.3}", k["gb_per_s"].as_f64().unwrap_or(0.0)),
+                format!("{:.0}", k["requests_per_s"].as_f64().unwrap_or(0.0)),
+                k["batch_latency_us"]["p50"].to_string(),
+                k["batch_latency_us"]["p99"].to_string(),
+            ]);
+        }
+        println!("{c}");
+    }
+    let mut q = Table::new();
+    q.load_preset(UTF8_FULL);
+    q.set_header(vec![
+        "queue",
+        "queued",
+        "dequeued",
+        "wait p50 µs",
+        "wait p99 µs",
+    ]);
+    for (name, p) in ["high", "medium", "low"]
+        .iter()
+        .zip(report["qos"]["priorities"].as_array().into_iter().flatten())
+    {
+        q.add_row(vec![
+            name.to_string(),
+            p["queued"].to_string(),
+            p["dequeued"].to_string(),
+            p["wait_p50_us"].to_string(),
+            p["wait_p99_us"].to_string(),
+        ]);
+    }
+    println!("{q}");
+    println!("promotions: {}", report["qos"]["promotions"]);
     if let Some(v) = report["verified_bytes"].as_u64() {
         println!("verified: {v} bytes match");
     }
@@ -454,11 +617,10 @@ fn verify(
     plan: &Plan,
     local: &Buffer,
     results: &[ThreadResult],
-    threads: usize,
 ) -> Result<u64, Failure> {
     let mut checked = 0u64;
-    for (i, r) in results.iter().enumerate().take(threads) {
-        let start = i as u64 * plan.region;
+    for (sub, r) in plan.submitters.iter().zip(results) {
+        let start = sub.base;
         let len = r.touched;
         if len == 0 {
             continue;

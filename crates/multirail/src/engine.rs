@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::memory::{Buffer, Location, MemoryRegistry};
 use crate::metadata::{self, MetadataStore, P2pMetadata};
 use crate::peer::Peer;
+use crate::qos::{Qos, QosTraffic};
 use crate::rails::RailScheduler;
 use crate::segment::{self, RailDescriptor, SegmentDescriptor, PROTOCOL_VERSION};
 use crate::server::Server;
@@ -121,6 +122,7 @@ struct Inner {
     shm: ShmTransport,
     tcp: TcpTransport,
     scheduler: Arc<RailScheduler>,
+    qos: Arc<Qos>,
     read_plan: SlicePlan,
     write_plan: SlicePlan,
     fallback_logged: OnceLock<()>,
@@ -199,6 +201,7 @@ impl Engine {
             &config.transports.rdma,
             &stats,
         ));
+        let qos = Arc::new(Qos::new(&config.transports.rdma, scheduler.epoch())?);
         let workers = &config.workers;
         let plan = |cap| {
             SlicePlan::new(workers.block_size, cap).map_err(|e| {
@@ -212,7 +215,8 @@ impl Engine {
                 config.transports.shm.process_vm,
                 &stats,
             )?,
-            tcp: TcpTransport::new(settings, scheduler.clone(), stats.clone()),
+            tcp: TcpTransport::new(settings, scheduler.clone(), qos.clone(), stats.clone()),
+            qos,
             scheduler,
             read_plan: plan(workers.max_slices_per_request)?,
             write_plan: plan(workers.max_slices_per_write)?,
@@ -404,6 +408,7 @@ impl Engine {
                 remote: r.target_offset,
                 len: r.length,
                 location,
+                priority: r.priority,
                 buffer,
                 task: task.clone(),
             };
@@ -526,6 +531,11 @@ impl Engine {
         rails
     }
 
+    /// Per-priority queue depth, wait time (p50/p99) and promotions of the engine's queues.
+    pub fn qos_stats(&self) -> QosTraffic {
+        self.inner.qos.snapshot()
+    }
+
     /// The scheduler's view of the rails in TENT's format: `=== Device Traffic Statistics ===`,
     /// then `Dev N: Total=… GB, EWMA BW=… Gbps, Inflight=… bytes` per rail, in rail order.
     pub fn traffic_stats_report(&self) -> String {
@@ -586,24 +596,38 @@ fn annotate(e: Error, index: usize, total: usize) -> Error {
     e
 }
 
-/// Fails slices that got no answer within the timeout; runs until the engine is dropped.
+/// Upkeep of every peer: timeouts, reconnects and probes every 50 ms; with global QoS slots also
+/// a pump every millisecond, since a slot change can let queued work go with nothing else
+/// happening. Runs until the engine is dropped.
 fn spawn_timeout_watch(inner: Weak<Inner>) {
     let _ = thread::Builder::new()
         .name("mr-timeouts".into())
-        .spawn(move || loop {
-            thread::sleep(Duration::from_millis(50));
-            let Some(inner) = inner.upgrade() else { return };
-            let peers: Vec<Arc<Peer>> = inner
-                .peers
-                .read()
-                .expect("peers poisoned")
-                .by_id
-                .values()
-                .cloned()
-                .collect();
-            let now = Instant::now();
-            for p in peers {
-                inner.tcp.maintain(&p, now);
+        .spawn(move || {
+            let mut last_upkeep = Instant::now();
+            loop {
+                let fast = inner.upgrade().is_some_and(|i| i.qos.shares_slots());
+                thread::sleep(Duration::from_millis(if fast { 1 } else { 50 }));
+                let Some(inner) = inner.upgrade() else { return };
+                let peers: Vec<Arc<Peer>> = inner
+                    .peers
+                    .read()
+                    .expect("peers poisoned")
+                    .by_id
+                    .values()
+                    .cloned()
+                    .collect();
+                let now = Instant::now();
+                let upkeep = now.duration_since(last_upkeep) >= Duration::from_millis(50);
+                if upkeep {
+                    last_upkeep = now;
+                }
+                for p in peers {
+                    if upkeep {
+                        inner.tcp.maintain(&p, now);
+                    } else {
+                        inner.tcp.pump(&p);
+                    }
+                }
             }
         });
 }

@@ -176,6 +176,7 @@ fn initiator_fails_requests_on_garbage_responses() {
                     }
                     held.push(s);
                 }
+                other => panic!("unexpected connection kind {other:?}"),
             }
         }
         std::thread::sleep(Duration::from_secs(1));

@@ -35,6 +35,8 @@ pub(crate) struct Prepared {
     pub len: u64,
     /// Where the local memory lives; picks the rails' tiers.
     pub location: crate::memory::Location,
+    /// 0 HIGH, 1 MEDIUM, 2 LOW (validated).
+    pub priority: u8,
     /// The target buffer that holds `remote..remote+len`.
     pub buffer: BufferDescriptor,
     pub task: Arc<Task>,

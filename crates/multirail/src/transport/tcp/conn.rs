@@ -45,6 +45,8 @@ pub(crate) struct Outgoing {
     pub rail: usize,
     /// Where the local memory lives, which ranks the rails for it.
     pub location: crate::memory::Location,
+    /// The request's priority (0 HIGH, 1 MEDIUM, 2 LOW).
+    pub priority: u8,
     /// Times this slice was handed back after a connection failed.
     pub attempts: u32,
     /// When the slice first went on the wire; bounds how long retries may go on.

@@ -11,7 +11,6 @@
 
 mod conn;
 
-use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -19,11 +18,13 @@ use std::time::Instant;
 
 use multirail_policy::health::{HealthConfig, RailHealth};
 use multirail_policy::pairing::{pair_rails, RailInfo, Reach};
+use multirail_policy::qos::{PriorityQueues, LEVELS};
 use multirail_policy::selector::SliceShape;
 use multirail_policy::slicing::SlicePlan;
 
 use crate::error::{Error, Result};
 use crate::peer::Peer;
+use crate::qos::Qos;
 use crate::rails::RailScheduler;
 use crate::segment::BufferDescriptor;
 use crate::stats::TrafficStats;
@@ -93,12 +94,21 @@ struct Queued {
     error: Option<Error>,
 }
 
+impl Queued {
+    fn len_bytes(&self) -> u64 {
+        self.slice.len as u64
+    }
+}
+
 /// Window used before a path has measured a round trip.
 const INITIAL_WINDOW: u64 = 1 << 20;
 
 /// The peer's queue of slices and what each path has in flight.
 struct Dispatch {
-    queue: VecDeque<Queued>,
+    /// Strict HIGH → MEDIUM → LOW with promotion (multirail-policy::qos).
+    queue: PriorityQueues<Queued>,
+    /// Depths last reported to the engine-wide QoS counters.
+    reported: [usize; LEVELS],
     /// Per path: bytes handed to its connections and not yet answered.
     posted: Vec<u64>,
     /// Per path: smallest time from posting to answer seen, ns; 0 = none yet.
@@ -115,6 +125,7 @@ pub(crate) struct TcpPeer {
     rail_path: Vec<Option<usize>>,
     dispatch: Mutex<Dispatch>,
     scheduler: Arc<RailScheduler>,
+    qos: Arc<Qos>,
     settings: TcpSettings,
     stats: Arc<TrafficStats>,
     me: Weak<TcpPeer>,
@@ -126,6 +137,7 @@ impl TcpPeer {
     fn connect(
         peer: &Peer,
         scheduler: &Arc<RailScheduler>,
+        qos: &Arc<Qos>,
         settings: &TcpSettings,
         stats: &Arc<TrafficStats>,
     ) -> Result<Arc<TcpPeer>> {
@@ -210,13 +222,15 @@ impl TcpPeer {
             paths,
             rail_path,
             dispatch: Mutex::new(Dispatch {
-                queue: VecDeque::new(),
+                queue: PriorityQueues::new(qos.promotion),
+                reported: [0; LEVELS],
                 posted: vec![0; npaths],
                 min_rtt_ns: vec![0; npaths],
                 rails: Vec::new(),
                 ewma: Vec::new(),
             }),
             scheduler: scheduler.clone(),
+            qos: qos.clone(),
             settings: settings.clone(),
             stats: stats.clone(),
             me: me.clone(),
@@ -297,10 +311,11 @@ impl TcpPeer {
             return;
         }
         let now = Instant::now();
+        let now_ns = self.scheduler.ns(now);
         {
             let mut d = self.dispatch.lock().expect("peer poisoned");
             for s in slices {
-                d.queue.push_back(Queued {
+                let q = Queued {
                     slice: Outgoing {
                         op: req.op,
                         local: req.local + s.offset as usize,
@@ -310,15 +325,27 @@ impl TcpPeer {
                         task: req.task.clone(),
                         rail: usize::MAX,
                         location: req.location,
+                        priority: req.priority,
                         attempts: 0,
                         first_posted: None,
                     },
                     since: now,
                     error: None,
-                });
+                };
+                d.queue.push_back(q, req.priority, now_ns);
             }
+            self.report_depths(&mut d);
         }
         self.pump();
+    }
+
+    /// Brings the engine-wide queue depths up to date with this peer's queues.
+    fn report_depths(&self, d: &mut Dispatch) {
+        let now = d.queue.depths();
+        if now != d.reported {
+            self.qos.depths_changed(d.reported, now);
+            d.reported = now;
+        }
     }
 
     /// Window of path `p`: about twice its bandwidth-delay product, at least one slice.
@@ -331,14 +358,29 @@ impl TcpPeer {
         ((4.0 * bdp) as u64).max(4 * slice)
     }
 
-    /// Deals queued slices to rails while some usable rail has room in its window.
+    /// Deals queued slices to rails, highest priority first, while some usable rail that the
+    /// priority may use has room in its window and the global slot admits the priority.
     fn pump(&self) {
         let mut guard = self.dispatch.lock().expect("peer poisoned");
         let d = &mut *guard;
+        let now = Instant::now();
+        let now_ns = self.scheduler.ns(now);
+        let promoted = d.queue.on_timeout(now_ns);
+        if promoted > 0 {
+            self.qos.promoted(promoted);
+        }
         self.scheduler.fill_ewma_bytes_per_sec(&mut d.ewma);
         let smart = self.scheduler.smart();
-        while let Some(head) = d.queue.front() {
-            let len = head.slice.len as u64;
+        let nrails = self.scheduler.topology().rails.len();
+        let qos = &self.qos;
+        // Priorities whose turn it is; one that finds no rail is skipped this round so lower
+        // ones may still use rails reserved away from it.
+        let mut blocked = [false; LEVELS];
+        while let Some((head, prio)) = d
+            .queue
+            .front(|p| !blocked[p as usize] && qos.slot_admits(p))
+        {
+            let len = head.len_bytes();
             // Baseline mode chose this slice's rail without looking at load: it waits for room
             // on that rail, as plain round-robin striping does.
             if head.slice.rail != usize::MAX {
@@ -346,24 +388,27 @@ impl TcpPeer {
                 let Some(p) = self.rail_path.get(rail).copied().flatten() else {
                     break;
                 };
-                let path = &self.paths[p];
-                if !path.usable.load(Ordering::Acquire) {
+                if !self.paths[p].usable.load(Ordering::Acquire) {
                     self.scheduler.unassigned(rail, len);
-                    d.queue.front_mut().expect("head exists").slice.rail = usize::MAX;
+                    d.queue.front_mut(prio).expect("head exists").slice.rail = usize::MAX;
                     continue;
                 }
                 if d.posted[p] >= Self::window(d, p, rail, len) {
-                    break;
+                    blocked[prio as usize] = true;
+                    continue;
                 }
-                let q = d.queue.pop_front().expect("head exists");
-                self.post_on(d, p, q);
+                let q = d.queue.pop(prio, now_ns).expect("head exists");
+                qos.dequeued(prio, q.waited_ns);
+                self.post_on(d, p, q.item, prio, now_ns);
                 continue;
             }
             let tiers = self.scheduler.tiers(head.slice.location);
             let mut candidates: [Vec<usize>; 3] = Default::default();
             let mut room = 0u64;
             for (p, path) in self.paths.iter().enumerate() {
-                if !path.usable.load(Ordering::Acquire) {
+                if !path.usable.load(Ordering::Acquire)
+                    || !qos.rail_admits(now, path.rail, nrails, prio)
+                {
                     continue;
                 }
                 let window = Self::window(d, p, path.rail, len);
@@ -374,12 +419,15 @@ impl TcpPeer {
                 }
             }
             if candidates.iter().all(Vec::is_empty) {
-                break;
+                blocked[prio as usize] = true;
+                continue;
             }
-            // A run of equal slices at the head, as many as the windows hold (at least one).
+            // A run of equal slices at the head of this level, as many as the windows hold.
             let mut k = 1;
-            while k < d.queue.len().min(64)
-                && d.queue[k].slice.len as u64 == len
+            while k < d.queue.level_len(prio).min(64)
+                && d.queue
+                    .get(prio, k)
+                    .is_some_and(|q| q.len_bytes() == len && q.slice.rail == usize::MAX)
                 && (k as u64 + 1) * len <= room
             {
                 k += 1;
@@ -387,32 +435,41 @@ impl TcpPeer {
             let mut rails = std::mem::take(&mut d.rails);
             self.scheduler
                 .select(&candidates, SliceShape::uniform(k, len), &mut rails);
+            tracing::trace!(?candidates, k, ?rails, "dealt");
             if rails.len() != k {
                 d.rails = rails;
                 break;
             }
-            // Charge the choices first; posting happens as windows allow (at once in smart
-            // mode, where only rails with room were candidates).
-            for (i, &rail) in rails.iter().enumerate() {
-                d.queue[i].slice.rail = rail;
-            }
-            d.rails = rails;
-            if smart {
-                for _ in 0..k {
-                    let q = d.queue.pop_front().expect("k slices queued");
-                    let p = self.rail_path[q.slice.rail].expect("candidates have paths");
-                    self.post_on(d, p, q);
+            let mut waiting = Vec::new();
+            for &rail in rails.iter() {
+                let mut q = d.queue.pop(prio, now_ns).expect("k slices queued");
+                q.item.slice.rail = rail;
+                let p = self.rail_path[rail].expect("candidates have paths");
+                if smart || d.posted[p] < Self::window(d, p, rail, len) {
+                    qos.dequeued(prio, q.waited_ns);
+                    self.post_on(d, p, q.item, prio, now_ns);
+                } else {
+                    // Baseline: charged to its rail, it waits at the head for room there.
+                    waiting.push(q);
                 }
             }
+            for q in waiting.into_iter().rev() {
+                d.queue
+                    .push_front(q.item, prio, now_ns.saturating_sub(q.waited_ns), now_ns);
+            }
+            d.rails = rails;
         }
-        self.expire_queue(d, Instant::now());
+        self.expire_queue(d, now);
+        self.report_depths(d);
     }
 
     /// Hands a slice with a chosen rail to a connection of path `p`, or puts it back at the head
-    /// of the queue (without a rail) if the path died under us.
-    fn post_on(&self, d: &mut Dispatch, p: usize, q: Queued) {
-        let len = q.slice.len as u64;
+    /// of its level (without a rail) if the path died under us.
+    fn post_on(&self, d: &mut Dispatch, p: usize, q: Queued, prio: u8, now_ns: u64) {
+        let len = q.len_bytes();
         let rail = q.slice.rail;
+        let since = q.since;
+        let error = q.error;
         let refused = match self.paths[p].pick() {
             Some(conn) => conn.send(q.slice).err(),
             None => Some(q.slice),
@@ -423,11 +480,17 @@ impl TcpPeer {
                 self.scheduler.unassigned(rail, len);
                 self.paths[p].refresh_usable();
                 slice.rail = usize::MAX;
-                d.queue.push_front(Queued {
-                    slice,
-                    since: q.since,
-                    error: q.error,
-                });
+                let queued_ns = self.scheduler.ns(since);
+                d.queue.push_front(
+                    Queued {
+                        slice,
+                        since,
+                        error,
+                    },
+                    prio,
+                    queued_ns,
+                    now_ns,
+                );
             }
         }
     }
@@ -439,14 +502,11 @@ impl TcpPeer {
             return;
         }
         let all_down = self.is_dead();
-        while let Some(q) = d.queue.front() {
-            let expired = now.saturating_duration_since(q.since) > self.settings.timeout;
-            if !all_down && !expired {
-                // The queue is in arrival order except for handed-back slices at the front;
-                // later ones expire later.
-                break;
-            }
-            let q = d.queue.pop_front().expect("front exists");
+        let timeout = self.settings.timeout;
+        let failed = d
+            .queue
+            .take_if(|q, _| all_down || now.saturating_duration_since(q.since) > timeout);
+        for q in failed {
             if q.slice.rail != usize::MAX {
                 self.scheduler.unassigned(q.slice.rail, q.slice.len as u64);
             }
@@ -571,6 +631,7 @@ impl TcpPeer {
         }
         let mut d = self.dispatch.lock().expect("peer poisoned");
         self.expire_queue(&mut d, Instant::now());
+        self.report_depths(&mut d);
     }
 }
 
@@ -626,11 +687,18 @@ impl ConnOwner for TcpPeer {
                 if closed || (timed_out && !elsewhere) || s.attempts > self.settings.max_retries {
                     s.task.part_done(Err(err.clone()));
                 } else {
-                    d.queue.push_front(Queued {
-                        slice: s,
-                        since: now,
-                        error: Some(err.clone()),
-                    });
+                    let prio = s.priority;
+                    let queued_ns = self.scheduler.ns(now);
+                    d.queue.push_front(
+                        Queued {
+                            slice: s,
+                            since: now,
+                            error: Some(err.clone()),
+                        },
+                        prio,
+                        queued_ns,
+                        queued_ns,
+                    );
                 }
             }
         }
@@ -648,6 +716,7 @@ impl Drop for TcpPeer {
 pub(crate) struct TcpTransport {
     settings: TcpSettings,
     scheduler: Arc<RailScheduler>,
+    qos: Arc<Qos>,
     stats: Arc<TrafficStats>,
 }
 
@@ -655,11 +724,13 @@ impl TcpTransport {
     pub(crate) fn new(
         settings: TcpSettings,
         scheduler: Arc<RailScheduler>,
+        qos: Arc<Qos>,
         stats: Arc<TrafficStats>,
     ) -> Self {
         TcpTransport {
             settings,
             scheduler,
+            qos,
             stats,
         }
     }
@@ -671,9 +742,23 @@ impl TcpTransport {
                 return Ok(p.clone());
             }
         }
-        let fresh = TcpPeer::connect(peer, &self.scheduler, &self.settings, &self.stats)?;
+        let fresh = TcpPeer::connect(
+            peer,
+            &self.scheduler,
+            &self.qos,
+            &self.settings,
+            &self.stats,
+        )?;
         *slot = Some(fresh.clone());
         Ok(fresh)
+    }
+
+    /// Deals `peer`'s queued slices if any rail and slot allow.
+    pub(crate) fn pump(&self, peer: &Peer) {
+        let tcp = peer.tcp.lock().expect("peer poisoned").clone();
+        if let Some(t) = tcp {
+            t.pump();
+        }
     }
 
     /// Periodic upkeep of `peer`'s paths.

@@ -1,0 +1,170 @@
+//! The engine's QoS state: promotion settings, engine-wide queue depths, per-priority wait
+//! statistics, priority-aware rail filtering, and (when `shared_quota_shm_path` is set) the
+//! global time slots shared with other processes on this host.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use multirail_policy::qos::{self as policy, PromotionConfig, LEVELS};
+
+use crate::config::RdmaConfig;
+use crate::error::Result;
+use crate::slots::GlobalSlots;
+
+/// Queue statistics of one priority level.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct PriorityTraffic {
+    /// Slices waiting now.
+    pub queued: u64,
+    /// Slices that left the queue.
+    pub dequeued: u64,
+    /// Median wait from queueing to posting, microseconds.
+    pub wait_p50_us: u64,
+    /// 99th-percentile wait, microseconds.
+    pub wait_p99_us: u64,
+}
+
+/// Queue statistics of every priority level.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct QosTraffic {
+    /// HIGH, MEDIUM, LOW.
+    pub priorities: [PriorityTraffic; LEVELS],
+    /// Slices promoted one level after waiting too long.
+    pub promotions: u64,
+    /// The global slot now in force (0, 1 or 2), when slots are shared with other processes.
+    pub global_slot: Option<u8>,
+}
+
+struct Waits {
+    histograms: [hdrhistogram::Histogram<u64>; LEVELS],
+    dequeued: [u64; LEVELS],
+}
+
+/// QoS state shared by every peer of the engine.
+pub(crate) struct Qos {
+    pub promotion: PromotionConfig,
+    filtering: bool,
+    rotation_ns: u64,
+    work_conserving: bool,
+    queued: [AtomicU64; LEVELS],
+    promotions: AtomicU64,
+    waits: Mutex<Waits>,
+    global: Option<Arc<GlobalSlots>>,
+    epoch: Instant,
+}
+
+impl Qos {
+    /// Builds the QoS state; attaches to the shared slot object when configured. Fails when that
+    /// object cannot be created or mapped.
+    pub(crate) fn new(rdma: &RdmaConfig, epoch: Instant) -> Result<Qos> {
+        let histogram =
+            || hdrhistogram::Histogram::new_with_bounds(1, 60_000_000, 2).expect("valid bounds");
+        let global = if rdma.shared_quota_shm_path.is_empty() {
+            None
+        } else {
+            Some(GlobalSlots::attach(
+                &rdma.shared_quota_shm_path,
+                rdma.slot_rotation_interval_ms.saturating_mul(1_000_000),
+                rdma.qos_work_conserving,
+            )?)
+        };
+        Ok(Qos {
+            promotion: PromotionConfig {
+                timeout_ns: rdma.priority_promotion_timeout_us.saturating_mul(1000),
+                check_ns: rdma.priority_promotion_check_us.saturating_mul(1000),
+            },
+            filtering: rdma.enable_priority_filtering,
+            rotation_ns: rdma.local_rotation_interval_us.saturating_mul(1000).max(1),
+            work_conserving: rdma.qos_work_conserving,
+            queued: Default::default(),
+            promotions: AtomicU64::new(0),
+            waits: Mutex::new(Waits {
+                histograms: [histogram(), histogram(), histogram()],
+                dequeued: [0; LEVELS],
+            }),
+            global,
+            epoch,
+        })
+    }
+
+    /// Records a change of a peer's queue depths from `old` to `new`.
+    pub(crate) fn depths_changed(&self, old: [usize; LEVELS], new: [usize; LEVELS]) {
+        for p in 0..LEVELS {
+            if new[p] > old[p] {
+                self.queued[p].fetch_add((new[p] - old[p]) as u64, Ordering::Relaxed);
+            } else if old[p] > new[p] {
+                self.queued[p].fetch_sub((old[p] - new[p]) as u64, Ordering::Relaxed);
+            }
+        }
+        if let Some(g) = &self.global {
+            g.publish_queued(
+                self.queued[0].load(Ordering::Relaxed),
+                self.queued[1].load(Ordering::Relaxed),
+            );
+        }
+    }
+
+    pub(crate) fn promoted(&self, n: u64) {
+        self.promotions.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Records that a slice of `priority` left the queue after `waited_ns`.
+    pub(crate) fn dequeued(&self, priority: u8, waited_ns: u64) {
+        let mut w = self.waits.lock().expect("qos poisoned");
+        let p = (priority as usize).min(LEVELS - 1);
+        w.histograms[p].saturating_record((waited_ns / 1000).max(1));
+        w.dequeued[p] += 1;
+    }
+
+    /// True when slots are shared with other processes.
+    pub(crate) fn shares_slots(&self) -> bool {
+        self.global.is_some()
+    }
+
+    /// Whether the global slot lets `priority` post now (always, without shared slots).
+    pub(crate) fn slot_admits(&self, priority: u8) -> bool {
+        match &self.global {
+            Some(g) => g.admits(priority),
+            None => true,
+        }
+    }
+
+    /// Whether rail `rail` of `rails` may carry `priority` at `now`.
+    pub(crate) fn rail_admits(
+        &self,
+        now: Instant,
+        rail: usize,
+        rails: usize,
+        priority: u8,
+    ) -> bool {
+        if !self.filtering {
+            return true;
+        }
+        let step = now.saturating_duration_since(self.epoch).as_nanos() as u64 / self.rotation_ns;
+        let waiting = [
+            self.queued[0].load(Ordering::Relaxed) > 0,
+            self.queued[1].load(Ordering::Relaxed) > 0,
+        ];
+        policy::rail_admits(step, rail, rails, priority, waiting, self.work_conserving)
+    }
+
+    /// Current statistics.
+    pub(crate) fn snapshot(&self) -> QosTraffic {
+        let w = self.waits.lock().expect("qos poisoned");
+        let mut out = QosTraffic {
+            promotions: self.promotions.load(Ordering::Relaxed),
+            global_slot: self.global.as_ref().map(|g| g.current_slot()),
+            ..Default::default()
+        };
+        for p in 0..LEVELS {
+            out.priorities[p] = PriorityTraffic {
+                queued: self.queued[p].load(Ordering::Relaxed),
+                dequeued: w.dequeued[p],
+                wait_p50_us: w.histograms[p].value_at_quantile(0.5),
+                wait_p99_us: w.histograms[p].value_at_quantile(0.99),
+            };
+        }
+        out
+    }
+}

@@ -1,0 +1,477 @@
+//! Global QoS time slots shared by the processes of a host through a POSIX shared-memory object
+//! (`shared_quota_shm_path`), laid out like TENT's `SharedHeader`: magic number, format version,
+//! current slot and a process-shared robust mutex, followed by one entry per attached process
+//! publishing how many HIGH and MEDIUM slices it has queued (for work-conserving slots).
+//!
+//! Every attached process runs a rotation thread; whichever takes the mutex first after a slot's
+//! time is up advances it, so all processes agree on the current slot. A stale object (wrong
+//! magic or version, a mutex whose owner died, entries of dead processes) is repaired, not fatal.
+
+use std::cell::UnsafeCell;
+use std::ffi::CString;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::Duration;
+
+use multirail_policy::qos;
+
+use crate::error::{Error, Result};
+
+/// "MRSLOTS1".
+const MAGIC: u64 = 0x4d52_534c_4f54_5331;
+const VERSION: i32 = 1;
+/// Processes that can attach to one object at once.
+pub const MAX_PROCESSES: usize = 64;
+
+#[repr(C)]
+struct ProcEntry {
+    pid: AtomicU32,
+    _pad: u32,
+    queued_high: AtomicU64,
+    queued_medium: AtomicU64,
+}
+
+#[repr(C)]
+struct SharedHeader {
+    magic: AtomicU64,
+    version: AtomicI32,
+    current_slot: AtomicI32,
+    mutex: UnsafeCell<libc::pthread_mutex_t>,
+    /// CLOCK_MONOTONIC (host-wide) nanoseconds at which the current slot began.
+    slot_started_ns: AtomicU64,
+    procs: [ProcEntry; MAX_PROCESSES],
+}
+
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+fn process_alive(pid: u32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists.
+    let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// This process's attachment to the shared slot object.
+pub struct GlobalSlots {
+    header: *mut SharedHeader,
+    entry: usize,
+    interval_ns: u64,
+    work_conserving: bool,
+    /// HIGH and MEDIUM slices queued by every attached process, summed by the rotation thread.
+    totals: [AtomicU64; 2],
+    stop: AtomicBool,
+}
+
+// SAFETY: the header lives in a shared mapping that stays mapped for the life of this value;
+// every field is accessed through atomics or the process-shared mutex.
+unsafe impl Send for GlobalSlots {}
+// SAFETY: as above; no `&mut` to the mapping is ever handed out.
+unsafe impl Sync for GlobalSlots {}
+
+/// Holds the shared mutex; unlocks on drop.
+struct Locked<'a>(&'a SharedHeader);
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        // SAFETY: we hold the lock (taken in `lock`).
+        unsafe { libc::pthread_mutex_unlock(self.0.mutex.get()) };
+    }
+}
+
+fn init_mutex(h: &SharedHeader) -> std::io::Result<()> {
+    // SAFETY: the attribute object lives on our stack and is destroyed after use; the mutex
+    // memory belongs to the mapping and nobody can be using it, since the object is being
+    // (re)initialized under the file lock.
+    unsafe {
+        let mut attr: libc::pthread_mutexattr_t = std::mem::zeroed();
+        libc::pthread_mutexattr_init(&mut attr);
+        libc::pthread_mutexattr_setpshared(&mut attr, libc::PTHREAD_PROCESS_SHARED);
+        libc::pthread_mutexattr_setrobust(&mut attr, libc::PTHREAD_MUTEX_ROBUST);
+        let rc = libc::pthread_mutex_init(h.mutex.get(), &attr);
+        libc::pthread_mutexattr_destroy(&mut attr);
+        if rc != 0 {
+            return Err(std::io::Error::from_raw_os_error(rc));
+        }
+    }
+    Ok(())
+}
+
+fn initialize(h: &SharedHeader) -> std::io::Result<()> {
+    h.magic.store(0, Ordering::Release);
+    for p in &h.procs {
+        p.pid.store(0, Ordering::Relaxed);
+        p.queued_high.store(0, Ordering::Relaxed);
+        p.queued_medium.store(0, Ordering::Relaxed);
+    }
+    init_mutex(h)?;
+    h.current_slot.store(0, Ordering::Relaxed);
+    h.slot_started_ns.store(monotonic_ns(), Ordering::Relaxed);
+    h.version.store(VERSION, Ordering::Relaxed);
+    h.magic.store(MAGIC, Ordering::Release);
+    Ok(())
+}
+
+/// Takes the shared mutex, repairing it if its previous owner died holding it.
+fn lock(h: &SharedHeader) -> std::io::Result<Locked<'_>> {
+    // SAFETY: the mutex was initialized (magic checked at attach) and lives in the mapping.
+    let rc = unsafe { libc::pthread_mutex_lock(h.mutex.get()) };
+    match rc {
+        0 => Ok(Locked(h)),
+        libc::EOWNERDEAD => {
+            tracing::warn!("a process died holding the QoS slot mutex; repairing it");
+            // SAFETY: we now own the inconsistent mutex; marking it consistent is exactly what
+            // EOWNERDEAD asks of the new owner. The state it guards is atomics that stay valid.
+            unsafe { libc::pthread_mutex_consistent(h.mutex.get()) };
+            Ok(Locked(h))
+        }
+        rc => Err(std::io::Error::from_raw_os_error(rc)),
+    }
+}
+
+impl GlobalSlots {
+    /// Attaches to (creating or repairing as needed) the shared object at `path` (a POSIX
+    /// shared-memory name such as `/mooncake_rdma_slots`), registers this process and starts the
+    /// rotation thread. Fails when the object cannot be opened or mapped, or when
+    /// [`MAX_PROCESSES`] live processes are already attached.
+    pub fn attach(path: &str, interval_ns: u64, work_conserving: bool) -> Result<Arc<GlobalSlots>> {
+        let key = "transports.rdma.shared_quota_shm_path";
+        let bad = |m: String| Error::Config(crate::config::ConfigError::new(key, m));
+        let name = if path.starts_with('/') {
+            path.to_owned()
+        } else {
+            format!("/{path}")
+        };
+        if name[1..].contains('/') || name.len() < 2 {
+            return Err(bad(format!(
+                "{path:?} is not a shared-memory name like /mooncake_rdma_slots"
+            )));
+        }
+        let cname =
+            CString::new(name.clone()).map_err(|_| bad(format!("{path:?} contains a NUL byte")))?;
+        // SAFETY: plain FFI with a valid C string.
+        let fd = unsafe { libc::shm_open(cname.as_ptr(), libc::O_CREAT | libc::O_RDWR, 0o600) };
+        if fd < 0 {
+            return Err(Error::io(
+                format!("shm_open {name}"),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let size = std::mem::size_of::<SharedHeader>();
+        // SAFETY: `fd` is ours; flock serializes initialization between processes attaching at
+        // the same moment; ftruncate only grows a too-small (new or stale) object.
+        let ptr = unsafe {
+            libc::flock(fd, libc::LOCK_EX);
+            let mut st: libc::stat = std::mem::zeroed();
+            libc::fstat(fd, &mut st);
+            if (st.st_size as usize) < size && libc::ftruncate(fd, size as libc::off_t) != 0 {
+                let e = std::io::Error::last_os_error();
+                libc::close(fd);
+                return Err(Error::io(format!("sizing {name}"), e));
+            }
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            let e = std::io::Error::last_os_error();
+            // SAFETY: closing our own descriptor.
+            unsafe { libc::close(fd) };
+            return Err(Error::io(format!("mapping {name}"), e));
+        }
+        let mut slots = GlobalSlots {
+            header: ptr as *mut SharedHeader,
+            entry: usize::MAX,
+            interval_ns: interval_ns.max(1),
+            work_conserving,
+            totals: Default::default(),
+            stop: AtomicBool::new(false),
+        };
+        let result = slots.validate_and_register(&name);
+        // SAFETY: unlocking and closing our own descriptor; the mapping stays valid without it.
+        unsafe {
+            libc::flock(fd, libc::LOCK_UN);
+            libc::close(fd);
+        }
+        slots.entry = result?;
+        let slots = Arc::new(slots);
+        let rotor = Arc::downgrade(&slots);
+        thread::Builder::new()
+            .name("mr-qos-slots".into())
+            .spawn(move || loop {
+                let Some(s) = rotor.upgrade() else { return };
+                if s.stop.load(Ordering::Acquire) {
+                    return;
+                }
+                let wait = s.tick();
+                drop(s);
+                thread::sleep(wait);
+            })
+            .map_err(|e| Error::io("spawning the QoS slot thread", e))?;
+        Ok(slots)
+    }
+
+    fn header(&self) -> &SharedHeader {
+        // SAFETY: mapped in `attach`, unmapped only in Drop.
+        unsafe { &*self.header }
+    }
+
+    fn validate_and_register(&self, name: &str) -> Result<usize> {
+        let h = self.header();
+        let io = |e| Error::io(format!("QoS slot object {name}"), e);
+        if h.magic.load(Ordering::Acquire) != MAGIC || h.version.load(Ordering::Acquire) != VERSION
+        {
+            if h.magic.load(Ordering::Acquire) != 0 {
+                tracing::warn!(
+                    name,
+                    "QoS slot object has a foreign magic number or version; reinitializing it"
+                );
+            }
+            initialize(h).map_err(io)?;
+        }
+        let _g = match lock(h) {
+            Ok(g) => g,
+            Err(e) if e.raw_os_error() == Some(libc::ENOTRECOVERABLE) => {
+                tracing::warn!(
+                    name,
+                    "QoS slot mutex is unrecoverable; reinitializing the object"
+                );
+                initialize(h).map_err(io)?;
+                lock(h).map_err(io)?
+            }
+            Err(e) => return Err(io(e)),
+        };
+        let me = std::process::id();
+        for (i, p) in h.procs.iter().enumerate() {
+            let pid = p.pid.load(Ordering::Acquire);
+            if pid == 0 || pid == me || !process_alive(pid) {
+                p.queued_high.store(0, Ordering::Relaxed);
+                p.queued_medium.store(0, Ordering::Relaxed);
+                p.pid.store(me, Ordering::Release);
+                return Ok(i);
+            }
+        }
+        Err(Error::TransportUnavailable {
+            transport: "qos",
+            reason: format!("{MAX_PROCESSES} live processes already share {name}"),
+        })
+    }
+
+    /// Advances the slot if its time is up, refreshes the totals, clears entries of dead
+    /// processes; returns how long to sleep.
+    fn tick(&self) -> Duration {
+        let h = self.header();
+        let now = monotonic_ns();
+        if let Ok(_g) = lock(h) {
+            let started = h.slot_started_ns.load(Ordering::Relaxed);
+            let elapsed = now.saturating_sub(started);
+            if elapsed >= self.interval_ns {
+                let steps = elapsed / self.interval_ns;
+                let slot = h.current_slot.load(Ordering::Relaxed) as u64;
+                h.current_slot
+                    .store(((slot + steps) % 3) as i32, Ordering::Release);
+                h.slot_started_ns
+                    .store(started + steps * self.interval_ns, Ordering::Release);
+            }
+        }
+        let (mut high, mut medium) = (0, 0);
+        for p in &h.procs {
+            let pid = p.pid.load(Ordering::Acquire);
+            if pid == 0 {
+                continue;
+            }
+            if !process_alive(pid) {
+                // A crashed process's counts would hold back everyone forever.
+                if p.pid
+                    .compare_exchange(pid, 0, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    p.queued_high.store(0, Ordering::Relaxed);
+                    p.queued_medium.store(0, Ordering::Relaxed);
+                }
+                continue;
+            }
+            high += p.queued_high.load(Ordering::Relaxed);
+            medium += p.queued_medium.load(Ordering::Relaxed);
+        }
+        self.totals[0].store(high, Ordering::Relaxed);
+        self.totals[1].store(medium, Ordering::Relaxed);
+        let next = h.slot_started_ns.load(Ordering::Acquire) + self.interval_ns;
+        Duration::from_nanos(next.saturating_sub(monotonic_ns()).clamp(50_000, 1_000_000))
+    }
+
+    /// The slot in force: 0 admits HIGH, 1 HIGH and MEDIUM, 2 everything.
+    pub fn current_slot(&self) -> u8 {
+        self.header()
+            .current_slot
+            .load(Ordering::Acquire)
+            .clamp(0, 2) as u8
+    }
+
+    /// Publishes how many HIGH and MEDIUM slices this process has queued.
+    pub fn publish_queued(&self, high: u64, medium: u64) {
+        let e = &self.header().procs[self.entry];
+        e.queued_high.store(high, Ordering::Relaxed);
+        e.queued_medium.store(medium, Ordering::Relaxed);
+    }
+
+    /// HIGH and MEDIUM slices queued by every attached process, as of the last tick.
+    pub fn queued_totals(&self) -> [u64; 2] {
+        [
+            self.totals[0].load(Ordering::Relaxed),
+            self.totals[1].load(Ordering::Relaxed),
+        ]
+    }
+
+    /// Whether `priority` may post now.
+    pub fn admits(&self, priority: u8) -> bool {
+        qos::admits(
+            self.current_slot(),
+            priority,
+            self.queued_totals(),
+            self.work_conserving,
+        )
+    }
+
+    /// Processes attached now.
+    pub fn attached(&self) -> Vec<u32> {
+        self.header()
+            .procs
+            .iter()
+            .map(|p| p.pid.load(Ordering::Acquire))
+            .filter(|&p| p != 0)
+            .collect()
+    }
+}
+
+impl Drop for GlobalSlots {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if self.entry < MAX_PROCESSES {
+            let e = &self.header().procs[self.entry];
+            e.queued_high.store(0, Ordering::Relaxed);
+            e.queued_medium.store(0, Ordering::Relaxed);
+            e.pid.store(0, Ordering::Release);
+        }
+        // SAFETY: the mapping was created in `attach` with this size and nothing refers to it
+        // after this value is gone (the rotation thread holds only a weak reference).
+        unsafe {
+            libc::munmap(
+                self.header as *mut libc::c_void,
+                std::mem::size_of::<SharedHeader>(),
+            )
+        };
+    }
+}
+
+/// Removes the shared object named `path` (for tests and tools); missing is not an error.
+pub fn unlink(path: &str) {
+    let name = if path.starts_with('/') {
+        path.to_owned()
+    } else {
+        format!("/{path}")
+    };
+    if let Ok(c) = CString::new(name) {
+        // SAFETY: plain FFI with a valid C string.
+        unsafe { libc::shm_unlink(c.as_ptr()) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn name(tag: &str) -> String {
+        format!("/multirail-test-{tag}-{}", std::process::id())
+    }
+
+    #[test]
+    fn slots_rotate_through_all_three() {
+        let path = name("rotate");
+        let s = GlobalSlots::attach(&path, 2_000_000, true).unwrap();
+        let mut seen = [false; 3];
+        let deadline = std::time::Instant::now() + Duration::from_millis(200);
+        while std::time::Instant::now() < deadline && !seen.iter().all(|x| *x) {
+            seen[s.current_slot() as usize] = true;
+            thread::sleep(Duration::from_micros(200));
+        }
+        assert_eq!(seen, [true; 3]);
+        assert_eq!(s.attached(), vec![std::process::id()]);
+        drop(s);
+        unlink(&path);
+    }
+
+    #[test]
+    fn foreign_object_is_reinitialized() {
+        let path = name("foreign");
+        {
+            let s = GlobalSlots::attach(&path, 2_000_000, true).unwrap();
+            s.header().magic.store(0xdead_beef, Ordering::Release);
+            s.header().version.store(99, Ordering::Release);
+        }
+        let s = GlobalSlots::attach(&path, 2_000_000, true).unwrap();
+        assert_eq!(s.header().magic.load(Ordering::Acquire), MAGIC);
+        assert_eq!(s.header().version.load(Ordering::Acquire), VERSION);
+        drop(s);
+        unlink(&path);
+    }
+
+    #[test]
+    fn mutex_of_a_dead_owner_is_repaired_and_its_entry_reclaimed() {
+        let path = name("deadowner");
+        let s = GlobalSlots::attach(&path, 1_000_000_000, true).unwrap();
+        // A child takes the mutex, publishes queued HIGH work and dies without unlocking.
+        // SAFETY: the child only touches the shared mapping with atomics and the mutex, then
+        // calls _exit; it runs no Rust runtime code that could need locks held by other threads.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let h = s.header();
+            // SAFETY: initialized mutex in the shared mapping.
+            unsafe { libc::pthread_mutex_lock(h.mutex.get()) };
+            h.procs[5].queued_high.store(7, Ordering::Relaxed);
+            h.procs[5].pid.store(std::process::id(), Ordering::Release);
+            // SAFETY: terminating the forked child without running destructors.
+            unsafe { libc::_exit(0) };
+        }
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        // Locking now reports the dead owner and repairs the mutex instead of hanging.
+        assert!(lock(s.header()).is_ok());
+        // The next tick clears the dead process's entry, so its HIGH work holds nobody back.
+        s.tick();
+        assert_eq!(s.queued_totals(), [0, 0]);
+        assert_eq!(s.attached(), vec![std::process::id()]);
+        drop(s);
+        unlink(&path);
+    }
+
+    #[test]
+    fn work_conserving_admission_follows_published_queues() {
+        let path = name("wc");
+        // Long slots: slot 0 for the whole test.
+        let s = GlobalSlots::attach(&path, 60_000_000_000, true).unwrap();
+        assert_eq!(s.current_slot(), 0);
+        assert!(s.admits(qos::LOW), "nobody has HIGH work");
+        s.publish_queued(3, 0);
+        s.tick();
+        assert!(!s.admits(qos::LOW) && s.admits(qos::HIGH));
+        drop(s);
+        let strict = GlobalSlots::attach(&path, 60_000_000_000, false).unwrap();
+        assert!(!strict.admits(qos::LOW), "TENT's strict slots");
+        drop(strict);
+        unlink(&path);
+    }
+}
