@@ -24,6 +24,7 @@
 mod ring;
 
 use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
@@ -71,6 +72,27 @@ const SHARED_TCP: u64 = 0;
 const SHARED_SHM: u64 = 1;
 /// Spinning this long without progress switches waits to sleeping in short steps.
 const SPIN: Duration = Duration::from_micros(200);
+
+/// Pools by key; keys are small integers, so hashing is the identity (the receive loop looks a
+/// pool up on every poll).
+type Pools = HashMap<u64, Pool, BuildHasherDefault<IdHasher>>;
+
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ *b as u64;
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
 
 /// Receive buffers: the accounting and the registered chunks holding the bytes.
 struct Pool {
@@ -140,7 +162,7 @@ struct Ready {
 #[derive(Default)]
 struct Rx {
     conns: Vec<InConn>,
-    pools: HashMap<u64, Pool>,
+    pools: Pools,
     ready: VecDeque<Ready>,
     notifications: VecDeque<Notification>,
     /// Consumed buffers to return after the next reply (`return_order: after_reply`).
@@ -466,15 +488,18 @@ impl Messaging {
                     return Ok(Some(m));
                 }
             }
+            // Reading the clock costs as much as a poll: look at it every 32 polls.
+            idle = idle.wrapping_add(1);
+            if !idle.is_multiple_of(32) {
+                std::hint::spin_loop();
+                continue;
+            }
             let waited = start.elapsed();
             if timeout.is_some_and(|t| waited >= t) {
                 return Ok(None);
             }
-            idle = idle.wrapping_add(1);
             if waited > SPIN && idle.is_multiple_of(64) {
                 thread::sleep(Duration::from_micros(50));
-            } else {
-                std::hint::spin_loop();
             }
         }
     }
@@ -643,7 +668,7 @@ fn read_words(stream: &mut TcpStream, n: usize, width: usize) -> std::io::Result
 }
 
 /// Tells senders about buffers posted for them.
-fn grant(conns: &mut [InConn], pools: &mut HashMap<u64, Pool>, key: u64) {
+fn grant(conns: &mut [InConn], pools: &mut Pools, key: u64) {
     let Some(pool) = pools.get_mut(&key) else {
         return;
     };
