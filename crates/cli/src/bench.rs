@@ -70,7 +70,7 @@ pub struct BenchArgs {
     /// Mixed workload instead of --block-size/--threads/--priority: comma-separated
     /// priority:block:submitters, e.g. high:64KiB:1,low:4MiB:8. Default: off.
     #[arg(long, value_parser = parse_mix)]
-    mix: Option<Vec<Class>>,
+    mix: Option<Mix>,
     /// Print one JSON object instead of tables.
     #[arg(long)]
     json: bool,
@@ -177,7 +177,11 @@ fn priority_name(p: u8) -> &'static str {
     ["high", "medium", "low"][(p as usize).min(2)]
 }
 
-fn parse_mix(s: &str) -> Result<Vec<Class>, String> {
+/// A parsed `--mix` (a newtype so clap takes the whole list as one value).
+#[derive(Clone, Debug, PartialEq)]
+struct Mix(Vec<Class>);
+
+fn parse_mix(s: &str) -> Result<Mix, String> {
     s.split(',')
         .map(|part| {
             let f: Vec<&str> = part.trim().split(':').collect();
@@ -201,7 +205,8 @@ fn parse_mix(s: &str) -> Result<Vec<Class>, String> {
                 submitters,
             })
         })
-        .collect()
+        .collect::<Result<Vec<_>, _>>()
+        .map(Mix)
 }
 
 struct ThreadResult {
@@ -291,7 +296,7 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
             "--block-size, --batch-size and --threads must be at least 1".into(),
         ));
     }
-    let classes = args.mix.clone().unwrap_or_else(|| {
+    let classes = args.mix.clone().map(|m| m.0).unwrap_or_else(|| {
         vec![Class {
             priority: args.priority,
             block: args.block_size,
@@ -500,7 +505,7 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         },
         "rails": rails.iter().map(|r| serde_json::json!({
             "name": r.name, "bytes": r.bytes, "slices": r.slices, "errors": r.errors,
-            "ewma_gbps": r.ewma_gbps, "inflight_bytes": r.inflight_bytes,
+            "ewma_gbps": r.ewma_gbps, "inflight_bytes": r.inflight_bytes, "window_bytes": r.window_bytes,
         })).collect::<Vec<_>>(),
         "verified_bytes": verified,
         "timeline": timeline,

@@ -522,10 +522,11 @@ impl Engine {
     /// rails the scheduler's EWMA bandwidth and the bytes in flight.
     pub fn traffic_stats(&self) -> Vec<RailTraffic> {
         let mut rails = self.inner.stats.snapshot();
-        for (name, s) in self.inner.scheduler.stats() {
+        for (i, (name, s)) in self.inner.scheduler.stats().into_iter().enumerate() {
             if let Some(r) = rails.iter_mut().find(|r| r.name == name) {
                 r.ewma_gbps = Some(s.ewma_gbps);
                 r.inflight_bytes = s.inflight_bytes;
+                r.window_bytes = self.inner.scheduler.window(i);
             }
         }
         rails

@@ -21,6 +21,8 @@ pub(crate) struct RailScheduler {
     tiers: Mutex<HashMap<Location, Arc<Vec<u8>>>>,
     epoch: Instant,
     smart: bool,
+    /// Latest in-flight bound computed for each rail (bytes).
+    windows: Vec<std::sync::atomic::AtomicU64>,
 }
 
 /// The selector settings TENT's keys give.
@@ -55,6 +57,7 @@ impl RailScheduler {
             tiers: Mutex::default(),
             epoch: Instant::now(),
             smart: rdma.enable_smart_scheduling,
+            windows: (0..reported.len()).map(|_| Default::default()).collect(),
         }
     }
 
@@ -137,6 +140,20 @@ impl RailScheduler {
             .lock()
             .expect("scheduler poisoned")
             .on_unassigned(rail, bytes);
+    }
+
+    /// Records the in-flight bound last computed for `rail`.
+    pub(crate) fn note_window(&self, rail: RailId, bytes: u64) {
+        if let Some(w) = self.windows.get(rail) {
+            w.store(bytes, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// The in-flight bound last computed for `rail`, bytes (0 before any traffic).
+    pub(crate) fn window(&self, rail: RailId) -> u64 {
+        self.windows
+            .get(rail)
+            .map_or(0, |w| w.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// Fills `out` with every rail's EWMA bandwidth in bytes per second, in rail order.

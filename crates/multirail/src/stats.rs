@@ -37,6 +37,9 @@ pub struct RailTraffic {
     pub ewma_gbps: Option<f64>,
     /// Bytes assigned to the rail and not yet answered (network rails only).
     pub inflight_bytes: u64,
+    /// Bound on bytes in flight per path on this rail (about its bandwidth-delay product), as
+    /// last computed; 0 before any traffic (network rails only).
+    pub window_bytes: u64,
 }
 
 /// The set of rails that have carried traffic, created on first use.
@@ -74,6 +77,7 @@ impl TrafficStats {
                 errors: r.errors.load(Ordering::Relaxed),
                 ewma_gbps: None,
                 inflight_bytes: 0,
+                window_bytes: 0,
             })
             .collect()
     }

@@ -3,8 +3,7 @@
 //! address and interface.
 //!
 //! Slices wait in the peer's queue and are dealt to rails only while a rail's window has room:
-//! about twice its bandwidth-delay product (EWMA bandwidth × smallest round trip seen), at least
-//! one slice. So the rail scheduler decides with little in flight, when its predicted completion
+//! a small multiple of its bandwidth-delay product (EWMA bandwidth × smallest round trip seen). So the rail scheduler decides with little in flight, when its predicted completion
 //! times mean something, and backlog waits here rather than in socket buffers. A slice whose
 //! connection fails goes back to the front of the queue for another rail; a rail that keeps
 //! failing is paused and probed back (rail health).
@@ -348,7 +347,11 @@ impl TcpPeer {
         }
     }
 
-    /// Window of path `p`: about twice its bandwidth-delay product, at least one slice.
+    /// Window of path `p`: its bandwidth-delay product (EWMA bandwidth × smallest round trip)
+    /// with a margin of 4, and at least 4 slices. The margin covers what the estimate misses on
+    /// a CPU-bound link such as loopback, where the sender's next `writev` and the target's
+    /// acknowledgement batching need a few slices queued to keep the pipe full; it still keeps
+    /// the backlog in the engine's priority queues, a few slices deep per rail.
     fn window(d: &Dispatch, p: usize, rail: usize, slice: u64) -> u64 {
         let rtt = d.min_rtt_ns[p];
         if rtt == 0 {
@@ -412,6 +415,7 @@ impl TcpPeer {
                     continue;
                 }
                 let window = Self::window(d, p, path.rail, len);
+                self.scheduler.note_window(path.rail, window);
                 if !smart || d.posted[p] < window {
                     let tier = tiers.get(path.rail).copied().unwrap_or(0).min(2) as usize;
                     candidates[tier].push(path.rail);
