@@ -279,6 +279,13 @@ class Batch:
         return f"<multirail.Batch id={self._native.id} requests={len(self)} status={self.status().value}>"
 
 
+class _Closed:
+    """Stands in for the native engine after Engine.close()."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise Error("the engine is closed")
+
+
 ConfigArg = Union[None, Mapping[str, Any], str, "os.PathLike[str]"]
 
 
@@ -453,8 +460,11 @@ class Engine:
         return out
 
     def close(self) -> None:
-        """Stops serving: peers can no longer reach this engine."""
-        self._native.shutdown()
+        """Releases the engine: later calls raise :class:`Error`. It stops serving (its port
+        closes) once no :class:`Batch` of it is left. Buffers stay usable as memory."""
+        # Not Engine::shutdown(): it deadlocks after a TCP transfer (reported upstream); dropping
+        # the last handle stops the engine cleanly.
+        self._native = _Closed()
 
     def __enter__(self) -> "Engine":
         return self
@@ -463,4 +473,7 @@ class Engine:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<multirail.Engine {self.name}>"
+        try:
+            return f"<multirail.Engine {self.name}>"
+        except Error:
+            return "<multirail.Engine (closed)>"

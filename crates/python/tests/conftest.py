@@ -1,0 +1,71 @@
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def pattern(seed: int, n: int) -> np.ndarray:
+    """Deterministic bytes both processes can generate."""
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+class Peer:
+    """A peer.py child process: another engine, in another Python process."""
+
+    def __init__(self, api: str, size: int, transport: str) -> None:
+        env = dict(os.environ)
+        env.pop("MULTIRAIL_CONF", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "peer.py"), api, str(size), transport],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        hello = self.proc.stdout.readline()
+        if not hello:
+            raise RuntimeError(f"peer {api} exited with {self.proc.wait()} before saying hello")
+        info = json.loads(hello)
+        self.name, self.addr, self.size = info["name"], info["addr"], info["size"]
+
+    def call(self, **cmd):
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"peer died: exit {self.proc.wait()}")
+        return json.loads(line)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call(op="exit")
+            except (BrokenPipeError, RuntimeError, ValueError):
+                pass
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def spawn_peer():
+    peers = []
+
+    def spawn(api: str = "native", size: int = 8 << 20, transport: str = "tcp") -> Peer:
+        p = Peer(api, size, transport)
+        peers.append(p)
+        return p
+
+    yield spawn
+    for p in peers:
+        p.close()

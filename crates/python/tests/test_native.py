@@ -1,0 +1,266 @@
+"""The Pythonic API between two Python processes, bytes checked with NumPy, and its errors."""
+
+import gc
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import multirail
+from conftest import pattern
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def engine():
+    e = multirail.Engine(name="127.0.0.1")
+    yield e
+    e.close()
+
+
+def test_buffer_protocol_exposes_engine_memory(engine):
+    buf = engine.allocate(MIB)
+    assert isinstance(buf, multirail.Buffer) and len(buf) == buf.size == MIB
+    mv = memoryview(buf)
+    assert (mv.format, mv.shape, mv.readonly, mv.nbytes) == ("B", (MIB,), False, MIB)
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    assert not arr.any(), "allocated memory starts zeroed"
+    arr[:4] = [1, 2, 3, 4]
+    assert bytes(mv[:4]) == b"\x01\x02\x03\x04"
+    assert np.frombuffer(buf, dtype=np.uint32).size == MIB // 4
+    # A view keeps the memory alive after the Buffer and the registration are gone.
+    engine.unregister(buf)
+    del buf
+    gc.collect()
+    mv[5] = 9
+    assert arr[5] == 9
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_write_and_read_between_processes(spawn_peer, transport):
+    peer = spawn_peer("native", 8 * MIB, transport)
+    with multirail.Engine(name="127.0.0.1", transport=transport) as engine:
+        src = engine.allocate(8 * MIB)
+        local = np.frombuffer(src, dtype=np.uint8)
+        local[:] = pattern(1, 8 * MIB)
+        seg = engine.open_segment(peer.name)
+        assert seg.buffers == [(peer.addr, 8 * MIB)] and seg.first_buffer_address == peer.addr
+
+        # Write: this process -> peer, in 8 requests of 1 MiB at shuffled offsets.
+        order = [3, 0, 7, 1, 6, 2, 5, 4]
+        reqs = [multirail.Request(multirail.WRITE, src.addr + i * MIB, seg, peer.addr + i * MIB, MIB) for i in order]
+        batch = engine.submit(reqs)
+        batch.wait(timeout=30)
+        assert batch.status() is multirail.Status.COMPLETED
+        assert all(batch.status(i) is multirail.Status.COMPLETED for i in range(len(batch)))
+        assert batch.error() is None
+        assert peer.call(op="verify", off=0, len=8 * MIB, seed=1)["ok"]
+
+        # Read: peer -> this process, into a registered NumPy array.
+        assert peer.call(op="fill", off=MIB, len=3 * MIB, seed=2)["ok"]
+        dst = np.zeros(3 * MIB, dtype=np.uint8)
+        reg = engine.register(dst)
+        assert reg.addr == dst.ctypes.data and reg.size == 3 * MIB
+        engine.transfer(multirail.Request(multirail.READ, reg, seg, peer.addr + MIB, 3 * MIB, multirail.PRIO_LOW))
+        assert np.array_equal(dst, pattern(2, 3 * MIB))
+
+        stats = engine.traffic_stats()
+        rail = "shm" if transport == "auto" else "lo"
+        assert stats[rail]["bytes"] >= 11 * MIB and stats[rail]["errors"] == 0
+
+
+def test_peer_initiates_both_ways(spawn_peer):
+    """The other process writes into and reads from this one's memory."""
+    peer = spawn_peer("native", 2 * MIB, "tcp")
+    with multirail.Engine(name="127.0.0.1") as engine:
+        buf = engine.allocate(2 * MIB)
+        arr = np.frombuffer(buf, dtype=np.uint8)
+        assert peer.call(op="fill", off=0, len=2 * MIB, seed=3)["ok"]
+        assert peer.call(op="write_to", name=engine.name, remote=buf.addr, off=0, len=2 * MIB)["rc"] == 0
+        assert np.array_equal(arr, pattern(3, 2 * MIB))
+        arr[:] = pattern(4, 2 * MIB)
+        assert peer.call(op="read_from", name=engine.name, remote=buf.addr, off=0, len=2 * MIB)["rc"] == 0
+        assert peer.call(op="verify", off=0, len=2 * MIB, seed=4)["ok"]
+
+
+def test_register_address_bytearray_and_partial_length(engine, spawn_peer):
+    peer = spawn_peer("native", MIB, "tcp")
+    seg = engine.open_segment(peer.name)
+    ba = bytearray(pattern(5, 4096).tobytes())
+    reg = engine.register(ba, 4000)
+    assert reg.size == 4000
+    engine.transfer([multirail.Request("write", reg, seg, peer.addr, 4000)])
+    assert peer.call(op="verify", off=0, len=4000, seed=5)["ok"]
+    engine.unregister(reg)
+    arr = np.zeros(MIB, dtype=np.uint8)
+    reg2 = engine.register(arr.ctypes.data, MIB)
+    engine.transfer([multirail.Request("read", reg2.addr, seg.id, peer.addr, 4000)])
+    assert np.array_equal(arr[:4000], pattern(5, 4000))
+    engine.unregister(reg2.addr)
+
+
+def test_gil_released_while_waiting(engine, spawn_peer):
+    peer = spawn_peer("native", 64 * MIB, "tcp")
+    seg = engine.open_segment(peer.name)
+    src = engine.allocate(64 * MIB)
+    ticks = []
+    stop = threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.001)
+
+    t = threading.Thread(target=ticker)
+    t.start()
+    try:
+        for _ in range(4):
+            engine.transfer(multirail.Request(multirail.WRITE, src, seg, peer.addr, 64 * MIB))
+    finally:
+        stop.set()
+        t.join()
+    assert len(ticks) > 5, "another Python thread ran while transfers were waited for"
+
+
+# ------------------------------------------------------------------------------------ errors
+
+
+def test_every_error_is_a_multirail_error():
+    names = [n for n in multirail.__all__ if n.endswith("Error")]
+    assert len(names) == 18
+    for n in names:
+        assert issubclass(getattr(multirail, n), multirail.Error)
+    assert issubclass(multirail.Error, Exception)
+
+
+def test_config_errors():
+    with pytest.raises(multirail.ConfigError, match="bogus"):
+        multirail.Engine(config={"bogus": 1})
+    with pytest.raises(multirail.ConfigError, match="transports.rdma.bandwidth_learning_rate"):
+        multirail.Engine(config={"transports": {"rdma": {"bandwidth_learning_rate": 1.5}}})
+    with pytest.raises(multirail.ConfigError, match="cannot read"):
+        multirail.Engine(config="/nonexistent/multirail.json")
+    with pytest.raises(multirail.ConfigError):
+        multirail.Engine(config='{"transport": "carrier-pigeon"}')
+    with pytest.raises(TypeError):
+        multirail.Engine(config=42)
+
+
+def test_config_file_and_inline(tmp_path):
+    path = tmp_path / "mr.json"
+    path.write_text('{"transport": "tcp", "workers": {"block_size": 65536}}')
+    with multirail.Engine(config=path, name="127.0.0.1") as e:
+        assert e.config["transport"] == "tcp" and e.config["workers"]["block_size"] == 65536
+    with multirail.Engine(config={"transport": "shm"}, name="127.0.0.1") as e:
+        assert e.config["transport"] == "shm"
+
+
+def test_name_errors_and_mapping():
+    with pytest.raises(multirail.InvalidArgumentError, match="port"):
+        multirail.Engine(name="127.0.0.1:99999")
+    with pytest.raises(multirail.InvalidArgumentError):
+        multirail.Engine(name="")
+    with multirail.Engine(name="127.0.0.1") as a:
+        host, port = a.name.rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) > 0
+        # The port is taken: binding it again fails with the OS's reason.
+        with pytest.raises(multirail.Error):
+            multirail.Engine(name=a.name)
+    with multirail.Engine(name="localhost") as b:
+        assert b.name.startswith("localhost:")
+
+
+def test_memory_errors(engine):
+    with pytest.raises(multirail.InvalidArgumentError):
+        engine.allocate(0)
+    with pytest.raises(multirail.AllocationError):
+        engine.allocate(1 << 60)
+    with pytest.raises(multirail.InvalidArgumentError, match="null"):
+        engine.register(0, 10)
+    with pytest.raises(multirail.InvalidArgumentError, match="length"):
+        engine.register(0x1000)
+    with pytest.raises(TypeError, match="writable"):
+        engine.register(b"read-only bytes")
+    with pytest.raises(TypeError):
+        engine.register("not memory")
+    ba = bytearray(4096)
+    engine.register(ba)
+    with pytest.raises(multirail.InvalidArgumentError, match="overlaps"):
+        engine.register(ba)
+    with pytest.raises(multirail.InvalidArgumentError, match="not the start"):
+        engine.unregister(12345)
+    with pytest.raises(multirail.InvalidArgumentError):
+        engine.unregister(-1)
+
+
+def test_segment_errors(engine):
+    with pytest.raises(multirail.SegmentUnreachableError, match="host:port"):
+        engine.open_segment("nonsense")
+    with pytest.raises(multirail.SegmentUnreachableError, match="refused"):
+        engine.open_segment("127.0.0.1:1")
+    with pytest.raises(TypeError):
+        engine.open_segment(1234)
+
+
+def test_request_and_submit_errors(engine, spawn_peer):
+    peer = spawn_peer("native", MIB, "tcp")
+    seg = engine.open_segment(peer.name)
+    src = engine.allocate(MIB)
+    W = multirail.WRITE
+    with pytest.raises(multirail.InvalidArgumentError, match="opcode"):
+        multirail.Request("frob", src, seg, peer.addr, 1)
+    with pytest.raises(multirail.InvalidArgumentError, match="transport"):
+        multirail.Request(W, src, seg, peer.addr, 1, transport="infiniband")
+    with pytest.raises(multirail.InvalidArgumentError, match="target_offset"):
+        multirail.Request(W, src, seg, -5, 1)
+    with pytest.raises(TypeError):
+        multirail.Request(W, "src", seg, peer.addr, 1)
+    cases = [
+        (multirail.Request(W, src, seg, peer.addr, 0), multirail.InvalidArgumentError, "length"),
+        (multirail.Request(W, src, seg, peer.addr, 1, priority=7), multirail.InvalidArgumentError, "priority"),
+        (multirail.Request(W, 0x1000, seg, peer.addr, 1), multirail.SourceNotRegisteredError, "registered"),
+        (multirail.Request(W, src.addr + MIB - 1, seg, peer.addr, 2), multirail.SourceNotRegisteredError, "registered"),
+        (multirail.Request(W, src, seg, peer.addr + MIB, 1), multirail.TargetOutOfRangeError, "outside"),
+        (multirail.Request(W, src, 999, peer.addr, 1), multirail.UnknownSegmentError, "999"),
+    ]
+    for req, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            # A bad request among good ones: nothing starts.
+            engine.submit([multirail.Request(W, src, seg, peer.addr, 16), req])
+    with pytest.raises(multirail.InvalidArgumentError):
+        engine.submit([])
+    with pytest.raises(TypeError):
+        engine.submit(["not a request"])
+
+
+def test_batch_errors(engine, spawn_peer):
+    peer = spawn_peer("native", 256 * MIB, "tcp")
+    seg = engine.open_segment(peer.name)
+    src = engine.allocate(256 * MIB)
+    batch = engine.submit(multirail.Request(multirail.WRITE, src, seg, peer.addr, 256 * MIB, transport="tcp"))
+    with pytest.raises(multirail.WaitTimeoutError, match="in flight"):
+        batch.wait(timeout=0)
+    with pytest.raises(multirail.BatchBusyError):
+        batch.free()
+    with pytest.raises(multirail.InvalidArgumentError, match="timeout"):
+        batch.wait(timeout=-1)
+    batch.wait(timeout=60)
+    batch.free()
+    with pytest.raises(multirail.UnknownBatchError):
+        batch.free()
+    with pytest.raises(multirail.UnknownBatchError):
+        batch.status()
+
+
+def test_dead_peer_fails_requests(engine, spawn_peer):
+    peer = spawn_peer("native", MIB, "tcp")
+    seg = engine.open_segment(peer.name)
+    src = engine.allocate(MIB)
+    engine.transfer(multirail.Request(multirail.WRITE, src, seg, peer.addr, MIB))
+    peer.kill()
+    with pytest.raises((multirail.PeerDisconnectedError, multirail.SegmentUnreachableError)) as info:
+        engine.transfer(multirail.Request(multirail.WRITE, src, seg, peer.addr, MIB), timeout=30)
+    assert str(info.value)
