@@ -177,8 +177,14 @@ impl PatternReport {
                         phases.truncate(6);
                         phases.push(format!("{more} more"));
                     }
+                    // Positions in a shorter cycle than the period say which cycle.
+                    let of = if g.cycle == p.period {
+                        "round trip".to_string()
+                    } else {
+                        format!("of each {} round trips", g.cycle)
+                    };
                     format!(
-                        "every {} round trip is {}",
+                        "every {} {of} is {}",
                         join_words(&phases),
                         format_us(g.level_ns)
                     )
@@ -517,7 +523,7 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("every 15th and 16th round trip is 3.8"),
+            text.contains("every 15th and 16th of each 16 round trips is 3.8"),
             "{text}"
         );
     }
@@ -554,7 +560,7 @@ mod tests {
                 "{text}"
             );
             assert!(
-                text.contains("every 31st and 32nd round trip is 3.8"),
+                text.contains("every 31st and 32nd of each 32 round trips is 3.8"),
                 "{text}"
             );
             assert!(text.ends_with("(period 128)"), "{text}");

@@ -70,8 +70,20 @@ const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
 /// Pool keys of the shared pools; per-connection pools use the connection id (from 2).
 const SHARED_TCP: u64 = 0;
 const SHARED_SHM: u64 = 1;
-/// Spinning this long without progress switches waits to sleeping in short steps.
+/// Spinning this long without progress makes a wait yield the CPU now and then.
 const SPIN: Duration = Duration::from_micros(200);
+/// Waiting this long without progress makes a wait sleep in short steps.
+const DOZE: Duration = Duration::from_millis(20);
+
+/// A wait without progress: yield first, so a peer polling on the same core (more pollers than
+/// cores) runs at once instead of after a sleep's timer slack; sleep once the wait is long.
+fn back_off(waited: Duration) {
+    if waited > DOZE {
+        thread::sleep(Duration::from_micros(50));
+    } else {
+        thread::yield_now();
+    }
+}
 
 /// Pools by key; keys are small integers, so hashing is the identity (the receive loop looks a
 /// pool up on every poll).
@@ -109,6 +121,9 @@ impl Pool {
         let chunks = (0..settings.registration_chunks)
             .map(|_| registry.allocate(settings.chunk_bytes(), Location::Any))
             .collect::<Result<Vec<_>>>()?;
+        for c in &chunks {
+            populate(c.as_ptr(), c.len());
+        }
         Ok(Pool {
             queue,
             chunks,
@@ -499,7 +514,7 @@ impl Messaging {
                 return Ok(None);
             }
             if waited > SPIN && idle.is_multiple_of(64) {
-                thread::sleep(Duration::from_micros(50));
+                back_off(waited);
             }
         }
     }
@@ -601,6 +616,9 @@ impl Messaging {
                 .iter()
                 .map(|&a| map(a, chunk_len))
                 .collect::<Result<Vec<_>>>()?;
+            for &c in &chunks {
+                populate(c as *mut u8, chunk_len as usize);
+            }
             OutIo::Shm {
                 // SAFETY: `ring_base` maps at least `Ring::bytes(depth)` bytes (checked above),
                 // kept alive by `maps`.
@@ -651,6 +669,21 @@ impl Messaging {
             self.release_after_reply();
         }
         outcome
+    }
+}
+
+/// Faults in the pages of a receive area now, writable, without touching its bytes, as memory
+/// registration pins them: otherwise the first message into each buffer pays for page faults
+/// on both sides. A kernel without MADV_POPULATE_WRITE (before 5.14) just faults later.
+fn populate(ptr: *mut u8, len: usize) {
+    const MADV_POPULATE_WRITE: libc::c_int = 23;
+    let page = 4096usize;
+    let start = ptr as usize / page * page;
+    let end = ptr as usize + len;
+    // SAFETY: advice over a range this process mapped; POPULATE_WRITE only faults pages in.
+    let rc = unsafe { libc::madvise(start as *mut libc::c_void, end - start, MADV_POPULATE_WRITE) };
+    if rc != 0 {
+        tracing::debug!(error = %std::io::Error::last_os_error(), "madvise(MADV_POPULATE_WRITE) refused");
     }
 }
 
@@ -890,7 +923,7 @@ impl OutConn {
             }
             idle = idle.wrapping_add(1);
             if waited > SPIN && idle.is_multiple_of(16) {
-                thread::sleep(Duration::from_micros(50));
+                back_off(waited);
             } else {
                 std::hint::spin_loop();
             }
