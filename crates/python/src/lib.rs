@@ -456,6 +456,32 @@ impl NativeEngine {
         Ok(out)
     }
 
+    /// Sends `msg` to opened segment `id` as a notification (GIL released).
+    fn send_notification(&self, py: Python<'_>, id: u64, msg: &str) -> PyResult<()> {
+        let engine = self.engine.clone();
+        let msg = msg.to_owned();
+        py.allow_threads(move || engine.send_notification(SegmentId(id), &msg))
+            .map_err(to_py)
+    }
+
+    /// Notifications received since the last call: `[(sender segment name, msg), ...]`.
+    fn receive_notifications(&self) -> Vec<(String, String)> {
+        self.engine
+            .receive_notifications()
+            .into_iter()
+            .map(|n| (n.from, n.msg))
+            .collect()
+    }
+
+    /// Sends a notification to segment `name` (opened on first use).
+    fn mc_notify(&self, py: Python<'_>, name: &str, msg: &str) -> PyResult<()> {
+        let seg = self.segment(py, name)?;
+        let engine = self.engine.clone();
+        let msg = msg.to_owned();
+        py.allow_threads(move || engine.send_notification(seg, &msg))
+            .map_err(to_py)
+    }
+
     /// Stops serving: closes the control port and every connection.
     fn shutdown(&self) {
         self.engine.shutdown();
@@ -572,7 +598,10 @@ impl NativeEngine {
     }
 
     /// Submits the transfers to segment `name` and waits for them (GIL released).
-    #[pyo3(signature = (name, opcode, sources, targets, lengths, timeout))]
+    /// With `notify`, the message is sent to the segment as a notification once every byte
+    /// is in place.
+    #[pyo3(signature = (name, opcode, sources, targets, lengths, timeout, notify=None))]
+    #[allow(clippy::too_many_arguments)]
     fn mc_transfer_sync(
         &self,
         py: Python<'_>,
@@ -582,6 +611,7 @@ impl NativeEngine {
         targets: Vec<u64>,
         lengths: Vec<u64>,
         timeout: f64,
+        notify: Option<String>,
     ) -> PyResult<()> {
         let op = parse_opcode(opcode)?;
         let timeout = timeout_arg(Some(timeout))?;
@@ -590,7 +620,11 @@ impl NativeEngine {
         let engine = self.engine.clone();
         let result = py.allow_threads(move || {
             let id = engine.allocate_batch(reqs.len())?;
-            if let Err(e) = engine.submit(id, &reqs) {
+            let submitted = match &notify {
+                Some(msg) => engine.submit_with_notification(id, &reqs, msg),
+                None => engine.submit(id, &reqs),
+            };
+            if let Err(e) = submitted {
                 let _ = engine.free_batch(id);
                 return Err(e);
             }

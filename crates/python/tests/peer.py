@@ -8,9 +8,12 @@ First line out: {"name": segment name, "addr": buffer address, "size": SIZE}. Co
   {"op": "verify", "off", "len", "seed"}           -> {"ok": bool}: range equals pattern(seed)
   {"op": "write_to"|"read_from", "name", "remote", "off", "len"}
                                                    this process initiates a transfer -> {"rc": 0|...}
+  {"op": "sha256", "off", "len"}                  -> {"sha256": hex digest of the range}
+  {"op": "notifies"}                              -> {"notifies": [[name, msg], ...]}
   {"op": "exit"}
 """
 
+import hashlib
 import json
 import sys
 
@@ -72,6 +75,13 @@ def main() -> None:
         elif op in ("write_to", "read_from"):
             kind = "write" if op == "write_to" else "read"
             out = {"rc": transfer(kind, cmd["name"], cmd["remote"], cmd["off"], cmd["len"])}
+        elif op == "sha256":
+            out = {"sha256": hashlib.sha256(arr[cmd["off"] : cmd["off"] + cmd["len"]].tobytes()).hexdigest()}
+        elif op == "notifies":
+            if api == "native":
+                out = {"notifies": [list(n) for n in engine.notifications()]}
+            else:
+                out = {"notifies": [[n.name, n.msg] for n in te.get_notifies()]}
         else:
             out = {"error": f"unknown op {op}"}
         print(json.dumps(out), flush=True)

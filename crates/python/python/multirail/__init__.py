@@ -183,6 +183,17 @@ class Segment:
         b = self.buffers
         return b[0][0] if b else 0
 
+    def notify(self, segment: Union[Segment, int], msg: str) -> None:
+        """Sends ``msg`` to an opened segment as a notification; it arrives in order with this
+        engine's other messages to that peer. Raises :class:`PeerDisconnectedError`,
+        :class:`TransferTimeoutError`..."""
+        seg_id = segment.id if isinstance(segment, Segment) else _uint(segment, "segment")
+        self._native.send_notification(seg_id, msg)
+
+    def notifications(self) -> List[Tuple[str, str]]:
+        """Notifications received since the last call: ``[(sender segment name, msg), ...]``."""
+        return self._native.receive_notifications()
+
     def close(self) -> None:
         """Forgets the segment and closes its connections."""
         self._engine._native.close_segment(self.id)
@@ -458,6 +469,17 @@ class Engine:
             name = r.pop("name")
             out[name] = r
         return out
+
+    def notify(self, segment: Union[Segment, int], msg: str) -> None:
+        """Sends ``msg`` to an opened segment as a notification; it arrives in order with this
+        engine's other messages to that peer. Raises :class:`PeerDisconnectedError`,
+        :class:`TransferTimeoutError`..."""
+        seg_id = segment.id if isinstance(segment, Segment) else _uint(segment, "segment")
+        self._native.send_notification(seg_id, msg)
+
+    def notifications(self) -> List[Tuple[str, str]]:
+        """Notifications received since the last call: ``[(sender segment name, msg), ...]``."""
+        return self._native.receive_notifications()
 
     def close(self) -> None:
         """Releases the engine: later calls raise :class:`Error`. It stops serving (its port

@@ -28,9 +28,9 @@ Differences from Mooncake, all documented on the methods:
   it has no RDMA yet) and logs which. Anything else returns -1.
 * ``device_name`` is ignored (logged): multirail picks its rails from the configuration
   (``MULTIRAIL_CONF``) or the host's interfaces.
-* ``get_notifies()`` returns the notifications received so far. The engine does not carry
-  notifications yet, so it returns an empty list until it does; ``transfer_sync`` /
-  ``batch_transfer_sync`` with a ``notify`` argument return -1 for now.
+* ``get_notifies()`` returns the notifications received since the last call; a
+  notification's ``name`` is the sender's session id (``host:port``), whatever name the
+  sender put in its ``TransferNotify`` (only ``msg`` travels).
 * ``allocate_managed_buffer`` gives each call its own engine allocation (page-granular,
   shared-memory backed) instead of Mooncake's buddy allocator.
 * The engine's configuration comes from ``MULTIRAIL_CONF`` (a path or inline JSON), as for the
@@ -109,7 +109,6 @@ class TransferEngine:
     def __init__(self) -> None:
         self._engine: Optional[Engine] = None
         self._timeout = _timeout_seconds()
-        self._notifies: List[TransferNotify] = []
 
     # ------------------------------------------------------------------ setup
 
@@ -245,21 +244,28 @@ class TransferEngine:
         )
 
     def get_notifies(self) -> List[TransferNotify]:
-        """Notifications received so far (and not returned before). The engine does not carry
-        notifications yet, so this is an empty list until it does."""
-        out, self._notifies = self._notifies, []
-        return out
+        """Notifications received since the last call, in arrival order, as
+        :class:`TransferNotify` (``name``: the sender's session id ``host:port``; ``msg``: the
+        text). Empty before ``initialize``."""
+        if self._engine is None:
+            return []
+        return [TransferNotify(name, msg) for name, msg in self._engine._native.receive_notifications()]
+
+    def send_notify(self, target_hostname: str, notify: TransferNotify) -> int:
+        """Sends ``notify.msg`` to ``target_hostname`` as a notification (multirail extra).
+        Returns 0 or -1."""
+        return self._call("send_notify", lambda: self._native().mc_notify(target_hostname, notify.msg) or 0)
 
     # -------------------------------------------------------------- transfers
 
-    def _sync(self, what: str, opcode: str, target: str, bufs: Sequence[int], peers: Sequence[int], lens: Sequence[int]) -> int:
+    def _sync(self, what: str, opcode: str, target: str, bufs: Sequence[int], peers: Sequence[int], lens: Sequence[int], notify: Optional[str] = None) -> int:
         if self._engine is None:
             log.error("%s: the TransferEngine is not initialized", what)
             return -1
         lens = list(lens)
         budget = self._timeout + sum(lens) / 1e9 if lens and all(isinstance(x, int) for x in lens) else self._timeout
         try:
-            self._engine._native.mc_transfer_sync(target, opcode, list(bufs), list(peers), lens, budget)
+            self._engine._native.mc_transfer_sync(target, opcode, list(bufs), list(peers), lens, budget, notify)
             return 0
         except (Error, TypeError, ValueError, OverflowError) as e:
             log.error("%s to %s: %s", what, target, e)
@@ -289,21 +295,25 @@ class TransferEngine:
 
     def transfer_sync(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, opcode: int, notify: Optional[TransferNotify] = None, transport_hint: str = "") -> int:
         """``transfer_sync_read`` or ``transfer_sync_write`` by ``opcode``
-        (:class:`TransferOpcode`). A ``notify`` returns -1 until the engine carries
-        notifications."""
+        (:class:`TransferOpcode`). With ``notify``, ``notify.msg`` reaches the target's
+        ``get_notifies()`` after the data is in place."""
         return self.batch_transfer_sync(target_hostname, [buffer], [peer_buffer_address], [length], opcode, notify)
 
     def batch_transfer_sync(self, target_hostname: str, buffers: Sequence[int], peer_buffer_addresses: Sequence[int], lengths: Sequence[int], opcode: int, notify: Optional[TransferNotify] = None, transport_hint: str = "") -> int:
-        """``batch_transfer_sync_read`` or ``_write`` by ``opcode``. A ``notify`` returns -1
-        until the engine carries notifications."""
-        if notify is not None:
-            log.error("batch_transfer_sync: notifications are not supported by this engine yet")
-            return -1
+        """``batch_transfer_sync_read`` or ``_write`` by ``opcode``. With ``notify``,
+        ``notify.msg`` reaches the target's ``get_notifies()`` once every byte is in place
+        (the receiver sees the sender's session id as ``name``)."""
         op = _opcode(opcode)
         if op is None:
             log.error("batch_transfer_sync: unknown opcode %r", opcode)
             return -1
-        return self._sync("batch_transfer_sync", op, target_hostname, buffers, peer_buffer_addresses, lengths)
+        msg = None
+        if notify is not None:
+            if not isinstance(notify, TransferNotify):
+                log.error("batch_transfer_sync: notify must be a TransferNotify, got %r", notify)
+                return -1
+            msg = notify.msg
+        return self._sync("batch_transfer_sync", op, target_hostname, buffers, peer_buffer_addresses, lengths, msg)
 
     def _async(self, what: str, opcode: str, target: str, bufs: Sequence[int], peers: Sequence[int], lens: Sequence[int]) -> int:
         return self._call(
