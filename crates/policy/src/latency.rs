@@ -214,7 +214,75 @@ struct PeriodFit {
     weight: f64,
 }
 
-fn fit(x: &[f64], period: usize, floor: f64, scratch: &mut Vec<f64>) -> PeriodFit {
+/// Family-wise chance of a false phase per round, split over every phase tested.
+const FALSE_PHASE_CHANCE: f64 = 1e-3;
+
+/// The distribution-free test a phase's median must pass, per phase size `m`: under no
+/// pattern the samples of a phase are draws from the whole trace, so its median lies above
+/// the trace's `(1 - q)` quantile only if half its samples do, with binomial probability. `q`
+/// is the largest tail share keeping that probability below `alpha`. Exact for small `m`
+/// (where a normal approximation of a skewed trace's median gives false phases), normal above.
+struct MedianTest {
+    alpha: f64,
+    q: std::collections::HashMap<usize, f64>,
+}
+
+impl MedianTest {
+    fn new(phases_tested: usize) -> Self {
+        MedianTest {
+            alpha: FALSE_PHASE_CHANCE / phases_tested.max(1) as f64,
+            q: std::collections::HashMap::new(),
+        }
+    }
+
+    /// P(Binomial(m, q) >= k).
+    fn tail(m: usize, k: usize, q: f64) -> f64 {
+        let (lq, lp) = (q.ln(), (1.0 - q).ln());
+        let mut log_c = 0.0; // ln C(m, j), built up from j = 0
+        let mut total = 0.0;
+        for j in 0..=m {
+            if j > 0 {
+                log_c += ((m - j + 1) as f64).ln() - (j as f64).ln();
+            }
+            if j >= k {
+                total += (log_c + j as f64 * lq + (m - j) as f64 * lp).exp();
+            }
+        }
+        total
+    }
+
+    fn q(&mut self, m: usize) -> f64 {
+        let alpha = self.alpha;
+        *self.q.entry(m).or_insert_with(|| {
+            let k = m - m / 2;
+            if m > 400 {
+                // Normal approximation; z for alpha by bisection on the Gaussian tail bound.
+                let z = (2.0 * (1.0 / alpha).ln()).sqrt();
+                return (0.5 - z * 0.5 / (m as f64).sqrt()).max(1e-6);
+            }
+            let (mut lo, mut hi) = (0.0f64, 0.5f64);
+            for _ in 0..50 {
+                let mid = (lo + hi) / 2.0;
+                if Self::tail(m, k, mid) < alpha {
+                    lo = mid;
+                } else {
+                    hi = mid;
+                }
+            }
+            lo
+        })
+    }
+}
+
+/// `sorted`: the current trace sorted, whose quantiles a phase's median is compared with.
+fn fit(
+    x: &[f64],
+    period: usize,
+    sorted: &[f64],
+    test: &mut MedianTest,
+    floor: f64,
+    scratch: &mut Vec<f64>,
+) -> PeriodFit {
     let mut sum = vec![0.0f64; period];
     let mut sum2 = vec![0.0f64; period];
     let mut count = vec![0usize; period];
@@ -252,8 +320,15 @@ fn fit(x: &[f64], period: usize, floor: f64, scratch: &mut Vec<f64>) -> PeriodFi
         scratch.extend(x.iter().skip(k).step_by(period));
         let mid = scratch.len() / 2;
         let (_, med, _) = scratch.select_nth_unstable_by(mid, f64::total_cmp);
-        let med_dev = *med - base;
-        if med_dev.abs() <= Z_THRESHOLD * 1.2533 * se || med_dev.abs() < floor {
+        let med = *med;
+        let q = test.q(count[k] as usize);
+        let n = sorted.len();
+        let beyond = if dev > 0.0 {
+            med > sorted[(((1.0 - q) * n as f64) as usize).min(n - 1)]
+        } else {
+            med < sorted[((q * n as f64) as usize).min(n - 1)]
+        };
+        if !beyond {
             continue;
         }
         significant.push((k, dev));
@@ -287,8 +362,11 @@ pub fn find_patterns(rtt_ns: &[u64]) -> PatternReport {
             break;
         }
         let mut scratch = Vec::new();
+        let mut sorted_x = x.clone();
+        sorted_x.sort_unstable_by(f64::total_cmp);
+        let mut test = MedianTest::new((2..=max_period).sum());
         let fits: Vec<PeriodFit> = (2..=max_period)
-            .map(|p| fit(&x, p, floor, &mut scratch))
+            .map(|p| fit(&x, p, &sorted_x, &mut test, floor, &mut scratch))
             .collect();
         let best = fits.iter().map(|f| f.weight).fold(0.0, f64::max);
         if best <= 0.0 {
@@ -604,6 +682,22 @@ mod tests {
             let r = find_patterns(&to_ns(&x));
             assert!(r.patterns.is_empty(), "seed {seed}: {}", r.describe());
             assert_eq!(r.describe(), "no periodic pattern");
+        }
+    }
+
+    #[test]
+    fn skewed_noise_has_no_pattern() {
+        // Exponential tails, as TCP round trips have: mean well above the median.
+        for seed in 0..6 {
+            let mut rng = SmallRng::seed_from_u64(500 + seed);
+            let x: Vec<u64> = (0..10_000)
+                .map(|_| {
+                    let u: f64 = rng.gen_range(1e-9..1.0);
+                    (13_000.0 - 4_000.0 * u.ln()) as u64
+                })
+                .collect();
+            let r = find_patterns(&x);
+            assert!(r.patterns.is_empty(), "seed {seed}: {}", r.describe());
         }
     }
 
