@@ -263,12 +263,36 @@ fn transfer_survives_a_rail_going_down() {
         "--total",
         "512MiB",
         "--verify",
+        "--interval",
+        "100ms",
     ];
-    let bench = rails.bench(&config(true), &args);
-    std::thread::sleep(Duration::from_millis(800));
+    let mut bench = rails.bench(&config(true), &args);
+    // Take the rail down only once bytes are flowing (the bench reports throughput per
+    // interval on stderr), then keep draining stderr so the bench never blocks on it.
+    let stderr = BufReader::new(bench.stderr.take().unwrap());
+    let (flowing_tx, flowing_rx) = std::sync::mpsc::channel();
+    let drain = std::thread::spawn(move || {
+        let mut log = String::new();
+        for line in stderr.lines().map_while(Result::ok) {
+            if line.contains("\"gb_per_s\"") {
+                let _ = flowing_tx.send(());
+            }
+            log.push_str(&line);
+            log.push('\n');
+        }
+        log
+    });
+    assert!(
+        flowing_rx.recv_timeout(Duration::from_secs(30)).is_ok(),
+        "the bench never started moving bytes"
+    );
+    std::thread::sleep(Duration::from_millis(300));
     let t0 = Instant::now();
     rails.run(&["down", "0"]);
-    let report = finish(bench);
+    let out = bench.wait_with_output().unwrap();
+    let log = drain.join().unwrap();
+    assert!(out.status.success(), "bench failed: {log}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     eprintln!("finished {:?} after rail 0 went down", t0.elapsed());
     rails.run(&["restore", "0"]);
     target.kill().ok();

@@ -43,23 +43,57 @@ struct Path {
     bind: Option<(IpAddr, Option<String>)>,
     conns: Mutex<Vec<Arc<Conn>>>,
     next: AtomicUsize,
+    /// One of `conns`, kept for HIGH slices so they never queue behind bulk bytes in a TCP
+    /// stream or behind a bulk payload in the target's serving thread.
+    high: Mutex<Option<Arc<Conn>>>,
     health: Mutex<RailHealth>,
     /// Health is up and at least one connection is alive.
     usable: AtomicBool,
 }
 
 impl Path {
-    fn pick(&self) -> Option<Arc<Conn>> {
+    /// A live connection for a slice of `priority`: HIGH takes the reserved connection, the
+    /// rest take turns on the others; either falls back to any live connection.
+    fn pick(&self, priority: u8) -> Option<Arc<Conn>> {
+        let high = self
+            .high
+            .lock()
+            .expect("path poisoned")
+            .clone()
+            .filter(|c| !c.is_dead());
+        if priority == multirail_policy::qos::HIGH {
+            if let Some(h) = high {
+                return Some(h);
+            }
+        }
         let conns = self.conns.lock().expect("path poisoned");
         let n = conns.len();
         let start = self.next.fetch_add(1, Ordering::Relaxed);
+        let is_high = |c: &Arc<Conn>| high.as_ref().is_some_and(|h| Arc::ptr_eq(h, c));
         (0..n)
             .map(|k| &conns[(start + k) % n])
-            .find(|c| !c.is_dead())
+            .find(|c| !c.is_dead() && !is_high(c))
+            .or(high.as_ref())
             .cloned()
     }
 
+    /// Makes a live connection the HIGH one if the current one is gone.
+    fn elect_high(&self) {
+        let mut high = self.high.lock().expect("path poisoned");
+        if high.as_ref().is_some_and(|h| !h.is_dead()) {
+            return;
+        }
+        *high = self
+            .conns
+            .lock()
+            .expect("path poisoned")
+            .iter()
+            .find(|c| !c.is_dead())
+            .cloned();
+    }
+
     fn refresh_usable(&self) {
+        self.elect_high();
         let up = self.health.lock().expect("path poisoned").is_up();
         let live = self
             .conns
@@ -195,6 +229,7 @@ impl TcpPeer {
                     local[l].is_interface.then(|| local[l].name.clone()),
                 )),
                 conns: Mutex::default(),
+                high: Mutex::default(),
                 next: AtomicUsize::new(0),
                 health: health(),
                 usable: AtomicBool::new(false),
@@ -210,6 +245,7 @@ impl TcpPeer {
                 remote: peer.addr,
                 bind: None,
                 conns: Mutex::default(),
+                high: Mutex::default(),
                 next: AtomicUsize::new(0),
                 health: health(),
                 usable: AtomicBool::new(false),
@@ -237,7 +273,7 @@ impl TcpPeer {
         });
         let mut last_err = None;
         for path in &tcp.paths {
-            for _ in 0..settings.connections_per_rail {
+            for _ in 0..settings.connections_per_rail + 1 {
                 match tcp.open(path) {
                     Ok(c) => path.conns.lock().expect("path poisoned").push(c),
                     Err(e) => {
@@ -416,10 +452,13 @@ impl TcpPeer {
                 }
                 let window = Self::window(d, p, path.rail, len);
                 self.scheduler.note_window(path.rail, window);
-                if !smart || d.posted[p] < window {
+                // HIGH may go past the bulk window by one more window: it has its own
+                // connection, so it does not queue behind the bulk bytes the window admitted.
+                let allowed = if prio == multirail_policy::qos::HIGH { 2 * window } else { window };
+                if !smart || d.posted[p] < allowed {
                     let tier = tiers.get(path.rail).copied().unwrap_or(0).min(2) as usize;
                     candidates[tier].push(path.rail);
-                    room += window.saturating_sub(d.posted[p]);
+                    room += allowed.saturating_sub(d.posted[p]);
                 }
             }
             if candidates.iter().all(Vec::is_empty) {
@@ -474,7 +513,7 @@ impl TcpPeer {
         let rail = q.slice.rail;
         let since = q.since;
         let error = q.error;
-        let refused = match self.paths[p].pick() {
+        let refused = match self.paths[p].pick(prio) {
             Some(conn) => conn.send(q.slice).err(),
             None => Some(q.slice),
         };
@@ -578,10 +617,8 @@ impl TcpPeer {
                 .poll_probe(now_ns);
             let up = path.is_up();
             let dead = conns.iter().filter(|c| c.is_dead()).count();
-            let missing = self
-                .settings
-                .connections_per_rail
-                .saturating_sub(conns.len() - dead);
+            let missing =
+                (self.settings.connections_per_rail + 1).saturating_sub(conns.len() - dead);
             if (probe || up) && missing > 0 && !path.link_down() {
                 let mut ok = true;
                 let mut fresh = Vec::new();
