@@ -23,23 +23,108 @@ create_exception!(
     PyException,
     "Base class of every error the multirail engine reports; str(e) is the engine's message."
 );
-create_exception!(multirail, ConfigError, Error, "The configuration is malformed; the message names the key.");
-create_exception!(multirail, InvalidArgumentError, Error, "An argument is out of range or malformed.");
-create_exception!(multirail, SourceNotRegisteredError, Error, "A request's local range is not inside memory this engine allocated or registered.");
-create_exception!(multirail, TargetOutOfRangeError, Error, "A request's remote range lies outside every buffer of the target segment.");
-create_exception!(multirail, UnknownSegmentError, Error, "A segment that was never opened or was closed.");
-create_exception!(multirail, SegmentUnreachableError, Error, "Nothing answered at the segment's address.");
-create_exception!(multirail, UnknownBatchError, Error, "A batch that was never allocated or was already freed.");
-create_exception!(multirail, BatchFullError, Error, "The requests do not fit in the batch.");
-create_exception!(multirail, BatchBusyError, Error, "The batch still has requests in flight.");
-create_exception!(multirail, PeerDisconnectedError, Error, "The peer closed the connection or died while requests were in flight.");
-create_exception!(multirail, TransferTimeoutError, Error, "The peer did not answer within transports.tcp.timeout_ms.");
-create_exception!(multirail, RemoteRejectedError, Error, "The peer checked a slice and refused it (unknown buffer, wrong key, out of bounds).");
-create_exception!(multirail, ProtocolError, Error, "The peer sent something that is not valid protocol.");
-create_exception!(multirail, AllocationError, Error, "Allocating, mapping or registering memory failed.");
-create_exception!(multirail, TransportUnavailableError, Error, "The demanded transport cannot serve this request.");
-create_exception!(multirail, WaitTimeoutError, Error, "wait() gave up before every request of the batch finished.");
-create_exception!(multirail, IoError, Error, "An operating-system call failed.");
+create_exception!(
+    multirail,
+    ConfigError,
+    Error,
+    "The configuration is malformed; the message names the key."
+);
+create_exception!(
+    multirail,
+    InvalidArgumentError,
+    Error,
+    "An argument is out of range or malformed."
+);
+create_exception!(
+    multirail,
+    SourceNotRegisteredError,
+    Error,
+    "A request's local range is not inside memory this engine allocated or registered."
+);
+create_exception!(
+    multirail,
+    TargetOutOfRangeError,
+    Error,
+    "A request's remote range lies outside every buffer of the target segment."
+);
+create_exception!(
+    multirail,
+    UnknownSegmentError,
+    Error,
+    "A segment that was never opened or was closed."
+);
+create_exception!(
+    multirail,
+    SegmentUnreachableError,
+    Error,
+    "Nothing answered at the segment's address."
+);
+create_exception!(
+    multirail,
+    UnknownBatchError,
+    Error,
+    "A batch that was never allocated or was already freed."
+);
+create_exception!(
+    multirail,
+    BatchFullError,
+    Error,
+    "The requests do not fit in the batch."
+);
+create_exception!(
+    multirail,
+    BatchBusyError,
+    Error,
+    "The batch still has requests in flight."
+);
+create_exception!(
+    multirail,
+    PeerDisconnectedError,
+    Error,
+    "The peer closed the connection or died while requests were in flight."
+);
+create_exception!(
+    multirail,
+    TransferTimeoutError,
+    Error,
+    "The peer did not answer within transports.tcp.timeout_ms."
+);
+create_exception!(
+    multirail,
+    RemoteRejectedError,
+    Error,
+    "The peer checked a slice and refused it (unknown buffer, wrong key, out of bounds)."
+);
+create_exception!(
+    multirail,
+    ProtocolError,
+    Error,
+    "The peer sent something that is not valid protocol."
+);
+create_exception!(
+    multirail,
+    AllocationError,
+    Error,
+    "Allocating, mapping or registering memory failed."
+);
+create_exception!(
+    multirail,
+    TransportUnavailableError,
+    Error,
+    "The demanded transport cannot serve this request."
+);
+create_exception!(
+    multirail,
+    WaitTimeoutError,
+    Error,
+    "wait() gave up before every request of the batch finished."
+);
+create_exception!(
+    multirail,
+    IoError,
+    Error,
+    "An operating-system call failed."
+);
 
 /// Turns an engine error into the matching `multirail.Error` subclass, keeping its message.
 fn to_py(e: multirail::Error) -> PyErr {
@@ -248,9 +333,7 @@ struct Ranges {
 impl Ranges {
     fn contains(&self, addr: u64, len: u64) -> bool {
         match self.by_addr.range(..=addr).next_back() {
-            Some((&start, &size)) => {
-                len <= size && addr - start <= size - len
-            }
+            Some((&start, &size)) => len <= size && addr - start <= size - len,
             None => false,
         }
     }
@@ -409,7 +492,10 @@ impl NativeEngine {
 
     /// `(name, [(addr, len), ...])` of an opened segment, from the cached descriptor.
     fn segment_info(&self, id: u64) -> PyResult<(String, Vec<(u64, u64)>)> {
-        let d = self.engine.segment_descriptor(SegmentId(id)).map_err(to_py)?;
+        let d = self
+            .engine
+            .segment_descriptor(SegmentId(id))
+            .map_err(to_py)?;
         Ok((d.name, d.buffers.iter().map(|b| (b.addr, b.len)).collect()))
     }
 
@@ -617,6 +703,7 @@ impl NativeEngine {
         let timeout = timeout_arg(Some(timeout))?;
         let seg = self.segment(py, name)?;
         let reqs = Self::requests(seg, op, &sources, &targets, &lengths)?;
+        let total: u64 = lengths.iter().sum();
         let engine = self.engine.clone();
         let result = py.allow_threads(move || {
             let id = engine.allocate_batch(reqs.len())?;
@@ -628,7 +715,7 @@ impl NativeEngine {
                 let _ = engine.free_batch(id);
                 return Err(e);
             }
-            let waited = engine.wait(id, timeout);
+            let waited = wait_small(&engine, id, total, timeout);
             let _ = engine.free_batch(id);
             waited
         });
@@ -701,6 +788,33 @@ impl NativeEngine {
         }
         Ok(out)
     }
+}
+
+/// Transfers up to this many bytes are waited for by polling first (as Mooncake's binding does
+/// for every transfer): a blocked thread's wake-up costs tens of microseconds, more than such a
+/// transfer takes on loopback.
+const POLL_BYTES: u64 = 64 << 10;
+/// How long a small transfer is polled for before the thread blocks.
+const POLL_FOR: Duration = Duration::from_micros(500);
+
+/// `Engine::wait`, polling first for small transfers.
+fn wait_small(
+    engine: &Engine,
+    id: BatchId,
+    total: u64,
+    timeout: Option<Duration>,
+) -> multirail::Result<()> {
+    if total <= POLL_BYTES {
+        let start = std::time::Instant::now();
+        while start.elapsed() < POLL_FOR {
+            match engine.overall_status(id)? {
+                Status::Pending => std::thread::yield_now(),
+                Status::Completed => return Ok(()),
+                Status::Failed(e) => return Err(e),
+            }
+        }
+    }
+    engine.wait(id, timeout.map(|t| t.saturating_sub(POLL_FOR)))
 }
 
 /// `multirail._native.init_logging()`: sends the engine's tracing output to stderr, filtered by
