@@ -3,13 +3,15 @@
 //!
 //! ```text
 //! 0    grant tail (receiver writes)      64   grant head (sender writes)
-//! 128  completion tail (sender writes)   192  completion head (receiver writes)
 //! 256  grant ring: depth × u32 buffer id
-//! ...  completion ring: depth × u64 (buffer id | length << 32 | kind << 60)
+//! ...  completion ring: depth × 16 bytes (sequence number, then
+//!      buffer id | length << 32 | kind << 60), 64-byte aligned
 //! ```
 //!
 //! Counters only grow; slot = counter mod depth. At most `depth` grants or completions are
-//! outstanding (each stands for a buffer), so neither ring overflows.
+//! outstanding (each stands for a buffer), so neither ring overflows. A completion carries its
+//! own sequence number (index + 1), published last: the receiver polls the next slot alone,
+//! one cache line, instead of a shared tail counter and then the slot.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -17,8 +19,6 @@ use multirail_policy::receive::BufferId;
 
 const GRANT_TAIL: usize = 0;
 const GRANT_HEAD: usize = 64;
-const COMP_TAIL: usize = 128;
-const COMP_HEAD: usize = 192;
 const GRANTS: usize = 256;
 
 /// A view of one ring region.
@@ -27,6 +27,8 @@ pub(super) struct Ring {
     depth: usize,
     /// Where the completion ring starts.
     comps: usize,
+    /// Receiver: next completion to take.
+    head: u64,
 }
 
 // SAFETY: the region is shared memory touched only through atomics and the slots those
@@ -36,11 +38,11 @@ unsafe impl Send for Ring {}
 impl Ring {
     /// Bytes of a region for `depth` buffers.
     pub(super) fn bytes(depth: usize) -> usize {
-        Self::comps_at(depth) + 8 * depth
+        Self::comps_at(depth) + 16 * depth
     }
 
     fn comps_at(depth: usize) -> usize {
-        (GRANTS + 4 * depth).next_multiple_of(8)
+        (GRANTS + 4 * depth).next_multiple_of(64)
     }
 
     /// # Safety
@@ -51,6 +53,7 @@ impl Ring {
             base,
             depth,
             comps: Self::comps_at(depth),
+            head: 0,
         }
     }
 
@@ -64,9 +67,16 @@ impl Ring {
         unsafe { (self.base.add(GRANTS) as *mut u32).add((i % self.depth as u64) as usize) }
     }
 
-    fn slot64(&self, i: u64) -> *mut u64 {
-        // SAFETY: slot index below depth; inside the completion ring.
-        unsafe { (self.base.add(self.comps) as *mut u64).add((i % self.depth as u64) as usize) }
+    /// The sequence word and the entry word of completion slot `i`.
+    fn slot(&self, i: u64) -> (&AtomicU64, *mut u64) {
+        let at = self.comps + 16 * (i % self.depth as u64) as usize;
+        // SAFETY: slot index below depth; both words inside the completion ring, 8-aligned.
+        unsafe {
+            (
+                &*(self.base.add(at) as *const AtomicU64),
+                self.base.add(at + 8) as *mut u64,
+            )
+        }
     }
 
     /// Receiver: posts buffers for the sender.
@@ -98,37 +108,34 @@ impl Ring {
         head.store(h + n, Ordering::Release);
     }
 
-    /// Sender: publishes a message in buffer `id` as completion number `tail`.
-    pub(super) fn complete(&self, tail: u64, id: BufferId, len: usize, kind: u8) {
+    /// Sender: publishes a message in buffer `id` as completion number `index`.
+    pub(super) fn complete(&self, index: u64, id: BufferId, len: usize, kind: u8) {
         let entry = id.0 as u64 | ((len as u64) & 0x0fff_ffff) << 32 | (kind as u64) << 60;
-        // SAFETY: the receiver has consumed completion `tail - depth` (we held a credit).
-        unsafe { self.slot64(tail).write_volatile(entry) };
-        self.counter(COMP_TAIL).store(tail + 1, Ordering::Release);
+        let (seq, word) = self.slot(index);
+        // SAFETY: the receiver has taken completion `index - depth` (we held a credit).
+        unsafe { word.write_volatile(entry) };
+        seq.store(index + 1, Ordering::Release);
     }
 
     /// Receiver: hands every completion published since the last call to `f` (buffer, length,
     /// kind), stopping at the first error.
     pub(super) fn completions<E>(
-        &self,
+        &mut self,
         mut f: impl FnMut(BufferId, usize, u8) -> Result<(), E>,
     ) -> Result<(), E> {
-        let tail = self.counter(COMP_TAIL).load(Ordering::Acquire);
-        let head = self.counter(COMP_HEAD);
-        let h = head.load(Ordering::Relaxed);
-        if h == tail {
-            return Ok(());
-        }
-        let n = tail.wrapping_sub(h).min(self.depth as u64);
-        for i in h..h + n {
-            // SAFETY: published by the sender's Release store of the tail.
-            let e = unsafe { self.slot64(i).read_volatile() };
-            head.store(i + 1, Ordering::Release);
+        loop {
+            let (seq, word) = self.slot(self.head);
+            if seq.load(Ordering::Acquire) != self.head + 1 {
+                return Ok(());
+            }
+            // SAFETY: published by the sender's Release store of the sequence number.
+            let e = unsafe { word.read_volatile() };
+            self.head += 1;
             f(
                 BufferId(e as u32),
                 ((e >> 32) & 0x0fff_ffff) as usize,
                 (e >> 60) as u8,
             )?;
         }
-        Ok(())
     }
 }
