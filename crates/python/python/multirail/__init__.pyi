@@ -1,0 +1,196 @@
+"""Type stubs of the multirail package (the Pythonic API over the multirail engine)."""
+
+import enum
+import os
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+from . import _native
+
+PRIO_HIGH: int
+"""Highest priority, the default: metadata, control, latency-sensitive transfers (0)."""
+PRIO_MEDIUM: int
+"""Interactive and serving traffic (1)."""
+PRIO_LOW: int
+"""Bulk and background transfers (2)."""
+READ: str
+"""Opcode: copy from the target segment into local memory ("read")."""
+WRITE: str
+"""Opcode: copy from local memory into the target segment ("write")."""
+
+class Error(Exception):
+    """Base class of every error the engine reports; str(e) is the engine's message."""
+
+class ConfigError(Error):
+    """The configuration is malformed; the message names the key."""
+
+class InvalidArgumentError(Error):
+    """An argument is out of range or malformed (the message names it)."""
+
+class SourceNotRegisteredError(Error):
+    """A request's local range is not inside memory this engine allocated or registered."""
+
+class TargetOutOfRangeError(Error):
+    """A request's remote range lies outside every buffer of the target segment."""
+
+class UnknownSegmentError(Error):
+    """A segment id that was never opened or was closed."""
+
+class SegmentUnreachableError(Error):
+    """Nothing answered at the segment's address, or the name is not host:port."""
+
+class UnknownBatchError(Error):
+    """A batch that was never allocated or was already freed."""
+
+class BatchFullError(Error):
+    """The requests do not fit in the batch."""
+
+class BatchBusyError(Error):
+    """The batch still has requests in flight."""
+
+class PeerDisconnectedError(Error):
+    """The peer closed the connection or died while requests were in flight."""
+
+class TransferTimeoutError(Error):
+    """The peer did not answer within transports.tcp.timeout_ms."""
+
+class RemoteRejectedError(Error):
+    """The peer checked a slice and refused it (unknown buffer, wrong key, out of bounds)."""
+
+class ProtocolError(Error):
+    """The peer sent something that is not valid protocol."""
+
+class AllocationError(Error):
+    """Allocating, mapping or registering memory failed."""
+
+class TransportUnavailableError(Error):
+    """The demanded transport cannot serve this request."""
+
+class WaitTimeoutError(Error):
+    """Batch.wait() gave up before every request finished."""
+
+class IoError(Error):
+    """An operating-system call failed."""
+
+class Status(str, enum.Enum):
+    """State of one request or of a whole batch."""
+
+    PENDING = "pending"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+class Buffer(_native.BufferView):
+    """Memory the engine allocated or registered; supports the buffer protocol (writable,
+    format "B", one dimension): memoryview(buf), numpy.frombuffer(buf, dtype)."""
+
+    @property
+    def addr(self) -> int:
+        """Start address in this process; peers use it (plus an offset) as target_offset."""
+    @property
+    def size(self) -> int:
+        """Length in bytes."""
+    @property
+    def key(self) -> int:
+        """The random 64-bit access key peers present to touch this memory."""
+    @property
+    def location(self) -> str:
+        """"*" or "cpu:N"."""
+    def __len__(self) -> int: ...
+
+class Segment:
+    """A peer's segment, opened with Engine.open_segment."""
+
+    id: int
+    """Engine handle of the segment."""
+    name: str
+    """The name it was opened with, host:port."""
+    @property
+    def buffers(self) -> List[Tuple[int, int]]:
+        """[(addr, length), ...] the segment published."""
+    @property
+    def first_buffer_address(self) -> int:
+        """Address of the segment's first buffer, 0 when it has none."""
+    def close(self) -> None:
+        """Forgets the segment and closes its connections."""
+
+class Request:
+    """One transfer of `length` bytes between local `source` and `target_offset` in `target`."""
+
+    opcode: str
+    source: int
+    target: int
+    target_offset: int
+    length: int
+    priority: int
+    transport: Optional[str]
+    def __init__(
+        self,
+        opcode: str,
+        source: Union[int, Buffer],
+        target: Union[Segment, int],
+        target_offset: int,
+        length: int,
+        priority: int = ...,
+        transport: Optional[str] = None,
+    ) -> None:
+        """opcode READ or WRITE; source an address or a Buffer; target a Segment or its id;
+        target_offset the remote address; priority PRIO_HIGH (default), PRIO_MEDIUM, PRIO_LOW;
+        transport None, "auto", "tcp" or "shm". Raises InvalidArgumentError for a bad opcode
+        or transport."""
+
+class Batch:
+    """Requests submitted together; freed when garbage-collected."""
+
+    def __len__(self) -> int: ...
+    def status(self, index: Optional[int] = None) -> Status:
+        """Status of request `index`, or of the whole batch when None. Never blocks."""
+    def error(self, index: Optional[int] = None) -> Optional[Error]:
+        """The exception of a failed request (or the batch's first failure), else None."""
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Blocks (GIL released) until every request finished; raises the first failure or
+        WaitTimeoutError."""
+    def free(self) -> None:
+        """Frees the batch now; BatchBusyError while requests are in flight."""
+
+ConfigArg = Union[None, Mapping[str, Any], str, "os.PathLike[str]"]
+
+class Engine:
+    """A transfer engine serving one segment named host:port.
+
+    config: None (MULTIRAIL_CONF or defaults), a dict, a JSON file path, or inline JSON.
+    name: "HOST" or "HOST:PORT" (port 0 / none: a free port). An IP address is listened on
+    and published; a host name is published while the engine listens on 0.0.0.0. None:
+    listen on 0.0.0.0, publish the first non-loopback IPv4 address.
+    transport: overrides the configuration's `transport` ("auto", "tcp", "shm")."""
+
+    def __init__(self, config: ConfigArg = None, name: Optional[str] = None, *, transport: Optional[str] = None) -> None: ...
+    @property
+    def name(self) -> str:
+        """This engine's segment name, host:port."""
+    @property
+    def config(self) -> Dict[str, Any]:
+        """The effective configuration."""
+    def allocate(self, size: int, location: str = "*") -> Buffer:
+        """Allocates and serves `size` zeroed bytes in a shared mapping."""
+    def register(self, ptr_or_buffer: Any, length: Optional[int] = None, location: str = "*") -> Buffer:
+        """Serves caller memory: an address (with length) or a writable, C-contiguous object
+        with the buffer protocol."""
+    def unregister(self, buffer_or_addr: Union[Buffer, int]) -> None:
+        """Stops serving a buffer."""
+    def open_segment(self, name: str) -> Segment:
+        """Opens peer segment `name` (host:port); GIL released while it answers."""
+    def submit(self, requests: Union[Request, Sequence[Request]]) -> Batch:
+        """Checks every request, then starts them all (none if any is bad)."""
+    def transfer(self, requests: Union[Request, Sequence[Request]], timeout: Optional[float] = None) -> None:
+        """submit(requests).wait(timeout)."""
+    def notify(self, segment: Union[Segment, int], msg: str) -> None:
+        """Sends a notification to an opened segment."""
+    def notifications(self) -> List[Tuple[str, str]]:
+        """Notifications received since the last call: [(sender segment name, msg), ...]."""
+    def traffic_stats(self) -> Dict[str, Dict[str, Any]]:
+        """Per rail: bytes, slices, errors, ewma_gbps, inflight_bytes."""
+    def close(self) -> None:
+        """Releases the engine; it stops serving once no Batch of it is left."""
+    def __enter__(self) -> "Engine": ...
+    def __exit__(self, *exc: Any) -> None: ...
+
+__all__: List[str]
