@@ -251,3 +251,33 @@ fn wrong_key_is_refused_by_the_target() {
     let err = init.wait(batch, Some(Duration::from_secs(10))).unwrap_err();
     assert!(matches!(err, Error::RemoteRejected { .. }), "{err}");
 }
+
+#[test]
+fn shutdown_with_live_connections_returns_and_refuses_new_work() {
+    let target = engine();
+    let dst = target.allocate(1 << 20, Location::Any).unwrap();
+    let init = engine();
+    let src = init.allocate(1 << 20, Location::Any).unwrap();
+    let seg = init.open_segment(&target.name()).unwrap();
+    let r = Request {
+        transport: Some(TransportChoice::Tcp),
+        ..Request::write(src.addr(), seg, dst.addr(), 1 << 20)
+    };
+    let batch = init.allocate_batch(1).unwrap();
+    init.submit(batch, &[r]).unwrap();
+    init.wait(batch, Some(Duration::from_secs(10))).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let i2 = init.clone();
+    std::thread::spawn(move || {
+        i2.shutdown();
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(Duration::from_secs(10))
+        .expect("shutdown returns");
+    target.shutdown();
+    let b = init.allocate_batch(1).unwrap();
+    let outcome = init
+        .submit(b, &[r])
+        .and_then(|_| init.wait(b, Some(Duration::from_secs(10))));
+    assert!(outcome.is_err(), "the target stopped serving");
+}

@@ -454,7 +454,11 @@ impl TcpPeer {
                 self.scheduler.note_window(path.rail, window);
                 // HIGH may go past the bulk window by one more window: it has its own
                 // connection, so it does not queue behind the bulk bytes the window admitted.
-                let allowed = if prio == multirail_policy::qos::HIGH { 2 * window } else { window };
+                let allowed = if prio == multirail_policy::qos::HIGH {
+                    2 * window
+                } else {
+                    window
+                };
                 if !smart || d.posted[p] < allowed {
                     let tier = tiers.get(path.rail).copied().unwrap_or(0).min(2) as usize;
                     candidates[tier].push(path.rail);
@@ -662,7 +666,15 @@ impl TcpPeer {
     pub(crate) fn close(&self, reason: &str) {
         self.closed.store(true, Ordering::Release);
         for path in &self.paths {
-            for c in path.conns.lock().expect("path poisoned").drain(..) {
+            // Killing calls back into the path (health, HIGH election): no lock held across it.
+            let conns: Vec<Arc<Conn>> = path
+                .conns
+                .lock()
+                .expect("path poisoned")
+                .drain(..)
+                .collect();
+            path.high.lock().expect("path poisoned").take();
+            for c in conns {
                 c.kill(Error::PeerDisconnected {
                     peer: self.name.clone(),
                     reason: reason.to_owned(),
