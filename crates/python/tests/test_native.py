@@ -103,26 +103,31 @@ def test_register_address_bytearray_and_partial_length(engine, spawn_peer):
 
 
 def test_gil_released_while_waiting(engine, spawn_peer):
-    peer = spawn_peer("native", 64 * MIB, "tcp")
+    """Another Python thread runs while the main thread waits for a 256 MiB transfer."""
+    peer = spawn_peer("native", 256 * MIB, "tcp")
     seg = engine.open_segment(peer.name)
-    src = engine.allocate(64 * MIB)
+    src = engine.allocate(256 * MIB)
     ticks = []
     stop = threading.Event()
 
     def ticker():
         while not stop.is_set():
             ticks.append(time.monotonic())
-            time.sleep(0.001)
+            time.sleep(0.0005)
 
     t = threading.Thread(target=ticker)
     t.start()
     try:
-        for _ in range(4):
-            engine.transfer(multirail.Request(multirail.WRITE, src, seg, peer.addr, 64 * MIB))
+        time.sleep(0.01)
+        batch = engine.submit(multirail.Request(multirail.WRITE, src, seg, peer.addr, 256 * MIB, transport="tcp"))
+        t0 = time.monotonic()
+        batch.wait(60)
+        t1 = time.monotonic()
     finally:
         stop.set()
         t.join()
-    assert len(ticks) > 5, "another Python thread ran while transfers were waited for"
+    during = [x for x in ticks if t0 < x < t1]
+    assert t1 - t0 < 0.002 or during, "no other thread ran during wait(): the GIL was held"
 
 
 # ------------------------------------------------------------------------------------ errors
