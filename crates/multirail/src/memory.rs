@@ -183,6 +183,28 @@ impl Buffer {
     }
 }
 
+/// Maps `len` bytes of the file `fd` shared, read-write. The caller owns the mapping and must
+/// unmap it exactly once.
+fn map_shared(fd: std::os::fd::RawFd, len: usize) -> std::io::Result<*mut libc::c_void> {
+    // SAFETY: a fresh mapping chosen by the kernel, so it aliases nothing Rust references; the
+    // file is at least `len` bytes long (sized or checked by both callers), so every mapped
+    // page is backed.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(ptr)
+}
+
 /// Every region this engine serves, ordered by address for range lookups.
 #[derive(Default)]
 pub(crate) struct MemoryRegistry {
@@ -258,24 +280,8 @@ impl MemoryRegistry {
             .as_file()
             .set_len(len as u64)
             .map_err(|e| Error::Memory(format!("sizing memfd to {len} bytes: {e}")))?;
-        // SAFETY: a fresh shared mapping of a file we just sized to `len`; no Rust reference to
-        // the range exists yet, and `Region::drop` unmaps it exactly once.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                memfd.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(Error::Memory(format!(
-                "mmap of {len} bytes: {}",
-                std::io::Error::last_os_error()
-            )));
-        }
+        let ptr = map_shared(memfd.as_raw_fd(), len)
+            .map_err(|e| Error::Memory(format!("mmap of {len} bytes: {e}")))?;
         if let Location::Cpu(n) = location {
             bind_to_node(ptr as usize, len, n);
         }
@@ -386,24 +392,8 @@ impl PeerMapping {
                 "peer buffer {path} holds {size} bytes, descriptor says {len}"
             )));
         }
-        // SAFETY: a fresh shared mapping of `len` bytes of a file at least that long; it is
-        // only accessed through raw copies and unmapped exactly once in Drop.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(Error::io(
-                format!("mapping peer buffer {path}"),
-                std::io::Error::last_os_error(),
-            ));
-        }
+        let ptr = map_shared(file.as_raw_fd(), len)
+            .map_err(|e| Error::io(format!("mapping peer buffer {path}"), e))?;
         Ok(PeerMapping {
             addr: ptr as usize,
             len,

@@ -42,6 +42,26 @@ pub(crate) struct Prepared {
     pub task: Arc<Task>,
 }
 
+impl Prepared {
+    /// Fails the whole request with `err` (one part that reports at once).
+    pub(crate) fn fail(&self, err: crate::error::Error) {
+        self.task.add_parts(1);
+        self.task.part_done(Err(err));
+    }
+
+    /// The request's slices per `plan`, or `None` after failing the request when it cannot be
+    /// sliced (the engine validated the length, so only a corrupt plan gets here).
+    pub(crate) fn slices(&self, plan: &SlicePlan) -> Option<multirail_policy::slicing::Slices> {
+        match plan.slices(self.len) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                self.fail(crate::error::Error::invalid("length", e.to_string()));
+                None
+            }
+        }
+    }
+}
+
 /// A way of moving slices to and from a peer.
 pub(crate) trait Transport: Send + Sync {
     /// Name used in logs, statistics and the `transport` setting.

@@ -158,19 +158,12 @@ impl Transport for ShmTransport {
         let reach = match self.reach(peer, &req.buffer) {
             Ok(r) => r,
             Err(e) => {
-                req.task.add_parts(1);
-                req.task.part_done(Err(e));
+                req.fail(e);
                 return;
             }
         };
-        let slices = match plan.slices(req.len) {
-            Ok(s) => s,
-            Err(e) => {
-                req.task.add_parts(1);
-                req.task
-                    .part_done(Err(Error::invalid("length", e.to_string())));
-                return;
-            }
+        let Some(slices) = req.slices(plan) else {
+            return;
         };
         let count = slices.len();
         let jobs = count.min(self.workers).max(1);

@@ -328,14 +328,8 @@ impl TcpPeer {
 
     /// Queues the slices of one request and deals out what the rails' windows allow.
     fn post(&self, req: Prepared, plan: &SlicePlan) {
-        let slices = match plan.slices(req.len) {
-            Ok(s) => s,
-            Err(e) => {
-                req.task.add_parts(1);
-                req.task
-                    .part_done(Err(Error::invalid("length", e.to_string())));
-                return;
-            }
+        let Some(slices) = req.slices(plan) else {
+            return;
         };
         req.task.add_parts(slices.len() as u32);
         if self.is_dead() {
@@ -835,10 +829,7 @@ impl Transport for TcpTransport {
     fn post(&self, peer: &Peer, req: Prepared, plan: &SlicePlan) {
         match self.connected(peer) {
             Ok(t) => t.post(req, plan),
-            Err(e) => {
-                req.task.add_parts(1);
-                req.task.part_done(Err(e));
-            }
+            Err(e) => req.fail(e),
         }
     }
 }
