@@ -569,8 +569,9 @@ impl NativeEngine {
     }
 
     /// Stops serving: closes the control port and every connection.
-    fn shutdown(&self) {
-        self.engine.shutdown();
+    fn shutdown(&self, py: Python<'_>) {
+        let engine = self.engine.clone();
+        py.allow_threads(move || engine.shutdown());
     }
 
     // ---- helpers for the Mooncake layer (addresses as integers, segments by name) ----

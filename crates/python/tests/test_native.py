@@ -47,7 +47,7 @@ def test_write_and_read_between_processes(spawn_peer, transport):
         local = np.frombuffer(src, dtype=np.uint8)
         local[:] = pattern(1, 8 * MIB)
         seg = engine.open_segment(peer.name)
-        assert seg.buffers == [(peer.addr, 8 * MIB)] and seg.first_buffer_address == peer.addr
+        assert seg.buffers == [(peer.addr, 8 * MIB)] and seg.first_buffer_address() == peer.addr
 
         # Write: this process -> peer, in 8 requests of 1 MiB at shuffled offsets.
         order = [3, 0, 7, 1, 6, 2, 5, 4]
@@ -131,6 +131,23 @@ def test_gil_released_while_waiting(engine, spawn_peer):
 
 
 # ------------------------------------------------------------------------------------ errors
+
+
+def test_closed_engine_stops_serving(spawn_peer):
+    peer = spawn_peer("native", MIB, "tcp")
+    a = multirail.Engine(name="127.0.0.1")
+    seg = a.open_segment(peer.name)
+    src = a.allocate(MIB)
+    a.transfer(multirail.Request(multirail.WRITE, src, seg, peer.addr, MIB))
+    name = a.name
+    a.close()
+    a.close()
+    with pytest.raises(multirail.Error, match="closed"):
+        a.allocate(10)
+    memoryview(src)[0] = 1  # buffers stay usable as memory
+    with multirail.Engine(name="127.0.0.1") as b:
+        with pytest.raises(multirail.SegmentUnreachableError):
+            b.open_segment(name)
 
 
 def test_every_error_is_a_multirail_error():

@@ -177,7 +177,6 @@ class Segment:
         """``[(addr, length), ...]`` the segment published, from the cached descriptor."""
         return self._engine._native.segment_info(self.id)[1]
 
-    @property
     def first_buffer_address(self) -> int:
         """Address of the segment's first buffer (0 when it publishes none)."""
         b = self.buffers
@@ -482,11 +481,11 @@ class Engine:
         return self._native.receive_notifications()
 
     def close(self) -> None:
-        """Releases the engine: later calls raise :class:`Error`. It stops serving (its port
-        closes) once no :class:`Batch` of it is left. Buffers stay usable as memory."""
-        # Not Engine::shutdown(): it deadlocks after a TCP transfer (reported upstream); dropping
-        # the last handle stops the engine cleanly.
-        self._native = _Closed()
+        """Stops serving (the port and every connection close) and releases the engine: later
+        calls raise :class:`Error`. Buffers stay usable as memory. Closing twice is harmless."""
+        native, self._native = self._native, _Closed()
+        if not isinstance(native, _Closed):
+            native.shutdown()
 
     def __enter__(self) -> "Engine":
         return self

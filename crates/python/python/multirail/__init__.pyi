@@ -106,7 +106,6 @@ class Segment:
     @property
     def buffers(self) -> List[Tuple[int, int]]:
         """[(addr, length), ...] the segment published."""
-    @property
     def first_buffer_address(self) -> int:
         """Address of the segment's first buffer, 0 when it has none."""
     def close(self) -> None:
@@ -189,7 +188,7 @@ class Engine:
     def traffic_stats(self) -> Dict[str, Dict[str, Any]]:
         """Per rail: bytes, slices, errors, ewma_gbps, inflight_bytes."""
     def close(self) -> None:
-        """Releases the engine; it stops serving once no Batch of it is left."""
+        """Stops serving and releases the engine; later calls raise Error."""
     def __enter__(self) -> "Engine": ...
     def __exit__(self, *exc: Any) -> None: ...
 
