@@ -29,13 +29,16 @@
 #              median and p99 latency of one call, as Python sees it.
 # Both workers pin nothing and share the machine's cores with each other (2-core VM here).
 #
-# Measured on this 2-core VM (Mooncake 0.3.13.post1, load average 4-5 from other sessions'
-# builds), 2026-11-22:
-#   --duration 10 --repeat 3 (median):  mooncake 0.804 GB/s, multirail (tcp) 1.962 GB/s: 2.44x
-#       (runs: mooncake 0.886 / 0.804 / 0.514, multirail 2.174 / 1.840 / 1.962);
-#       4 KiB transfer_sync_write median: mooncake 44.3 us, multirail 30.7 us.
-#   --protocol rdma (multirail over shared memory), one run: mooncake tcp 0.599 GB/s,
-#       multirail 6.537 GB/s (10.9x); 4 KiB: 43.6 us vs 11.3 us.
+# Measured on this 2-core VM (Mooncake 0.3.13.post1; other sessions were building, load average
+# 2-5), 2026-11-22, --duration 10 --repeat 3, medians:
+#   06:06  mooncake 0.804 GB/s, multirail (tcp) 1.962 GB/s: 2.44x
+#          (runs: mooncake 0.886 / 0.804 / 0.514, multirail 2.174 / 1.840 / 1.962);
+#          4 KiB transfer_sync_write median: mooncake 44.3 us, multirail 30.7 us.
+#   06:11  (engine at 166daf6) mooncake 1.492 GB/s, multirail 3.224 GB/s: 2.16x
+#          (runs: 1.492 / 1.496 / 1.464 vs 3.224 / 3.292 / 2.911);
+#          4 KiB: mooncake 60.8 us (p99 ~84), multirail 45.1 us (runs 45.1 / 20.5 / 47.2).
+#   --protocol rdma (multirail over shared memory), one run at 06:08: mooncake tcp 0.599 GB/s,
+#          multirail 6.537 GB/s (10.9x); 4 KiB: 43.6 us vs 11.3 us.
 import argparse
 import json
 import os
