@@ -191,8 +191,13 @@ def test_name_errors_and_mapping():
         # The port is taken: binding it again fails with the OS's reason.
         with pytest.raises(multirail.Error):
             multirail.Engine(name=a.name)
-    with multirail.Engine(name="localhost") as b:
-        assert b.name.startswith("localhost:")
+    # How names map to (listen address, published host), checked without binding 0.0.0.0.
+    assert multirail._listen_for(None) == ("0.0.0.0:0", None)
+    assert multirail._listen_for("127.0.0.1") == ("127.0.0.1:0", None)
+    assert multirail._listen_for("127.0.0.1:4000") == ("127.0.0.1:4000", None)
+    assert multirail._listen_for("kv-node-3") == ("0.0.0.0:0", "kv-node-3")
+    assert multirail._listen_for("kv-node-3:4000") == ("0.0.0.0:4000", "kv-node-3")
+    assert multirail._listen_for("[::1]:4000") == ("[::1]:4000", None)
 
 
 def test_memory_errors(engine):
