@@ -153,7 +153,6 @@ enum InIo {
     Shm {
         ring: Ring,
         ring_buf: Buffer,
-        polls: u32,
     },
 }
 
@@ -184,6 +183,8 @@ struct Rx {
     after_reply: Vec<(u64, BufferId)>,
     /// Pools that took in messages during a poll (kept to avoid allocating per poll).
     touched: Vec<u64>,
+    /// The next poll also checks that shm senders are still connected.
+    liveness_due: bool,
 }
 
 enum OutIo {
@@ -362,7 +363,6 @@ impl Messaging {
                     // by `ring_buf` beside it.
                     ring: unsafe { Ring::new(ring_buf.as_ptr(), settings.queue_depth) },
                     ring_buf,
-                    polls: 0,
                 }
             }
         };
@@ -390,13 +390,15 @@ impl Messaging {
             ready,
             notifications,
             touched,
+            liveness_due,
             ..
         } = rx;
+        let liveness = std::mem::take(liveness_due);
         touched.clear();
         for c in conns.iter_mut().filter(|c| !c.dead) {
             let pool = pools.get_mut(&c.pool).expect("connection's pool");
             let before = ready.len() + notifications.len();
-            if let Err(reason) = receive(c, pool, ready, notifications) {
+            if let Err(reason) = receive(c, pool, ready, notifications, liveness) {
                 tracing::warn!(peer = %c.from, %reason, "closed message connection");
                 c.dead = true;
             }
@@ -514,6 +516,7 @@ impl Messaging {
                 return Ok(None);
             }
             if waited > SPIN && idle.is_multiple_of(64) {
+                self.rx.lock().expect("rx poisoned").liveness_due = true;
                 back_off(waited);
             }
         }
@@ -521,6 +524,7 @@ impl Messaging {
 
     fn notifications(&self) -> Vec<Notification> {
         let mut rx = self.rx.lock().expect("rx poisoned");
+        rx.liveness_due = true;
         self.poll(&mut rx);
         rx.notifications.drain(..).collect()
     }
@@ -733,6 +737,7 @@ fn receive(
     pool: &mut Pool,
     ready: &mut VecDeque<Ready>,
     notifications: &mut VecDeque<Notification>,
+    liveness: bool,
 ) -> std::result::Result<(), String> {
     let max_len = pool.queue.settings().buffer_size as u32;
     let key = c.pool;
@@ -812,7 +817,7 @@ fn receive(
                 *end = 0;
             }
         }
-        InIo::Shm { ring, polls, .. } => {
+        InIo::Shm { ring, .. } => {
             ring.completions(|buf, len, kind| {
                 let kind = match kind {
                     1 => MsgKind::Message,
@@ -824,8 +829,9 @@ fn receive(
                 }
                 deliver(pool, kind, Some(buf), None, len)
             })?;
-            *polls = polls.wrapping_add(1);
-            if polls.is_multiple_of(4096) {
+            // Only while waiting: a syscall every so many polls would show up as a periodic
+            // pattern in the round trips (pingpong found one every ~4096 polls).
+            if liveness {
                 let mut b = [0u8; 1];
                 if let Ok(Some(0)) = sockio::recv_nonblocking(c.stream.as_raw_fd(), &mut b) {
                     // Gone; whatever it wrote before closing was taken in above.
