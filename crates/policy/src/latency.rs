@@ -441,6 +441,13 @@ pub fn find_patterns(rtt_ns: &[u64]) -> PatternReport {
         r.sort_unstable();
         median_sorted(&r)
     };
+    // A group that, described, barely differs from the others (a later round's leftover of
+    // skew, not a level) is not worth a line.
+    for p in &mut patterns {
+        p.groups
+            .retain(|g| (g.level_ns - others_ns).abs() >= MIN_RELATIVE_EFFECT * others_ns);
+    }
+    patterns.retain(|p| !p.groups.is_empty());
     PatternReport {
         patterns,
         others_ns,
