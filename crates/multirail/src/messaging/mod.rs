@@ -225,7 +225,7 @@ pub(crate) struct Messaging {
     rx: Mutex<Rx>,
     /// Whether `Rx::after_reply` holds buffers (read without taking the lock on every send).
     after_reply_pending: AtomicBool,
-    out: Mutex<HashMap<u64, Arc<Mutex<OutConn>>>>,
+    out: Mutex<HashMap<u64, Arc<Mutex<OutConn>>, BuildHasherDefault<IdHasher>>>,
     next_conn: AtomicU64,
 }
 
@@ -469,10 +469,9 @@ impl Messaging {
     fn take_ready(&self, rx: &mut Rx) -> Option<Message> {
         let r = rx.ready.pop_front()?;
         let pool = rx.pools.get(&r.pool).expect("pool of a ready message");
-        let mut data = vec![0u8; r.len];
         // SAFETY: the buffer holds `len <= buffer_size` bytes of a message no sender may
         // overwrite until we post it again below.
-        unsafe { std::ptr::copy_nonoverlapping(pool.ptr(r.buf), data.as_mut_ptr(), r.len) };
+        let data = unsafe { std::slice::from_raw_parts(pool.ptr(r.buf), r.len) }.to_vec();
         let order = pool.queue.settings().return_order;
         match order {
             ReturnOrder::BeforeReply => self.consume(rx, r.pool, r.buf),
@@ -488,7 +487,8 @@ impl Messaging {
     }
 
     fn recv(&self, timeout: Option<Duration>) -> Result<Option<Message>> {
-        let start = Instant::now();
+        // The clock is read only once a wait gets long enough to look at it.
+        let mut start: Option<Instant> = None;
         if self.after_reply_pending.load(Ordering::Relaxed) {
             // A receive with buffers still held for a reply that never came: return them.
             self.release_after_reply();
@@ -511,7 +511,7 @@ impl Messaging {
                 std::hint::spin_loop();
                 continue;
             }
-            let waited = start.elapsed();
+            let waited = start.get_or_insert_with(Instant::now).elapsed();
             if timeout.is_some_and(|t| waited >= t) {
                 return Ok(None);
             }
