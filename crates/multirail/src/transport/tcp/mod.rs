@@ -689,6 +689,7 @@ impl ConnOwner for TcpPeer {
         } else {
             self.scheduler.failed(rail, bytes);
         }
+        let mut refill = true;
         if let Some(p) = self.rail_path.get(rail).copied().flatten() {
             let mut d = self.dispatch.lock().expect("peer poisoned");
             d.posted[p] = d.posted[p].saturating_sub(bytes);
@@ -696,8 +697,14 @@ impl ConnOwner for TcpPeer {
             if rtt > 0 && (d.min_rtt_ns[p] == 0 || rtt < d.min_rtt_ns[p]) {
                 d.min_rtt_ns[p] = rtt;
             }
+            // Refill a path once it has drained to half its window, so the sender gets several
+            // slices per wake-up and per writev instead of one; HIGH work never waits for that.
+            let window = Self::window(&d, p, self.paths[p].rail, bytes);
+            refill = d.posted[p] * 2 <= window || d.queue.depths()[0] > 0;
         }
-        self.pump();
+        if refill {
+            self.pump();
+        }
     }
 
     fn connection_lost(&self, rail: usize, err: &Error) {
