@@ -377,18 +377,26 @@ impl TcpPeer {
         }
     }
 
-    /// Window of path `p`: its bandwidth-delay product (EWMA bandwidth × smallest round trip)
-    /// with a margin of 4, and at least 4 slices. The margin covers what the estimate misses on
-    /// a CPU-bound link such as loopback, where the sender's next `writev` and the target's
-    /// acknowledgement batching need a few slices queued to keep the pipe full; it still keeps
-    /// the backlog in the engine's priority queues, a few slices deep per rail.
+    /// Window of path `p`: four times its bandwidth-delay product (EWMA bandwidth × the
+    /// smallest round trip seen, less the time to put one slice on the wire), at least two
+    /// slices. The margin covers what the estimate misses on a CPU-bound link such as loopback;
+    /// two slices keep a rail busy while one is acknowledged. Small enough that a slow rail's
+    /// queue (a shaped link's, a switch's) never holds much bulk ahead of a HIGH slice.
     fn window(d: &Dispatch, p: usize, rail: usize, slice: u64) -> u64 {
         let rtt = d.min_rtt_ns[p];
         if rtt == 0 {
             return INITIAL_WINDOW.max(slice);
         }
-        let bdp = d.ewma.get(rail).copied().unwrap_or(0.0) * rtt as f64 / 1e9;
-        ((4.0 * bdp) as u64).max(4 * slice)
+        let bytes_per_sec = d.ewma.get(rail).copied().unwrap_or(0.0);
+        // The smallest round trip includes putting one slice on the wire; what the pipe holds
+        // beyond that slice is the bandwidth times the rest.
+        let serialization_ns = if bytes_per_sec > 0.0 {
+            slice as f64 * 1e9 / bytes_per_sec
+        } else {
+            0.0
+        };
+        let bdp = bytes_per_sec * (rtt as f64 - serialization_ns).max(0.0) / 1e9;
+        ((4.0 * bdp) as u64).max(2 * slice)
     }
 
     /// Deals queued slices to rails, highest priority first, while some usable rail that the
