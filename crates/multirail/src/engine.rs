@@ -376,7 +376,7 @@ impl Engine {
         Ok(())
     }
 
-    fn batch(&self, batch: BatchId) -> Result<Arc<Batch>> {
+    pub(crate) fn batch(&self, batch: BatchId) -> Result<Arc<Batch>> {
         self.inner
             .batches
             .lock()

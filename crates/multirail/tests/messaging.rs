@@ -347,3 +347,33 @@ fn million_messages_fifo_exactly_once_across_processes_tcp() {
 fn million_messages_fifo_exactly_once_across_processes_shm() {
     million_across_processes("shm");
 }
+
+/// Mooncake's `transfer_sync` with a notification waits and frees the batch at once; the
+/// notification must still go out after the data.
+#[test]
+fn batch_notification_survives_an_immediate_free() {
+    let (a, b) = pair("tcp", "{}");
+    let len = 64 << 10;
+    let dst = b.allocate(len, Location::Any).unwrap();
+    let src = a.allocate(len, Location::Any).unwrap();
+    let seg = a.open_segment(&b.name()).unwrap();
+    let rounds = 200;
+    for round in 0..rounds {
+        let batch = a.allocate_batch(1).unwrap();
+        let req = Request::write(src.addr(), seg, dst.addr(), len as u64);
+        a.submit_with_notification(batch, &[req], &format!("n{round}"))
+            .unwrap();
+        a.wait(batch, Some(Duration::from_secs(10))).unwrap();
+        a.free_batch(batch).unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut got = Vec::new();
+    while got.len() < rounds && Instant::now() < deadline {
+        got.extend(b.receive_notifications().into_iter().map(|n| n.msg));
+        thread::sleep(Duration::from_millis(1));
+    }
+    got.sort();
+    let mut want: Vec<String> = (0..rounds).map(|r| format!("n{r}")).collect();
+    want.sort();
+    assert_eq!(got, want, "every notification arrives once");
+}

@@ -1011,6 +1011,9 @@ impl Engine {
         requests: &[Request],
         msg: &str,
     ) -> Result<()> {
+        // Hold the batch itself, not its id: a caller that waits and frees the batch at once
+        // must not make the notification disappear with it.
+        let pending = self.batch(batch)?;
         self.submit(batch, requests)?;
         let mut targets: Vec<SegmentId> = requests.iter().map(|r| r.target).collect();
         targets.sort_by_key(|t| t.0);
@@ -1018,7 +1021,7 @@ impl Engine {
         let (engine, msg) = (self.clone(), msg.to_owned());
         thread::Builder::new()
             .name("mr-notify".into())
-            .spawn(move || match engine.wait(batch, None) {
+            .spawn(move || match pending.wait(None) {
                 Ok(()) => {
                     for t in targets {
                         if let Err(e) = engine.send_notification(t, &msg) {
