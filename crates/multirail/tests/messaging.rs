@@ -44,7 +44,7 @@ fn in_order(transport: &str, receive: &str) {
             .recv(Some(Duration::from_secs(10)))
             .unwrap()
             .expect("message in time");
-        assert_eq!(m.from, a.name());
+        assert_eq!(&*m.from, a.name());
         assert_eq!(u64::from_le_bytes(m.data[..8].try_into().unwrap()), i);
         assert_eq!(m.data.len(), 8 + (i % 100) as usize);
         assert!(m.data[8..].iter().all(|&x| x == (i % 251) as u8));

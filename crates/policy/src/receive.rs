@@ -267,6 +267,15 @@ impl ReceiveQueue {
     /// only when it holds at most half its share, so one credit message covers many buffers
     /// (every time, with a queue depth of 1 or 2).
     pub fn poll_grant(&mut self, eager: bool) -> Option<Grant> {
+        let mut buffers = Vec::new();
+        let conn = self.poll_grant_into(eager, &mut buffers)?;
+        Some(Grant { conn, buffers })
+    }
+
+    /// [`ReceiveQueue::poll_grant`] into a caller's vector (cleared first), so a receive loop
+    /// that grants after every message allocates nothing. Returns the connection granted to.
+    pub fn poll_grant_into(&mut self, eager: bool, buffers: &mut Vec<BufferId>) -> Option<ConnId> {
+        buffers.clear();
         if self.free.is_empty() {
             return None;
         }
@@ -282,9 +291,9 @@ impl ReceiveQueue {
             .map(|(id, _)| *id)?;
         let state = self.conns.get_mut(&conn).expect("connection just seen");
         let n = (share - state.granted.len()).min(self.free.len());
-        let buffers: Vec<BufferId> = self.free.drain(..n).collect();
-        state.granted.extend(&buffers);
-        Some(Grant { conn, buffers })
+        buffers.extend(self.free.drain(..n));
+        state.granted.extend(buffers.iter().copied());
+        Some(conn)
     }
 
     /// A message arrived on `conn`, in buffer `named` (shared memory, where the sender picks)

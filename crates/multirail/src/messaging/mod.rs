@@ -49,8 +49,9 @@ use ring::Ring;
 /// A message received with [`Engine::recv`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Message {
-    /// Segment name of the sender.
-    pub from: String,
+    /// Segment name of the sender, shared by every message of its connection (a clone is a
+    /// reference count, not a copy).
+    pub from: Arc<str>,
     /// The bytes sent.
     pub data: Vec<u8>,
 }
@@ -112,6 +113,8 @@ struct Pool {
     chunks: Vec<Buffer>,
     /// Tell grants at once instead of when a sender holds half its share or less.
     eager: bool,
+    /// The grant being told, reused so granting after every message allocates nothing.
+    granting: Vec<BufferId>,
 }
 
 impl Pool {
@@ -128,6 +131,7 @@ impl Pool {
             queue,
             chunks,
             eager,
+            granting: Vec::new(),
         })
     }
 
@@ -480,10 +484,7 @@ impl Messaging {
                 self.after_reply_pending.store(true, Ordering::Relaxed);
             }
         }
-        Some(Message {
-            from: r.from.to_string(),
-            data,
-        })
+        Some(Message { from: r.from, data })
     }
 
     fn recv(&self, timeout: Option<Duration>) -> Result<Option<Message>> {
@@ -709,8 +710,8 @@ fn grant(conns: &mut [InConn], pools: &mut Pools, key: u64) {
     let Some(pool) = pools.get_mut(&key) else {
         return;
     };
-    while let Some(g) = pool.queue.poll_grant(pool.eager) {
-        let Some(c) = conns.iter_mut().find(|c| c.id == g.conn) else {
+    while let Some(to) = pool.queue.poll_grant_into(pool.eager, &mut pool.granting) {
+        let Some(c) = conns.iter_mut().find(|c| c.id == to) else {
             continue;
         };
         match &mut c.io {
@@ -718,7 +719,7 @@ fn grant(conns: &mut [InConn], pools: &mut Pools, key: u64) {
                 let mut h = [0u8; MSG_HEADER_LEN];
                 MsgHeader {
                     kind: MsgKind::Credit,
-                    len: g.buffers.len() as u32,
+                    len: pool.granting.len() as u32,
                 }
                 .encode(&mut h);
                 if let Err(e) = (&c.stream).write_all(&h) {
@@ -726,7 +727,7 @@ fn grant(conns: &mut [InConn], pools: &mut Pools, key: u64) {
                     c.dead = true;
                 }
             }
-            InIo::Shm { ring, .. } => ring.post(&g.buffers),
+            InIo::Shm { ring, .. } => ring.post(&pool.granting),
         }
     }
 }
@@ -910,12 +911,13 @@ impl OutConn {
 
     /// One credit, waiting for the receiver to grant one if none is in hand.
     fn credit(&mut self, timeout: Duration) -> Result<BufferId> {
+        if let Some(b) = self.credits.take() {
+            return Ok(b);
+        }
+        // The clock is read only once the credits in hand are spent.
         let start = Instant::now();
         let mut idle = 0u32;
         loop {
-            if let Some(b) = self.credits.take() {
-                return Ok(b);
-            }
             self.collect_credits()?;
             if let Some(b) = self.credits.take() {
                 return Ok(b);
