@@ -44,7 +44,7 @@ use crate::memory::{Buffer, Location, MemoryRegistry, PeerMapping};
 use crate::peer::Peer;
 use crate::transport::sockio;
 use crate::transport::wire::{self, ConnKind, MsgHeader, MsgKind, MSG_HEADER_LEN};
-use ring::Ring;
+use ring::{Ring, INLINE_MAX};
 
 /// A message received with [`Engine::recv`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -819,7 +819,7 @@ fn receive(
             }
         }
         InIo::Shm { ring, .. } => {
-            ring.completions(|buf, len, kind| {
+            ring.completions(|buf, len, kind, inline| {
                 let kind = match kind {
                     1 => MsgKind::Message,
                     2 => MsgKind::Notification,
@@ -828,7 +828,7 @@ fn receive(
                 if len > max_len as usize {
                     return Err(format!("message of {len} bytes above {max_len}"));
                 }
-                deliver(pool, kind, Some(buf), None, len)
+                deliver(pool, kind, Some(buf), inline, len)
             })?;
             // Only while waiting: a syscall every so many polls would show up as a periodic
             // pattern in the round trips (pingpong found one every ~4096 polls).
@@ -893,16 +893,21 @@ impl OutConn {
                         format!("granted buffer {i} out of range"),
                     ));
                 };
-                // SAFETY: the receiver granted us buffer `i`, inside a chunk we mapped whole;
-                // it reads the bytes only after the completion entry below is published.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        data.as_ptr(),
-                        (*base + offset) as *mut u8,
-                        data.len(),
-                    )
-                };
-                ring.complete(*tail, buf, data.len(), kind as u8);
+                if data.len() <= INLINE_MAX {
+                    ring.complete(*tail, buf, data.len(), kind as u8, Some(data));
+                } else {
+                    // SAFETY: the receiver granted us buffer `i`, inside a chunk we mapped
+                    // whole; it reads the bytes only after the completion entry below is
+                    // published.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            data.as_ptr(),
+                            (*base + offset) as *mut u8,
+                            data.len(),
+                        )
+                    };
+                    ring.complete(*tail, buf, data.len(), kind as u8, None);
+                }
                 *tail += 1;
                 Ok(())
             }
