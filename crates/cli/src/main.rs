@@ -4,6 +4,7 @@ mod bench;
 mod membench;
 mod pingpong;
 mod target;
+mod ticks;
 mod topo;
 
 use multirail_cli::{pattern, units};

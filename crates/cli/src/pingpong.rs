@@ -16,6 +16,7 @@ use multirail::config::{ReturnOrder, ReturnPolicy};
 use multirail::{Config, Engine, TransportChoice};
 use multirail_policy::latency::{self, PatternReport, Summary};
 
+use crate::ticks::Ticks;
 use crate::Failure;
 
 /// How long the client waits for one answer before giving up.
@@ -317,13 +318,14 @@ fn client(config: Config, args: &PingpongArgs, target: &str) -> Result<(), Failu
     let total = args.warmup + args.iterations;
     let mut rtt = Vec::with_capacity(args.iterations);
     let think = Duration::from_micros(args.think_us);
+    let clock = Ticks::start();
     for i in 0..total {
-        let t0 = Instant::now();
+        let t0 = clock.now();
         engine.send(seg, &msg)?;
         let answer = engine
             .recv(Some(ANSWER_TIMEOUT))?
             .ok_or_else(|| anyhow::anyhow!("no answer to round trip {i} within 10 s"))?;
-        let took = t0.elapsed();
+        let took = clock.now().wrapping_sub(t0);
         if answer.data.len() != args.size {
             return Err(anyhow::anyhow!(
                 "answer of {} bytes to a {}-byte message",
@@ -333,7 +335,7 @@ fn client(config: Config, args: &PingpongArgs, target: &str) -> Result<(), Failu
             .into());
         }
         if i >= args.warmup {
-            rtt.push(took.as_nanos() as u64);
+            rtt.push(took);
         }
         if !think.is_zero() {
             let t = Instant::now();
@@ -343,6 +345,10 @@ fn client(config: Config, args: &PingpongArgs, target: &str) -> Result<(), Failu
         }
     }
     engine.send(seg, &[])?;
+    let ns_per_tick = clock.ns_per_tick();
+    for v in rtt.iter_mut() {
+        *v = (*v as f64 * ns_per_tick).round() as u64;
+    }
     let summary = Summary::from_round_trips(&rtt).expect("at least one iteration");
     let patterns = latency::find_patterns(&rtt);
     if let Some(path) = &args.trace {

@@ -41,6 +41,8 @@ pub(super) struct Ring {
     comps: usize,
     /// Receiver: next completion to take.
     head: u64,
+    /// Receiver: `head mod depth`, kept rather than divided out on every poll.
+    head_slot: usize,
 }
 
 // SAFETY: the region is shared memory touched only through atomics and the slots those
@@ -66,6 +68,7 @@ impl Ring {
             depth,
             comps: Self::comps_at(depth),
             head: 0,
+            head_slot: 0,
         }
     }
 
@@ -79,9 +82,14 @@ impl Ring {
         unsafe { (self.base.add(GRANTS) as *mut u32).add((i % self.depth as u64) as usize) }
     }
 
-    /// The sequence word, the entry word and the inline bytes of completion slot `i`.
+    /// The sequence word, the entry word and the inline bytes of completion slot `i mod depth`.
     fn slot(&self, i: u64) -> (&AtomicU64, *mut u64, *mut u8) {
-        let at = self.comps + SLOT * (i % self.depth as u64) as usize;
+        self.slot_at((i % self.depth as u64) as usize)
+    }
+
+    fn slot_at(&self, slot: usize) -> (&AtomicU64, *mut u64, *mut u8) {
+        debug_assert!(slot < self.depth);
+        let at = self.comps + SLOT * slot;
         // SAFETY: slot index below depth; the slot lies inside the completion ring and both
         // words are 8-aligned (the ring and the slots are 64-byte aligned).
         unsafe {
@@ -157,7 +165,7 @@ impl Ring {
         mut f: impl FnMut(BufferId, usize, u8, Option<&[u8]>) -> Result<(), E>,
     ) -> Result<(), E> {
         loop {
-            let (seq, word, bytes) = self.slot(self.head);
+            let (seq, word, bytes) = self.slot_at(self.head_slot);
             if seq.load(Ordering::Acquire) != self.head + 1 {
                 // Touch the slot's other lines now, so that when the sender fills them they
                 // are fetched in the same poll as the sequence number, not one after another.
@@ -173,6 +181,10 @@ impl Ring {
             // SAFETY: published by the sender's Release store of the sequence number.
             let e = unsafe { word.read_volatile() };
             self.head += 1;
+            self.head_slot += 1;
+            if self.head_slot == self.depth {
+                self.head_slot = 0;
+            }
             let kind = (e >> 60) as u8;
             let len = ((e >> 32) & 0x0fff_ffff) as usize;
             if kind & INLINE != 0 && len <= INLINE_MAX {
