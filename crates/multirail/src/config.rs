@@ -244,6 +244,10 @@ pub struct RdmaConfig {
     pub shared_quota_shm_path: String,
     /// Let lower priorities use a slot that the allowed priorities leave idle.
     pub qos_work_conserving: bool,
+    /// multirail's own: promote a waiting request only when its priority level has not been
+    /// served for `priority_promotion_timeout_us` (it is starved), not merely because it waits
+    /// behind its own level's backlog (default true; false = TENT's plain timeout).
+    pub qos_promote_only_when_starved: bool,
     /// multirail's own: busy time, in microseconds, a rail's bandwidth sample must span before
     /// the EWMA learns from it (default 1000; 0 = every slice is a sample, as TENT does).
     pub bandwidth_sample_min_us: u64,
@@ -269,6 +273,7 @@ impl Default for RdmaConfig {
             slot_rotation_interval_ms: 2,
             shared_quota_shm_path: String::new(),
             qos_work_conserving: true,
+            qos_promote_only_when_starved: true,
             bandwidth_sample_min_us: 1000,
         }
     }
@@ -293,6 +298,7 @@ const RDMA_KEYS: &[&str] = &[
     "slot_rotation_interval_ms",
     "shared_quota_shm_path",
     "qos_work_conserving",
+    "qos_promote_only_when_starved",
     "bandwidth_sample_min_us",
 ];
 

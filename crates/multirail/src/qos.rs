@@ -73,6 +73,7 @@ impl Qos {
             promotion: PromotionConfig {
                 timeout_ns: rdma.priority_promotion_timeout_us.saturating_mul(1000),
                 check_ns: rdma.priority_promotion_check_us.saturating_mul(1000),
+                only_when_starved: rdma.qos_promote_only_when_starved,
             },
             filtering: rdma.enable_priority_filtering,
             rotation_ns: rdma.local_rotation_interval_us.saturating_mul(1000).max(1),

@@ -23,6 +23,12 @@ pub struct PromotionConfig {
     pub timeout_ns: u64,
     /// How often waiting entries are checked (`priority_promotion_check_us`, default 1 ms).
     pub check_ns: u64,
+    /// Count an entry's wait only from the last time its level was served
+    /// (`qos_promote_only_when_starved`, default true). Promotion is there for work starved by
+    /// higher priorities; an entry behind its own level's backlog, which is being served, is
+    /// not starved, and promoting such bulk would put it ahead of the HIGH work that arrives
+    /// next. False counts from when the entry reached its level, as TENT does.
+    pub only_when_starved: bool,
 }
 
 impl Default for PromotionConfig {
@@ -30,6 +36,7 @@ impl Default for PromotionConfig {
         PromotionConfig {
             timeout_ns: 10_000_000,
             check_ns: 1_000_000,
+            only_when_starved: true,
         }
     }
 }
@@ -57,6 +64,8 @@ pub struct Dequeued<T> {
 /// that LOW work is never starved forever.
 pub struct PriorityQueues<T> {
     levels: [VecDeque<Entry<T>>; LEVELS],
+    /// When each level last had an entry taken.
+    served_ns: [u64; LEVELS],
     config: PromotionConfig,
     next_check_ns: u64,
     promotions: u64,
@@ -67,6 +76,7 @@ impl<T> PriorityQueues<T> {
     pub fn new(config: PromotionConfig) -> Self {
         PriorityQueues {
             levels: Default::default(),
+            served_ns: [0; LEVELS],
             config,
             next_check_ns: 0,
             promotions: 0,
@@ -146,7 +156,9 @@ impl<T> PriorityQueues<T> {
 
     /// Takes the head of level `priority`.
     pub fn pop(&mut self, priority: u8, now_ns: u64) -> Option<Dequeued<T>> {
-        let e = self.levels[Self::level(priority)].pop_front()?;
+        let level = Self::level(priority);
+        let e = self.levels[level].pop_front()?;
+        self.served_ns[level] = self.served_ns[level].max(now_ns);
         Some(Dequeued {
             item: e.item,
             priority,
@@ -187,8 +199,9 @@ impl<T> PriorityQueues<T> {
 
     /// Runs the promotion check if it is due: MEDIUM entries that waited longer than the
     /// timeout move to HIGH, then LOW ones to MEDIUM; a promoted entry's waiting clock restarts,
-    /// so a starving LOW entry spends a full timeout at MEDIUM before reaching HIGH. Returns the
-    /// number promoted.
+    /// so a starving LOW entry spends a full timeout at MEDIUM before reaching HIGH. With
+    /// `only_when_starved` the wait counts from the later of that restart and the level's last
+    /// service. Returns the number promoted.
     pub fn on_timeout(&mut self, now_ns: u64) -> u64 {
         if now_ns < self.next_check_ns {
             return 0;
@@ -196,8 +209,14 @@ impl<T> PriorityQueues<T> {
         self.next_check_ns = now_ns.saturating_add(self.config.check_ns.max(1));
         let mut promoted = 0;
         for from in [MEDIUM as usize, LOW as usize] {
+            let served = if self.config.only_when_starved {
+                self.served_ns[from]
+            } else {
+                0
+            };
             while let Some(e) = self.levels[from].front() {
-                if now_ns.saturating_sub(e.level_since_ns) <= self.config.timeout_ns {
+                let since = e.level_since_ns.max(served);
+                if now_ns.saturating_sub(since) <= self.config.timeout_ns {
                     break;
                 }
                 let mut e = self.levels[from].pop_front().expect("front exists");
@@ -330,6 +349,7 @@ mod tests {
         let mut q = PriorityQueues::new(PromotionConfig {
             timeout_ns: 0,
             check_ns: MS,
+            only_when_starved: true,
         });
         q.push_back("a", LOW, 0);
         assert_eq!(q.on_timeout(1), 1, "first check runs at once");
@@ -337,6 +357,36 @@ mod tests {
         assert_eq!(q.on_timeout(MS / 2), 0, "next check not due before 1 ms");
         assert_eq!(q.poll_timeout(), Some(MS + 1));
         assert_eq!(q.on_timeout(MS + 1), 2);
+    }
+
+    #[test]
+    fn a_level_being_served_is_not_starved() {
+        let mut q = queues();
+        for name in ["a", "b", "c", "d"] {
+            q.push_back(name, LOW, 0);
+        }
+        // LOW is served every 5 ms: its backlog waits, but nothing starves it.
+        for t in 1..=3u64 {
+            assert!(q.pop(LOW, t * 5 * MS).is_some());
+            assert_eq!(q.on_timeout(t * 5 * MS + 1), 0, "served at {t} x 5 ms");
+        }
+        // Then HIGH work takes every turn: 10 ms after LOW's last service, it is promoted.
+        assert_eq!(q.on_timeout(25 * MS), 0);
+        assert_eq!(q.on_timeout(26 * MS), 1, "next check, 11 ms after LOW was served");
+        assert_eq!(q.depths(), [0, 1, 0]);
+    }
+
+    #[test]
+    fn tent_promotion_counts_from_queueing_even_while_served() {
+        let mut q = PriorityQueues::new(PromotionConfig {
+            only_when_starved: false,
+            ..PromotionConfig::default()
+        });
+        q.push_back("a", LOW, 0);
+        q.push_back("b", LOW, 0);
+        assert!(q.pop(LOW, 9 * MS).is_some());
+        assert_eq!(q.on_timeout(11 * MS), 1);
+        assert_eq!(q.depths(), [0, 1, 0]);
     }
 
     #[test]
