@@ -27,7 +27,9 @@ pub struct PromotionConfig {
     /// (`qos_promote_only_when_starved`, default true). Promotion is there for work starved by
     /// higher priorities; an entry behind its own level's backlog, which is being served, is
     /// not starved, and promoting such bulk would put it ahead of the HIGH work that arrives
-    /// next. False counts from when the entry reached its level, as TENT does.
+    /// next. A promotion, and the service of an entry promoted from a level, count as service
+    /// of that level, so a starved level moves up one entry per check rather than its whole
+    /// backlog at once. False counts from when the entry reached its level, as TENT does.
     pub only_when_starved: bool,
 }
 
@@ -43,6 +45,8 @@ impl Default for PromotionConfig {
 
 struct Entry<T> {
     item: T,
+    /// Level it was queued at, before any promotion.
+    origin: usize,
     /// Start of the wait at the current level; restarts on promotion.
     level_since_ns: u64,
     /// When the entry was first queued, for wait-time statistics.
@@ -89,8 +93,10 @@ impl<T> PriorityQueues<T> {
 
     /// Queues `item` at `priority` (values above LOW count as LOW) behind its level.
     pub fn push_back(&mut self, item: T, priority: u8, now_ns: u64) {
-        self.levels[Self::level(priority)].push_back(Entry {
+        let level = Self::level(priority);
+        self.levels[level].push_back(Entry {
             item,
+            origin: level,
             level_since_ns: now_ns,
             queued_ns: now_ns,
         });
@@ -99,8 +105,10 @@ impl<T> PriorityQueues<T> {
     /// Queues `item` ahead of its level, for work handed back after a failure, which already
     /// waited its turn once. `queued_ns` is when it was first queued.
     pub fn push_front(&mut self, item: T, priority: u8, queued_ns: u64, now_ns: u64) {
-        self.levels[Self::level(priority)].push_front(Entry {
+        let level = Self::level(priority);
+        self.levels[level].push_front(Entry {
             item,
+            origin: level,
             level_since_ns: now_ns,
             queued_ns,
         });
@@ -158,7 +166,9 @@ impl<T> PriorityQueues<T> {
     pub fn pop(&mut self, priority: u8, now_ns: u64) -> Option<Dequeued<T>> {
         let level = Self::level(priority);
         let e = self.levels[level].pop_front()?;
-        self.served_ns[level] = self.served_ns[level].max(now_ns);
+        for l in [level, e.origin] {
+            self.served_ns[l] = self.served_ns[l].max(now_ns);
+        }
         Some(Dequeued {
             item: e.item,
             priority,
@@ -223,6 +233,10 @@ impl<T> PriorityQueues<T> {
                 e.level_since_ns = now_ns;
                 self.levels[from - 1].push_back(e);
                 promoted += 1;
+                if self.config.only_when_starved {
+                    self.served_ns[from] = now_ns;
+                    break;
+                }
             }
         }
         self.promotions += promoted;
@@ -372,8 +386,27 @@ mod tests {
         }
         // Then HIGH work takes every turn: 10 ms after LOW's last service, it is promoted.
         assert_eq!(q.on_timeout(25 * MS), 0);
-        assert_eq!(q.on_timeout(26 * MS), 1, "next check, 11 ms after LOW was served");
+        assert_eq!(
+            q.on_timeout(26 * MS),
+            1,
+            "next check, 11 ms after LOW was served"
+        );
         assert_eq!(q.depths(), [0, 1, 0]);
+    }
+
+    #[test]
+    fn a_starved_level_moves_up_one_entry_per_check() {
+        let mut q = queues();
+        for name in ["a", "b", "c"] {
+            q.push_back(name, LOW, 0);
+        }
+        assert_eq!(q.on_timeout(11 * MS), 1);
+        assert_eq!(q.depths(), [0, 1, 2]);
+        // Serving the promoted entry is service of LOW: nothing more moves for a timeout.
+        assert_eq!(q.pop(MEDIUM, 11 * MS + 5).unwrap().item, "a");
+        assert_eq!(q.on_timeout(12 * MS), 0);
+        assert_eq!(q.on_timeout(21 * MS + 6), 1);
+        assert_eq!(q.depths(), [0, 1, 1]);
     }
 
     #[test]

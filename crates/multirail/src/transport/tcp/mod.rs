@@ -135,6 +135,10 @@ impl Queued {
 
 /// Window used before a path has measured a round trip.
 const INITIAL_WINDOW: u64 = 1 << 20;
+/// How long after the last HIGH slice bulk priorities keep to a single window: while HIGH
+/// traffic comes and goes it finds at most one window of bulk ahead of it on a rail; once it
+/// has been quiet this long, bulk may use the HIGH allowance too (work-conserving).
+const HIGH_QUIET_NS: u64 = 10_000_000;
 
 /// The peer's queue of slices and what each path has in flight.
 struct Dispatch {
@@ -148,6 +152,8 @@ struct Dispatch {
     min_rtt_ns: Vec<u64>,
     rails: Vec<usize>,
     ewma: Vec<f64>,
+    /// When a HIGH slice was last posted to this peer (engine clock, ns).
+    high_posted_ns: u64,
 }
 
 /// Everything needed to reach one peer.
@@ -261,6 +267,7 @@ impl TcpPeer {
                 reported: [0; LEVELS],
                 posted: vec![0; npaths],
                 min_rtt_ns: vec![0; npaths],
+                high_posted_ns: 0,
                 rails: Vec::new(),
                 ewma: Vec::new(),
             }),
@@ -443,6 +450,8 @@ impl TcpPeer {
                 self.post_on(d, p, q.item, prio, now_ns);
                 continue;
             }
+            let high_active = d.queue.level_len(multirail_policy::qos::HIGH) > 0
+                || now_ns.saturating_sub(d.high_posted_ns) < HIGH_QUIET_NS;
             let tiers = self.scheduler.tiers(head.slice.location);
             let mut candidates: [Vec<usize>; 3] = Default::default();
             let mut room = 0u64;
@@ -456,7 +465,8 @@ impl TcpPeer {
                 self.scheduler.note_window(path.rail, window);
                 // HIGH may go past the bulk window by one more window: it has its own
                 // connection, so it does not queue behind the bulk bytes the window admitted.
-                let allowed = if prio == multirail_policy::qos::HIGH {
+                // Bulk gets the same allowance while no HIGH work is around.
+                let allowed = if prio == multirail_policy::qos::HIGH || !high_active {
                     2 * window
                 } else {
                     window
@@ -524,7 +534,12 @@ impl TcpPeer {
             None => Some(q.slice),
         };
         match refused {
-            None => d.posted[p] += len,
+            None => {
+                d.posted[p] += len;
+                if prio == multirail_policy::qos::HIGH {
+                    d.high_posted_ns = now_ns;
+                }
+            }
             Some(mut slice) => {
                 self.scheduler.unassigned(rail, len);
                 self.paths[p].refresh_usable();
