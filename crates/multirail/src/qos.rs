@@ -12,6 +12,10 @@ use crate::config::RdmaConfig;
 use crate::error::Result;
 use crate::slots::GlobalSlots;
 
+/// How long after its last posted slice a priority still counts as having work, for rail
+/// filtering's work conservation.
+const ACTIVE_NS: u64 = 10_000_000;
+
 /// Queue statistics of one priority level.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct PriorityTraffic {
@@ -48,6 +52,8 @@ pub(crate) struct Qos {
     rotation_ns: u64,
     work_conserving: bool,
     queued: [AtomicU64; LEVELS],
+    /// When a HIGH and a MEDIUM slice were last posted (ns since `epoch`; 0 = never).
+    last_posted_ns: [AtomicU64; 2],
     promotions: AtomicU64,
     waits: Mutex<Waits>,
     global: Option<Arc<GlobalSlots>>,
@@ -79,6 +85,7 @@ impl Qos {
             rotation_ns: rdma.local_rotation_interval_us.saturating_mul(1000).max(1),
             work_conserving: rdma.qos_work_conserving,
             queued: Default::default(),
+            last_posted_ns: Default::default(),
             promotions: AtomicU64::new(0),
             waits: Mutex::new(Waits {
                 histograms: [histogram(), histogram(), histogram()],
@@ -112,8 +119,12 @@ impl Qos {
 
     /// Records that a slice of `priority` left the queue after `waited_ns`.
     pub(crate) fn dequeued(&self, priority: u8, waited_ns: u64) {
-        let mut w = self.waits.lock().expect("qos poisoned");
         let p = (priority as usize).min(LEVELS - 1);
+        if p < 2 {
+            let now = self.epoch.elapsed().as_nanos() as u64;
+            self.last_posted_ns[p].store(now.max(1), Ordering::Relaxed);
+        }
+        let mut w = self.waits.lock().expect("qos poisoned");
         w.histograms[p].saturating_record((waited_ns / 1000).max(1));
         w.dequeued[p] += 1;
     }
@@ -142,11 +153,16 @@ impl Qos {
         if !self.filtering {
             return true;
         }
-        let step = now.saturating_duration_since(self.epoch).as_nanos() as u64 / self.rotation_ns;
-        let waiting = [
-            self.queued[0].load(Ordering::Relaxed) > 0,
-            self.queued[1].load(Ordering::Relaxed) > 0,
-        ];
+        let now_ns = now.saturating_duration_since(self.epoch).as_nanos() as u64;
+        let step = now_ns / self.rotation_ns;
+        // A priority has work around while some of it is queued or was posted within the
+        // quiet period: a stream of HIGH requests that never queues still keeps its rail.
+        let active = |p: usize| {
+            let last = self.last_posted_ns[p].load(Ordering::Relaxed);
+            self.queued[p].load(Ordering::Relaxed) > 0
+                || (last > 0 && now_ns.saturating_sub(last) < ACTIVE_NS)
+        };
+        let waiting = [active(0), active(1)];
         policy::rail_admits(step, rail, rails, priority, waiting, self.work_conserving)
     }
 

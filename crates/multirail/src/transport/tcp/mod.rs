@@ -135,6 +135,8 @@ impl Queued {
 
 /// Window used before a path has measured a round trip.
 const INITIAL_WINDOW: u64 = 1 << 20;
+/// Most time's worth of a rail's bandwidth a window holds.
+const WINDOW_MAX_QUEUE_NS: u64 = 1_000_000;
 /// How long after the last HIGH slice bulk priorities keep to a single window: while HIGH
 /// traffic comes and goes it finds at most one window of bulk ahead of it on a rail; once it
 /// has been quiet this long, bulk may use the HIGH allowance too (work-conserving).
@@ -385,10 +387,12 @@ impl TcpPeer {
     }
 
     /// Window of path `p`: four times its bandwidth-delay product (EWMA bandwidth × the
-    /// smallest round trip seen, less the time to put one slice on the wire), at least two
-    /// slices. The margin covers what the estimate misses on a CPU-bound link such as loopback;
-    /// two slices keep a rail busy while one is acknowledged. Small enough that a slow rail's
-    /// queue (a shaped link's, a switch's) never holds much bulk ahead of a HIGH slice.
+    /// smallest round trip seen, less the time to put one slice on the wire), but never more
+    /// than [`WINDOW_MAX_QUEUE_NS`] of the rail's bandwidth, and at least one slice. The margin
+    /// covers what the estimate misses on a CPU-bound link such as loopback; the time bound
+    /// keeps a slow rail's queue (a shaped link's, a switch's), whose smallest round trip
+    /// already includes a slice waiting ahead, from holding more bulk ahead of a HIGH slice
+    /// than a millisecond's worth or one slice.
     fn window(d: &Dispatch, p: usize, rail: usize, slice: u64) -> u64 {
         let rtt = d.min_rtt_ns[p];
         if rtt == 0 {
@@ -403,7 +407,8 @@ impl TcpPeer {
             0.0
         };
         let bdp = bytes_per_sec * (rtt as f64 - serialization_ns).max(0.0) / 1e9;
-        ((4.0 * bdp) as u64).max(2 * slice)
+        let cap = bytes_per_sec * WINDOW_MAX_QUEUE_NS as f64 / 1e9;
+        ((4.0 * bdp).min(cap) as u64).max(slice)
     }
 
     /// Deals queued slices to rails, highest priority first, while some usable rail that the
