@@ -468,11 +468,13 @@ impl TcpPeer {
                 }
                 let window = Self::window(d, p, path.rail, len);
                 self.scheduler.note_window(path.rail, window);
-                // HIGH may go past the bulk window by one more window: it has its own
-                // connection, so it does not queue behind the bulk bytes the window admitted.
-                // Bulk gets the same allowance while no HIGH work is around.
+                // HIGH may post up to three windows: it has its own connection, so it does not
+                // queue behind bulk bytes in a TCP stream, and with room beyond what bulk holds
+                // it never waits for whichever rail drains first (a slow one, often). Bulk
+                // keeps to one window while HIGH work is around, and gets HIGH's allowance
+                // otherwise (work-conserving: alone, LOW moves as fast as HIGH would).
                 let allowed = if prio == multirail_policy::qos::HIGH || !high_active {
-                    2 * window
+                    3 * window
                 } else {
                     window
                 };
