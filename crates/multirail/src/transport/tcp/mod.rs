@@ -156,6 +156,8 @@ struct Dispatch {
     ewma: Vec<f64>,
     /// When a HIGH slice was last posted to this peer (engine clock, ns).
     high_posted_ns: u64,
+    /// When a MEDIUM or LOW slice was last posted to this peer (engine clock, ns).
+    bulk_posted_ns: u64,
 }
 
 /// Everything needed to reach one peer.
@@ -270,6 +272,7 @@ impl TcpPeer {
                 posted: vec![0; npaths],
                 min_rtt_ns: vec![0; npaths],
                 high_posted_ns: 0,
+                bulk_posted_ns: 0,
                 rails: Vec::new(),
                 ewma: Vec::new(),
             }),
@@ -457,6 +460,9 @@ impl TcpPeer {
             }
             let high_active = d.queue.level_len(multirail_policy::qos::HIGH) > 0
                 || now_ns.saturating_sub(d.high_posted_ns) < HIGH_QUIET_NS;
+            let bulk_active = d.queue.level_len(multirail_policy::qos::MEDIUM) > 0
+                || d.queue.level_len(multirail_policy::qos::LOW) > 0
+                || now_ns.saturating_sub(d.bulk_posted_ns) < HIGH_QUIET_NS;
             let tiers = self.scheduler.tiers(head.slice.location);
             let mut candidates: [Vec<usize>; 3] = Default::default();
             let mut room = 0u64;
@@ -468,13 +474,15 @@ impl TcpPeer {
                 }
                 let window = Self::window(d, p, path.rail, len);
                 self.scheduler.note_window(path.rail, window);
-                // HIGH may post up to three windows: it has its own connection, so it does not
-                // queue behind bulk bytes in a TCP stream, and with room beyond what bulk holds
-                // it never waits for whichever rail drains first (a slow one, often). Bulk
-                // keeps to one window while HIGH work is around, and gets HIGH's allowance
-                // otherwise (work-conserving: alone, LOW moves as fast as HIGH would).
-                let allowed = if prio == multirail_policy::qos::HIGH || !high_active {
+                // Two windows keep a rail busy. Bulk keeps to one while HIGH work is around,
+                // and gets two otherwise (work-conserving: alone, LOW moves as fast as HIGH).
+                // HIGH beside bulk may post one window past the most bulk can hold: it has its
+                // own connection, so it does not queue behind those bytes in a TCP stream, and
+                // it never waits for whichever rail drains first (a slow one, often).
+                let allowed = if prio == multirail_policy::qos::HIGH && bulk_active {
                     3 * window
+                } else if prio == multirail_policy::qos::HIGH || !high_active {
+                    2 * window
                 } else {
                     window
                 };
@@ -545,6 +553,8 @@ impl TcpPeer {
                 d.posted[p] += len;
                 if prio == multirail_policy::qos::HIGH {
                     d.high_posted_ns = now_ns;
+                } else {
+                    d.bulk_posted_ns = now_ns;
                 }
             }
             Some(mut slice) => {
