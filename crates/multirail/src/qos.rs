@@ -12,8 +12,8 @@ use crate::config::RdmaConfig;
 use crate::error::Result;
 use crate::slots::GlobalSlots;
 
-/// How long after its last posted slice a priority still counts as having work, for rail
-/// filtering's work conservation.
+/// How long after its last posted slice a priority still counts as having work: a stream of
+/// requests that never queues (each posted at once) is still traffic to make room for.
 const ACTIVE_NS: u64 = 10_000_000;
 
 /// Queue statistics of one priority level.
@@ -52,8 +52,8 @@ pub(crate) struct Qos {
     rotation_ns: u64,
     work_conserving: bool,
     queued: [AtomicU64; LEVELS],
-    /// When a HIGH and a MEDIUM slice were last posted (ns since `epoch`; 0 = never).
-    last_posted_ns: [AtomicU64; 2],
+    /// When a slice of each priority was last posted (ns since `epoch`; 0 = never).
+    last_posted_ns: [AtomicU64; LEVELS],
     promotions: AtomicU64,
     waits: Mutex<Waits>,
     global: Option<Arc<GlobalSlots>>,
@@ -117,16 +117,24 @@ impl Qos {
         self.promotions.fetch_add(n, Ordering::Relaxed);
     }
 
-    /// Records that a slice of `priority` left the queue after `waited_ns`.
-    pub(crate) fn dequeued(&self, priority: u8, waited_ns: u64) {
+    /// Records that a slice of `priority` left the queue at `now` after `waited_ns`.
+    pub(crate) fn dequeued(&self, priority: u8, waited_ns: u64, now: Instant) {
         let p = (priority as usize).min(LEVELS - 1);
-        if p < 2 {
-            let now = self.epoch.elapsed().as_nanos() as u64;
-            self.last_posted_ns[p].store(now.max(1), Ordering::Relaxed);
-        }
+        let now_ns = now.saturating_duration_since(self.epoch).as_nanos() as u64;
+        self.last_posted_ns[p].store(now_ns.max(1), Ordering::Relaxed);
         let mut w = self.waits.lock().expect("qos poisoned");
         w.histograms[p].saturating_record((waited_ns / 1000).max(1));
         w.dequeued[p] += 1;
+    }
+
+    /// Whether `priority` has work anywhere in the engine at `now`: some of it queued, or some
+    /// posted within the last [`ACTIVE_NS`].
+    pub(crate) fn has_work(&self, priority: u8, now: Instant) -> bool {
+        let p = (priority as usize).min(LEVELS - 1);
+        let now_ns = now.saturating_duration_since(self.epoch).as_nanos() as u64;
+        let last = self.last_posted_ns[p].load(Ordering::Relaxed);
+        self.queued[p].load(Ordering::Relaxed) > 0
+            || (last > 0 && now_ns.saturating_sub(last) < ACTIVE_NS)
     }
 
     /// True when slots are shared with other processes.
@@ -153,16 +161,8 @@ impl Qos {
         if !self.filtering {
             return true;
         }
-        let now_ns = now.saturating_duration_since(self.epoch).as_nanos() as u64;
-        let step = now_ns / self.rotation_ns;
-        // A priority has work around while some of it is queued or was posted within the
-        // quiet period: a stream of HIGH requests that never queues still keeps its rail.
-        let active = |p: usize| {
-            let last = self.last_posted_ns[p].load(Ordering::Relaxed);
-            self.queued[p].load(Ordering::Relaxed) > 0
-                || (last > 0 && now_ns.saturating_sub(last) < ACTIVE_NS)
-        };
-        let waiting = [active(0), active(1)];
+        let step = now.saturating_duration_since(self.epoch).as_nanos() as u64 / self.rotation_ns;
+        let waiting = [self.has_work(0, now), self.has_work(1, now)];
         policy::rail_admits(step, rail, rails, priority, waiting, self.work_conserving)
     }
 

@@ -141,10 +141,6 @@ const INITIAL_WINDOW: u64 = 1 << 20;
 const WINDOW_BDPS: f64 = 8.0;
 /// Most time's worth of a rail's bandwidth a window holds.
 const WINDOW_MAX_QUEUE_NS: u64 = 1_000_000;
-/// How long after the last HIGH slice bulk priorities keep to a single window: while HIGH
-/// traffic comes and goes it finds at most one window of bulk ahead of it on a rail; once it
-/// has been quiet this long, bulk may use the HIGH allowance too (work-conserving).
-const HIGH_QUIET_NS: u64 = 10_000_000;
 
 /// The peer's queue of slices and what each path has in flight.
 struct Dispatch {
@@ -158,10 +154,6 @@ struct Dispatch {
     min_rtt_ns: Vec<u64>,
     rails: Vec<usize>,
     ewma: Vec<f64>,
-    /// When a HIGH slice was last posted to this peer (engine clock, ns).
-    high_posted_ns: u64,
-    /// When a MEDIUM or LOW slice was last posted to this peer (engine clock, ns).
-    bulk_posted_ns: u64,
 }
 
 /// Everything needed to reach one peer.
@@ -275,8 +267,6 @@ impl TcpPeer {
                 reported: [0; LEVELS],
                 posted: vec![0; npaths],
                 min_rtt_ns: vec![0; npaths],
-                high_posted_ns: 0,
-                bulk_posted_ns: 0,
                 rails: Vec::new(),
                 ewma: Vec::new(),
             }),
@@ -458,15 +448,14 @@ impl TcpPeer {
                     continue;
                 }
                 let q = d.queue.pop(prio, now_ns).expect("head exists");
-                qos.dequeued(prio, q.waited_ns);
+                qos.dequeued(prio, q.waited_ns, now);
                 self.post_on(d, p, q.item, prio, now_ns);
                 continue;
             }
-            let high_active = d.queue.level_len(multirail_policy::qos::HIGH) > 0
-                || now_ns.saturating_sub(d.high_posted_ns) < HIGH_QUIET_NS;
-            let bulk_active = d.queue.level_len(multirail_policy::qos::MEDIUM) > 0
-                || d.queue.level_len(multirail_policy::qos::LOW) > 0
-                || now_ns.saturating_sub(d.bulk_posted_ns) < HIGH_QUIET_NS;
+            // Engine-wide, as the rails are: HIGH to one peer shares them with bulk to another.
+            let high_active = qos.has_work(multirail_policy::qos::HIGH, now);
+            let bulk_active = qos.has_work(multirail_policy::qos::MEDIUM, now)
+                || qos.has_work(multirail_policy::qos::LOW, now);
             let tiers = self.scheduler.tiers(head.slice.location);
             let mut candidates: [Vec<usize>; 3] = Default::default();
             let mut room = 0u64;
@@ -524,7 +513,7 @@ impl TcpPeer {
                 q.item.slice.rail = rail;
                 let p = self.rail_path[rail].expect("candidates have paths");
                 if smart || d.posted[p] < Self::window(d, p, rail, len) {
-                    qos.dequeued(prio, q.waited_ns);
+                    qos.dequeued(prio, q.waited_ns, now);
                     self.post_on(d, p, q.item, prio, now_ns);
                 } else {
                     // Baseline: charged to its rail, it waits at the head for room there.
@@ -553,14 +542,7 @@ impl TcpPeer {
             None => Some(q.slice),
         };
         match refused {
-            None => {
-                d.posted[p] += len;
-                if prio == multirail_policy::qos::HIGH {
-                    d.high_posted_ns = now_ns;
-                } else {
-                    d.bulk_posted_ns = now_ns;
-                }
-            }
+            None => d.posted[p] += len,
             Some(mut slice) => {
                 self.scheduler.unassigned(rail, len);
                 self.paths[p].refresh_usable();
