@@ -62,8 +62,9 @@ impl Task {
         }
     }
 
-    /// Adds parts before any is posted; a request is set up with one part and grows as its
-    /// slices are dealt out.
+    /// Adds parts while at least one part is still outstanding (so the task cannot have
+    /// finished): a request is set up with one part and grows as its slices are dealt out, and
+    /// a slice not yet posted may be cut in two.
     pub(crate) fn add_parts(&self, n: u32) {
         self.remaining.fetch_add(n, Ordering::AcqRel);
     }

@@ -316,6 +316,10 @@ pub struct TcpConfig {
     pub max_retries: u32,
     /// Bytes in flight on one connection before the sender waits (default 64 MiB); > 0.
     pub max_inflight_bytes_per_connection: u64,
+    /// Nice value, above their own, at which the threads carrying LOW slices run, on both ends
+    /// (MEDIUM: half of it; HIGH: their own), so HIGH slices' threads win busy cores (default
+    /// 10); 0..=19, 0 = off.
+    pub bulk_thread_nice: i32,
     /// Receive path of two-sided messages over TCP.
     pub receive: ReceiveConfig,
 }
@@ -328,6 +332,7 @@ impl Default for TcpConfig {
             connect_timeout_ms: 3000,
             max_retries: 8,
             max_inflight_bytes_per_connection: 64 * 1024 * 1024,
+            bulk_thread_nice: 10,
             receive: ReceiveConfig::default(),
         }
     }
@@ -752,6 +757,12 @@ impl TcpConfig {
                 "must be greater than 0, got 0",
             ));
         }
+        if !(0..=19).contains(&self.bulk_thread_nice) {
+            return Err(ConfigError::new(
+                format!("{prefix}.bulk_thread_nice"),
+                format!("must be within [0, 19], got {}", self.bulk_thread_nice),
+            ));
+        }
         self.receive.validate(&format!("{prefix}.receive"))?;
         Ok(())
     }
@@ -1034,6 +1045,7 @@ mod tests {
         assert_eq!(t.connect_timeout_ms, 3000);
         assert_eq!(t.max_retries, 8);
         assert_eq!(t.max_inflight_bytes_per_connection, 64 * 1024 * 1024);
+        assert_eq!(t.bulk_thread_nice, 10);
         assert!(c.transports.shm.enable);
         assert!(c.transports.shm.process_vm);
         assert!(Config::default().validate().is_ok());
@@ -1506,6 +1518,13 @@ mod tests {
         assert_eq!(e.key, "transports.tcp.connect_timeout_ms");
         let e = parse_err(r#"{"transports": {"tcp": {"max_inflight_bytes_per_connection": 0}}}"#);
         assert_eq!(e.key, "transports.tcp.max_inflight_bytes_per_connection");
+        for bad in ["-1", "20"] {
+            let e = parse_err(&format!(
+                r#"{{"transports": {{"tcp": {{"bulk_thread_nice": {bad}}}}}}}"#
+            ));
+            assert_eq!(e.key, "transports.tcp.bulk_thread_nice");
+            assert_eq!(e.message, format!("must be within [0, 19], got {bad}"));
+        }
     }
 
     #[test]

@@ -22,6 +22,7 @@ use crate::segment::{self, RailDescriptor, SegmentDescriptor, PROTOCOL_VERSION};
 use crate::server::Server;
 use crate::stats::{RailTraffic, TrafficStats};
 use crate::topology;
+use crate::transport::cpu_priority::NiceTable;
 use crate::transport::shm::ShmTransport;
 use crate::transport::tcp::{TcpSettings, TcpTransport};
 use crate::transport::{Opcode, Prepared, Transport};
@@ -179,6 +180,7 @@ impl Engine {
                 serde_json::to_vec(&served.descriptor()).expect("descriptor serializes")
             }),
             messaging.clone(),
+            NiceTable::new(config.transports.tcp.bulk_thread_nice),
         )?;
         let name = format!(
             "{}:{}",
@@ -195,6 +197,7 @@ impl Engine {
             connect_timeout: Duration::from_millis(tcp_cfg.connect_timeout_ms),
             max_inflight_bytes: tcp_cfg.max_inflight_bytes_per_connection,
             max_retries: tcp_cfg.max_retries,
+            nice: NiceTable::new(tcp_cfg.bulk_thread_nice),
         };
         let scheduler = Arc::new(RailScheduler::new(
             topology,

@@ -15,6 +15,7 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::memory::{MemoryRegistry, Region};
 use crate::messaging::Messaging;
+use crate::transport::cpu_priority::{NiceTable, ThreadNice};
 use crate::transport::sockio::{self, iovec};
 use crate::transport::wire::{self, ConnKind, RequestHeader, RequestOp, ResponseHeader, Status};
 
@@ -46,6 +47,7 @@ impl Server {
         registry: Arc<MemoryRegistry>,
         descriptor: DescriptorSource,
         messages: Arc<Messaging>,
+        nice: NiceTable,
     ) -> Result<Server> {
         let listener = TcpListener::bind(listen)
             .map_err(|e| Error::io(format!("binding control port {listen}"), e))?;
@@ -68,6 +70,7 @@ impl Server {
                     registry,
                     descriptor,
                     messages,
+                    nice,
                 )
             })
             .map_err(|e| Error::io("spawning accept thread", e))?;
@@ -110,6 +113,7 @@ fn accept_loop(
     registry: Arc<MemoryRegistry>,
     descriptor: DescriptorSource,
     messages: Arc<Messaging>,
+    nice: NiceTable,
 ) {
     let next_id = AtomicU64::new(0);
     loop {
@@ -136,7 +140,7 @@ fn accept_loop(
         let spawned = thread::Builder::new()
             .name(format!("mr-serve-{id}"))
             .spawn(move || {
-                if let Err(reason) = serve(stream, &registry, &descriptor, &messages) {
+                if let Err(reason) = serve(stream, &registry, &descriptor, &messages, nice) {
                     tracing::warn!(%peer, %reason, "closed connection");
                 }
                 conns.lock().expect("server poisoned").remove(&id);
@@ -152,6 +156,7 @@ fn serve(
     registry: &MemoryRegistry,
     descriptor: &DescriptorSource,
     messages: &Messaging,
+    nice: NiceTable,
 ) -> Result<(), String> {
     stream
         .set_read_timeout(Some(HELLO_TIMEOUT))
@@ -165,7 +170,7 @@ fn serve(
     let _ = stream.set_nodelay(true);
     match kind {
         ConnKind::Control => serve_control(stream, descriptor),
-        ConnKind::Data => serve_data(stream.as_raw_fd(), registry),
+        ConnKind::Data => serve_data(stream.as_raw_fd(), registry, nice),
         ConnKind::Message => messages.accept(stream),
     }
 }
@@ -283,7 +288,8 @@ impl Staging {
 }
 
 /// Serves slices until the peer closes the connection (`Ok`) or sends a malformed frame (`Err`).
-fn serve_data(fd: RawFd, registry: &MemoryRegistry) -> Result<(), String> {
+fn serve_data(fd: RawFd, registry: &MemoryRegistry, nice: NiceTable) -> Result<(), String> {
+    let mut nice = ThreadNice::for_this_thread(nice);
     let mut st = Staging {
         buf: vec![0u8; 64 * 1024].into_boxed_slice(),
         start: 0,
@@ -332,6 +338,7 @@ fn serve_data(fd: RawFd, registry: &MemoryRegistry) -> Result<(), String> {
         }
         let h = RequestHeader::decode(&st.buf[st.start..st.start + wire::REQUEST_LEN])?;
         st.start += wire::REQUEST_LEN;
+        nice.follow(h.priority);
         match h.op {
             RequestOp::Write => {
                 last_was_read = false;

@@ -69,11 +69,22 @@ fn target_closes_connections_that_send_garbage() {
         id: 0,
         addr: buf.addr(),
         key: buf.key(),
+        priority: 0,
     }
     .encode(&mut frame);
     frame[0] = 77;
     bad_op.write_all(&frame).unwrap();
     assert!(closed_by_peer(&mut bad_op));
+
+    let mut bad_priority = TcpStream::connect(target.name()).unwrap();
+    bad_priority
+        .write_all(&wire::encode_hello(ConnKind::Data))
+        .unwrap();
+    let mut unknown = frame;
+    unknown[0] = RequestOp::Write as u8;
+    unknown[1] = 9;
+    bad_priority.write_all(&unknown).unwrap();
+    assert!(closed_by_peer(&mut bad_priority));
 
     let mut huge = TcpStream::connect(target.name()).unwrap();
     huge.write_all(&wire::encode_hello(ConnKind::Data)).unwrap();
@@ -120,6 +131,7 @@ fn target_refuses_wrong_key_and_out_of_bounds_without_closing() {
             id: id as u64,
             addr,
             key,
+            priority: 2,
         }
         .encode(&mut frame);
         s.write_all(&frame).unwrap();

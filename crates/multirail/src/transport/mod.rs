@@ -1,6 +1,7 @@
 //! Transports move the slices of a request. `shm` copies through shared memory on the same host;
 //! `tcp` carries slices over persistent connections. The engine picks one per request.
 
+pub(crate) mod cpu_priority;
 pub(crate) mod shm;
 pub(crate) mod sockio;
 pub(crate) mod tcp;

@@ -77,20 +77,25 @@ pub struct RequestHeader {
     pub addr: u64,
     /// Access key of the target buffer.
     pub key: u64,
+    /// The slice's priority (0 HIGH, 1 MEDIUM, 2 LOW), so the target serves it at a matching
+    /// CPU priority. Peers that predate it send 0.
+    pub priority: u8,
 }
 
 impl RequestHeader {
     /// Serializes into `out`.
     pub fn encode(&self, out: &mut [u8; REQUEST_LEN]) {
         out[0] = self.op as u8;
-        out[1..4].fill(0);
+        out[1] = self.priority;
+        out[2..4].fill(0);
         out[4..8].copy_from_slice(&self.len.to_le_bytes());
         out[8..16].copy_from_slice(&self.id.to_le_bytes());
         out[16..24].copy_from_slice(&self.addr.to_le_bytes());
         out[24..32].copy_from_slice(&self.key.to_le_bytes());
     }
 
-    /// Parses a header; an unknown op or a length of 0 or above [`MAX_SLICE_LEN`] is malformed.
+    /// Parses a header; an unknown op or priority, or a length of 0 or above [`MAX_SLICE_LEN`],
+    /// is malformed.
     pub fn decode(b: &[u8]) -> Result<Self, String> {
         let b: &[u8; REQUEST_LEN] = b
             .get(..REQUEST_LEN)
@@ -101,11 +106,16 @@ impl RequestHeader {
             2 => RequestOp::Read,
             op => return Err(format!("unknown request op {op}")),
         };
+        let priority = b[1];
+        if priority > 2 {
+            return Err(format!("unknown request priority {priority}"));
+        }
         let len = u32::from_le_bytes(b[4..8].try_into().unwrap());
         if len == 0 || len > MAX_SLICE_LEN {
             return Err(format!("request length {len} outside 1..={MAX_SLICE_LEN}"));
         }
         Ok(RequestHeader {
+            priority,
             op,
             len,
             id: u64::from_le_bytes(b[8..16].try_into().unwrap()),
@@ -273,9 +283,15 @@ mod tests {
             id: 1,
             addr: 2,
             key: 3,
+            priority: 2,
         }
         .encode(&mut b);
         assert!(RequestHeader::decode(&b).is_ok());
+        let mut prio = b;
+        prio[1] = 3;
+        assert!(RequestHeader::decode(&prio)
+            .unwrap_err()
+            .contains("priority 3"));
         let mut z = b;
         z[4..8].copy_from_slice(&0u32.to_le_bytes());
         assert!(RequestHeader::decode(&z).is_err());
@@ -309,8 +325,8 @@ mod tests {
 
     proptest! {
         #[test]
-        fn request_round_trip(write in any::<bool>(), len in 1..=MAX_SLICE_LEN, id in any::<u64>(), addr in any::<u64>(), key in any::<u64>()) {
-            let h = RequestHeader { op: if write { RequestOp::Write } else { RequestOp::Read }, len, id, addr, key };
+        fn request_round_trip(write in any::<bool>(), len in 1..=MAX_SLICE_LEN, id in any::<u64>(), addr in any::<u64>(), key in any::<u64>(), priority in 0u8..3) {
+            let h = RequestHeader { op: if write { RequestOp::Write } else { RequestOp::Read }, len, id, addr, key, priority };
             let mut b = [0u8; REQUEST_LEN];
             h.encode(&mut b);
             prop_assert_eq!(RequestHeader::decode(&b).unwrap(), h);

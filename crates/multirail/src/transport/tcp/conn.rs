@@ -6,7 +6,7 @@
 use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::thread::{self, Thread};
 use std::time::{Duration, Instant};
@@ -16,6 +16,7 @@ use crossbeam::channel::{self, Receiver, Sender};
 use crate::batch::Task;
 use crate::error::{Error, Result};
 use crate::stats::RailCounters;
+use crate::transport::cpu_priority::{NiceTable, ThreadNice};
 use crate::transport::sockio::{self, iovec};
 use crate::transport::wire::{self, ConnKind, RequestHeader, RequestOp, ResponseHeader};
 use crate::transport::Opcode;
@@ -31,6 +32,8 @@ pub(crate) struct TcpSettings {
     pub connect_timeout: Duration,
     pub max_inflight_bytes: u64,
     pub max_retries: u32,
+    /// CPU priority of the connection's threads by the priority of what they carry.
+    pub nice: NiceTable,
 }
 
 /// One slice to post.
@@ -51,6 +54,35 @@ pub(crate) struct Outgoing {
     pub attempts: u32,
     /// When the slice first went on the wire; bounds how long retries may go on.
     pub first_posted: Option<Instant>,
+}
+
+impl Outgoing {
+    /// Cuts the slice after `at` bytes and returns the rest, a slice of the same request that
+    /// counts as one more part of it, not yet charged to any rail. `at` must lie inside the
+    /// slice and the slice must not be posted yet, so its task cannot have finished.
+    pub(crate) fn split_off(&mut self, at: u32) -> Outgoing {
+        debug_assert!(
+            at > 0 && at < self.len,
+            "split {at} outside a {}-byte slice",
+            self.len
+        );
+        self.task.add_parts(1);
+        let rest = Outgoing {
+            op: self.op,
+            local: self.local + at as usize,
+            remote: self.remote + at as u64,
+            key: self.key,
+            len: self.len - at,
+            task: self.task.clone(),
+            rail: usize::MAX,
+            location: self.location,
+            priority: self.priority,
+            attempts: self.attempts,
+            first_posted: None,
+        };
+        self.len = at;
+        rest
+    }
 }
 
 /// What a connection reports to: the peer that owns it.
@@ -93,6 +125,9 @@ pub(crate) struct Conn {
     tx: Sender<Msg>,
     state: Mutex<ConnState>,
     inflight_bytes: AtomicU64,
+    /// Highest priority (lowest level) in the sender's last write; the reader thread takes on
+    /// the same CPU priority, since it completes those slices.
+    carrying: AtomicU8,
     reads_outstanding: AtomicU32,
     dead: AtomicBool,
     /// Nanoseconds after `epoch` of the last answered slice; 0 = never.
@@ -170,6 +205,7 @@ impl Conn {
                 dead: None,
             }),
             inflight_bytes: AtomicU64::new(0),
+            carrying: AtomicU8::new(0),
             reads_outstanding: AtomicU32::new(0),
             dead: AtomicBool::new(false),
             last_answer_ns: AtomicU64::new(0),
@@ -316,6 +352,7 @@ fn sender_loop(conn: &Arc<Conn>, rx: Receiver<Msg>) {
     let mut headers = vec![[0u8; wire::REQUEST_LEN]; SLICES_PER_WRITE];
     let mut iov: Vec<libc::iovec> = Vec::with_capacity(SLICES_PER_WRITE * 2);
     let mut stopping = false;
+    let mut nice = ThreadNice::for_this_thread(conn.settings.nice);
     while !stopping {
         match rx.recv() {
             Ok(Msg::Slice(s)) => batch.push(s),
@@ -335,6 +372,9 @@ fn sender_loop(conn: &Arc<Conn>, rx: Receiver<Msg>) {
                 Err(_) => break,
             }
         }
+        let carrying = batch.iter().map(|s| s.priority).min().unwrap_or(0);
+        nice.follow(carrying);
+        conn.carrying.store(carrying, Ordering::Relaxed);
         // Keep at most the window in flight, so a slow peer backs up here and not without bound
         // in socket buffers.
         while !conn.is_dead()
@@ -367,6 +407,7 @@ fn sender_loop(conn: &Arc<Conn>, rx: Receiver<Msg>) {
                     id: seq,
                     addr: s.remote,
                     key: s.key,
+                    priority: s.priority,
                 }
                 .encode(&mut headers[i]);
                 iov.push(iovec(headers[i].as_ptr(), wire::REQUEST_LEN));
@@ -477,7 +518,9 @@ fn reap(conn: &Arc<Conn>, staging: &mut Staging) -> Result<()> {
     // Responses that arrive in one read share one arrival time, so the selector sees them as
     // delivered together rather than as a burst of impossibly short intervals.
     let mut now = Instant::now();
+    let mut nice = ThreadNice::for_this_thread(conn.settings.nice);
     loop {
+        nice.follow(conn.carrying.load(Ordering::Relaxed));
         let reads = conn.reads_outstanding.load(Ordering::Acquire) > 0;
         let must_read = staging.available() < wire::RESPONSE_LEN;
         let raw = staging

@@ -139,8 +139,25 @@ const INITIAL_WINDOW: u64 = 1 << 20;
 /// loopback the smallest round trip understates what keeps the pipe full (4 MiB writes: 2.9 GB/s
 /// with 4, 3.7 with 8; 16 let a bulk process on the same host double another's HIGH p99).
 const WINDOW_BDPS: f64 = 8.0;
+/// Bandwidth-delay products bulk may keep in flight on a rail while HIGH work is active: what
+/// keeps the rail busy, so a HIGH slice finds almost nothing queued ahead of it.
+const LEAN_BDPS: f64 = 1.0;
+/// Most time's worth of a rail's bandwidth one bulk slice carries while HIGH work is active.
+const HIGH_WAIT_NS: u64 = 250_000;
+/// Bulk slices are not cut below this while HIGH work is active: smaller ones cost more per
+/// byte than the wait they save.
+const MIN_BULK_CHUNK: u64 = 16 << 10;
 /// Most time's worth of a rail's bandwidth a window holds.
 const WINDOW_MAX_QUEUE_NS: u64 = 1_000_000;
+
+/// What one path may hold in flight, bytes.
+#[derive(Debug, Clone, Copy)]
+struct Window {
+    /// For full speed: several bandwidth-delay products, time-capped.
+    full: u64,
+    /// For bulk beside HIGH: about what keeps the rail busy.
+    lean: u64,
+}
 
 /// The peer's queue of slices and what each path has in flight.
 struct Dispatch {
@@ -150,8 +167,11 @@ struct Dispatch {
     reported: [usize; LEVELS],
     /// Per path: bytes handed to its connections and not yet answered.
     posted: Vec<u64>,
-    /// Per path: smallest time from posting to answer seen, ns; 0 = none yet.
-    min_rtt_ns: Vec<u64>,
+    /// Per path: smallest time from posting to answer seen, less the time to put that slice on
+    /// the wire at the rail's estimated bandwidth, ns; `u64::MAX` = none yet. What the path
+    /// adds to any slice whatever its length, so the bandwidth-delay product does not grow
+    /// with the slices that happened to be measured.
+    min_fixed_ns: Vec<u64>,
     rails: Vec<usize>,
     ewma: Vec<f64>,
 }
@@ -266,7 +286,7 @@ impl TcpPeer {
                 queue: PriorityQueues::new(qos.promotion),
                 reported: [0; LEVELS],
                 posted: vec![0; npaths],
-                min_rtt_ns: vec![0; npaths],
+                min_fixed_ns: vec![u64::MAX; npaths],
                 rails: Vec::new(),
                 ewma: Vec::new(),
             }),
@@ -383,29 +403,58 @@ impl TcpPeer {
         }
     }
 
-    /// Window of path `p`: [`WINDOW_BDPS`] times its bandwidth-delay product (EWMA bandwidth × the
-    /// smallest round trip seen, less the time to put one slice on the wire), but never more
-    /// than [`WINDOW_MAX_QUEUE_NS`] of the rail's bandwidth, and at least one slice. The margin
+    /// Window of path `p` for slices of `slice` bytes. `full` is [`WINDOW_BDPS`] times its
+    /// bandwidth-delay product (EWMA bandwidth × the fixed part of the smallest round trip),
+    /// but never more than [`WINDOW_MAX_QUEUE_NS`] of the rail's bandwidth; `lean` is
+    /// [`LEAN_BDPS`] bandwidth-delay products; each at least one slice. The margin of `full`
     /// covers what the estimate misses on a CPU-bound link such as loopback; the time bound
-    /// keeps a slow rail's queue (a shaped link's, a switch's), whose smallest round trip
-    /// already includes a slice waiting ahead, from holding more bulk ahead of a HIGH slice
-    /// than a millisecond's worth or one slice.
-    fn window(d: &Dispatch, p: usize, rail: usize, slice: u64) -> u64 {
-        let rtt = d.min_rtt_ns[p];
-        if rtt == 0 {
-            return INITIAL_WINDOW.max(slice);
+    /// keeps a slow rail's queue (a shaped link's, a switch's) from holding more than a
+    /// millisecond's worth.
+    fn window(d: &Dispatch, p: usize, rail: usize, slice: u64) -> Window {
+        let fixed = d.min_fixed_ns[p];
+        if fixed == u64::MAX {
+            let w = INITIAL_WINDOW.max(slice);
+            return Window { full: w, lean: w };
         }
         let bytes_per_sec = d.ewma.get(rail).copied().unwrap_or(0.0);
-        // The smallest round trip includes putting one slice on the wire; what the pipe holds
-        // beyond that slice is the bandwidth times the rest.
-        let serialization_ns = if bytes_per_sec > 0.0 {
-            slice as f64 * 1e9 / bytes_per_sec
-        } else {
-            0.0
-        };
-        let bdp = bytes_per_sec * (rtt as f64 - serialization_ns).max(0.0) / 1e9;
+        let bdp = bytes_per_sec * fixed as f64 / 1e9;
         let cap = bytes_per_sec * WINDOW_MAX_QUEUE_NS as f64 / 1e9;
-        ((WINDOW_BDPS * bdp).min(cap) as u64).max(slice)
+        Window {
+            full: ((WINDOW_BDPS * bdp).min(cap) as u64).max(slice),
+            lean: ((LEAN_BDPS * bdp).min(cap) as u64).max(slice),
+        }
+    }
+
+    /// Largest bulk slice rail `rail` may carry while HIGH work is active: [`HIGH_WAIT_NS`] of
+    /// its estimated bandwidth, in whole pages, at least [`MIN_BULK_CHUNK`]. A bulk slice
+    /// already on the wire cannot be passed, so this bounds what a HIGH slice waits behind on a
+    /// slow rail; fast rails carry whole slices (their bound exceeds any slice).
+    fn bulk_chunk(d: &Dispatch, rail: usize) -> u64 {
+        match d.ewma.get(rail).copied() {
+            Some(bw) if bw > 0.0 => {
+                let bytes = (bw * HIGH_WAIT_NS as f64 / 1e9).min(u32::MAX as f64) as u64;
+                (bytes & !4095).max(MIN_BULK_CHUNK)
+            }
+            _ => u64::MAX,
+        }
+    }
+
+    /// Bytes a path may have in flight for slices of `prio`. Two full windows keep a rail busy
+    /// at full speed; bulk gets them while HIGH is quiet (work-conserving: alone, LOW moves as
+    /// fast as HIGH). While HIGH is active, bulk keeps to the lean window: whatever bulk has in
+    /// flight is a queue (socket buffers, the kernel's backlog, a switch) that a HIGH slice
+    /// finds ahead of it on the link, so bulk gives up the margin it uses for throughput. HIGH
+    /// beside bulk may post one window past the most it could use alone: it has its own
+    /// connection, so it does not queue behind bulk bytes in a TCP stream, and it never waits
+    /// for whichever rail drains first (a slow one, often).
+    fn allowance(prio: u8, window: Window, high_active: bool, bulk_active: bool) -> u64 {
+        if prio == multirail_policy::qos::HIGH && bulk_active {
+            3 * window.full
+        } else if prio == multirail_policy::qos::HIGH || !high_active {
+            2 * window.full
+        } else {
+            window.lean
+        }
     }
 
     /// Deals queued slices to rails, highest priority first, while some usable rail that the
@@ -443,7 +492,7 @@ impl TcpPeer {
                     d.queue.front_mut(prio).expect("head exists").slice.rail = usize::MAX;
                     continue;
                 }
-                if d.posted[p] >= Self::window(d, p, rail, len) {
+                if d.posted[p] >= Self::window(d, p, rail, len).full {
                     blocked[prio as usize] = true;
                     continue;
                 }
@@ -456,6 +505,8 @@ impl TcpPeer {
             let high_active = qos.has_work(multirail_policy::qos::HIGH, now);
             let bulk_active = qos.has_work(multirail_policy::qos::MEDIUM, now)
                 || qos.has_work(multirail_policy::qos::LOW, now);
+            // Bulk beside HIGH goes out in pieces a HIGH slice can pass soon (slow rails only).
+            let split = prio != multirail_policy::qos::HIGH && high_active;
             let tiers = self.scheduler.tiers(head.slice.location);
             let mut candidates: [Vec<usize>; 3] = Default::default();
             let mut room = 0u64;
@@ -465,20 +516,14 @@ impl TcpPeer {
                 {
                     continue;
                 }
-                let window = Self::window(d, p, path.rail, len);
-                self.scheduler.note_window(path.rail, window);
-                // Two windows keep a rail busy. Bulk keeps to one while HIGH work is around,
-                // and gets two otherwise (work-conserving: alone, LOW moves as fast as HIGH).
-                // HIGH beside bulk may post one window past the most bulk can hold: it has its
-                // own connection, so it does not queue behind those bytes in a TCP stream, and
-                // it never waits for whichever rail drains first (a slow one, often).
-                let allowed = if prio == multirail_policy::qos::HIGH && bulk_active {
-                    3 * window
-                } else if prio == multirail_policy::qos::HIGH || !high_active {
-                    2 * window
+                let slice = if split {
+                    len.min(Self::bulk_chunk(d, path.rail))
                 } else {
-                    window
+                    len
                 };
+                let window = Self::window(d, p, path.rail, slice);
+                self.scheduler.note_window(path.rail, window.full);
+                let allowed = Self::allowance(prio, window, high_active, bulk_active);
                 if !smart || d.posted[p] < allowed {
                     let tier = tiers.get(path.rail).copied().unwrap_or(0).min(2) as usize;
                     candidates[tier].push(path.rail);
@@ -508,21 +553,34 @@ impl TcpPeer {
                 break;
             }
             let mut waiting = Vec::new();
+            let mut rests = Vec::new();
             for &rail in rails.iter() {
                 let mut q = d.queue.pop(prio, now_ns).expect("k slices queued");
                 q.item.slice.rail = rail;
                 let p = self.rail_path[rail].expect("candidates have paths");
-                if smart || d.posted[p] < Self::window(d, p, rail, len) {
+                if smart || d.posted[p] < Self::window(d, p, rail, len).full {
+                    let chunk = Self::bulk_chunk(d, rail);
+                    if split && u64::from(q.item.slice.len) > chunk {
+                        let rest = q.item.slice.split_off(chunk as u32);
+                        self.scheduler.unassigned(rail, u64::from(rest.len));
+                        let queued = Queued {
+                            slice: rest,
+                            since: q.item.since,
+                            error: None,
+                        };
+                        rests.push((queued, q.waited_ns));
+                    }
                     qos.dequeued(prio, q.waited_ns, now);
                     self.post_on(d, p, q.item, prio, now_ns);
                 } else {
                     // Baseline: charged to its rail, it waits at the head for room there.
-                    waiting.push(q);
+                    waiting.push((q.item, q.waited_ns));
                 }
             }
-            for q in waiting.into_iter().rev() {
+            // What was cut off or could not go waits at the head, in request order.
+            for (item, waited_ns) in waiting.into_iter().chain(rests).rev() {
                 d.queue
-                    .push_front(q.item, prio, now_ns.saturating_sub(q.waited_ns), now_ns);
+                    .push_front(item, prio, now_ns.saturating_sub(waited_ns), now_ns);
             }
             d.rails = rails;
         }
@@ -720,13 +778,28 @@ impl ConnOwner for TcpPeer {
             let mut d = self.dispatch.lock().expect("peer poisoned");
             d.posted[p] = d.posted[p].saturating_sub(bytes);
             let rtt = now.saturating_duration_since(posted).as_nanos() as u64;
-            if rtt > 0 && (d.min_rtt_ns[p] == 0 || rtt < d.min_rtt_ns[p]) {
-                d.min_rtt_ns[p] = rtt;
+            let serialization_ns = match d.ewma.get(rail).copied() {
+                Some(bw) if bw > 0.0 => (bytes as f64 * 1e9 / bw) as u64,
+                _ => 0,
+            };
+            let fixed = rtt.saturating_sub(serialization_ns);
+            if rtt > 0 && fixed < d.min_fixed_ns[p] {
+                d.min_fixed_ns[p] = fixed;
             }
-            // Refill a path once it has drained to half its window, so the sender gets several
-            // slices per wake-up and per writev instead of one; HIGH work never waits for that.
-            let window = Self::window(&d, p, self.paths[p].rail, bytes);
-            refill = d.posted[p] * 2 <= window || d.queue.depths()[0] > 0;
+            // Refill a path once half of what the waiting priority may hold (at most half a full
+            // window) has drained, so the sender gets several slices per wake-up and per
+            // writev instead of one; HIGH work never waits for that.
+            let depths = d.queue.depths();
+            refill = match depths.iter().position(|&n| n > 0) {
+                None => false,
+                Some(0) => true,
+                Some(level) => {
+                    let window = Self::window(&d, p, self.paths[p].rail, bytes);
+                    let high_active = self.qos.has_work(multirail_policy::qos::HIGH, now);
+                    let allowed = Self::allowance(level as u8, window, high_active, true);
+                    d.posted[p] + (window.full / 2).min(allowed / 2) <= allowed
+                }
+            };
         }
         if refill {
             self.pump();
