@@ -14,7 +14,7 @@ use crate::slots::GlobalSlots;
 
 /// How long after its last posted slice a priority still counts as having work: a stream of
 /// requests that never queues (each posted at once) is still traffic to make room for.
-const ACTIVE_NS: u64 = 10_000_000;
+const ACTIVE_NS: u64 = crate::slots::ACTIVE_NS;
 
 /// Queue statistics of one priority level.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
@@ -58,6 +58,9 @@ pub(crate) struct Qos {
     waits: Mutex<Waits>,
     global: Option<Arc<GlobalSlots>>,
     epoch: Instant,
+    /// CLOCK_MONOTONIC at `epoch`, ns: converts our instants to the host-wide clock the shared
+    /// slot object uses.
+    epoch_monotonic_ns: u64,
 }
 
 impl Qos {
@@ -93,6 +96,7 @@ impl Qos {
             }),
             global,
             epoch,
+            epoch_monotonic_ns: crate::slots::monotonic_ns(),
         })
     }
 
@@ -122,19 +126,24 @@ impl Qos {
         let p = (priority as usize).min(LEVELS - 1);
         let now_ns = now.saturating_duration_since(self.epoch).as_nanos() as u64;
         self.last_posted_ns[p].store(now_ns.max(1), Ordering::Relaxed);
+        if let Some(g) = &self.global {
+            g.note_posted(priority, self.epoch_monotonic_ns + now_ns);
+        }
         let mut w = self.waits.lock().expect("qos poisoned");
         w.histograms[p].saturating_record((waited_ns / 1000).max(1));
         w.dequeued[p] += 1;
     }
 
-    /// Whether `priority` has work anywhere in the engine at `now`: some of it queued, or some
-    /// posted within the last [`ACTIVE_NS`].
+    /// Whether `priority` has work anywhere in the engine at `now`, or, with shared slots, in
+    /// any process attached to them: some of it queued, or some posted within the last
+    /// [`ACTIVE_NS`]. So bulk in one process makes room for another process's HIGH stream.
     pub(crate) fn has_work(&self, priority: u8, now: Instant) -> bool {
         let p = (priority as usize).min(LEVELS - 1);
         let now_ns = now.saturating_duration_since(self.epoch).as_nanos() as u64;
         let last = self.last_posted_ns[p].load(Ordering::Relaxed);
         self.queued[p].load(Ordering::Relaxed) > 0
             || (last > 0 && now_ns.saturating_sub(last) < ACTIVE_NS)
+            || self.global.as_ref().is_some_and(|g| g.has_work(priority))
     }
 
     /// True when slots are shared with other processes.

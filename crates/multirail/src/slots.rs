@@ -1,7 +1,8 @@
 //! Global QoS time slots shared by the processes of a host through a POSIX shared-memory object
 //! (`shared_quota_shm_path`), laid out like TENT's `SharedHeader`: magic number, format version,
 //! current slot and a process-shared robust mutex, followed by one entry per attached process
-//! publishing how many HIGH and MEDIUM slices it has queued (for work-conserving slots).
+//! publishing how many HIGH and MEDIUM slices it has queued and when it last posted one (for
+//! work-conserving slots, and so a process's bulk makes room for another's HIGH stream).
 //!
 //! Every attached process runs a rotation thread; whichever takes the mutex first after a slot's
 //! time is up advances it, so all processes agree on the current slot. A stale object (wrong
@@ -20,7 +21,13 @@ use crate::error::{Error, Result};
 
 /// "MRSLOTS1".
 const MAGIC: u64 = 0x4d52_534c_4f54_5331;
-const VERSION: i32 = 1;
+const VERSION: i32 = 2;
+/// How long after its last posted slice a process's HIGH or MEDIUM stream still counts as work:
+/// a stream whose requests never queue is still traffic to make room for.
+pub const ACTIVE_NS: u64 = 10_000_000;
+/// A process republishes when it last posted only once this much later, so a busy stream
+/// does not write the shared line for every slice.
+const POSTED_RESOLUTION_NS: u64 = 1_000_000;
 /// Processes that can attach to one object at once.
 pub const MAX_PROCESSES: usize = 64;
 
@@ -30,6 +37,8 @@ struct ProcEntry {
     _pad: u32,
     queued_high: AtomicU64,
     queued_medium: AtomicU64,
+    /// CLOCK_MONOTONIC nanoseconds at which the process last posted a HIGH, a MEDIUM slice.
+    posted_ns: [AtomicU64; 2],
 }
 
 #[repr(C)]
@@ -43,7 +52,8 @@ struct SharedHeader {
     procs: [ProcEntry; MAX_PROCESSES],
 }
 
-fn monotonic_ns() -> u64 {
+/// CLOCK_MONOTONIC now, nanoseconds: one clock for every process on the host.
+pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
@@ -67,6 +77,9 @@ pub struct GlobalSlots {
     work_conserving: bool,
     /// HIGH and MEDIUM slices queued by every attached process, summed by the rotation thread.
     totals: [AtomicU64; 2],
+    /// Whether some attached process posted a HIGH, a MEDIUM slice within [`ACTIVE_NS`], as of
+    /// the rotation thread's last look.
+    active: [AtomicBool; 2],
     stop: AtomicBool,
 }
 
@@ -110,6 +123,7 @@ fn initialize(h: &SharedHeader) -> std::io::Result<()> {
         p.pid.store(0, Ordering::Relaxed);
         p.queued_high.store(0, Ordering::Relaxed);
         p.queued_medium.store(0, Ordering::Relaxed);
+        p.posted_ns.iter().for_each(|t| t.store(0, Ordering::Relaxed));
     }
     init_mutex(h)?;
     h.current_slot.store(0, Ordering::Relaxed);
@@ -197,6 +211,7 @@ impl GlobalSlots {
             interval_ns: interval_ns.max(1),
             work_conserving,
             totals: Default::default(),
+            active: Default::default(),
             stop: AtomicBool::new(false),
         };
         let result = slots.validate_and_register(&name);
@@ -259,6 +274,7 @@ impl GlobalSlots {
             if pid == 0 || pid == me || !process_alive(pid) {
                 p.queued_high.store(0, Ordering::Relaxed);
                 p.queued_medium.store(0, Ordering::Relaxed);
+                p.posted_ns.iter().for_each(|t| t.store(0, Ordering::Relaxed));
                 p.pid.store(me, Ordering::Release);
                 return Ok(i);
             }
@@ -287,6 +303,7 @@ impl GlobalSlots {
             }
         }
         let (mut high, mut medium) = (0, 0);
+        let mut active = [false; 2];
         for p in &h.procs {
             let pid = p.pid.load(Ordering::Acquire);
             if pid == 0 {
@@ -300,14 +317,22 @@ impl GlobalSlots {
                 {
                     p.queued_high.store(0, Ordering::Relaxed);
                     p.queued_medium.store(0, Ordering::Relaxed);
+                    p.posted_ns.iter().for_each(|t| t.store(0, Ordering::Relaxed));
                 }
                 continue;
             }
             high += p.queued_high.load(Ordering::Relaxed);
             medium += p.queued_medium.load(Ordering::Relaxed);
+            for (a, t) in active.iter_mut().zip(&p.posted_ns) {
+                let t = t.load(Ordering::Relaxed);
+                *a |= t > 0 && now.saturating_sub(t) < ACTIVE_NS;
+            }
         }
         self.totals[0].store(high, Ordering::Relaxed);
         self.totals[1].store(medium, Ordering::Relaxed);
+        for (a, now_active) in self.active.iter().zip(active) {
+            a.store(now_active, Ordering::Relaxed);
+        }
         let next = h.slot_started_ns.load(Ordering::Acquire) + self.interval_ns;
         Duration::from_nanos(next.saturating_sub(monotonic_ns()).clamp(50_000, 1_000_000))
     }
@@ -335,14 +360,33 @@ impl GlobalSlots {
         ]
     }
 
-    /// Whether `priority` may post now.
+    /// Records that this process posted a slice of `priority` at `now_ns` (CLOCK_MONOTONIC),
+    /// so other processes see its HIGH or MEDIUM stream as work.
+    pub fn note_posted(&self, priority: u8, now_ns: u64) {
+        let Some(t) = self.header().procs[self.entry]
+            .posted_ns
+            .get(priority as usize)
+        else {
+            return;
+        };
+        if now_ns.saturating_sub(t.load(Ordering::Relaxed)) >= POSTED_RESOLUTION_NS {
+            t.store(now_ns, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether some attached process (this one included) has `priority` work: slices queued,
+    /// or one posted within [`ACTIVE_NS`], as of the rotation thread's last look. Always false
+    /// for LOW, which nothing makes room for.
+    pub fn has_work(&self, priority: u8) -> bool {
+        let p = priority as usize;
+        p < 2 && (self.totals[p].load(Ordering::Relaxed) > 0 || self.active[p].load(Ordering::Relaxed))
+    }
+
+    /// Whether `priority` may post now. Work-conserving slots admit an excluded priority when
+    /// no process has work of the priorities above it (see [`GlobalSlots::has_work`]).
     pub fn admits(&self, priority: u8) -> bool {
-        qos::admits(
-            self.current_slot(),
-            priority,
-            self.queued_totals(),
-            self.work_conserving,
-        )
+        let work = [self.has_work(0) as u64, self.has_work(1) as u64];
+        qos::admits(self.current_slot(), priority, work, self.work_conserving)
     }
 
     /// Processes attached now.
@@ -363,6 +407,7 @@ impl Drop for GlobalSlots {
             let e = &self.header().procs[self.entry];
             e.queued_high.store(0, Ordering::Relaxed);
             e.queued_medium.store(0, Ordering::Relaxed);
+            e.posted_ns.iter().for_each(|t| t.store(0, Ordering::Relaxed));
             e.pid.store(0, Ordering::Release);
         }
         // SAFETY: the mapping was created in `attach` with this size and nothing refers to it
@@ -472,6 +517,29 @@ mod tests {
         let strict = GlobalSlots::attach(&path, 60_000_000_000, false).unwrap();
         assert!(!strict.admits(qos::LOW), "TENT's strict slots");
         drop(strict);
+        unlink(&path);
+    }
+
+    #[test]
+    fn a_posting_stream_counts_as_work_until_it_has_been_quiet_for_the_active_span() {
+        let path = name("active");
+        let s = GlobalSlots::attach(&path, 60_000_000_000, true).unwrap();
+        assert_eq!(s.current_slot(), 0);
+        s.tick();
+        assert!(!s.has_work(qos::HIGH) && s.admits(qos::LOW));
+        // A HIGH stream whose requests never queue: nothing published as queued.
+        s.note_posted(qos::HIGH, monotonic_ns());
+        s.tick();
+        assert_eq!(s.queued_totals(), [0, 0]);
+        assert!(s.has_work(qos::HIGH), "a stream posting now is work");
+        assert!(!s.admits(qos::LOW), "slot 0 keeps LOW out while HIGH streams");
+        assert!(!s.has_work(qos::MEDIUM) && !s.has_work(qos::LOW));
+        // Quiet for longer than the active span: LOW is admitted again.
+        s.header().procs[s.entry].posted_ns[0]
+            .store(monotonic_ns() - 2 * ACTIVE_NS, Ordering::Relaxed);
+        s.tick();
+        assert!(!s.has_work(qos::HIGH) && s.admits(qos::LOW));
+        drop(s);
         unlink(&path);
     }
 }

@@ -250,15 +250,15 @@ pub fn slot_admits(slot: u8, priority: u8) -> bool {
     priority <= slot.min(LOW)
 }
 
-/// Whether `priority` may post during `slot`, given how much HIGH and MEDIUM work every process
-/// has queued (`queued[p]`). With `work_conserving`, a slot that would exclude a priority admits
+/// Whether `priority` may post during `slot`, given how much HIGH and MEDIUM work the processes
+/// have (`work[p]`: slices queued, or streams posting). With `work_conserving`, a slot that would exclude a priority admits
 /// it when no process has work at the levels the slot is reserved for, so bulk traffic is not
 /// held back while the reserved capacity would sit idle.
-pub fn admits(slot: u8, priority: u8, queued: [u64; 2], work_conserving: bool) -> bool {
+pub fn admits(slot: u8, priority: u8, work: [u64; 2], work_conserving: bool) -> bool {
     if slot_admits(slot, priority) {
         return true;
     }
-    work_conserving && (0..=slot.min(MEDIUM)).all(|p| queued[p as usize] == 0)
+    work_conserving && (0..=slot.min(MEDIUM)).all(|p| work[p as usize] == 0)
 }
 
 /// The slot in force at `now_ns` when slots of `interval_ns` rotate 0, 1, 2, 0, ...
