@@ -194,3 +194,105 @@ impl Qos {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The seed's three example configurations, loaded as written (each with its own
+    //! shared-memory name, so tests do not share one object) and run.
+
+    use super::*;
+    use crate::config::Config;
+    use std::time::Duration;
+
+    fn qos_from(doc: &str, tag: &str) -> (Qos, String) {
+        let path = format!("/multirail-qos-example-{tag}-{}", std::process::id());
+        let doc = doc.replace("/mooncake_rdma_slots", &path);
+        let config = Config::from_json_str(&doc, "seed example").expect("the seed's example loads");
+        let qos = Qos::new(&config.transports.rdma, Instant::now()).expect("qos starts");
+        (qos, path)
+    }
+
+    /// Samples the global slot for `span`; returns (mean time a slot lasted, share of samples
+    /// in which LOW could post).
+    fn watch(qos: &Qos, span: Duration) -> (Duration, f64) {
+        let start = Instant::now();
+        let (mut samples, mut low, mut changes) = (0u32, 0u32, 0u32);
+        let mut last = None;
+        while start.elapsed() < span {
+            let slot = qos.global.as_ref().expect("shared slots").current_slot();
+            changes += u32::from(last.is_some_and(|l| l != slot));
+            last = Some(slot);
+            samples += 1;
+            low += u32::from(qos.slot_admits(policy::LOW));
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        (span / changes.max(1), f64::from(low) / f64::from(samples))
+    }
+
+    const EXAMPLE_1: &str = r#"{"transports": {"rdma": {"enable_priority_filtering": true,
+        "slot_rotation_interval_ms": 1, "shared_quota_shm_path": "/mooncake_rdma_slots"}}}"#;
+    const EXAMPLE_2: &str = r#"{"transports": {"rdma": {"enable_priority_filtering": true,
+        "shared_quota_shm_path": ""}}}"#;
+    const EXAMPLE_3: &str = r#"{"transports": {"rdma": {"slot_rotation_interval_ms": 10,
+        "shared_quota_shm_path": "/mooncake_rdma_slots"}}}"#;
+
+    #[test]
+    fn example_1_latency_critical_gives_high_a_window_of_its_own_every_few_ms() {
+        let (qos, path) = qos_from(EXAMPLE_1, "latency");
+        assert!(qos.shares_slots());
+        // A HIGH stream is posting: LOW may post only in slot 2, a third of the time.
+        let keep_posting = |q: &Qos| q.dequeued(policy::HIGH, 0, Instant::now());
+        keep_posting(&qos);
+        std::thread::sleep(Duration::from_millis(3));
+        let start = Instant::now();
+        let (mut samples, mut low) = (0u32, 0u32);
+        while start.elapsed() < Duration::from_millis(60) {
+            keep_posting(&qos);
+            samples += 1;
+            low += u32::from(qos.slot_admits(policy::LOW));
+            assert!(qos.slot_admits(policy::HIGH), "HIGH posts in every slot");
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        let share = f64::from(low) / f64::from(samples);
+        assert!(
+            (0.1..0.6).contains(&share),
+            "LOW admitted in {share:.2} of samples"
+        );
+        let (dwell, _) = watch(&qos, Duration::from_millis(60));
+        assert!(
+            dwell < Duration::from_millis(4),
+            "1 ms slots lasted {dwell:?} on average"
+        );
+        drop(qos);
+        crate::slots::unlink(&path);
+    }
+
+    #[test]
+    fn example_2_single_process_has_no_cross_process_slots() {
+        let (qos, _) = qos_from(EXAMPLE_2, "single");
+        assert!(!qos.shares_slots());
+        qos.dequeued(policy::HIGH, 0, Instant::now());
+        for p in [policy::HIGH, policy::MEDIUM, policy::LOW] {
+            assert!(
+                qos.slot_admits(p),
+                "priority {p} is never held back by a slot"
+            );
+        }
+        assert_eq!(qos.snapshot().global_slot, None);
+    }
+
+    #[test]
+    fn example_3_bulk_friendly_slots_last_ten_times_longer() {
+        let (qos, path) = qos_from(EXAMPLE_3, "bulk");
+        assert!(qos.shares_slots());
+        let (dwell, low) = watch(&qos, Duration::from_millis(100));
+        assert!(
+            dwell >= Duration::from_millis(6),
+            "10 ms slots lasted {dwell:?} on average"
+        );
+        // Nobody has HIGH or MEDIUM work: work-conserving slots admit LOW throughout.
+        assert_eq!(low, 1.0);
+        drop(qos);
+        crate::slots::unlink(&path);
+    }
+}

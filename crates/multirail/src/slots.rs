@@ -123,7 +123,9 @@ fn initialize(h: &SharedHeader) -> std::io::Result<()> {
         p.pid.store(0, Ordering::Relaxed);
         p.queued_high.store(0, Ordering::Relaxed);
         p.queued_medium.store(0, Ordering::Relaxed);
-        p.posted_ns.iter().for_each(|t| t.store(0, Ordering::Relaxed));
+        p.posted_ns
+            .iter()
+            .for_each(|t| t.store(0, Ordering::Relaxed));
     }
     init_mutex(h)?;
     h.current_slot.store(0, Ordering::Relaxed);
@@ -274,7 +276,9 @@ impl GlobalSlots {
             if pid == 0 || pid == me || !process_alive(pid) {
                 p.queued_high.store(0, Ordering::Relaxed);
                 p.queued_medium.store(0, Ordering::Relaxed);
-                p.posted_ns.iter().for_each(|t| t.store(0, Ordering::Relaxed));
+                p.posted_ns
+                    .iter()
+                    .for_each(|t| t.store(0, Ordering::Relaxed));
                 p.pid.store(me, Ordering::Release);
                 return Ok(i);
             }
@@ -317,7 +321,9 @@ impl GlobalSlots {
                 {
                     p.queued_high.store(0, Ordering::Relaxed);
                     p.queued_medium.store(0, Ordering::Relaxed);
-                    p.posted_ns.iter().for_each(|t| t.store(0, Ordering::Relaxed));
+                    p.posted_ns
+                        .iter()
+                        .for_each(|t| t.store(0, Ordering::Relaxed));
                 }
                 continue;
             }
@@ -379,7 +385,9 @@ impl GlobalSlots {
     /// for LOW, which nothing makes room for.
     pub fn has_work(&self, priority: u8) -> bool {
         let p = priority as usize;
-        p < 2 && (self.totals[p].load(Ordering::Relaxed) > 0 || self.active[p].load(Ordering::Relaxed))
+        p < 2
+            && (self.totals[p].load(Ordering::Relaxed) > 0
+                || self.active[p].load(Ordering::Relaxed))
     }
 
     /// Whether `priority` may post now. Work-conserving slots admit an excluded priority when
@@ -407,7 +415,9 @@ impl Drop for GlobalSlots {
             let e = &self.header().procs[self.entry];
             e.queued_high.store(0, Ordering::Relaxed);
             e.queued_medium.store(0, Ordering::Relaxed);
-            e.posted_ns.iter().for_each(|t| t.store(0, Ordering::Relaxed));
+            e.posted_ns
+                .iter()
+                .for_each(|t| t.store(0, Ordering::Relaxed));
             e.pid.store(0, Ordering::Release);
         }
         // SAFETY: the mapping was created in `attach` with this size and nothing refers to it
@@ -532,7 +542,10 @@ mod tests {
         s.tick();
         assert_eq!(s.queued_totals(), [0, 0]);
         assert!(s.has_work(qos::HIGH), "a stream posting now is work");
-        assert!(!s.admits(qos::LOW), "slot 0 keeps LOW out while HIGH streams");
+        assert!(
+            !s.admits(qos::LOW),
+            "slot 0 keeps LOW out while HIGH streams"
+        );
         assert!(!s.has_work(qos::MEDIUM) && !s.has_work(qos::LOW));
         // Quiet for longer than the active span: LOW is admitted again.
         s.header().procs[s.entry].posted_ns[0]
