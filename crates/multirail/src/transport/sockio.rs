@@ -24,30 +24,64 @@ pub(crate) fn write_all_vectored(fd: RawFd, mut iov: &mut [libc::iovec]) -> io::
             }
             return Err(err);
         }
-        let mut written = rc as usize;
+        let written = rc as usize;
         if written == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::WriteZero,
                 "socket accepted no bytes",
             ));
         }
-        // Skip the iovecs written whole, trim the one written in part.
-        let mut skip = 0;
-        while skip < iov.len() && written >= iov[skip].iov_len {
-            written -= iov[skip].iov_len;
-            skip += 1;
-        }
-        iov = &mut iov[skip..];
-        if written > 0 {
-            let first = &mut iov[0];
-            // SAFETY: `written < first.iov_len`, so the advanced pointer stays inside the range
-            // the caller described.
-            first.iov_base =
-                unsafe { (first.iov_base as *mut u8).add(written) } as *mut libc::c_void;
-            first.iov_len -= written;
-        }
+        iov = advance(iov, written);
     }
     Ok(())
+}
+
+/// What is left of `iov` after its first `written` bytes went out: the iovecs written whole
+/// dropped, the one written in part trimmed. `written` must not exceed the bytes `iov` holds.
+pub(crate) fn advance(iov: &mut [libc::iovec], mut written: usize) -> &mut [libc::iovec] {
+    let mut skip = 0;
+    while skip < iov.len() && written >= iov[skip].iov_len {
+        written -= iov[skip].iov_len;
+        skip += 1;
+    }
+    let iov = &mut iov[skip..];
+    if written > 0 {
+        let first = &mut iov[0];
+        // SAFETY: `written < first.iov_len`, so the advanced pointer stays inside the range the
+        // iovec describes.
+        first.iov_base = unsafe { (first.iov_base as *mut u8).add(written) } as *mut libc::c_void;
+        first.iov_len -= written;
+    }
+    iov
+}
+
+/// One vectored write that does not block: `Ok(None)` when the socket takes nothing now,
+/// else how many bytes it took.
+///
+/// The caller guarantees each iovec describes readable memory that stays valid for the call.
+pub(crate) fn write_vectored_nonblocking(
+    fd: RawFd,
+    iov: &[libc::iovec],
+) -> io::Result<Option<usize>> {
+    loop {
+        // SAFETY: an all-zero msghdr is valid; we point it at the caller's iovecs, which the
+        // caller guarantees are readable for this call.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+        msg.msg_iovlen = iov.len().min(MAX_IOV) as _;
+        // SAFETY: `msg` describes only the caller's iovecs; sendmsg only reads through them.
+        // MSG_NOSIGNAL: a closed peer is an error to report, not a signal to die of.
+        let rc = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        if rc < 0 {
+            let err = io::Error::last_os_error();
+            match err.kind() {
+                io::ErrorKind::Interrupted => continue,
+                io::ErrorKind::WouldBlock => return Ok(None),
+                _ => return Err(err),
+            }
+        }
+        return Ok(Some(rc as usize));
+    }
 }
 
 /// One read of up to `len` bytes into `ptr`; `Ok(0)` means the peer closed the connection.

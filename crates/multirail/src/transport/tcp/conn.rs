@@ -124,6 +124,10 @@ pub(crate) struct Conn {
     stream: TcpStream,
     tx: Sender<Msg>,
     state: Mutex<ConnState>,
+    /// Held by whoever writes to the socket (the sender thread, or a thread writing a HIGH slice
+    /// itself), from taking sequence numbers to the last byte, so frames never interleave and
+    /// go out in sequence order.
+    writer: Mutex<()>,
     inflight_bytes: AtomicU64,
     /// Highest priority (lowest level) in the sender's last write; the reader thread takes on
     /// the same CPU priority, since it completes those slices.
@@ -204,6 +208,7 @@ impl Conn {
                 next_seq: 0,
                 dead: None,
             }),
+            writer: Mutex::new(()),
             inflight_bytes: AtomicU64::new(0),
             carrying: AtomicU8::new(0),
             reads_outstanding: AtomicU32::new(0),
@@ -243,6 +248,120 @@ impl Conn {
             Ok(()) => Ok(()),
             Err(channel::SendError(Msg::Slice(s))) => Err(s),
             Err(_) => unreachable!("only slices are sent here"),
+        }
+    }
+
+    /// Writes a slice on the calling thread when no other thread is writing on this connection,
+    /// nothing waits for the sender thread, the in-flight bound has room and the socket takes
+    /// the first bytes at once; otherwise queues it like [`send`](Self::send). This spares a
+    /// HIGH slice the sender thread's wake-up, which on a host whose cores are busy moving bulk
+    /// bytes can cost more than the write. Hands the slice back when the connection is dead.
+    pub(crate) fn send_now(&self, mut slice: Outgoing) -> std::result::Result<(), Outgoing> {
+        let len = u64::from(slice.len);
+        let inflight = self.inflight_bytes.load(Ordering::Acquire);
+        if !self.tx.is_empty()
+            || (inflight > 0 && inflight + len > self.settings.max_inflight_bytes)
+        {
+            return self.send(slice);
+        }
+        let Ok(writing) = self.writer.try_lock() else {
+            return self.send(slice);
+        };
+        let mut header = [0u8; wire::REQUEST_LEN];
+        let is_write = slice.op == Opcode::Write;
+        let payload = (slice.local as *const u8, slice.len as usize);
+        let seq = {
+            let mut st = self.state.lock().expect("conn poisoned");
+            if st.dead.is_some() {
+                return Err(slice);
+            }
+            let seq = st.next_seq;
+            st.next_seq += 1;
+            RequestHeader {
+                op: if is_write {
+                    RequestOp::Write
+                } else {
+                    RequestOp::Read
+                },
+                len: slice.len,
+                id: seq,
+                addr: slice.remote,
+                key: slice.key,
+                priority: slice.priority,
+            }
+            .encode(&mut header);
+            let now = Instant::now();
+            slice.first_posted.get_or_insert(now);
+            // Queued before the first byte goes out: the response can arrive at once.
+            st.queue.push_back(Inflight {
+                seq,
+                slice,
+                posted: now,
+            });
+            seq
+        };
+        self.inflight_bytes.fetch_add(len, Ordering::AcqRel);
+        if !is_write {
+            self.reads_outstanding.fetch_add(1, Ordering::AcqRel);
+        }
+        let mut iov = [
+            iovec(header.as_ptr(), wire::REQUEST_LEN),
+            iovec(payload.0, payload.1),
+        ];
+        let iov = if is_write {
+            &mut iov[..]
+        } else {
+            &mut iov[..1]
+        };
+        // Payload iovec: registered memory the submitter keeps registered until the request
+        // completes; the header lives on this stack until the write returns.
+        match sockio::write_vectored_nonblocking(self.fd, iov) {
+            Ok(Some(0)) | Ok(None) => {
+                // The socket is full: take the slice back (nothing of it went out, so no
+                // answer can have taken it) and leave it to the sender thread.
+                let back = {
+                    let mut st = self.state.lock().expect("conn poisoned");
+                    match st.queue.back() {
+                        Some(b) if b.seq == seq => {
+                            st.next_seq -= 1;
+                            st.queue.pop_back()
+                        }
+                        // `kill` drained it and handed it back to the owner already.
+                        _ => None,
+                    }
+                };
+                self.inflight_bytes.fetch_sub(len, Ordering::AcqRel);
+                if !is_write {
+                    self.reads_outstanding.fetch_sub(1, Ordering::AcqRel);
+                }
+                drop(writing);
+                match back {
+                    Some(b) => self.send(b.slice),
+                    None => Ok(()),
+                }
+            }
+            Ok(Some(n)) => {
+                // The frame has begun: finish it here, blocking if need be, so no other frame
+                // lands inside it.
+                let rest = sockio::advance(iov, n);
+                if let Err(e) = sockio::write_all_vectored(self.fd, rest) {
+                    drop(writing);
+                    self.kill(Error::PeerDisconnected {
+                        peer: self.peer.clone(),
+                        reason: format!("send failed: {e}"),
+                    });
+                }
+                Ok(())
+            }
+            Err(e) => {
+                drop(writing);
+                // The slice is in flight on this connection: `kill` hands it back to the owner.
+                self.kill(Error::PeerDisconnected {
+                    peer: self.peer.clone(),
+                    reason: format!("send failed: {e}"),
+                });
+                Ok(())
+            }
         }
     }
 
@@ -386,10 +505,12 @@ fn sender_loop(conn: &Arc<Conn>, rx: Receiver<Msg>) {
         }
         iov.clear();
         let mut reads = 0;
+        let writing = conn.writer.lock().expect("conn poisoned");
         {
             let mut st = conn.state.lock().expect("conn poisoned");
             if let Some(err) = st.dead.clone() {
                 drop(st);
+                drop(writing);
                 conn.hand_back(std::mem::take(&mut batch), err);
                 continue;
             }
@@ -428,7 +549,9 @@ fn sender_loop(conn: &Arc<Conn>, rx: Receiver<Msg>) {
         conn.reads_outstanding.fetch_add(reads, Ordering::AcqRel);
         // Payload iovecs point into registered memory that the submitter keeps registered until
         // the request completes; headers live in `headers`, untouched until the next round.
-        if let Err(e) = sockio::write_all_vectored(conn.fd, &mut iov) {
+        let written = sockio::write_all_vectored(conn.fd, &mut iov);
+        drop(writing);
+        if let Err(e) = written {
             conn.kill(Error::PeerDisconnected {
                 peer: conn.peer.clone(),
                 reason: format!("send failed: {e}"),

@@ -133,6 +133,22 @@ impl Queued {
     }
 }
 
+/// A slice dealt to a connection of path `path`, handed to it once the peer's lock is released:
+/// handing over wakes the connection's sender thread (or, for HIGH, writes the slice), and
+/// neither should happen while other threads wait for the lock.
+struct Handoff {
+    path: usize,
+    conn: Arc<Conn>,
+    queued: Queued,
+    prio: u8,
+}
+
+thread_local! {
+    /// Reused by `pump` so dealing allocates nothing; a nested pump (a connection dying during a
+    /// handoff) finds it taken and uses a fresh one.
+    static HANDOFFS: std::cell::RefCell<Vec<Handoff>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Window used before a path has measured a round trip.
 const INITIAL_WINDOW: u64 = 1 << 20;
 /// Bandwidth-delay products a window holds before the time cap: on a CPU-bound link such as
@@ -458,10 +474,86 @@ impl TcpPeer {
     }
 
     /// Deals queued slices to rails, highest priority first, while some usable rail that the
-    /// priority may use has room in its window and the global slot admits the priority.
+    /// priority may use has room in its window and the global slot admits the priority; then
+    /// hands them to their connections outside the lock. A slice whose connection turns out
+    /// dead goes back to the head of its level and is dealt again.
     fn pump(&self) {
-        let mut guard = self.dispatch.lock().expect("peer poisoned");
-        let d = &mut *guard;
+        let mut out = HANDOFFS.with(|v| std::mem::take(&mut *v.borrow_mut()));
+        loop {
+            {
+                let mut d = self.dispatch.lock().expect("peer poisoned");
+                self.deal(&mut d, &mut out);
+            }
+            if out.is_empty() || !self.hand_over(&mut out) {
+                break;
+            }
+        }
+        HANDOFFS.with(|v| {
+            let mut v = v.borrow_mut();
+            if v.capacity() < out.capacity() {
+                *v = out;
+            }
+        });
+    }
+
+    /// Gives each dealt slice to its connection: HIGH ones written at once where the connection
+    /// allows (no sender-thread wake-up on their path), the rest queued for the sender thread.
+    /// Slices refused by a dead connection go back to the head of their level; returns whether
+    /// any did, so the caller deals again.
+    fn hand_over(&self, out: &mut Vec<Handoff>) -> bool {
+        let mut refused: Vec<Handoff> = Vec::new();
+        for h in out.drain(..) {
+            let Handoff {
+                path,
+                conn,
+                queued,
+                prio,
+            } = h;
+            let Queued {
+                slice,
+                since,
+                error,
+            } = queued;
+            let sent = if prio == multirail_policy::qos::HIGH {
+                conn.send_now(slice)
+            } else {
+                conn.send(slice)
+            };
+            if let Err(slice) = sent {
+                refused.push(Handoff {
+                    path,
+                    conn,
+                    queued: Queued {
+                        slice,
+                        since,
+                        error,
+                    },
+                    prio,
+                });
+            }
+        }
+        if refused.is_empty() {
+            return false;
+        }
+        let mut d = self.dispatch.lock().expect("peer poisoned");
+        let now_ns = self.scheduler.now_ns();
+        // Back to the head in dealing order: push the last first.
+        for h in refused.into_iter().rev() {
+            let len = h.queued.len_bytes();
+            d.posted[h.path] = d.posted[h.path].saturating_sub(len);
+            self.scheduler.unassigned(h.queued.slice.rail, len);
+            self.paths[h.path].refresh_usable();
+            let mut q = h.queued;
+            q.slice.rail = usize::MAX;
+            let queued_ns = self.scheduler.ns(q.since);
+            d.queue.push_front(q, h.prio, queued_ns, now_ns);
+        }
+        true
+    }
+
+    /// The dealing half of [`pump`](Self::pump), under the peer's lock: picks rails and
+    /// connections and records what each path will have in flight; `out` receives the slices.
+    fn deal(&self, d: &mut Dispatch, out: &mut Vec<Handoff>) {
         let now = Instant::now();
         let now_ns = self.scheduler.ns(now);
         let promoted = d.queue.on_timeout(now_ns);
@@ -498,7 +590,7 @@ impl TcpPeer {
                 }
                 let q = d.queue.pop(prio, now_ns).expect("head exists");
                 qos.dequeued(prio, q.waited_ns, now);
-                self.post_on(d, p, q.item, prio, now_ns);
+                self.post_on(d, p, q.item, prio, now_ns, out);
                 continue;
             }
             // Engine-wide, as the rails are: HIGH to one peer shares them with bulk to another.
@@ -571,7 +663,7 @@ impl TcpPeer {
                         rests.push((queued, q.waited_ns));
                     }
                     qos.dequeued(prio, q.waited_ns, now);
-                    self.post_on(d, p, q.item, prio, now_ns);
+                    self.post_on(d, p, q.item, prio, now_ns, out);
                 } else {
                     // Baseline: charged to its rail, it waits at the head for room there.
                     waiting.push((q.item, q.waited_ns));
@@ -588,34 +680,35 @@ impl TcpPeer {
         self.report_depths(d);
     }
 
-    /// Hands a slice with a chosen rail to a connection of path `p`, or puts it back at the head
-    /// of its level (without a rail) if the path died under us.
-    fn post_on(&self, d: &mut Dispatch, p: usize, q: Queued, prio: u8, now_ns: u64) {
+    /// Charges a slice with a chosen rail to path `p` and a live connection of it, to be handed
+    /// over by `out`'s owner; puts it back at the head of its level (without a rail) if the path
+    /// has no live connection.
+    fn post_on(
+        &self,
+        d: &mut Dispatch,
+        p: usize,
+        mut q: Queued,
+        prio: u8,
+        now_ns: u64,
+        out: &mut Vec<Handoff>,
+    ) {
         let len = q.len_bytes();
-        let rail = q.slice.rail;
-        let since = q.since;
-        let error = q.error;
-        let refused = match self.paths[p].pick(prio) {
-            Some(conn) => conn.send(q.slice).err(),
-            None => Some(q.slice),
-        };
-        match refused {
-            None => d.posted[p] += len,
-            Some(mut slice) => {
-                self.scheduler.unassigned(rail, len);
-                self.paths[p].refresh_usable();
-                slice.rail = usize::MAX;
-                let queued_ns = self.scheduler.ns(since);
-                d.queue.push_front(
-                    Queued {
-                        slice,
-                        since,
-                        error,
-                    },
+        match self.paths[p].pick(prio) {
+            Some(conn) => {
+                d.posted[p] += len;
+                out.push(Handoff {
+                    path: p,
+                    conn,
+                    queued: q,
                     prio,
-                    queued_ns,
-                    now_ns,
-                );
+                });
+            }
+            None => {
+                self.scheduler.unassigned(q.slice.rail, len);
+                self.paths[p].refresh_usable();
+                q.slice.rail = usize::MAX;
+                let queued_ns = self.scheduler.ns(q.since);
+                d.queue.push_front(q, prio, queued_ns, now_ns);
             }
         }
     }
