@@ -169,9 +169,23 @@ impl Batch {
         self.signal.unfinished.load(Ordering::Acquire)
     }
 
-    /// Blocks until every request finished or `timeout` passes.
-    pub(crate) fn wait(&self, timeout: Option<Duration>) -> Result<()> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+    /// Blocks until every request finished or `timeout` passes, polling for the first `spin`
+    /// of that time before sleeping.
+    pub(crate) fn wait(&self, timeout: Option<Duration>, spin: Duration) -> Result<()> {
+        let start = Instant::now();
+        let deadline = timeout.map(|t| start + t);
+        if !spin.is_zero() {
+            let spin_until = deadline.map_or(start + spin, |d| d.min(start + spin));
+            // Reading the clock every poll would cost more than the poll.
+            let mut polls = 0u32;
+            while self.unfinished() > 0 {
+                std::hint::spin_loop();
+                polls = polls.wrapping_add(1);
+                if polls.is_multiple_of(64) && Instant::now() >= spin_until {
+                    break;
+                }
+            }
+        }
         let mut guard = self.signal.lock.lock().expect("batch lock poisoned");
         while self.unfinished() > 0 {
             match deadline {
@@ -221,7 +235,7 @@ mod tests {
         assert!(b.status(0).unwrap().is_completed());
         assert!(matches!(b.overall_status(), Status::Pending));
         assert!(matches!(
-            b.wait(Some(Duration::from_millis(10))),
+            b.wait(Some(Duration::from_millis(10)), Duration::ZERO),
             Err(Error::WaitTimeout {
                 pending: 1,
                 total: 2
@@ -232,7 +246,10 @@ mod tests {
             b.status(1).unwrap(),
             Status::Failed(Error::UnknownSegment(3))
         ));
-        assert!(matches!(b.wait(None), Err(Error::UnknownSegment(3))));
+        assert!(matches!(
+            b.wait(None, Duration::ZERO),
+            Err(Error::UnknownSegment(3))
+        ));
         assert!(b.status(5).is_err());
     }
 
@@ -244,7 +261,40 @@ mod tests {
             std::thread::sleep(Duration::from_millis(20));
             t.part_done(Ok(()));
         });
-        b.wait(Some(Duration::from_secs(5))).unwrap();
+        b.wait(Some(Duration::from_secs(5)), Duration::ZERO)
+            .unwrap();
         h.join().unwrap();
+    }
+
+    #[test]
+    fn polling_wait_sees_completion_and_keeps_its_deadline() {
+        // Completion during the polling phase.
+        let b = Arc::new(Batch::new(1, 1));
+        let t = b.add_tasks(1).unwrap().remove(0);
+        let h = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(5));
+            t.part_done(Ok(()));
+        });
+        b.wait(Some(Duration::from_secs(5)), Duration::from_secs(1))
+            .unwrap();
+        h.join().unwrap();
+        // Completion after polling gave up: the sleeping half still wakes.
+        let b = Arc::new(Batch::new(2, 1));
+        let t = b.add_tasks(1).unwrap().remove(0);
+        let h = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            t.part_done(Ok(()));
+        });
+        b.wait(None, Duration::from_millis(1)).unwrap();
+        h.join().unwrap();
+        // A deadline shorter than the polling time ends the wait on time.
+        let b = Batch::new(3, 1);
+        let _t = b.add_tasks(1).unwrap();
+        let start = Instant::now();
+        assert!(matches!(
+            b.wait(Some(Duration::from_millis(20)), Duration::from_secs(10)),
+            Err(Error::WaitTimeout { pending: 1, .. })
+        ));
+        assert!(start.elapsed() < Duration::from_secs(5));
     }
 }

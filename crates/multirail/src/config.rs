@@ -27,6 +27,10 @@ pub const MAX_BLOCK_SIZE: u64 = 64 * 1024 * 1024;
 /// most real hosts only thrash.
 const MAX_THREADS_OR_CONNECTIONS: usize = 64;
 
+/// Upper bound for `workers.wait_spin_us`: polling longer than this burns a core for requests
+/// that sleeping would serve as well.
+const MAX_WAIT_SPIN_US: u32 = 10_000;
+
 /// A configuration problem: which key is wrong and what is wrong with it.
 ///
 /// `key` is the full dotted path of the offending key (`transports.tcp.timeout_ms`,
@@ -138,6 +142,11 @@ pub struct WorkersConfig {
     pub max_slices_per_write: u32,
     /// Threads copying for the shared-memory transport (default 2); 1..=64.
     pub shm_copy_threads: usize,
+    /// Microseconds `wait` polls for completion before it sleeps, while the engine moves no
+    /// MEDIUM or LOW bytes (default 100; 0 = always sleep at once; at most 10000). Waking a
+    /// sleeping thread, on an idle core of a virtual machine above all, can take longer than a
+    /// 64 KiB transfer; with bulk moving the cores are busy and a poller would slow it.
+    pub wait_spin_us: u32,
 }
 
 impl Default for WorkersConfig {
@@ -147,6 +156,7 @@ impl Default for WorkersConfig {
             max_slices_per_request: 64,
             max_slices_per_write: 32,
             shm_copy_threads: 2,
+            wait_spin_us: 100,
         }
     }
 }
@@ -623,6 +633,15 @@ impl WorkersConfig {
             self.max_slices_per_write.into(),
         )?;
         within_count(prefix, "shm_copy_threads", self.shm_copy_threads)?;
+        if self.wait_spin_us > MAX_WAIT_SPIN_US {
+            return Err(ConfigError::new(
+                format!("{prefix}.wait_spin_us"),
+                format!(
+                    "must be at most {MAX_WAIT_SPIN_US} (10 ms), got {}",
+                    self.wait_spin_us
+                ),
+            ));
+        }
         Ok(())
     }
 }
@@ -1021,6 +1040,7 @@ mod tests {
         assert_eq!(c.workers.max_slices_per_request, 64);
         assert_eq!(c.workers.max_slices_per_write, 32);
         assert_eq!(c.workers.shm_copy_threads, 2);
+        assert_eq!(c.workers.wait_spin_us, 100);
         assert!(c.rails.is_empty());
         assert_eq!(c.metadata.kind, MetadataKind::P2p);
         let r = &c.transports.rdma;
@@ -1503,6 +1523,15 @@ mod tests {
         let e = parse_err(r#"{"workers": {"shm_copy_threads": 65}}"#);
         assert_eq!(e.key, "workers.shm_copy_threads");
         assert!(e.message.contains("[1, 64]"), "{e}");
+    }
+
+    #[test]
+    fn wait_spin_bounds() {
+        parse(r#"{"workers": {"wait_spin_us": 0}}"#).unwrap();
+        parse(r#"{"workers": {"wait_spin_us": 10000}}"#).unwrap();
+        let e = parse_err(r#"{"workers": {"wait_spin_us": 10001}}"#);
+        assert_eq!(e.key, "workers.wait_spin_us");
+        assert!(e.message.contains("got 10001"), "{e}");
     }
 
     #[test]

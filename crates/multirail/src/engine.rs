@@ -120,6 +120,8 @@ struct Inner {
     batches: Mutex<HashMap<u64, Arc<Batch>>>,
     next_batch: AtomicU64,
     stats: Arc<TrafficStats>,
+    /// How long `wait` polls before sleeping while no bulk moves (`workers.wait_spin_us`).
+    wait_spin: Duration,
     shm: ShmTransport,
     tcp: TcpTransport,
     scheduler: Arc<RailScheduler>,
@@ -232,12 +234,15 @@ impl Engine {
             batches: Mutex::default(),
             next_batch: AtomicU64::new(1),
             stats,
+            wait_spin: Duration::from_micros(workers.wait_spin_us.into()),
             fallback_logged: OnceLock::new(),
             server: Mutex::new(Some(server)),
             messaging,
             config,
         });
-        spawn_timeout_watch(Arc::downgrade(&inner));
+        if let Some(t) = spawn_timeout_watch(Arc::downgrade(&inner)) {
+            inner.qos.set_upkeep_thread(t);
+        }
         Ok(Engine { inner })
     }
 
@@ -516,9 +521,16 @@ impl Engine {
     }
 
     /// Blocks until every request of the batch finished or `timeout` passed (`None`: no
-    /// limit). Returns the first failure, or `WaitTimeout`.
+    /// limit). Returns the first failure, or `WaitTimeout`. While the engine moves no bulk
+    /// (MEDIUM or LOW) bytes, polls for up to `workers.wait_spin_us` before sleeping.
     pub fn wait(&self, batch: BatchId, timeout: Option<Duration>) -> Result<()> {
-        self.batch(batch)?.wait(timeout)
+        let batch = self.batch(batch)?;
+        let spin = if self.inner.qos.bulk_active(Instant::now()) {
+            Duration::ZERO
+        } else {
+            self.inner.wait_spin
+        };
+        batch.wait(timeout, spin)
     }
 
     /// Per rail since the engine started: bytes, slices and errors moved, and for network
@@ -600,18 +612,33 @@ fn annotate(e: Error, index: usize, total: usize) -> Error {
     e
 }
 
-/// Upkeep of every peer: timeouts, reconnects and probes every 50 ms; with global QoS slots also
-/// a pump every millisecond, since a slot change can let queued work go with nothing else
-/// happening. Runs until the engine is dropped.
-fn spawn_timeout_watch(inner: Weak<Inner>) {
-    let _ = thread::Builder::new()
+/// Upkeep of every peer: timeouts, reconnects and probes every 50 ms; while a global QoS slot
+/// holds queued slices back, also a pump every millisecond, since a slot change can let them go
+/// with nothing else happening. Runs until the engine is dropped.
+/// Returns the thread, or `None` (logged) when it cannot be spawned.
+fn spawn_timeout_watch(inner: Weak<Inner>) -> Option<thread::Thread> {
+    let spawned = thread::Builder::new()
         .name("mr-timeouts".into())
         .spawn(move || {
             let mut last_upkeep = Instant::now();
             loop {
-                let fast = inner.upgrade().is_some_and(|i| i.qos.shares_slots());
-                thread::sleep(Duration::from_millis(if fast { 1 } else { 50 }));
+                let fast = inner.upgrade().is_some_and(|i| i.qos.pump_at_slot_pace());
+                let until_upkeep = Duration::from_millis(50).saturating_sub(last_upkeep.elapsed());
+                // Parked rather than asleep: a slot holding work back wakes us at once.
+                thread::park_timeout(if fast {
+                    until_upkeep.min(Duration::from_millis(1))
+                } else {
+                    until_upkeep
+                });
                 let Some(inner) = inner.upgrade() else { return };
+                let now = Instant::now();
+                let upkeep = now.duration_since(last_upkeep) >= Duration::from_millis(50);
+                if upkeep {
+                    last_upkeep = now;
+                } else if !inner.qos.anything_queued() {
+                    // A pump takes each peer's lock, which a HIGH submitter may be waiting for.
+                    continue;
+                }
                 let peers: Vec<Arc<Peer>> = inner
                     .peers
                     .read()
@@ -620,11 +647,6 @@ fn spawn_timeout_watch(inner: Weak<Inner>) {
                     .values()
                     .cloned()
                     .collect();
-                let now = Instant::now();
-                let upkeep = now.duration_since(last_upkeep) >= Duration::from_millis(50);
-                if upkeep {
-                    last_upkeep = now;
-                }
                 for p in peers {
                     if upkeep {
                         inner.tcp.maintain(&p, now);
@@ -634,4 +656,11 @@ fn spawn_timeout_watch(inner: Weak<Inner>) {
                 }
             }
         });
+    match spawned {
+        Ok(h) => Some(h.thread().clone()),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot spawn the upkeep thread: no timeouts or probes");
+            None
+        }
+    }
 }

@@ -2,7 +2,7 @@
 //! statistics, priority-aware rail filtering, and (when `shared_quota_shm_path` is set) the
 //! global time slots shared with other processes on this host.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -57,6 +57,12 @@ pub(crate) struct Qos {
     promotions: AtomicU64,
     waits: Mutex<Waits>,
     global: Option<Arc<GlobalSlots>>,
+    /// Set while a slot holds back queued slices: the engine's upkeep thread then pumps every
+    /// millisecond, so they go when the slot changes; otherwise it sleeps, since every wake-up
+    /// on a busy host can delay a HIGH slice.
+    slot_held: AtomicBool,
+    /// The upkeep thread, woken when a slot first holds something back.
+    upkeep: std::sync::OnceLock<std::thread::Thread>,
     epoch: Instant,
     /// CLOCK_MONOTONIC at `epoch`, ns: converts our instants to the host-wide clock the shared
     /// slot object uses.
@@ -95,9 +101,49 @@ impl Qos {
                 dequeued: [0; LEVELS],
             }),
             global,
+            slot_held: AtomicBool::new(false),
+            upkeep: std::sync::OnceLock::new(),
             epoch,
             epoch_monotonic_ns: crate::slots::monotonic_ns(),
         })
+    }
+
+    /// Whether any peer of this engine has slices waiting in its queues.
+    pub(crate) fn anything_queued(&self) -> bool {
+        self.queued.iter().any(|q| q.load(Ordering::Relaxed) > 0)
+    }
+
+    /// Registers the thread to wake when a slot starts holding slices back.
+    pub(crate) fn set_upkeep_thread(&self, thread: std::thread::Thread) {
+        let _ = self.upkeep.set(thread);
+    }
+
+    /// Called by a peer whose queue keeps slices a slot does not admit (after reporting its
+    /// depths): wakes the upkeep thread to pump at the next slot change.
+    pub(crate) fn slot_holds_work(&self) {
+        if !self.slot_held.swap(true, Ordering::AcqRel) {
+            if let Some(t) = self.upkeep.get() {
+                t.unpark();
+            }
+        }
+    }
+
+    /// For the upkeep thread: whether to pump at slot pace. Clears the mark once nothing is
+    /// queued; a peer that queues again after that marks it again.
+    pub(crate) fn pump_at_slot_pace(&self) -> bool {
+        if !self.slot_held.load(Ordering::Acquire) {
+            return false;
+        }
+        if self.anything_queued() {
+            return true;
+        }
+        self.slot_held.store(false, Ordering::Release);
+        // Queued between the check and the clear: its peer's mark may have been lost.
+        if self.anything_queued() {
+            self.slot_held.store(true, Ordering::Release);
+            return true;
+        }
+        false
     }
 
     /// Records a change of a peer's queue depths from `old` to `new`.
@@ -146,7 +192,20 @@ impl Qos {
             || self.global.as_ref().is_some_and(|g| g.has_work(priority))
     }
 
+    /// Whether MEDIUM or LOW work is under way in this engine at `now`, or in a process sharing
+    /// its slots and admitted by the current slot: the host's cores are then busy moving bulk
+    /// bytes.
+    pub(crate) fn bulk_active(&self, now: Instant) -> bool {
+        self.has_work(policy::MEDIUM, now)
+            || self.has_work(policy::LOW, now)
+            || self.global.as_ref().is_some_and(|g| {
+                // Another process's bulk keeps the cores busy only while the slot lets it post.
+                g.bulk_active() && (g.admits(policy::LOW) || g.admits(policy::MEDIUM))
+            })
+    }
+
     /// True when slots are shared with other processes.
+    #[cfg(test)]
     pub(crate) fn shares_slots(&self) -> bool {
         self.global.is_some()
     }

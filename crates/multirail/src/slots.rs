@@ -21,13 +21,18 @@ use crate::error::{Error, Result};
 
 /// "MRSLOTS1".
 const MAGIC: u64 = 0x4d52_534c_4f54_5331;
-const VERSION: i32 = 2;
-/// How long after its last posted slice a process's HIGH or MEDIUM stream still counts as work:
-/// a stream whose requests never queue is still traffic to make room for.
+const VERSION: i32 = 3;
+/// How long after its last posted slice a process's stream of a priority still counts as work:
+/// a stream whose requests never queue is still traffic to make room for (HIGH, MEDIUM) or
+/// busy cores to leave alone (MEDIUM, LOW).
 pub const ACTIVE_NS: u64 = 10_000_000;
 /// A process republishes when it last posted only once this much later, so a busy stream
 /// does not write the shared line for every slice.
 const POSTED_RESOLUTION_NS: u64 = 1_000_000;
+/// How often the slot thread sums what the attached processes published: the lag with which
+/// one process sees another's work appear. Each wake-up can delay a HIGH slice in flight on a
+/// busy host, so this is well above the slot length.
+const REFRESH: Duration = Duration::from_millis(5);
 /// Processes that can attach to one object at once.
 pub const MAX_PROCESSES: usize = 64;
 
@@ -37,8 +42,9 @@ struct ProcEntry {
     _pad: u32,
     queued_high: AtomicU64,
     queued_medium: AtomicU64,
-    /// CLOCK_MONOTONIC nanoseconds at which the process last posted a HIGH, a MEDIUM slice.
-    posted_ns: [AtomicU64; 2],
+    /// CLOCK_MONOTONIC nanoseconds at which the process last posted a HIGH, a MEDIUM, a LOW
+    /// slice.
+    posted_ns: [AtomicU64; 3],
 }
 
 #[repr(C)]
@@ -47,8 +53,13 @@ struct SharedHeader {
     version: AtomicI32,
     current_slot: AtomicI32,
     mutex: UnsafeCell<libc::pthread_mutex_t>,
-    /// CLOCK_MONOTONIC (host-wide) nanoseconds at which the current slot began.
-    slot_started_ns: AtomicU64,
+    /// CLOCK_MONOTONIC (host-wide) nanoseconds at which slot 0 first began: slot `k` of the
+    /// rotation covers `epoch_ns + k * interval_ns` onwards, so every process computes the slot
+    /// in force from the clock, and none has to wake up to rotate it.
+    epoch_ns: AtomicU64,
+    /// Slot length, set by the process that created the object; later ones follow it, so all
+    /// agree even when their configurations differ.
+    interval_ns: AtomicU64,
     procs: [ProcEntry; MAX_PROCESSES],
 }
 
@@ -77,9 +88,9 @@ pub struct GlobalSlots {
     work_conserving: bool,
     /// HIGH and MEDIUM slices queued by every attached process, summed by the rotation thread.
     totals: [AtomicU64; 2],
-    /// Whether some attached process posted a HIGH, a MEDIUM slice within [`ACTIVE_NS`], as of
-    /// the rotation thread's last look.
-    active: [AtomicBool; 2],
+    /// Whether some attached process posted a HIGH, a MEDIUM, a LOW slice within
+    /// [`ACTIVE_NS`], as of the rotation thread's last look.
+    active: [AtomicBool; 3],
     stop: AtomicBool,
 }
 
@@ -117,7 +128,7 @@ fn init_mutex(h: &SharedHeader) -> std::io::Result<()> {
     Ok(())
 }
 
-fn initialize(h: &SharedHeader) -> std::io::Result<()> {
+fn initialize(h: &SharedHeader, interval_ns: u64) -> std::io::Result<()> {
     h.magic.store(0, Ordering::Release);
     for p in &h.procs {
         p.pid.store(0, Ordering::Relaxed);
@@ -129,7 +140,8 @@ fn initialize(h: &SharedHeader) -> std::io::Result<()> {
     }
     init_mutex(h)?;
     h.current_slot.store(0, Ordering::Relaxed);
-    h.slot_started_ns.store(monotonic_ns(), Ordering::Relaxed);
+    h.epoch_ns.store(monotonic_ns(), Ordering::Relaxed);
+    h.interval_ns.store(interval_ns, Ordering::Relaxed);
     h.version.store(VERSION, Ordering::Relaxed);
     h.magic.store(MAGIC, Ordering::Release);
     Ok(())
@@ -223,6 +235,19 @@ impl GlobalSlots {
             libc::close(fd);
         }
         slots.entry = result?;
+        let shared = slots.header().interval_ns.load(Ordering::Acquire);
+        if shared != slots.interval_ns {
+            if shared > 0 {
+                tracing::warn!(
+                    name,
+                    ours_ms = slots.interval_ns as f64 / 1e6,
+                    shared_ms = shared as f64 / 1e6,
+                    "slot_rotation_interval_ms differs from the one of the process that created \
+                     the QoS slot object; following the object's, so all processes agree"
+                );
+            }
+            slots.interval_ns = shared.max(1);
+        }
         let slots = Arc::new(slots);
         let rotor = Arc::downgrade(&slots);
         thread::Builder::new()
@@ -232,9 +257,9 @@ impl GlobalSlots {
                 if s.stop.load(Ordering::Acquire) {
                     return;
                 }
-                let wait = s.tick();
+                s.tick();
                 drop(s);
-                thread::sleep(wait);
+                thread::sleep(REFRESH);
             })
             .map_err(|e| Error::io("spawning the QoS slot thread", e))?;
         Ok(slots)
@@ -256,7 +281,7 @@ impl GlobalSlots {
                     "QoS slot object has a foreign magic number or version; reinitializing it"
                 );
             }
-            initialize(h).map_err(io)?;
+            initialize(h, self.interval_ns).map_err(io)?;
         }
         let _g = match lock(h) {
             Ok(g) => g,
@@ -265,7 +290,7 @@ impl GlobalSlots {
                     name,
                     "QoS slot mutex is unrecoverable; reinitializing the object"
                 );
-                initialize(h).map_err(io)?;
+                initialize(h, self.interval_ns).map_err(io)?;
                 lock(h).map_err(io)?
             }
             Err(e) => return Err(io(e)),
@@ -289,25 +314,15 @@ impl GlobalSlots {
         })
     }
 
-    /// Advances the slot if its time is up, refreshes the totals, clears entries of dead
-    /// processes; returns how long to sleep.
-    fn tick(&self) -> Duration {
+    /// Publishes the slot in force in the header (for tools that read it), refreshes the
+    /// totals and clears entries of dead processes.
+    fn tick(&self) {
         let h = self.header();
         let now = monotonic_ns();
-        if let Ok(_g) = lock(h) {
-            let started = h.slot_started_ns.load(Ordering::Relaxed);
-            let elapsed = now.saturating_sub(started);
-            if elapsed >= self.interval_ns {
-                let steps = elapsed / self.interval_ns;
-                let slot = h.current_slot.load(Ordering::Relaxed) as u64;
-                h.current_slot
-                    .store(((slot + steps) % 3) as i32, Ordering::Release);
-                h.slot_started_ns
-                    .store(started + steps * self.interval_ns, Ordering::Release);
-            }
-        }
+        h.current_slot
+            .store(i32::from(self.current_slot()), Ordering::Relaxed);
         let (mut high, mut medium) = (0, 0);
-        let mut active = [false; 2];
+        let mut active = [false; 3];
         for p in &h.procs {
             let pid = p.pid.load(Ordering::Acquire);
             if pid == 0 {
@@ -339,16 +354,15 @@ impl GlobalSlots {
         for (a, now_active) in self.active.iter().zip(active) {
             a.store(now_active, Ordering::Relaxed);
         }
-        let next = h.slot_started_ns.load(Ordering::Acquire) + self.interval_ns;
-        Duration::from_nanos(next.saturating_sub(monotonic_ns()).clamp(50_000, 1_000_000))
     }
 
-    /// The slot in force: 0 admits HIGH, 1 HIGH and MEDIUM, 2 everything.
+    /// The slot in force: 0 admits HIGH, 1 HIGH and MEDIUM, 2 everything. Computed from the
+    /// host's monotonic clock, the object's epoch and its slot length, so every attached
+    /// process gets the same answer at the same moment.
     pub fn current_slot(&self) -> u8 {
-        self.header()
-            .current_slot
-            .load(Ordering::Acquire)
-            .clamp(0, 2) as u8
+        let epoch = self.header().epoch_ns.load(Ordering::Acquire);
+        let elapsed = monotonic_ns().saturating_sub(epoch);
+        ((elapsed / self.interval_ns) % 3) as u8
     }
 
     /// Publishes how many HIGH and MEDIUM slices this process has queued.
@@ -367,7 +381,8 @@ impl GlobalSlots {
     }
 
     /// Records that this process posted a slice of `priority` at `now_ns` (CLOCK_MONOTONIC),
-    /// so other processes see its HIGH or MEDIUM stream as work.
+    /// so other processes see its HIGH or MEDIUM stream as work, and its MEDIUM or LOW stream
+    /// as bulk keeping the host's cores busy.
     pub fn note_posted(&self, priority: u8, now_ns: u64) {
         let Some(t) = self.header().procs[self.entry]
             .posted_ns
@@ -388,6 +403,12 @@ impl GlobalSlots {
         p < 2
             && (self.totals[p].load(Ordering::Relaxed) > 0
                 || self.active[p].load(Ordering::Relaxed))
+    }
+
+    /// Whether some attached process (this one included) posted a MEDIUM or LOW slice within
+    /// [`ACTIVE_NS`], as of the rotation thread's last look.
+    pub fn bulk_active(&self) -> bool {
+        self.active[1].load(Ordering::Relaxed) || self.active[2].load(Ordering::Relaxed)
     }
 
     /// Whether `priority` may post now. Work-conserving slots admit an excluded priority when
@@ -547,6 +568,11 @@ mod tests {
             "slot 0 keeps LOW out while HIGH streams"
         );
         assert!(!s.has_work(qos::MEDIUM) && !s.has_work(qos::LOW));
+        assert!(!s.bulk_active(), "HIGH is not bulk");
+        // A LOW stream is bulk to every process, though nothing makes room for it.
+        s.note_posted(qos::LOW, monotonic_ns());
+        s.tick();
+        assert!(s.bulk_active() && !s.has_work(qos::LOW));
         // Quiet for longer than the active span: LOW is admitted again.
         s.header().procs[s.entry].posted_ns[0]
             .store(monotonic_ns() - 2 * ACTIVE_NS, Ordering::Relaxed);

@@ -1028,7 +1028,7 @@ impl Engine {
         let (engine, msg) = (self.clone(), msg.to_owned());
         thread::Builder::new()
             .name("mr-notify".into())
-            .spawn(move || match pending.wait(None) {
+            .spawn(move || match pending.wait(None, Duration::ZERO) {
                 Ok(()) => {
                     for t in targets {
                         if let Err(e) = engine.send_notification(t, &msg) {

@@ -678,6 +678,9 @@ impl TcpPeer {
         }
         self.expire_queue(d, now);
         self.report_depths(d);
+        if (0..LEVELS as u8).any(|p| d.queue.level_len(p) > 0 && !qos.slot_admits(p)) {
+            qos.slot_holds_work();
+        }
     }
 
     /// Charges a slice with a chosen rail to path `p` and a live connection of it, to be handed
