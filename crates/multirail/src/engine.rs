@@ -521,11 +521,12 @@ impl Engine {
     }
 
     /// Blocks until every request of the batch finished or `timeout` passed (`None`: no
-    /// limit). Returns the first failure, or `WaitTimeout`. While the engine moves no bulk
-    /// (MEDIUM or LOW) bytes, polls for up to `workers.wait_spin_us` before sleeping.
+    /// limit). Returns the first failure, or `WaitTimeout`. While no bulk (MEDIUM or LOW) bytes
+    /// move, in this engine or another sharing its slots, polls for up to
+    /// `workers.wait_spin_us` before sleeping.
     pub fn wait(&self, batch: BatchId, timeout: Option<Duration>) -> Result<()> {
         let batch = self.batch(batch)?;
-        let spin = if self.inner.qos.bulk_active(Instant::now()) {
+        let spin = if self.inner.qos.bulk_moving(Instant::now()) {
             Duration::ZERO
         } else {
             self.inner.wait_spin
@@ -613,8 +614,8 @@ fn annotate(e: Error, index: usize, total: usize) -> Error {
 }
 
 /// Upkeep of every peer: timeouts, reconnects and probes every 50 ms; while a global QoS slot
-/// holds queued slices back, also a pump every millisecond, since a slot change can let them go
-/// with nothing else happening. Runs until the engine is dropped.
+/// holds queued slices back, also a pump when the next slot that admits them begins, since
+/// nothing else may happen then. Runs until the engine is dropped.
 /// Returns the thread, or `None` (logged) when it cannot be spawned.
 fn spawn_timeout_watch(inner: Weak<Inner>) -> Option<thread::Thread> {
     let spawned = thread::Builder::new()
@@ -622,14 +623,10 @@ fn spawn_timeout_watch(inner: Weak<Inner>) -> Option<thread::Thread> {
         .spawn(move || {
             let mut last_upkeep = Instant::now();
             loop {
-                let fast = inner.upgrade().is_some_and(|i| i.qos.pump_at_slot_pace());
+                let slot_wait = inner.upgrade().and_then(|i| i.qos.slot_wait());
                 let until_upkeep = Duration::from_millis(50).saturating_sub(last_upkeep.elapsed());
-                // Parked rather than asleep: a slot holding work back wakes us at once.
-                thread::park_timeout(if fast {
-                    until_upkeep.min(Duration::from_millis(1))
-                } else {
-                    until_upkeep
-                });
+                // Parked rather than asleep: a slot starting to hold work back wakes us at once.
+                thread::park_timeout(slot_wait.map_or(until_upkeep, |w| w.min(until_upkeep)));
                 let Some(inner) = inner.upgrade() else { return };
                 let now = Instant::now();
                 let upkeep = now.duration_since(last_upkeep) >= Duration::from_millis(50);

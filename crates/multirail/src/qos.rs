@@ -57,9 +57,9 @@ pub(crate) struct Qos {
     promotions: AtomicU64,
     waits: Mutex<Waits>,
     global: Option<Arc<GlobalSlots>>,
-    /// Set while a slot holds back queued slices: the engine's upkeep thread then pumps every
-    /// millisecond, so they go when the slot changes; otherwise it sleeps, since every wake-up
-    /// on a busy host can delay a HIGH slice.
+    /// Set while a slot holds back queued slices: the engine's upkeep thread then pumps when a
+    /// slot admitting them begins; otherwise it sleeps, since every wake-up on a busy host can
+    /// delay a HIGH slice.
     slot_held: AtomicBool,
     /// The upkeep thread, woken when a slot first holds something back.
     upkeep: std::sync::OnceLock<std::thread::Thread>,
@@ -128,22 +128,30 @@ impl Qos {
         }
     }
 
-    /// For the upkeep thread: whether to pump at slot pace. Clears the mark once nothing is
-    /// queued; a peer that queues again after that marks it again.
-    pub(crate) fn pump_at_slot_pace(&self) -> bool {
+    /// For the upkeep thread: while a slot holds queued slices back, how long until a slot that
+    /// admits them begins (when it should pump); `None` otherwise. Clears the mark once nothing
+    /// is queued; a peer that queues again after that marks it again.
+    pub(crate) fn slot_wait(&self) -> Option<std::time::Duration> {
+        let g = self.global.as_ref()?;
         if !self.slot_held.load(Ordering::Acquire) {
-            return false;
+            return None;
         }
-        if self.anything_queued() {
-            return true;
-        }
-        self.slot_held.store(false, Ordering::Release);
-        // Queued between the check and the clear: its peer's mark may have been lost.
-        if self.anything_queued() {
+        if !self.anything_queued() {
+            self.slot_held.store(false, Ordering::Release);
+            // Queued between the check and the clear: its peer's mark may have been lost.
+            if !self.anything_queued() {
+                return None;
+            }
             self.slot_held.store(true, Ordering::Release);
-            return true;
         }
-        false
+        // Slot 2 admits everything; MEDIUM also goes in slot 1. A little past the boundary,
+        // so the pump finds the new slot in force.
+        let medium = self.queued[policy::MEDIUM as usize].load(Ordering::Relaxed) > 0;
+        let mut wait = g.until_slot(2);
+        if medium {
+            wait = wait.min(g.until_slot(1));
+        }
+        Some(wait + std::time::Duration::from_micros(20))
     }
 
     /// Records a change of a peer's queue depths from `old` to `new`.
@@ -192,16 +200,17 @@ impl Qos {
             || self.global.as_ref().is_some_and(|g| g.has_work(priority))
     }
 
-    /// Whether MEDIUM or LOW work is under way in this engine at `now`, or in a process sharing
-    /// its slots and admitted by the current slot: the host's cores are then busy moving bulk
-    /// bytes.
-    pub(crate) fn bulk_active(&self, now: Instant) -> bool {
-        self.has_work(policy::MEDIUM, now)
-            || self.has_work(policy::LOW, now)
-            || self.global.as_ref().is_some_and(|g| {
-                // Another process's bulk keeps the cores busy only while the slot lets it post.
-                g.bulk_active() && (g.admits(policy::LOW) || g.admits(policy::MEDIUM))
-            })
+    /// Whether bulk bytes are moving at `now`: MEDIUM or LOW work in this engine, or in a process
+    /// sharing its slots, that the current slot lets post. The host's cores are then busy; while
+    /// a slot holds the bulk back they are idle, however much of it waits.
+    pub(crate) fn bulk_moving(&self, now: Instant) -> bool {
+        let Some(g) = &self.global else {
+            return self.has_work(policy::MEDIUM, now) || self.has_work(policy::LOW, now);
+        };
+        let (medium, low) = (g.admits(policy::MEDIUM), g.admits(policy::LOW));
+        (medium && self.has_work(policy::MEDIUM, now))
+            || (low && self.has_work(policy::LOW, now))
+            || ((medium || low) && g.bulk_active())
     }
 
     /// True when slots are shared with other processes.

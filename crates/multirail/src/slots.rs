@@ -365,6 +365,16 @@ impl GlobalSlots {
         ((elapsed / self.interval_ns) % 3) as u8
     }
 
+    /// Time until slot `slot` next begins (a whole rotation away when it is in force now).
+    pub fn until_slot(&self, slot: u8) -> Duration {
+        let epoch = self.header().epoch_ns.load(Ordering::Acquire);
+        let now = monotonic_ns();
+        let index = now.saturating_sub(epoch) / self.interval_ns;
+        let ahead = (u64::from(slot) + 3 - index % 3) % 3;
+        let next = index + if ahead == 0 { 3 } else { ahead };
+        Duration::from_nanos((epoch + next * self.interval_ns).saturating_sub(now))
+    }
+
     /// Publishes how many HIGH and MEDIUM slices this process has queued.
     pub fn publish_queued(&self, high: u64, medium: u64) {
         let e = &self.header().procs[self.entry];
@@ -484,6 +494,19 @@ mod tests {
             thread::sleep(Duration::from_micros(200));
         }
         assert_eq!(seen, [true; 3]);
+        for slot in 0..3 {
+            let wait = s.until_slot(slot);
+            assert!(wait <= Duration::from_millis(6), "slot {slot} in {wait:?}");
+            thread::sleep(wait + Duration::from_micros(300));
+            // A 2 ms slot: 300 us after it began, it is still in force (a loaded test host
+            // may sleep longer, so only check when the wake-up was prompt).
+            let late = s.until_slot(slot) < Duration::from_millis(4);
+            assert!(
+                late || s.current_slot() == slot,
+                "woke in slot {}",
+                s.current_slot()
+            );
+        }
         assert_eq!(s.attached(), vec![std::process::id()]);
         drop(s);
         unlink(&path);
