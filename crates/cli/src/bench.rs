@@ -406,7 +406,7 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         .interval
         .unwrap_or(Duration::from_millis(100))
         .min(Duration::from_millis(100));
-    let rail_bytes = |e: &Engine| e.traffic_stats().iter().map(|r| r.bytes).sum::<u64>();
+    let rail_bytes = |e: &Engine| e.traffic_stats().rails.iter().map(|r| r.bytes).sum::<u64>();
     let mut timeline = Vec::new();
     let (mut mark, mut mark_bytes) = (start, rail_bytes(&engine));
     while start.elapsed() < deadline && !handles.iter().all(|h| h.is_finished()) {
@@ -453,7 +453,8 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
     let total_bytes = shared.bytes.load(Ordering::Relaxed);
     let requests: u64 = results.iter().map(|r| r.requests).sum();
     // Rails as the timed run left them, before verification adds its own traffic.
-    let rails = engine.traffic_stats();
+    let traffic = engine.traffic_stats();
+    let rails = &traffic.rails;
     let stats_report = engine.traffic_stats_report();
     let verified = if args.verify {
         Some(verify(&engine, &plan, &local, &results)?)
@@ -485,7 +486,6 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
             })
         })
         .collect();
-    let qos = engine.qos_stats();
     let report = serde_json::json!({
         "op": match op { Opcode::Read => "read", Opcode::Write => "write" },
         "transport": args.transport.as_str(),
@@ -506,16 +506,17 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         "rails": rails.iter().map(|r| serde_json::json!({
             "name": r.name, "bytes": r.bytes, "slices": r.slices, "errors": r.errors,
             "ewma_gbps": r.ewma_gbps, "inflight_bytes": r.inflight_bytes, "window_bytes": r.window_bytes,
+            "priority_bytes": {"high": r.priority_bytes[0], "medium": r.priority_bytes[1], "low": r.priority_bytes[2]},
         })).collect::<Vec<_>>(),
         "verified_bytes": verified,
         "timeline": timeline,
         "classes": class_reports,
-        "qos": qos,
+        "qos": traffic.qos,
     });
     if args.json {
         println!("{report}");
     } else {
-        print_human(&report, &rails);
+        print_human(&report, rails);
         print!("{stats_report}");
     }
     drop(engine);
@@ -552,13 +553,26 @@ fn print_human(report: &serde_json::Value, rails: &[multirail::RailTraffic]) {
     println!("{t}");
     let mut r = Table::new();
     r.load_preset(UTF8_FULL);
-    r.set_header(vec!["rail", "bytes", "slices", "errors"]);
+    r.set_header(vec![
+        "rail",
+        "bytes",
+        "high bytes",
+        "medium bytes",
+        "low bytes",
+        "slices",
+        "errors",
+        "window bytes",
+    ]);
     for rail in rails {
         r.add_row(vec![
             rail.name.clone(),
             rail.bytes.to_string(),
+            rail.priority_bytes[0].to_string(),
+            rail.priority_bytes[1].to_string(),
+            rail.priority_bytes[2].to_string(),
             rail.slices.to_string(),
             rail.errors.to_string(),
+            rail.window_bytes.to_string(),
         ]);
     }
     println!("{r}");

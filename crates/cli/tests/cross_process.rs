@@ -95,6 +95,7 @@ fn one_gib_each_way(transport: TransportChoice) {
 
     let moved: u64 = engine
         .traffic_stats()
+        .rails
         .iter()
         .filter(|r| (r.name == "shm") == (transport == TransportChoice::Shm))
         .map(|r| r.bytes)
@@ -298,6 +299,7 @@ fn registered_memory_of_a_same_host_peer_moves_with_process_vm() {
     );
     let shm_bytes: u64 = engine
         .traffic_stats()
+        .rails
         .iter()
         .filter(|r| r.name == "shm")
         .map(|r| r.bytes)

@@ -20,7 +20,7 @@ use crate::qos::{Qos, QosTraffic};
 use crate::rails::RailScheduler;
 use crate::segment::{self, RailDescriptor, SegmentDescriptor, PROTOCOL_VERSION};
 use crate::server::Server;
-use crate::stats::{RailTraffic, TrafficStats};
+use crate::stats::{Traffic, TrafficStats};
 use crate::topology;
 use crate::transport::cpu_priority::NiceTable;
 use crate::transport::shm::ShmTransport;
@@ -534,9 +534,11 @@ impl Engine {
         batch.wait(timeout, spin)
     }
 
-    /// Per rail since the engine started: bytes, slices and errors moved, and for network
-    /// rails the scheduler's EWMA bandwidth and the bytes in flight.
-    pub fn traffic_stats(&self) -> Vec<RailTraffic> {
+    /// What the engine has carried since it started. Per rail: bytes, slices and errors, bytes
+    /// per priority, and for network rails the scheduler's EWMA bandwidth, the bytes in flight
+    /// and the bound on them (`window_bytes`). Per priority: queue depth, wait time (p50/p99),
+    /// slices dequeued, and promotions.
+    pub fn traffic_stats(&self) -> Traffic {
         let mut rails = self.inner.stats.snapshot();
         for (i, (name, s)) in self.inner.scheduler.stats().into_iter().enumerate() {
             if let Some(r) = rails.iter_mut().find(|r| r.name == name) {
@@ -545,16 +547,21 @@ impl Engine {
                 r.window_bytes = self.inner.scheduler.window(i);
             }
         }
-        rails
+        Traffic {
+            rails,
+            qos: self.inner.qos.snapshot(),
+        }
     }
 
-    /// Per-priority queue depth, wait time (p50/p99) and promotions of the engine's queues.
+    /// The priority part of [`Engine::traffic_stats`]: per-priority queue depth, wait time
+    /// (p50/p99) and promotions.
     pub fn qos_stats(&self) -> QosTraffic {
         self.inner.qos.snapshot()
     }
 
     /// The scheduler's view of the rails in TENT's format: `=== Device Traffic Statistics ===`,
-    /// then `Dev N: Total=… GB, EWMA BW=… Gbps, Inflight=… bytes` per rail, in rail order.
+    /// then `Dev N: Total=… GB, EWMA BW=… Gbps, Inflight=… bytes` per rail, in rail order;
+    /// then the priority queues: `=== Priority Queue Statistics ===` and one line per priority.
     pub fn traffic_stats_report(&self) -> String {
         let stats: Vec<_> = self
             .inner
@@ -563,7 +570,9 @@ impl Engine {
             .into_iter()
             .map(|(_, s)| s)
             .collect();
-        multirail_policy::selector::format_traffic_stats(&stats)
+        let mut out = multirail_policy::selector::format_traffic_stats(&stats);
+        out.push_str(&self.inner.qos.snapshot().report());
+        out
     }
 
     /// Prints [`Engine::traffic_stats_report`] to standard output.

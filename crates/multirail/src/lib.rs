@@ -39,5 +39,6 @@ pub use engine::{BatchId, Engine, Request, SegmentId, PRIO_HIGH, PRIO_LOW, PRIO_
 pub use error::{Error, Result};
 pub use memory::{Buffer, Location};
 pub use messaging::{Message, Notification};
-pub use stats::RailTraffic;
+pub use qos::{PriorityTraffic, QosTraffic};
+pub use stats::{RailTraffic, Traffic};
 pub use transport::Opcode;

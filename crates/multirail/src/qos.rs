@@ -40,6 +40,30 @@ pub struct QosTraffic {
     pub global_slot: Option<u8>,
 }
 
+impl QosTraffic {
+    /// The priority queues in the style of TENT's traffic report:
+    /// `=== Priority Queue Statistics ===`, then per priority
+    /// `HIGH: Queued=…, Dequeued=…, Wait p50=… us, p99=… us`, then the promotions and, with
+    /// shared slots, the global slot in force.
+    pub fn report(&self) -> String {
+        use std::fmt::Write;
+        let mut out = String::from("=== Priority Queue Statistics ===\n");
+        for (name, p) in ["HIGH", "MEDIUM", "LOW"].iter().zip(&self.priorities) {
+            let _ = writeln!(
+                out,
+                "{name}: Queued={}, Dequeued={}, Wait p50={} us, p99={} us",
+                p.queued, p.dequeued, p.wait_p50_us, p.wait_p99_us
+            );
+        }
+        let _ = write!(out, "Promotions={}", self.promotions);
+        if let Some(slot) = self.global_slot {
+            let _ = write!(out, ", Global slot={slot}");
+        }
+        out.push('\n');
+        out
+    }
+}
+
 struct Waits {
     histograms: [hdrhistogram::Histogram<u64>; LEVELS],
     dequeued: [u64; LEVELS],

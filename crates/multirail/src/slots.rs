@@ -4,9 +4,13 @@
 //! publishing how many HIGH and MEDIUM slices it has queued and when it last posted one (for
 //! work-conserving slots, and so a process's bulk makes room for another's HIGH stream).
 //!
-//! Every attached process runs a rotation thread; whichever takes the mutex first after a slot's
-//! time is up advances it, so all processes agree on the current slot. A stale object (wrong
-//! magic or version, a mutex whose owner died, entries of dead processes) is repaired, not fatal.
+//! All processes agree on the current slot because each computes it from the host's monotonic
+//! clock, the epoch the creating process wrote and the slot length in the header: nobody has
+//! to wake up every slot to rotate it (each wake-up on a busy host can delay a HIGH slice). The
+//! mutex serializes registration and repair; each attached process's slot thread, every
+//! 5 ms, writes the slot in force into `current_slot` (for tools that read it), sums what
+//! the processes published and clears the entries of dead ones. A stale object (wrong magic or
+//! version, a mutex whose owner died, entries of dead processes) is repaired, not fatal.
 
 use std::cell::UnsafeCell;
 use std::ffi::CString;

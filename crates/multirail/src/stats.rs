@@ -1,7 +1,12 @@
-//! Per-rail traffic counters, updated on the data path with relaxed atomics.
+//! Per-rail traffic counters, updated on the data path with relaxed atomics, and the engine's
+//! traffic report (per rail and per priority).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+
+use multirail_policy::qos::LEVELS;
+
+use crate::qos::QosTraffic;
 
 /// Live counters of one rail.
 #[derive(Debug)]
@@ -10,9 +15,19 @@ pub(crate) struct RailCounters {
     bytes: AtomicU64,
     slices: AtomicU64,
     errors: AtomicU64,
+    /// Bytes moved per priority (HIGH, MEDIUM, LOW): shows which rails priority filtering
+    /// kept bulk away from.
+    priority_bytes: [AtomicU64; LEVELS],
 }
 
 impl RailCounters {
+    /// Counts `slices` slices of `bytes` in all, moved at `priority` (values above LOW count
+    /// as LOW).
+    pub(crate) fn record_at(&self, priority: u8, bytes: u64, slices: u64) {
+        self.record(bytes, slices);
+        self.priority_bytes[(priority as usize).min(LEVELS - 1)]
+            .fetch_add(bytes, Ordering::Relaxed);
+    }
     pub(crate) fn record(&self, bytes: u64, slices: u64) {
         self.bytes.fetch_add(bytes, Ordering::Relaxed);
         self.slices.fetch_add(slices, Ordering::Relaxed);
@@ -33,6 +48,9 @@ pub struct RailTraffic {
     pub slices: u64,
     /// Slices that failed.
     pub errors: u64,
+    /// Payload bytes moved at each priority: HIGH, MEDIUM, LOW. A slice counts at the level it
+    /// left the queues at, so a promoted LOW slice counts as MEDIUM or HIGH.
+    pub priority_bytes: [u64; LEVELS],
     /// The scheduler's EWMA bandwidth estimate, Gbps (network rails only).
     pub ewma_gbps: Option<f64>,
     /// Bytes assigned to the rail and not yet answered (network rails only).
@@ -61,6 +79,7 @@ impl TrafficStats {
             bytes: AtomicU64::new(0),
             slices: AtomicU64::new(0),
             errors: AtomicU64::new(0),
+            priority_bytes: Default::default(),
         });
         rails.push(r.clone());
         r
@@ -75,10 +94,25 @@ impl TrafficStats {
                 bytes: r.bytes.load(Ordering::Relaxed),
                 slices: r.slices.load(Ordering::Relaxed),
                 errors: r.errors.load(Ordering::Relaxed),
+                priority_bytes: std::array::from_fn(|p| {
+                    r.priority_bytes[p].load(Ordering::Relaxed)
+                }),
                 ewma_gbps: None,
                 inflight_bytes: 0,
                 window_bytes: 0,
             })
             .collect()
     }
+}
+
+/// What the engine has carried: per rail (bytes, EWMA bandwidth, in-flight bytes and bound) and
+/// per priority (queue depth, wait time, promotions).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct Traffic {
+    /// Every rail the engine counts traffic on: its network rails, `shm`, and the interface of
+    /// a routed path if one is used.
+    pub rails: Vec<RailTraffic>,
+    /// The priority queues: depth, wait p50/p99 and dequeued slices per priority, promotions,
+    /// and the shared global slot in force.
+    pub qos: QosTraffic,
 }

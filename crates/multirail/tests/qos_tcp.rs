@@ -80,7 +80,7 @@ fn bulk_beside_high_goes_out_in_pieces_and_every_byte_lands() {
     // SAFETY: every batch completed; nothing writes these buffers now.
     unsafe { assert!(src.as_slice() == dst.as_slice(), "every byte landed") };
 
-    let rails = init.traffic_stats();
+    let rails = init.traffic_stats().rails;
     let bytes: u64 = rails.iter().map(|r| r.bytes).sum();
     let slices: u64 = rails.iter().map(|r| r.slices).sum();
     assert_eq!(bytes, (BULK + HIGH * HIGH_REQUESTS) as u64, "{rails:?}");

@@ -68,7 +68,7 @@ fn round_trip(transport: TransportChoice, len: usize) {
     unsafe { assert!(back.as_slice() == src.as_slice(), "read returned the bytes") };
     init.free_batch(batch).unwrap();
     init.free_batch(batch2).unwrap();
-    let stats = init.traffic_stats();
+    let stats = init.traffic_stats().rails;
     let moved: u64 = stats.iter().map(|r| r.bytes).sum();
     assert_eq!(moved, 2 * len as u64, "{stats:?}");
 }

@@ -493,4 +493,108 @@ mod tests {
                 && rail_admits(0, 1, 2, LOW, [true, true], false)
         );
     }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// One step of a random schedule: queue an item at a priority, or take the head.
+        #[derive(Debug, Clone)]
+        enum Op {
+            Push(u8),
+            Pop,
+        }
+
+        fn ops() -> impl Strategy<Value = Vec<(Op, u64)>> {
+            prop::collection::vec(
+                (
+                    prop_oneof![(0u8..3).prop_map(Op::Push), Just(Op::Pop)],
+                    0u64..4 * MS,
+                ),
+                1..300,
+            )
+        }
+
+        proptest! {
+            /// Without promotion the queues are three FIFOs drained strictly by level: the same
+            /// answers as a plain model, so a HIGH item never leaves after a lower one queued
+            /// later.
+            #[test]
+            fn without_promotion_dequeue_matches_strict_fifo_levels(schedule in ops()) {
+                let mut q = PriorityQueues::new(PromotionConfig {
+                    timeout_ns: u64::MAX,
+                    ..PromotionConfig::default()
+                });
+                let mut model: [VecDeque<usize>; LEVELS] = Default::default();
+                let mut now = 0;
+                for (id, (op, dt)) in schedule.into_iter().enumerate() {
+                    now += dt;
+                    prop_assert_eq!(q.on_timeout(now), 0);
+                    match op {
+                        Op::Push(p) => {
+                            q.push_back(id, p, now);
+                            model[p as usize].push_back(id);
+                        }
+                        Op::Pop => {
+                            let expected = model.iter_mut().enumerate().find_map(|(p, l)| {
+                                l.pop_front().map(|id| (id, p as u8))
+                            });
+                            let got = q.front(|_| true).map(|(_, p)| p).and_then(|p| {
+                                q.pop(p, now).map(|d| (d.item, d.priority))
+                            });
+                            prop_assert_eq!(got, expected);
+                        }
+                    }
+                    prop_assert_eq!(q.depths(), [model[0].len(), model[1].len(), model[2].len()]);
+                }
+            }
+
+            /// With promotion every item leaves exactly once, from the highest waiting level,
+            /// and only after a full timeout per level it climbed.
+            #[test]
+            fn promotion_loses_nothing_and_climbs_one_level_per_timeout(
+                schedule in ops(),
+                starved in any::<bool>(),
+            ) {
+                let timeout = 5 * MS;
+                let mut q = PriorityQueues::new(PromotionConfig {
+                    timeout_ns: timeout,
+                    check_ns: MS,
+                    only_when_starved: starved,
+                });
+                let mut queued = std::collections::HashMap::new();
+                let mut now = 0;
+                // Panics inside count as failures too; prop_assert! cannot leave a closure.
+                let take = |q: &mut PriorityQueues<usize>, now: u64| {
+                    let depths = q.depths();
+                    let (_, p) = q.front(|_| true)?;
+                    assert!(depths[..p as usize].iter().all(|&n| n == 0), "{depths:?} {p}");
+                    Some(q.pop(p, now).expect("front exists"))
+                };
+                for (id, (op, dt)) in schedule.into_iter().enumerate() {
+                    now += dt;
+                    q.on_timeout(now);
+                    match op {
+                        Op::Push(p) => {
+                            q.push_back(id, p, now);
+                            queued.insert(id, (p, now));
+                        }
+                        Op::Pop => {
+                            if let Some(d) = take(&mut q, now) {
+                                let (origin, at) = queued.remove(&d.item).expect("queued once");
+                                prop_assert!(d.priority <= origin);
+                                prop_assert_eq!(d.waited_ns, now - at);
+                                let climbed = u64::from(origin - d.priority);
+                                prop_assert!(d.waited_ns > climbed * timeout || climbed == 0);
+                            }
+                        }
+                    }
+                }
+                while let Some(d) = take(&mut q, now) {
+                    prop_assert!(queued.remove(&d.item).is_some());
+                }
+                prop_assert!(queued.is_empty(), "left behind: {:?}", queued);
+            }
+        }
+    }
 }

@@ -15,6 +15,9 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
+/// Keys of per-priority figures in the dicts handed to Python, in priority order.
+const PRIORITY_NAMES: [&str; 3] = ["high", "medium", "low"];
+
 mod view;
 
 create_exception!(
@@ -526,10 +529,11 @@ impl NativeEngine {
         })
     }
 
-    /// Per rail: name, bytes, slices, errors, ewma_gbps, inflight_bytes.
+    /// Per rail: name, bytes, slices, errors, ewma_gbps, inflight_bytes, window_bytes and
+    /// priority_bytes (a dict: high, medium, low).
     fn traffic_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);
-        for r in self.engine.traffic_stats() {
+        for r in self.engine.traffic_stats().rails {
             let d = PyDict::new(py);
             d.set_item("name", r.name)?;
             d.set_item("bytes", r.bytes)?;
@@ -537,8 +541,34 @@ impl NativeEngine {
             d.set_item("errors", r.errors)?;
             d.set_item("ewma_gbps", r.ewma_gbps)?;
             d.set_item("inflight_bytes", r.inflight_bytes)?;
+            d.set_item("window_bytes", r.window_bytes)?;
+            let by_priority = PyDict::new(py);
+            for (name, bytes) in PRIORITY_NAMES.iter().zip(r.priority_bytes) {
+                by_priority.set_item(*name, bytes)?;
+            }
+            d.set_item("priority_bytes", by_priority)?;
             out.append(d)?;
         }
+        Ok(out)
+    }
+
+    /// Priority queues: `{"priorities": {"high": {queued, dequeued, wait_p50_us, wait_p99_us},
+    /// "medium": ..., "low": ...}, "promotions": n, "global_slot": slot or None}`.
+    fn qos_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let q = self.engine.qos_stats();
+        let priorities = PyDict::new(py);
+        for (name, p) in PRIORITY_NAMES.iter().zip(q.priorities) {
+            let d = PyDict::new(py);
+            d.set_item("queued", p.queued)?;
+            d.set_item("dequeued", p.dequeued)?;
+            d.set_item("wait_p50_us", p.wait_p50_us)?;
+            d.set_item("wait_p99_us", p.wait_p99_us)?;
+            priorities.set_item(*name, d)?;
+        }
+        let out = PyDict::new(py);
+        out.set_item("priorities", priorities)?;
+        out.set_item("promotions", q.promotions)?;
+        out.set_item("global_slot", q.global_slot)?;
         Ok(out)
     }
 

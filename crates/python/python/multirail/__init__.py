@@ -461,13 +461,20 @@ class Engine:
 
     def traffic_stats(self) -> Dict[str, Dict[str, Any]]:
         """Per rail (``"shm"`` for same-host copies, an interface name for TCP): ``bytes``,
-        ``slices``, ``errors`` since the engine started, and for network rails the scheduler's
-        ``ewma_gbps`` and ``inflight_bytes``."""
+        ``slices``, ``errors`` since the engine started, ``priority_bytes`` (``{"high": ...,
+        "medium": ..., "low": ...}``), and for network rails the scheduler's ``ewma_gbps``,
+        ``inflight_bytes`` and the bound on bytes in flight, ``window_bytes``."""
         out: Dict[str, Dict[str, Any]] = {}
         for r in self._native.traffic_stats():
             name = r.pop("name")
             out[name] = r
         return out
+
+    def qos_stats(self) -> Dict[str, Any]:
+        """The priority queues: ``{"priorities": {"high": {"queued", "dequeued", "wait_p50_us",
+        "wait_p99_us"}, "medium": {...}, "low": {...}}, "promotions": n, "global_slot": slot}``
+        (``global_slot`` is ``None`` unless ``shared_quota_shm_path`` is set)."""
+        return self._native.qos_stats()
 
     def notify(self, segment: Union[Segment, int], msg: str) -> None:
         """Sends ``msg`` to an opened segment as a notification; it arrives in order with this

@@ -186,7 +186,10 @@ class Engine:
     def notifications(self) -> List[Tuple[str, str]]:
         """Notifications received since the last call: [(sender segment name, msg), ...]."""
     def traffic_stats(self) -> Dict[str, Dict[str, Any]]:
-        """Per rail: bytes, slices, errors, ewma_gbps, inflight_bytes."""
+        """Per rail: bytes, slices, errors, priority_bytes, ewma_gbps, inflight_bytes, window_bytes."""
+    def qos_stats(self) -> Dict[str, Any]:
+        """Priority queues: {"priorities": {"high"|"medium"|"low": {queued, dequeued, wait_p50_us,
+        wait_p99_us}}, "promotions": n, "global_slot": slot or None}."""
     def close(self) -> None:
         """Stops serving and releases the engine; later calls raise Error."""
     def __enter__(self) -> "Engine": ...

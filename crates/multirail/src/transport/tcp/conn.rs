@@ -752,7 +752,7 @@ fn reap(conn: &Arc<Conn>, staging: &mut Staging) -> Result<()> {
         }
         let Inflight { slice, .. } = inflight;
         if ok {
-            conn.counters.record(slice.len as u64, 1);
+            conn.counters.record_at(slice.priority, slice.len as u64, 1);
             slice.task.part_done(Ok(()));
         } else {
             conn.counters.record_error();

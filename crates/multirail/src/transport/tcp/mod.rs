@@ -579,7 +579,11 @@ impl TcpPeer {
                 let Some(p) = self.rail_path.get(rail).copied().flatten() else {
                     break;
                 };
-                if !self.paths[p].usable.load(Ordering::Acquire) {
+                // Dealt while the rail admitted its priority; the rotation may have reserved
+                // the rail since, and filtering holds on every path that assigns rails.
+                if !self.paths[p].usable.load(Ordering::Acquire)
+                    || !qos.rail_admits(now, rail, nrails, prio)
+                {
                     self.scheduler.unassigned(rail, len);
                     d.queue.front_mut(prio).expect("head exists").slice.rail = usize::MAX;
                     continue;
@@ -698,6 +702,8 @@ impl TcpPeer {
         let len = q.len_bytes();
         match self.paths[p].pick(prio) {
             Some(conn) => {
+                // A promoted slice travels, and is counted, at the level it was dealt at.
+                q.slice.priority = prio;
                 d.posted[p] += len;
                 out.push(Handoff {
                     path: p,
