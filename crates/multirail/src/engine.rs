@@ -219,6 +219,7 @@ impl Engine {
                 workers.shm_copy_threads,
                 config.transports.shm.process_vm,
                 &stats,
+                qos.clone(),
             )?,
             tcp: TcpTransport::new(settings, scheduler.clone(), qos.clone(), stats.clone()),
             qos,

@@ -16,12 +16,13 @@ use crate::slots::GlobalSlots;
 /// requests that never queues (each posted at once) is still traffic to make room for.
 const ACTIVE_NS: u64 = crate::slots::ACTIVE_NS;
 
-/// Queue statistics of one priority level.
+/// Queue statistics of one priority level. Entries are slices on network rails and copy jobs
+/// (at most 1 MiB each) on `shm`.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct PriorityTraffic {
-    /// Slices waiting now.
+    /// Entries waiting now.
     pub queued: u64,
-    /// Slices that left the queue.
+    /// Entries that left the queue.
     pub dequeued: u64,
     /// Median wait from queueing to posting, microseconds.
     pub wait_p50_us: u64,
@@ -34,7 +35,7 @@ pub struct PriorityTraffic {
 pub struct QosTraffic {
     /// HIGH, MEDIUM, LOW.
     pub priorities: [PriorityTraffic; LEVELS],
-    /// Slices promoted one level after waiting too long.
+    /// Entries promoted one level after waiting too long.
     pub promotions: u64,
     /// The global slot now in force (0, 1 or 2), when slots are shared with other processes.
     pub global_slot: Option<u8>,
@@ -75,9 +76,17 @@ pub(crate) struct Qos {
     filtering: bool,
     rotation_ns: u64,
     work_conserving: bool,
+    /// Slices waiting for network rails.
     queued: [AtomicU64; LEVELS],
-    /// When a slice of each priority was last posted (ns since `epoch`; 0 = never).
+    /// When a slice of each priority was last posted to a network rail (ns since `epoch`;
+    /// 0 = never).
     last_posted_ns: [AtomicU64; LEVELS],
+    /// Copy jobs waiting for the shm workers. Kept apart from the network figures: same-host
+    /// copies share no rail with network traffic, so shm HIGH work neither reserves rails nor
+    /// holds back bulk on them (here or, through shared slots, in other processes).
+    host_queued: [AtomicU64; LEVELS],
+    /// When an shm worker last took a MEDIUM or LOW job (ns since `epoch`; 0 = never).
+    host_bulk_ns: AtomicU64,
     promotions: AtomicU64,
     waits: Mutex<Waits>,
     global: Option<Arc<GlobalSlots>>,
@@ -119,6 +128,8 @@ impl Qos {
             work_conserving: rdma.qos_work_conserving,
             queued: Default::default(),
             last_posted_ns: Default::default(),
+            host_queued: Default::default(),
+            host_bulk_ns: AtomicU64::new(0),
             promotions: AtomicU64::new(0),
             waits: Mutex::new(Waits {
                 histograms: [histogram(), histogram(), histogram()],
@@ -195,6 +206,35 @@ impl Qos {
         }
     }
 
+    /// Records a change of the shm copy queue's depths from `old` to `new`.
+    pub(crate) fn host_depths_changed(&self, old: [usize; LEVELS], new: [usize; LEVELS]) {
+        for p in 0..LEVELS {
+            if new[p] > old[p] {
+                self.host_queued[p].fetch_add((new[p] - old[p]) as u64, Ordering::Relaxed);
+            } else if old[p] > new[p] {
+                self.host_queued[p].fetch_sub((old[p] - new[p]) as u64, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Records that an shm copy job of `priority` left the queue at `now` after `waited_ns`:
+    /// wait statistics, and for MEDIUM and LOW that bulk is moving on this host.
+    pub(crate) fn host_dequeued(&self, priority: u8, waited_ns: u64, now: Instant) {
+        let p = (priority as usize).min(LEVELS - 1);
+        if p != policy::HIGH as usize {
+            let now_ns = now.saturating_duration_since(self.epoch).as_nanos() as u64;
+            self.host_bulk_ns.store(now_ns.max(1), Ordering::Relaxed);
+        }
+        self.record_wait(p, waited_ns);
+    }
+
+    fn record_wait(&self, p: usize, waited_ns: u64) {
+        let mut w = self.waits.lock().expect("qos poisoned");
+        w.histograms[p].saturating_record((waited_ns / 1000).max(1));
+        w.dequeued[p] += 1;
+    }
+
+    /// Records promotions of `n` queued entries.
     pub(crate) fn promoted(&self, n: u64) {
         self.promotions.fetch_add(n, Ordering::Relaxed);
     }
@@ -207,9 +247,7 @@ impl Qos {
         if let Some(g) = &self.global {
             g.note_posted(priority, self.epoch_monotonic_ns + now_ns);
         }
-        let mut w = self.waits.lock().expect("qos poisoned");
-        w.histograms[p].saturating_record((waited_ns / 1000).max(1));
-        w.dequeued[p] += 1;
+        self.record_wait(p, waited_ns);
     }
 
     /// Whether `priority` has work anywhere in the engine at `now`, or, with shared slots, in
@@ -225,9 +263,19 @@ impl Qos {
     }
 
     /// Whether bulk bytes are moving at `now`: MEDIUM or LOW work in this engine, or in a process
-    /// sharing its slots, that the current slot lets post. The host's cores are then busy; while
-    /// a slot holds the bulk back they are idle, however much of it waits.
+    /// sharing its slots, that the current slot lets post, or shm copies of MEDIUM or LOW jobs.
+    /// The host's cores are then busy; while a slot holds the bulk back they are idle, however
+    /// much of it waits.
     pub(crate) fn bulk_moving(&self, now: Instant) -> bool {
+        let now_ns = now.saturating_duration_since(self.epoch).as_nanos() as u64;
+        let host_bulk = self.host_bulk_ns.load(Ordering::Relaxed);
+        if self.host_queued[1..]
+            .iter()
+            .any(|q| q.load(Ordering::Relaxed) > 0)
+            || (host_bulk > 0 && now_ns.saturating_sub(host_bulk) < ACTIVE_NS)
+        {
+            return true;
+        }
         let Some(g) = &self.global else {
             return self.has_work(policy::MEDIUM, now) || self.has_work(policy::LOW, now);
         };
@@ -277,7 +325,8 @@ impl Qos {
         };
         for p in 0..LEVELS {
             out.priorities[p] = PriorityTraffic {
-                queued: self.queued[p].load(Ordering::Relaxed),
+                queued: self.queued[p].load(Ordering::Relaxed)
+                    + self.host_queued[p].load(Ordering::Relaxed),
                 dequeued: w.dequeued[p],
                 wait_p50_us: w.histograms[p].value_at_quantile(0.5),
                 wait_p99_us: w.histograms[p].value_at_quantile(0.99),

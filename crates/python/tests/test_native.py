@@ -70,6 +70,12 @@ def test_write_and_read_between_processes(spawn_peer, transport):
         stats = engine.traffic_stats()
         rail = "shm" if transport == "auto" else "lo"
         assert stats[rail]["bytes"] >= 11 * MIB and stats[rail]["errors"] == 0
+        # The writes went at the default priority (HIGH), the read at LOW.
+        by_priority = stats[rail]["priority_bytes"]
+        assert by_priority["high"] >= 8 * MIB and by_priority["low"] >= 3 * MIB, by_priority
+        qos = engine.qos_stats()
+        assert qos["priorities"]["high"]["dequeued"] >= 8 and qos["priorities"]["low"]["dequeued"] >= 1, qos
+        assert qos["priorities"]["low"]["queued"] == 0 and qos["global_slot"] is None
 
 
 def test_peer_initiates_both_ways(spawn_peer):
