@@ -65,6 +65,18 @@ impl QosTraffic {
     }
 }
 
+/// Moves engine-wide depth counters by one queue's change from `old` to `new`; each queue
+/// reports only its own change, so the counters sum every queue without a lock.
+fn apply_depth_change(counters: &[AtomicU64; LEVELS], old: [usize; LEVELS], new: [usize; LEVELS]) {
+    for ((c, o), n) in counters.iter().zip(old).zip(new) {
+        if n > o {
+            c.fetch_add((n - o) as u64, Ordering::Relaxed);
+        } else if o > n {
+            c.fetch_sub((o - n) as u64, Ordering::Relaxed);
+        }
+    }
+}
+
 struct Waits {
     histograms: [hdrhistogram::Histogram<u64>; LEVELS],
     dequeued: [u64; LEVELS],
@@ -191,13 +203,7 @@ impl Qos {
 
     /// Records a change of a peer's queue depths from `old` to `new`.
     pub(crate) fn depths_changed(&self, old: [usize; LEVELS], new: [usize; LEVELS]) {
-        for p in 0..LEVELS {
-            if new[p] > old[p] {
-                self.queued[p].fetch_add((new[p] - old[p]) as u64, Ordering::Relaxed);
-            } else if old[p] > new[p] {
-                self.queued[p].fetch_sub((old[p] - new[p]) as u64, Ordering::Relaxed);
-            }
-        }
+        apply_depth_change(&self.queued, old, new);
         if let Some(g) = &self.global {
             g.publish_queued(
                 self.queued[0].load(Ordering::Relaxed),
@@ -208,13 +214,7 @@ impl Qos {
 
     /// Records a change of the shm copy queue's depths from `old` to `new`.
     pub(crate) fn host_depths_changed(&self, old: [usize; LEVELS], new: [usize; LEVELS]) {
-        for p in 0..LEVELS {
-            if new[p] > old[p] {
-                self.host_queued[p].fetch_add((new[p] - old[p]) as u64, Ordering::Relaxed);
-            } else if old[p] > new[p] {
-                self.host_queued[p].fetch_sub((old[p] - new[p]) as u64, Ordering::Relaxed);
-            }
-        }
+        apply_depth_change(&self.host_queued, old, new);
     }
 
     /// Records that an shm copy job of `priority` left the queue at `now` after `waited_ns`:
