@@ -2,6 +2,8 @@
 //! LOW, promotion still lets LOW finish beside a HIGH stream that never lets up, and every byte
 //! of every priority lands where it should.
 
+mod common;
+use common::pattern;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -28,17 +30,6 @@ fn engines() -> (Engine, Engine, SegmentId) {
     let target = Engine::new(Config::default(), "127.0.0.1:0").expect("engine starts");
     let seg = init.open_segment(&target.name()).expect("segment opens");
     (init, target, seg)
-}
-
-fn pattern(seed: u64, buf: &mut [u8]) {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    for chunk in buf.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let bytes = x.to_le_bytes();
-        chunk.copy_from_slice(&bytes[..chunk.len()]);
-    }
 }
 
 /// A shm write of `len` bytes from `src + src_off` to `dst + dst_off` at `priority`.

@@ -1,23 +1,14 @@
 //! Two engines in one process move bytes both ways over each transport, and every refused
 //! request gets the error it deserves.
 
+mod common;
+use common::pattern;
 use std::time::Duration;
 
 use multirail::{Config, Engine, Error, Location, Request, Status, TransportChoice};
 
 fn engine() -> Engine {
     Engine::new(Config::default(), "127.0.0.1:0").expect("engine starts")
-}
-
-fn pattern(seed: u64, buf: &mut [u8]) {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    for chunk in buf.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let bytes = x.to_le_bytes();
-        chunk.copy_from_slice(&bytes[..chunk.len()]);
-    }
 }
 
 fn round_trip(transport: TransportChoice, len: usize) {

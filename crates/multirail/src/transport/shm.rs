@@ -227,11 +227,9 @@ struct Shared {
     state: Mutex<QueueState>,
     /// Signalled when jobs are queued or the transport stops.
     ready: Condvar,
-    /// Jobs queued, as of the last change: lets a worker that found the queue empty watch for
-    /// new jobs a little while without the lock before it sleeps.
-    queued: AtomicUsize,
     /// Jobs queued per level, as of the last change: lets a worker copying bulk see, between
-    /// steps and without the lock, that higher work waits.
+    /// steps and without the lock, that higher work waits, and one that found the queue empty
+    /// watch for new jobs a little while before it sleeps.
     depths: [AtomicUsize; LEVELS],
     /// Origin of the nanosecond clock the queues run on.
     epoch: Instant,
@@ -249,6 +247,11 @@ impl CopyJob {
 }
 
 impl Shared {
+    /// Jobs queued in all (lock-free; as of the last queue change).
+    fn queued(&self) -> usize {
+        self.depths.iter().map(|d| d.load(Ordering::Relaxed)).sum()
+    }
+
     /// Whether a job of a level above `level` waits (lock-free; as of the last queue change).
     fn higher_waiting(&self, level: u8) -> bool {
         self.depths[..level as usize]
@@ -266,10 +269,9 @@ impl Shared {
         now.saturating_duration_since(self.epoch).as_nanos() as u64
     }
 
-    /// Brings [`Shared::queued`] and the engine-wide queue depths up to date with these queues;
+    /// Brings [`Shared::depths`] and the engine-wide queue depths up to date with these queues;
     /// called after every change to them.
     fn report_depths(&self, st: &mut QueueState) {
-        self.queued.store(st.jobs.len(), Ordering::Relaxed);
         let now = st.jobs.depths();
         for (d, n) in self.depths.iter().zip(now) {
             d.store(n, Ordering::Relaxed);
@@ -326,7 +328,6 @@ impl ShmTransport {
                 stopped: false,
             }),
             ready: Condvar::new(),
-            queued: AtomicUsize::new(0),
             depths: Default::default(),
             epoch: Instant::now(),
             qos,
@@ -594,7 +595,7 @@ fn copy_worker(shared: &Shared) {
             watched = true;
             drop(st);
             let backoff = crossbeam::utils::Backoff::new();
-            while !backoff.is_completed() && shared.queued.load(Ordering::Relaxed) == 0 {
+            while !backoff.is_completed() && shared.queued() == 0 {
                 backoff.snooze();
             }
             st = shared.lock();
@@ -900,7 +901,7 @@ mod tests {
         };
         push(direct_job(&src, &mut dst, bulk_task), LOW);
         // Once the worker has taken the bulk job, HIGH arrives.
-        while shm.shared.queued.load(Ordering::Relaxed) > 0 {
+        while shm.shared.queued() > 0 {
             thread::yield_now();
         }
         push(direct_job(&high_src, &mut high_dst, high_task), HIGH);

@@ -1,0 +1,14 @@
+//! Helpers shared by the integration tests.
+
+/// Fills `buf` with a xorshift sequence seeded by `seed`: every 8 bytes differ, so a misplaced
+/// or missing piece of a transfer shows as a mismatch.
+pub fn pattern(seed: u64, buf: &mut [u8]) {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for chunk in buf.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let bytes = x.to_le_bytes();
+        chunk.copy_from_slice(&bytes[..chunk.len()]);
+    }
+}
