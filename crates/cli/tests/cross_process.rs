@@ -200,6 +200,17 @@ fn silent_peer_times_out() {
     let engine = engine_with_timeout(1000);
     let local = engine.allocate(512 << 20, Location::Any).unwrap();
     let seg = engine.open_segment(&frozen.name).unwrap();
+    // A first transfer opens the data connections, which then outlive the stop.
+    let remote = first_buffer(&engine, seg);
+    let warm = requests(
+        Opcode::Write,
+        local.addr(),
+        seg,
+        remote,
+        PIECE,
+        TransportChoice::Tcp,
+    );
+    run(&engine, &warm).unwrap();
     // Stop the process: its sockets stay open, so only our timeout can notice.
     frozen.signal(libc::SIGSTOP);
     let batch = long_write(&engine, local.addr(), seg);
@@ -223,6 +234,40 @@ fn silent_peer_times_out() {
         "{waited:?}"
     );
     frozen.signal(libc::SIGCONT);
+}
+
+/// Connections opened to a stopped process used to "succeed" (the kernel completes the TCP
+/// handshake from its backlog); the membership handshake waits for the engine itself, so a
+/// stopped peer is unreachable within connect_timeout_ms instead of taking slices.
+#[test]
+fn opening_connections_to_a_stopped_peer_fails_within_the_connect_timeout() {
+    let frozen = TargetProcess::start("64MiB", None);
+    let conf = r#"{"transports": {"tcp": {"connect_timeout_ms": 500, "timeout_ms": 1000}}}"#;
+    let engine = Engine::new(Config::from_json_str(conf, "test").unwrap(), "127.0.0.1:0").unwrap();
+    let local = engine.allocate(PIECE as usize, Location::Any).unwrap();
+    let seg = engine.open_segment(&frozen.name).unwrap();
+    frozen.signal(libc::SIGSTOP);
+    let remote = first_buffer(&engine, seg);
+    let reqs = requests(
+        Opcode::Write,
+        local.addr(),
+        seg,
+        remote,
+        PIECE,
+        TransportChoice::Tcp,
+    );
+    let t0 = Instant::now();
+    let err = run(&engine, &reqs).unwrap_err();
+    let waited = t0.elapsed();
+    frozen.signal(libc::SIGCONT);
+    assert!(
+        matches!(
+            err,
+            Error::SegmentUnreachable { .. } | Error::Timeout { .. }
+        ),
+        "{err}"
+    );
+    assert!(waited < Duration::from_millis(2500), "{waited:?}");
 }
 
 #[test]

@@ -114,6 +114,8 @@ pub struct Config {
     pub metadata: MetadataConfig,
     /// Per-transport settings; `rdma` holds TENT's scheduling keys.
     pub transports: TransportsConfig,
+    /// Who may connect: the cluster's membership token.
+    pub auth: AuthConfig,
 }
 
 impl Default for Config {
@@ -126,8 +128,93 @@ impl Default for Config {
             tiers: BTreeMap::new(),
             metadata: MetadataConfig::default(),
             transports: TransportsConfig::default(),
+            auth: AuthConfig::default(),
         }
     }
+}
+
+/// Environment variable holding the membership token when `auth.token` is not set.
+pub const TOKEN_ENV_VAR: &str = "MULTIRAIL_TOKEN";
+
+/// What `multirail config show` prints instead of a token.
+pub const REDACTED: &str = "<redacted>";
+
+/// A secret string: shown as [`REDACTED`] by `Debug` and when serialized, so it never reaches
+/// a log, `config show` or a descriptor.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps a secret.
+    pub fn new(s: impl Into<String>) -> Self {
+        Secret(s.into())
+    }
+
+    /// The secret itself, for the code that must use it (the handshake).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(REDACTED)
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(REDACTED)
+    }
+}
+
+/// Membership: when a token is set (here or in `MULTIRAIL_TOKEN`), every connection opens with
+/// a challenge-response over it (HMAC-SHA256 over nonces), and only engines holding the same
+/// token are served descriptors, keys, slices or messages. Off by default.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// The shared token (at least 16 bytes); null = `MULTIRAIL_TOKEN`, else no membership check.
+    pub token: Option<Secret>,
+}
+
+/// Shortest accepted token: a short one can be guessed offline from one recorded handshake.
+pub const MIN_TOKEN_LEN: usize = 16;
+
+impl AuthConfig {
+    /// The token in force: `auth.token`, else `MULTIRAIL_TOKEN` (empty counts as unset). Fails
+    /// naming the key when the token is too short or is the placeholder `config show` prints.
+    pub fn effective_token(&self) -> Result<Option<Secret>, ConfigError> {
+        let (token, key) = match &self.token {
+            Some(t) => (t.clone(), "auth.token"),
+            None => match std::env::var(TOKEN_ENV_VAR) {
+                Ok(t) if !t.is_empty() => (Secret(t), TOKEN_ENV_VAR),
+                _ => return Ok(None),
+            },
+        };
+        check_token(key, token.expose())?;
+        Ok(Some(token))
+    }
+}
+
+fn check_token(key: &str, token: &str) -> Result<(), ConfigError> {
+    if token == REDACTED {
+        return Err(ConfigError::new(
+            key,
+            "is the placeholder `config show` prints; give the real token",
+        ));
+    }
+    if token.len() < MIN_TOKEN_LEN {
+        return Err(ConfigError::new(
+            key,
+            format!(
+                "must be at least {MIN_TOKEN_LEN} bytes, got {} (the token itself is not shown)",
+                token.len()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// How requests are cut into slices and how many threads copy them.
@@ -332,6 +419,18 @@ pub struct TcpConfig {
     /// to one bandwidth-delay product beside HIGH, it did not lower HIGH's p99 on a 2-core host
     /// and cost bulk a quarter of its throughput).
     pub bulk_thread_nice: i32,
+    /// Most connections the listening port holds at once, of every kind, handshaken or not
+    /// (default 4096); 1..=1048576. A connection past it is closed at once: every connection
+    /// costs an fd and a little memory, and a peer that opens them without end must not take
+    /// the engine's last fd.
+    pub max_connections: usize,
+    /// Most connections that have not finished the handshake (default 256); 1..=max_connections.
+    /// Past it the oldest such connection is closed to make room: a member finishes its
+    /// handshake within one round trip, so what lingers unproven is a stranger.
+    pub max_pending_connections: usize,
+    /// Threads that serve every accepted connection, however many there are (default 4);
+    /// 1..=64. Idle connections cost no thread.
+    pub serve_threads: usize,
     /// Receive path of two-sided messages over TCP.
     pub receive: ReceiveConfig,
 }
@@ -345,6 +444,9 @@ impl Default for TcpConfig {
             max_retries: 8,
             max_inflight_bytes_per_connection: 64 * 1024 * 1024,
             bulk_thread_nice: 0,
+            max_connections: 4096,
+            max_pending_connections: 256,
+            serve_threads: 4,
             receive: ReceiveConfig::default(),
         }
     }
@@ -591,6 +693,9 @@ impl Config {
         }
         self.transports.rdma.validate("transports.rdma")?;
         self.transports.tcp.validate("transports.tcp")?;
+        if let Some(token) = &self.auth.token {
+            check_token("auth.token", token.expose())?;
+        }
         self.transports
             .shm
             .receive
@@ -598,7 +703,8 @@ impl Config {
         Ok(())
     }
 
-    /// The effective configuration as pretty JSON (what `multirail config show` prints); it must parse back to an equal Config.
+    /// The effective configuration as pretty JSON (what `multirail config show` prints); it must parse back to an equal Config,
+    /// except `auth.token`, which prints as `"<redacted>"` (and is refused as a token).
     ///
     /// Never fails. Non-finite floats (only possible in a Config built in code and not
     /// validated) print as `null`, which does not parse back. Floats round-trip exactly
@@ -784,6 +890,22 @@ impl TcpConfig {
                 format!("must be within [0, 19], got {}", self.bulk_thread_nice),
             ));
         }
+        if !(1..=1 << 20).contains(&self.max_connections) {
+            return Err(ConfigError::new(
+                format!("{prefix}.max_connections"),
+                format!("must be within [1, 1048576], got {}", self.max_connections),
+            ));
+        }
+        if !(1..=self.max_connections).contains(&self.max_pending_connections) {
+            return Err(ConfigError::new(
+                format!("{prefix}.max_pending_connections"),
+                format!(
+                    "must be within [1, max_connections = {}], got {}",
+                    self.max_connections, self.max_pending_connections
+                ),
+            ));
+        }
+        within_count(prefix, "serve_threads", self.serve_threads)?;
         self.receive.validate(&format!("{prefix}.receive"))?;
         Ok(())
     }
@@ -842,6 +964,7 @@ fn require_objects(doc: &serde_json::Value, origin: &str) -> Result<(), ConfigEr
     const SECTIONS: &[&str] = &[
         "workers",
         "metadata",
+        "auth",
         "transports",
         "transports.rdma",
         "transports.tcp",

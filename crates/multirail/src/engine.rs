@@ -19,10 +19,11 @@ use crate::peer::Peer;
 use crate::qos::{Qos, QosTraffic};
 use crate::rails::RailScheduler;
 use crate::segment::{self, RailDescriptor, SegmentDescriptor, PROTOCOL_VERSION};
-use crate::server::Server;
+use crate::server::{ConnectionStats, Server, ServerSettings};
 use crate::stats::{Traffic, TrafficStats};
 use crate::topology;
 use crate::transport::cpu_priority::NiceTable;
+use crate::transport::handshake::Membership;
 use crate::transport::shm::ShmTransport;
 use crate::transport::tcp::{TcpSettings, TcpTransport};
 use crate::transport::{Opcode, Prepared, Transport};
@@ -174,7 +175,16 @@ impl Engine {
             registry: registry.clone(),
         });
         let served = local.clone();
-        let messaging = Arc::new(crate::messaging::Messaging::new(&config, registry.clone())?);
+        let membership = match config.auth.effective_token()? {
+            Some(token) => Membership::with_token(token.expose().as_bytes()),
+            None => Membership::open(),
+        };
+        let messaging = Arc::new(crate::messaging::Messaging::new(
+            &config,
+            registry.clone(),
+            membership.clone(),
+        )?);
+        let tcp_cfg = &config.transports.tcp;
         let server = Server::start(
             listen,
             registry,
@@ -182,7 +192,14 @@ impl Engine {
                 serde_json::to_vec(&served.descriptor()).expect("descriptor serializes")
             }),
             messaging.clone(),
-            NiceTable::new(config.transports.tcp.bulk_thread_nice),
+            ServerSettings {
+                max_connections: tcp_cfg.max_connections,
+                max_pending: tcp_cfg.max_pending_connections,
+                serve_threads: tcp_cfg.serve_threads,
+                handshake_timeout: Duration::from_millis(tcp_cfg.connect_timeout_ms),
+                membership: membership.clone(),
+                nice: NiceTable::new(tcp_cfg.bulk_thread_nice),
+            },
         )?;
         let name = format!(
             "{}:{}",
@@ -192,7 +209,6 @@ impl Engine {
         let _ = local.name.set(name);
 
         let stats = Arc::new(TrafficStats::default());
-        let tcp_cfg = &config.transports.tcp;
         let settings = TcpSettings {
             connections_per_rail: tcp_cfg.connections_per_rail,
             timeout: Duration::from_millis(tcp_cfg.timeout_ms),
@@ -200,6 +216,7 @@ impl Engine {
             max_inflight_bytes: tcp_cfg.max_inflight_bytes_per_connection,
             max_retries: tcp_cfg.max_retries,
             nice: NiceTable::new(tcp_cfg.bulk_thread_nice),
+            membership: membership.clone(),
         };
         let scheduler = Arc::new(RailScheduler::new(
             topology,
@@ -214,7 +231,11 @@ impl Engine {
             })
         };
         let inner = Arc::new(Inner {
-            metadata: Box::new(P2pMetadata::new(settings.connect_timeout, settings.timeout)),
+            metadata: Box::new(P2pMetadata::new(
+                settings.connect_timeout,
+                settings.timeout,
+                membership,
+            )),
             shm: ShmTransport::new(
                 workers.shm_copy_threads,
                 config.transports.shm.process_vm,
@@ -558,6 +579,19 @@ impl Engine {
     /// (p50/p99) and promotions.
     pub fn qos_stats(&self) -> QosTraffic {
         self.inner.qos.snapshot()
+    }
+
+    /// What the listening port holds and has refused: open and pending connections, and
+    /// counts of strangers refused (no membership), connections shed and failed accepts.
+    /// All zero once the engine has shut down.
+    pub fn connection_stats(&self) -> ConnectionStats {
+        self.inner
+            .server
+            .lock()
+            .expect("engine poisoned")
+            .as_ref()
+            .map(Server::stats)
+            .unwrap_or_default()
     }
 
     /// The scheduler's view of the rails in TENT's format: `=== Device Traffic Statistics ===`,

@@ -90,6 +90,17 @@ pub enum Error {
         /// The peer's reason.
         reason: String,
     },
+    /// This engine and the peer do not share the cluster's membership token (`auth.token` or
+    /// `MULTIRAIL_TOKEN`), so the connection was refused before anything was served.
+    #[error(
+        "peer {peer} is not a member of this engine's cluster, or this engine not of its: {reason}"
+    )]
+    NotAMember {
+        /// Segment name or address of the peer.
+        peer: String,
+        /// Which side could not prove membership.
+        reason: String,
+    },
     /// The peer sent something that is not valid protocol.
     #[error("protocol error with {peer}: {reason}")]
     Protocol {

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::segment::SegmentDescriptor;
+use crate::transport::handshake::{self, Membership};
 use crate::transport::wire::{self, ConnKind};
 
 /// A source of segment descriptors.
@@ -21,15 +22,17 @@ pub trait MetadataStore: Send + Sync {
 pub struct P2pMetadata {
     connect_timeout: Duration,
     io_timeout: Duration,
+    membership: Membership,
 }
 
 impl P2pMetadata {
-    /// A store that gives up connecting after `connect_timeout` and waiting for an answer after
-    /// `io_timeout`.
-    pub fn new(connect_timeout: Duration, io_timeout: Duration) -> Self {
+    /// A store that gives up connecting (handshake included) after `connect_timeout` and
+    /// waiting for an answer after `io_timeout`, proving `membership` to every segment.
+    pub fn new(connect_timeout: Duration, io_timeout: Duration, membership: Membership) -> Self {
         P2pMetadata {
             connect_timeout,
             io_timeout,
+            membership,
         }
     }
 }
@@ -63,14 +66,19 @@ impl MetadataStore for P2pMetadata {
         };
         let mut stream = TcpStream::connect_timeout(&addr, self.connect_timeout)
             .map_err(|e| unreachable(format!("connecting to {addr}: {e}")))?;
+        handshake::client(
+            &stream,
+            ConnKind::Control,
+            &self.membership,
+            name,
+            self.connect_timeout,
+        )?;
         stream
             .set_read_timeout(Some(self.io_timeout))
             .and_then(|_| stream.set_write_timeout(Some(self.io_timeout)))
             .map_err(|e| unreachable(e.to_string()))?;
-        let mut req = wire::encode_hello(ConnKind::Control).to_vec();
-        req.push(wire::CONTROL_GET_DESCRIPTOR);
         stream
-            .write_all(&req)
+            .write_all(&[wire::CONTROL_GET_DESCRIPTOR])
             .map_err(|e| unreachable(format!("sending descriptor query: {e}")))?;
         let mut len = [0u8; 4];
         stream

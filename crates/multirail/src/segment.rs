@@ -5,7 +5,8 @@ use serde::{Deserialize, Serialize};
 use crate::memory::Location;
 
 /// Version of the descriptor format and of the wire protocol it advertises.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// 2: connections open with the membership handshake.
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// Handle a same-host peer uses to map an engine-allocated buffer (`/proc/PID/fd/FD`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -6,8 +6,41 @@ use std::net::{TcpListener, TcpStream};
 use std::time::Duration;
 
 use multirail::segment::{BufferDescriptor, SegmentDescriptor, PROTOCOL_VERSION};
+use multirail::transport::handshake::{self, Membership, Outcome, ServerHandshake};
 use multirail::transport::wire::{self, ConnKind, RequestHeader, RequestOp};
 use multirail::{Config, Engine, Error, Location, Request, TransportChoice};
+
+/// A connection to `target` that has passed the handshake as an open (tokenless) member.
+fn member(target: &Engine, kind: ConnKind) -> TcpStream {
+    let s = TcpStream::connect(target.name()).unwrap();
+    handshake::client(
+        &s,
+        kind,
+        &Membership::open(),
+        &target.name(),
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    s
+}
+
+/// The server's side of the handshake on a blocking stream; returns the connection's kind.
+fn accept_member(s: &mut TcpStream) -> ConnKind {
+    let mut hs = ServerHandshake::new(Membership::open(), handshake::nonce());
+    let mut out = Vec::new();
+    loop {
+        let mut buf = vec![0u8; hs.wants()];
+        s.read_exact(&mut buf).unwrap();
+        let (_, outcome) = hs.on_bytes(&buf, &mut out).unwrap();
+        s.write_all(&out).unwrap();
+        out.clear();
+        match outcome {
+            Some(Outcome::Accepted(kind)) => return kind,
+            Some(Outcome::Refused(r)) => panic!("refused: {r}"),
+            None => {}
+        }
+    }
+}
 
 fn engine() -> Engine {
     Engine::new(Config::default(), "127.0.0.1:0").unwrap()
@@ -58,10 +91,7 @@ fn target_closes_connections_that_send_garbage() {
     bad_version.write_all(&hello).unwrap();
     assert!(closed_by_peer(&mut bad_version));
 
-    let mut bad_op = TcpStream::connect(target.name()).unwrap();
-    bad_op
-        .write_all(&wire::encode_hello(ConnKind::Data))
-        .unwrap();
+    let mut bad_op = member(&target, ConnKind::Data);
     let mut frame = [0u8; wire::REQUEST_LEN];
     RequestHeader {
         op: RequestOp::Write,
@@ -76,34 +106,24 @@ fn target_closes_connections_that_send_garbage() {
     bad_op.write_all(&frame).unwrap();
     assert!(closed_by_peer(&mut bad_op));
 
-    let mut bad_priority = TcpStream::connect(target.name()).unwrap();
-    bad_priority
-        .write_all(&wire::encode_hello(ConnKind::Data))
-        .unwrap();
+    let mut bad_priority = member(&target, ConnKind::Data);
     let mut unknown = frame;
     unknown[0] = RequestOp::Write as u8;
     unknown[1] = 9;
     bad_priority.write_all(&unknown).unwrap();
     assert!(closed_by_peer(&mut bad_priority));
 
-    let mut huge = TcpStream::connect(target.name()).unwrap();
-    huge.write_all(&wire::encode_hello(ConnKind::Data)).unwrap();
+    let mut huge = member(&target, ConnKind::Data);
     frame[0] = RequestOp::Write as u8;
     frame[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
     huge.write_all(&frame).unwrap();
     assert!(closed_by_peer(&mut huge));
 
-    let mut truncated = TcpStream::connect(target.name()).unwrap();
-    truncated
-        .write_all(&wire::encode_hello(ConnKind::Data))
-        .unwrap();
+    let mut truncated = member(&target, ConnKind::Data);
     truncated.write_all(&frame[..10]).unwrap();
     drop(truncated);
 
-    let mut bad_control = TcpStream::connect(target.name()).unwrap();
-    bad_control
-        .write_all(&wire::encode_hello(ConnKind::Control))
-        .unwrap();
+    let mut bad_control = member(&target, ConnKind::Control);
     bad_control.write_all(&[42]).unwrap();
     assert!(closed_by_peer(&mut bad_control));
 
@@ -114,8 +134,7 @@ fn target_closes_connections_that_send_garbage() {
 fn target_refuses_wrong_key_and_out_of_bounds_without_closing() {
     let target = engine();
     let buf = target.allocate(4096, Location::Any).unwrap();
-    let mut s = TcpStream::connect(target.name()).unwrap();
-    s.write_all(&wire::encode_hello(ConnKind::Data)).unwrap();
+    let mut s = member(&target, ConnKind::Data);
     let mut frame = [0u8; wire::REQUEST_LEN];
     let mut resp = [0u8; wire::RESPONSE_LEN];
     let cases = [
@@ -168,30 +187,43 @@ fn initiator_fails_requests_on_garbage_responses() {
         }],
     };
     let json = serde_json::to_vec(&descriptor).unwrap();
+    // Each connection is served on its own thread: the initiator opens all of its data
+    // connections, each waiting for its handshake, before it posts a slice.
     let fake = std::thread::spawn(move || {
-        let mut held = Vec::new();
-        for _ in 0..3 {
-            let (mut s, _) = listener.accept().unwrap();
-            let mut hello = [0u8; wire::HELLO_LEN];
-            s.read_exact(&mut hello).unwrap();
-            match wire::decode_hello(&hello).unwrap() {
+        listener.set_nonblocking(true).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(4);
+        let mut served = Vec::new();
+        while std::time::Instant::now() < deadline {
+            let (mut s, _) = match listener.accept() {
+                Ok(x) => x,
+                Err(_) => {
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+            };
+            s.set_nonblocking(false).unwrap();
+            let json = json.clone();
+            served.push(std::thread::spawn(move || match accept_member(&mut s) {
                 ConnKind::Control => {
                     let mut op = [0u8; 1];
                     s.read_exact(&mut op).unwrap();
                     s.write_all(&(json.len() as u32).to_le_bytes()).unwrap();
                     s.write_all(&json).unwrap();
+                    let _ = s.read(&mut op);
                 }
                 ConnKind::Data => {
                     let mut frame = [0u8; wire::REQUEST_LEN];
                     if s.read_exact(&mut frame).is_ok() {
                         let _ = s.write_all(&[0xFF; wire::RESPONSE_LEN]);
                     }
-                    held.push(s);
+                    std::thread::sleep(Duration::from_secs(1));
                 }
                 other => panic!("unexpected connection kind {other:?}"),
-            }
+            }));
         }
-        std::thread::sleep(Duration::from_secs(1));
+        for t in served {
+            t.join().unwrap();
+        }
     });
     let conf = r#"{"transports": {"tcp": {"connections_per_rail": 2}}}"#;
     let init = Engine::new(Config::from_json_str(conf, "test").unwrap(), "127.0.0.1:0").unwrap();

@@ -42,6 +42,8 @@ use crate::engine::{BatchId, Engine, Request, SegmentId};
 use crate::error::{Error, Result};
 use crate::memory::{Buffer, Location, MemoryRegistry, PeerMapping};
 use crate::peer::Peer;
+use crate::server::ConnPermit;
+use crate::transport::handshake::{self, Membership};
 use crate::transport::sockio;
 use crate::transport::wire::{self, ConnKind, MsgHeader, MsgKind, MSG_HEADER_LEN};
 use ring::{Ring, INLINE_MAX};
@@ -168,6 +170,8 @@ struct InConn {
     stream: TcpStream,
     io: InIo,
     dead: bool,
+    /// Counts the connection against the port's `max_connections` until it is dropped.
+    _permit: ConnPermit,
 }
 
 struct Ready {
@@ -226,11 +230,29 @@ pub(crate) struct Messaging {
     shm_enabled: bool,
     timeout: Duration,
     connect_timeout: Duration,
+    membership: Membership,
     rx: Mutex<Rx>,
     /// Whether `Rx::after_reply` holds buffers (read without taking the lock on every send).
     after_reply_pending: AtomicBool,
     out: Mutex<HashMap<u64, Arc<Mutex<OutConn>>, BuildHasherDefault<IdHasher>>>,
     next_conn: AtomicU64,
+}
+
+/// Length of a message connection's opening (mode u8, name length u16, name) once its first
+/// three bytes are in `prefix`; `None` before that. Fails on a name longer than
+/// [`wire::MAX_NAME_LEN`] or an unknown mode.
+pub(crate) fn opening_len(prefix: &[u8]) -> std::result::Result<Option<usize>, String> {
+    if prefix.len() < 3 {
+        return Ok(None);
+    }
+    if prefix[0] != MODE_TCP && prefix[0] != MODE_SHM {
+        return Err(format!("unknown message mode {}", prefix[0]));
+    }
+    let name_len = u16::from_le_bytes([prefix[1], prefix[2]]) as usize;
+    if name_len > wire::MAX_NAME_LEN {
+        return Err(format!("sender name of {name_len} bytes"));
+    }
+    Ok(Some(3 + name_len))
 }
 
 fn protocol(peer: &str, reason: impl Into<String>) -> Error {
@@ -241,7 +263,11 @@ fn protocol(peer: &str, reason: impl Into<String>) -> Error {
 }
 
 impl Messaging {
-    pub(crate) fn new(config: &Config, registry: Arc<MemoryRegistry>) -> Result<Messaging> {
+    pub(crate) fn new(
+        config: &Config,
+        registry: Arc<MemoryRegistry>,
+        membership: Membership,
+    ) -> Result<Messaging> {
         let t = &config.transports;
         Ok(Messaging {
             registry,
@@ -251,6 +277,7 @@ impl Messaging {
             shm_enabled: t.shm.enable,
             timeout: Duration::from_millis(t.tcp.timeout_ms),
             connect_timeout: Duration::from_millis(t.tcp.connect_timeout_ms),
+            membership,
             rx: Mutex::default(),
             after_reply_pending: AtomicBool::new(false),
             out: Mutex::default(),
@@ -258,25 +285,19 @@ impl Messaging {
         })
     }
 
-    /// Target side: a sender opened a message connection (called on the server's thread).
-    pub(crate) fn accept(&self, mut stream: TcpStream) -> std::result::Result<(), String> {
-        stream
-            .set_read_timeout(Some(OPEN_TIMEOUT))
-            .map_err(|e| e.to_string())?;
-        let mut head = [0u8; 3];
-        stream
-            .read_exact(&mut head)
-            .map_err(|e| format!("reading message opening: {e}"))?;
-        let mode = head[0];
-        let name_len = u16::from_le_bytes([head[1], head[2]]) as usize;
-        if name_len > wire::MAX_NAME_LEN {
-            return Err(format!("sender name of {name_len} bytes"));
+    /// Target side: a sender opened a message connection and the server read its `opening`
+    /// (mode, name length, name; see [`opening_len`]) on one of its threads.
+    pub(crate) fn accept(
+        &self,
+        mut stream: TcpStream,
+        opening: &[u8],
+        permit: ConnPermit,
+    ) -> std::result::Result<(), String> {
+        if opening_len(opening)? != Some(opening.len()) {
+            return Err("incomplete message opening".into());
         }
-        let mut name = vec![0u8; name_len];
-        stream
-            .read_exact(&mut name)
-            .map_err(|e| format!("reading sender name: {e}"))?;
-        let from: Arc<str> = String::from_utf8(name)
+        let mode = opening[0];
+        let from: Arc<str> = String::from_utf8(opening[3..].to_vec())
             .map_err(|_| "sender name is not UTF-8".to_string())?
             .into();
         let shm = match mode {
@@ -380,6 +401,7 @@ impl Messaging {
             stream,
             io,
             dead: false,
+            _permit: permit,
         });
         let Rx { conns, pools, .. } = &mut *rx;
         grant(conns, pools, key);
@@ -560,12 +582,18 @@ impl Messaging {
         let mut stream =
             TcpStream::connect_timeout(&peer.addr, self.connect_timeout).map_err(unreachable)?;
         let _ = stream.set_nodelay(true);
+        handshake::client(
+            &stream,
+            ConnKind::Message,
+            &self.membership,
+            &peer.name,
+            self.connect_timeout,
+        )?;
         stream
             .set_read_timeout(Some(OPEN_TIMEOUT))
             .map_err(unreachable)?;
         let name = engine.name();
-        let mut open = wire::encode_hello(ConnKind::Message).to_vec();
-        open.push(if shm { MODE_SHM } else { MODE_TCP });
+        let mut open = vec![if shm { MODE_SHM } else { MODE_TCP }];
         open.extend_from_slice(&(name.len() as u16).to_le_bytes());
         open.extend_from_slice(name.as_bytes());
         stream.write_all(&open).map_err(unreachable)?;

@@ -2,6 +2,7 @@
 //! `tcp` carries slices over persistent connections. The engine picks one per request.
 
 pub(crate) mod cpu_priority;
+pub mod handshake;
 pub(crate) mod shm;
 pub(crate) mod sockio;
 pub(crate) mod tcp;

@@ -103,24 +103,6 @@ pub(crate) fn read_raw(fd: RawFd, ptr: *mut u8, len: usize) -> io::Result<usize>
     }
 }
 
-/// One vectored read; `Ok(0)` means the peer closed the connection.
-///
-/// The caller guarantees each iovec describes writable memory nothing else touches during the call.
-pub(crate) fn readv_raw(fd: RawFd, iov: &[libc::iovec]) -> io::Result<usize> {
-    loop {
-        // SAFETY: the caller guarantees the iovecs are writable and unaliased for this call.
-        let rc = unsafe { libc::readv(fd, iov.as_ptr(), iov.len() as libc::c_int) };
-        if rc < 0 {
-            let err = io::Error::last_os_error();
-            if err.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(err);
-        }
-        return Ok(rc as usize);
-    }
-}
-
 /// A vectored read that does not block: `Ok(None)` when nothing is waiting, `Ok(Some(0))` when
 /// the peer closed the connection.
 ///

@@ -5,8 +5,9 @@ use crate::segment::PROTOCOL_VERSION;
 
 /// First bytes of every connection.
 pub const MAGIC: [u8; 4] = *b"MRAL";
-/// Size of the hello every connection starts with.
-pub const HELLO_LEN: usize = 8;
+/// Size of the hello every connection starts with: magic, version, kind, flags and the client's
+/// nonce for the membership handshake (`transport::handshake`).
+pub const HELLO_LEN: usize = 40;
 /// Size of a request header (initiator to target).
 pub const REQUEST_LEN: usize = 32;
 /// Size of a response header (target to initiator).
@@ -27,13 +28,25 @@ pub enum ConnKind {
     Message = 3,
 }
 
-/// Encodes the hello for a connection of `kind`.
+/// Encodes the hello for a connection of `kind` with an all-zero nonce (tests and tools that do
+/// not check the server's proof).
 pub fn encode_hello(kind: ConnKind) -> [u8; HELLO_LEN] {
+    encode_hello_with_nonce(kind, &[0; 32])
+}
+
+/// Encodes the hello for a connection of `kind` carrying the client's handshake `nonce`.
+pub fn encode_hello_with_nonce(kind: ConnKind, nonce: &[u8; 32]) -> [u8; HELLO_LEN] {
     let mut b = [0u8; HELLO_LEN];
     b[..4].copy_from_slice(&MAGIC);
     b[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
     b[6] = kind as u8;
+    b[8..40].copy_from_slice(nonce);
     b
+}
+
+/// The client's handshake nonce carried by a hello.
+pub fn hello_nonce(b: &[u8; HELLO_LEN]) -> [u8; 32] {
+    b[8..40].try_into().expect("32 bytes")
 }
 
 /// Decodes a hello; the error says what was wrong with it.
@@ -46,6 +59,9 @@ pub fn decode_hello(b: &[u8; HELLO_LEN]) -> Result<ConnKind, String> {
         return Err(format!(
             "protocol version {version}, this engine speaks {PROTOCOL_VERSION}"
         ));
+    }
+    if b[7] != 0 {
+        return Err(format!("unknown hello flags {:#04x}", b[7]));
     }
     match b[6] {
         1 => Ok(ConnKind::Control),

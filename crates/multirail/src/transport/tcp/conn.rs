@@ -17,6 +17,7 @@ use crate::batch::Task;
 use crate::error::{Error, Result};
 use crate::stats::RailCounters;
 use crate::transport::cpu_priority::{NiceTable, ThreadNice};
+use crate::transport::handshake::{self, Membership};
 use crate::transport::sockio::{self, iovec};
 use crate::transport::wire::{self, ConnKind, RequestHeader, RequestOp, ResponseHeader};
 use crate::transport::Opcode;
@@ -37,6 +38,8 @@ pub(crate) struct TcpSettings {
     pub max_retries: u32,
     /// CPU priority of the connection's threads by the priority of what they carry.
     pub nice: NiceTable,
+    /// What this engine proves in every connection's handshake.
+    pub membership: Membership,
 }
 
 /// One slice to post.
@@ -195,10 +198,13 @@ impl Conn {
             name: target.peer.to_owned(),
             reason: format!("data connection to {}: {e}", target.remote),
         })?;
-        let hello = wire::encode_hello(ConnKind::Data);
-        let mut iov = [iovec(hello.as_ptr(), hello.len())];
-        sockio::write_all_vectored(stream.as_raw_fd(), &mut iov)
-            .map_err(|e| Error::io(format!("hello to {}", target.peer), e))?;
+        handshake::client(
+            &stream,
+            ConnKind::Data,
+            &settings.membership,
+            target.peer,
+            settings.connect_timeout,
+        )?;
         let (tx, rx) = channel::unbounded();
         let conn = Arc::new(Conn {
             peer: target.peer.to_owned(),

@@ -1,0 +1,401 @@
+//! Target side of the `tcp` transport on one data connection, as a non-blocking state machine a
+//! serving thread advances whenever the connection is ready: every slice is checked against the
+//! buffer's key and bounds before a byte lands, WRITE payloads are received straight into
+//! registered memory, READ payloads are sent straight from it. A connection waiting for bytes
+//! holds no thread.
+
+use std::os::fd::RawFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::memory::{MemoryRegistry, Region};
+use crate::transport::cpu_priority::ThreadNice;
+use crate::transport::sockio::{self, iovec};
+use crate::transport::wire::{self, RequestHeader, RequestOp, ResponseHeader, Status};
+
+/// Responses gathered before one `writev`.
+const RESPONSES_PER_WRITE: usize = 64;
+/// Longest a finished slice's response may wait for company. Batching responses saves
+/// syscalls at high slice rates, but a held-back acknowledgement delays the initiator's
+/// completion and distorts the bandwidth it measures per rail.
+const RESPONSE_DELAY: Duration = Duration::from_micros(100);
+/// Payload bytes queued in responses before they are written.
+const RESPONSE_BYTES: usize = 8 << 20;
+/// Bytes one turn may receive before the connection goes to the back of the ready list, so a
+/// connection streaming bulk does not keep a serving thread from the others (a HIGH slice on
+/// another connection waits at most this much copying).
+const TURN_BYTES: usize = 4 << 20;
+/// Staging for request headers (and, after READ requests, several of them at once).
+const STAGING: usize = 64 * 1024;
+
+/// What the connection waits for after a turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Wait {
+    /// Bytes to read.
+    Read,
+    /// Room in the socket for responses (nothing more is read until they are out, so a peer
+    /// that does not read its answers stops being served instead of growing our memory).
+    Write,
+    /// Its turn ended with work left: serve it again after the others.
+    Again,
+}
+
+/// Responses waiting to be written, in request order, and how far a partial write got.
+struct Responses {
+    /// When the oldest unsent response was queued.
+    oldest: Option<Instant>,
+    headers: Vec<[u8; wire::RESPONSE_LEN]>,
+    payloads: Vec<Option<(usize, usize)>>,
+    /// Regions whose bytes READ responses send: kept registered until written.
+    held: Vec<Arc<Region>>,
+    bytes: usize,
+    iov: Vec<libc::iovec>,
+    /// A write is under way (`iov` is built and partly sent).
+    writing: bool,
+}
+
+impl Responses {
+    fn new() -> Self {
+        Responses {
+            oldest: None,
+            headers: Vec::with_capacity(RESPONSES_PER_WRITE),
+            payloads: Vec::with_capacity(RESPONSES_PER_WRITE),
+            held: Vec::with_capacity(RESPONSES_PER_WRITE),
+            bytes: 0,
+            iov: Vec::with_capacity(RESPONSES_PER_WRITE * 2),
+            writing: false,
+        }
+    }
+
+    fn push(&mut self, status: Status, id: u64, payload: Option<(usize, usize, Arc<Region>)>) {
+        let mut h = [0u8; wire::RESPONSE_LEN];
+        let len = payload.as_ref().map_or(0, |p| p.1);
+        ResponseHeader {
+            status,
+            len: len as u32,
+            id,
+        }
+        .encode(&mut h);
+        if self.headers.is_empty() {
+            self.oldest = Some(Instant::now());
+        }
+        self.headers.push(h);
+        self.payloads.push(payload.as_ref().map(|p| (p.0, p.1)));
+        if let Some((_, len, region)) = payload {
+            self.bytes += len;
+            self.held.push(region);
+        }
+    }
+
+    fn due(&self) -> bool {
+        self.headers.len() >= RESPONSES_PER_WRITE
+            || self.bytes >= RESPONSE_BYTES
+            || self.oldest.is_some_and(|t| t.elapsed() >= RESPONSE_DELAY)
+    }
+
+    /// Writes what is queued without blocking. `Ok(true)` when everything went out, `Ok(false)`
+    /// when the socket is full (the rest goes out on the next call, before anything new).
+    fn flush(&mut self, fd: RawFd) -> Result<bool, String> {
+        if self.headers.is_empty() {
+            return Ok(true);
+        }
+        if !self.writing {
+            self.iov.clear();
+            for (h, p) in self.headers.iter().zip(&self.payloads) {
+                self.iov.push(iovec(h.as_ptr(), h.len()));
+                if let Some((ptr, len)) = p {
+                    self.iov.push(iovec(*ptr as *const u8, *len));
+                }
+            }
+            self.writing = true;
+        }
+        loop {
+            // Rebuilt from the start each time: `advance` trims the iovecs in place.
+            let rest = sockio::advance(&mut self.iov, 0);
+            if rest.is_empty() {
+                break;
+            }
+            // Payloads point into regions held in `self.held` until the write completes;
+            // headers live in `self.headers`, untouched while `writing`.
+            match sockio::write_vectored_nonblocking(fd, rest) {
+                Ok(Some(0)) | Ok(None) => return Ok(false),
+                Ok(Some(n)) => {
+                    let left = sockio::advance(&mut self.iov, n).len();
+                    let drop_front = self.iov.len() - left;
+                    self.iov.drain(..drop_front);
+                }
+                Err(e) => return Err(format!("sending responses: {e}")),
+            }
+        }
+        self.headers.clear();
+        self.payloads.clear();
+        self.held.clear();
+        self.bytes = 0;
+        self.oldest = None;
+        self.writing = false;
+        Ok(true)
+    }
+}
+
+/// Request bytes read ahead of where they are needed.
+struct Staging {
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+}
+
+impl Staging {
+    fn available(&self) -> usize {
+        self.end - self.start
+    }
+
+    fn compact(&mut self) {
+        if self.start > 0 {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+    }
+}
+
+/// A WRITE payload being received.
+struct Payload {
+    /// Where its bytes go: checked registered memory, or `None` to drop them (a refused slice
+    /// whose bytes must still be read to keep the stream in step).
+    dst: Option<(*mut u8, Arc<Region>)>,
+    len: usize,
+    done: usize,
+    id: u64,
+    status: Status,
+}
+
+/// One data connection's serving state.
+pub(crate) struct DataConn {
+    staging: Staging,
+    /// Where refused payloads are read to be dropped; allocated on first use.
+    scratch: Vec<u8>,
+    out: Responses,
+    last_was_read: bool,
+    payload: Option<Payload>,
+}
+
+// SAFETY: the raw destination pointer in `payload` points into a region kept alive by the Arc
+// beside it; the state is only touched by the one thread serving the connection's turn.
+unsafe impl Send for DataConn {}
+
+impl DataConn {
+    /// A connection whose first `early` bytes (read with the handshake) are already here.
+    pub(crate) fn new(early: &[u8]) -> DataConn {
+        let mut buf = vec![0u8; STAGING.max(early.len())].into_boxed_slice();
+        buf[..early.len()].copy_from_slice(early);
+        DataConn {
+            staging: Staging {
+                buf,
+                start: 0,
+                end: early.len(),
+            },
+            scratch: Vec::new(),
+            out: Responses::new(),
+            last_was_read: false,
+            payload: None,
+        }
+    }
+
+    /// Serves what the socket holds without blocking. Returns what to wait for next, or
+    /// `Ok(None)` when the peer closed the connection between requests, or an error naming
+    /// what was wrong (malformed frame, closed mid-frame, socket error): close it.
+    pub(crate) fn turn(
+        &mut self,
+        fd: RawFd,
+        registry: &MemoryRegistry,
+        nice: &mut ThreadNice,
+    ) -> Result<Option<Wait>, String> {
+        let mut received = 0usize;
+        loop {
+            if self.out.writing && !self.out.flush(fd)? {
+                return Ok(Some(Wait::Write));
+            }
+            if received >= TURN_BYTES {
+                // Answer what is done before stepping aside for the other connections.
+                return if self.out.flush(fd)? {
+                    Ok(Some(Wait::Again))
+                } else {
+                    Ok(Some(Wait::Write))
+                };
+            }
+            if self.payload.is_some() {
+                match self.receive_payload(fd)? {
+                    Some(n) => received += n,
+                    None => return self.idle(fd),
+                }
+                continue;
+            }
+            if self.staging.available() < wire::REQUEST_LEN {
+                match self.read_headers(fd)? {
+                    Some(0) => {
+                        self.out.flush(fd).ok();
+                        return if self.staging.available() == 0 {
+                            Ok(None)
+                        } else {
+                            Err("connection closed inside a request header".into())
+                        };
+                    }
+                    Some(_) => continue,
+                    None => return self.idle(fd),
+                }
+            }
+            let st = &mut self.staging;
+            let h = RequestHeader::decode(&st.buf[st.start..st.start + wire::REQUEST_LEN])?;
+            st.start += wire::REQUEST_LEN;
+            nice.follow(h.priority);
+            match h.op {
+                RequestOp::Write => {
+                    self.last_was_read = false;
+                    let (dst, status) = match check(registry, &h) {
+                        Ok(region) => (Some((h.addr as usize as *mut u8, region)), Status::Ok),
+                        Err(status) => (None, status),
+                    };
+                    self.payload = Some(Payload {
+                        dst,
+                        len: h.len as usize,
+                        done: 0,
+                        id: h.id,
+                        status,
+                    });
+                    self.take_staged_payload();
+                }
+                RequestOp::Read => {
+                    self.last_was_read = true;
+                    match check(registry, &h) {
+                        Ok(region) => self.out.push(
+                            Status::Ok,
+                            h.id,
+                            Some((h.addr as usize, h.len as usize, region)),
+                        ),
+                        Err(status) => self.out.push(status, h.id, None),
+                    }
+                }
+            }
+            if self.out.due() && !self.out.flush(fd)? {
+                return Ok(Some(Wait::Write));
+            }
+        }
+    }
+
+    /// Nothing more to read now: answer what is finished before waiting, so a slow payload or
+    /// a quiet peer never holds back acknowledgements of slices already in place.
+    fn idle(&mut self, fd: RawFd) -> Result<Option<Wait>, String> {
+        if self.out.flush(fd)? {
+            Ok(Some(Wait::Read))
+        } else {
+            Ok(Some(Wait::Write))
+        }
+    }
+
+    /// Reads request headers into staging: one header at a time after a WRITE (its payload
+    /// follows and should go straight to memory, not through here), several after a READ.
+    /// `None` when nothing is waiting.
+    fn read_headers(&mut self, fd: RawFd) -> Result<Option<usize>, String> {
+        let st = &mut self.staging;
+        st.compact();
+        let want = if self.last_was_read {
+            (st.buf.len() - st.end).min(16 * wire::REQUEST_LEN)
+        } else {
+            wire::REQUEST_LEN - st.available()
+        };
+        let end = st.end;
+        match sockio::recv_nonblocking(fd, &mut st.buf[end..end + want]) {
+            Ok(Some(n)) => {
+                st.end += n;
+                Ok(Some(n))
+            }
+            Ok(None) => Ok(None),
+            Err(e) => Err(format!("reading request: {e}")),
+        }
+    }
+
+    /// Moves payload bytes that arrived with the header out of staging.
+    fn take_staged_payload(&mut self) {
+        let p = self.payload.as_mut().expect("payload under way");
+        let st = &mut self.staging;
+        let n = st.available().min(p.len - p.done);
+        if n == 0 {
+            return;
+        }
+        if let Some((dst, _)) = &p.dst {
+            // SAFETY: `dst..dst+len` was checked against a registered region that the Arc
+            // beside it keeps alive, and `done + n <= len`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(st.buf[st.start..].as_ptr(), dst.add(p.done), n)
+            };
+        }
+        st.start += n;
+        p.done += n;
+        self.finish_payload_if_done();
+    }
+
+    fn finish_payload_if_done(&mut self) {
+        if self.payload.as_ref().is_some_and(|p| p.done == p.len) {
+            let p = self.payload.take().expect("checked");
+            self.out.push(p.status, p.id, None);
+        }
+    }
+
+    /// Receives payload bytes straight into their destination, picking up the next request
+    /// header in the same `readv` when it has arrived. Returns the bytes taken, `None` when
+    /// nothing is waiting.
+    fn receive_payload(&mut self, fd: RawFd) -> Result<Option<usize>, String> {
+        let p = self.payload.as_mut().expect("payload under way");
+        // Staging is empty here: whatever it held went to the payload first.
+        debug_assert_eq!(self.staging.available(), 0);
+        self.staging.start = 0;
+        self.staging.end = 0;
+        let left = p.len - p.done;
+        let dst = match &p.dst {
+            // SAFETY: `done < len`, so the pointer stays inside the checked destination.
+            Some((dst, _)) => unsafe { dst.add(p.done) },
+            None => {
+                if self.scratch.is_empty() {
+                    self.scratch = vec![0u8; STAGING];
+                }
+                self.scratch.as_mut_ptr()
+            }
+        };
+        let chunk = if p.dst.is_some() {
+            left
+        } else {
+            left.min(self.scratch.len())
+        };
+        let iov = [
+            iovec(dst, chunk),
+            iovec(self.staging.buf.as_mut_ptr(), wire::REQUEST_LEN),
+        ];
+        let n = match sockio::readv_nonblocking(fd, &iov)
+            .map_err(|e| format!("reading payload: {e}"))?
+        {
+            None => return Ok(None),
+            Some(0) => return Err("connection closed inside a payload".into()),
+            Some(n) => n,
+        };
+        if n <= chunk {
+            p.done += n;
+        } else {
+            p.done += chunk;
+            self.staging.end = n - chunk;
+        }
+        self.finish_payload_if_done();
+        Ok(Some(n))
+    }
+}
+
+/// Checks a slice against the registry: the buffer exists, the key matches, the range fits.
+fn check(registry: &MemoryRegistry, h: &RequestHeader) -> Result<Arc<Region>, Status> {
+    let region = registry.find(h.addr, 1).ok_or(Status::BadKey)?;
+    if region.key() != h.key {
+        return Err(Status::BadKey);
+    }
+    if !region.contains(h.addr, h.len as u64) {
+        return Err(Status::OutOfBounds);
+    }
+    Ok(region)
+}

@@ -1,0 +1,799 @@
+//! The engine's listening port. Every connection opens with the membership handshake
+//! (`transport::handshake`), then answers descriptor queries (control), serves slices (data,
+//! see [`data`]) or is handed to messaging.
+//!
+//! A fixed pool of `transports.tcp.serve_threads` threads serves every connection through one
+//! epoll set: each connection is armed one-shot, so exactly one thread serves it at a time and
+//! a connection waiting for bytes holds no thread. What a connection costs is an fd and a small
+//! state, so the port bounds them: `max_connections` in all, `max_pending_connections` that
+//! have not finished the handshake (the oldest makes room, and none lingers past
+//! `connect_timeout_ms`). When the process runs out of fds, the oldest unproven connection is
+//! shed, then the member connection idle the longest, and accepting backs off; members'
+//! connections are otherwise kept however long they stay idle.
+
+mod data;
+
+use std::fs::File;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
+use nix::sys::eventfd::EventFd;
+use slab::Slab;
+
+use crate::error::{Error, Result};
+use crate::memory::MemoryRegistry;
+use crate::messaging::Messaging;
+use crate::transport::cpu_priority::{NiceTable, ThreadNice};
+use crate::transport::handshake::{self, Membership, Outcome, ServerHandshake};
+use crate::transport::sockio;
+use crate::transport::wire::{self, ConnKind};
+
+use data::{DataConn, Wait};
+
+/// Produces the current segment descriptor as JSON for control queries.
+pub(crate) type DescriptorSource = Arc<dyn Fn() -> Vec<u8> + Send + Sync>;
+
+const LISTENER: u64 = u64::MAX;
+const WAKE: u64 = u64::MAX - 1;
+/// How often a serving thread looks for handshakes past their deadline and a paused listener.
+const SWEEP_EVERY: Duration = Duration::from_millis(100);
+/// A member's connection idle at least this long may be shed when fds run out: one that
+/// moved bytes more recently is probably in use.
+const IDLE_BEFORE_SHED: Duration = Duration::from_secs(1);
+/// Most connections shed for one failed accept before accepting backs off.
+const SHED_PER_ACCEPT: usize = 4;
+/// Control answers queued before the connection stops reading queries.
+const CONTROL_BACKLOG: usize = 1 << 20;
+
+/// Limits and policy of the listening port.
+#[derive(Debug, Clone)]
+pub(crate) struct ServerSettings {
+    pub max_connections: usize,
+    pub max_pending: usize,
+    pub serve_threads: usize,
+    /// A connection that has not finished the handshake by then is closed.
+    pub handshake_timeout: Duration,
+    pub membership: Membership,
+    pub nice: NiceTable,
+}
+
+/// What the listening port holds and has refused, from
+/// [`Engine::connection_stats`](crate::Engine::connection_stats).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ConnectionStats {
+    /// Connections held now, of every kind (messaging connections included).
+    pub open: usize,
+    /// Connections held now that have not finished the handshake.
+    pub pending: usize,
+    /// Connections accepted since the engine started.
+    pub accepted: u64,
+    /// Connections refused because they did not prove membership (missing or wrong token).
+    pub not_members: u64,
+    /// Unproven connections closed to make room (pending cap, fd exhaustion) or at their
+    /// handshake deadline.
+    pub shed_pending: u64,
+    /// Members' idle connections closed because the process ran out of fds.
+    pub shed_idle: u64,
+    /// Connections closed at once because `max_connections` were held.
+    pub refused_full: u64,
+    /// Failed accepts (out of fds, mostly).
+    pub accept_errors: u64,
+    /// Threads serving every connection.
+    pub serve_threads: usize,
+}
+
+#[derive(Default)]
+struct Counters {
+    accepted: AtomicU64,
+    not_members: AtomicU64,
+    shed_pending: AtomicU64,
+    shed_idle: AtomicU64,
+    refused_full: AtomicU64,
+    accept_errors: AtomicU64,
+}
+
+/// Keeps a connection handed to messaging counted against `max_connections` until it closes.
+pub(crate) struct ConnPermit {
+    open: Arc<AtomicUsize>,
+}
+
+impl Drop for ConnPermit {
+    fn drop(&mut self) {
+        self.open.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Where a connection is in its life.
+enum State {
+    /// The membership handshake; `out` holds what is still to be sent of the challenge or
+    /// the verdict.
+    Handshake {
+        hs: ServerHandshake,
+        out: Vec<u8>,
+        outcome: Option<Outcome>,
+    },
+    /// Descriptor queries; `out` holds unsent answers.
+    Control { out: Vec<u8> },
+    /// A message connection's opening (mode, name) being read before it goes to messaging.
+    Opening { buf: Vec<u8> },
+    /// Slices.
+    Data(Box<DataConn>),
+}
+
+struct Entry {
+    token: u64,
+    /// The socket, closed when the last holder of this entry lets go (so its fd number is
+    /// never reused while a serving thread may still use it), or taken by messaging.
+    stream: Mutex<Option<TcpStream>>,
+    fd: RawFd,
+    peer: SocketAddr,
+    opened: Instant,
+    /// Still counted as pending (not through the handshake); cleared exactly once.
+    pending: AtomicBool,
+    /// Closed or handed off; set exactly once by whoever does it.
+    gone: AtomicBool,
+    /// Nanoseconds after the server's epoch of the last time it was served.
+    last_active_ns: AtomicU64,
+    state: Mutex<State>,
+}
+
+struct Shared {
+    epoll: Epoll,
+    wake: EventFd,
+    listener: TcpListener,
+    entries: Mutex<Slab<Arc<Entry>>>,
+    generation: AtomicU64,
+    open: Arc<AtomicUsize>,
+    pending: AtomicUsize,
+    counters: Counters,
+    settings: ServerSettings,
+    registry: Arc<MemoryRegistry>,
+    descriptor: DescriptorSource,
+    messages: Arc<Messaging>,
+    stopping: AtomicBool,
+    /// Held open so that, out of fds with nothing to shed, one waiting client can still be
+    /// accepted and closed instead of left hanging.
+    spare: Mutex<Option<File>>,
+    epoch: Instant,
+    next_sweep: Mutex<Instant>,
+    /// Accepting is paused after an accept failure until the next sweep.
+    listener_paused: AtomicBool,
+    /// Last time a refusal was logged, so a flood of strangers cannot flood the log.
+    last_refusal_log: Mutex<Option<Instant>>,
+}
+
+/// A running listener and the threads that serve its connections.
+pub(crate) struct Server {
+    local_addr: SocketAddr,
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Server {
+    /// Binds `listen` and starts serving. Port 0 picks a free port. Fails when the port cannot
+    /// be bound or the serving threads cannot be started.
+    pub(crate) fn start(
+        listen: SocketAddr,
+        registry: Arc<MemoryRegistry>,
+        descriptor: DescriptorSource,
+        messages: Arc<Messaging>,
+        settings: ServerSettings,
+    ) -> Result<Server> {
+        raise_fd_limit();
+        let listener = TcpListener::bind(listen)
+            .map_err(|e| Error::io(format!("binding control port {listen}"), e))?;
+        let local_addr = listener
+            .local_addr()
+            .map_err(|e| Error::io("reading bound address", e))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("making the listener non-blocking", e))?;
+        if !settings.membership.is_required() && !listen.ip().is_loopback() {
+            tracing::warn!(
+                %local_addr,
+                "listening beyond loopback without a membership token: anyone who can connect \
+                 can read and write registered memory; set auth.token or MULTIRAIL_TOKEN"
+            );
+        }
+        let os = |what: &'static str| move |e: nix::Error| Error::io(what, e.into());
+        let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).map_err(os("creating epoll"))?;
+        let wake = EventFd::new().map_err(os("creating eventfd"))?;
+        // Level-triggered and not one-shot: once written at shutdown it wakes every thread.
+        epoll
+            .add(&wake, EpollEvent::new(EpollFlags::EPOLLIN, WAKE))
+            .map_err(os("watching the wake-up eventfd"))?;
+        epoll
+            .add(
+                &listener,
+                EpollEvent::new(armed(EpollFlags::EPOLLIN), LISTENER),
+            )
+            .map_err(os("watching the listener"))?;
+        let shared = Arc::new(Shared {
+            epoll,
+            wake,
+            listener,
+            entries: Mutex::new(Slab::new()),
+            generation: AtomicU64::new(1),
+            open: Arc::new(AtomicUsize::new(0)),
+            pending: AtomicUsize::new(0),
+            counters: Counters::default(),
+            registry,
+            descriptor,
+            messages,
+            stopping: AtomicBool::new(false),
+            spare: Mutex::new(File::open("/dev/null").ok()),
+            epoch: Instant::now(),
+            next_sweep: Mutex::new(Instant::now() + SWEEP_EVERY),
+            listener_paused: AtomicBool::new(false),
+            last_refusal_log: Mutex::new(None),
+            settings,
+        });
+        let mut threads = Vec::new();
+        for i in 0..shared.settings.serve_threads {
+            let s = shared.clone();
+            let spawned = thread::Builder::new()
+                .name(format!("mr-serve-{i}"))
+                .spawn(move || serve_loop(&s));
+            match spawned {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    let server = Server {
+                        local_addr,
+                        shared,
+                        threads,
+                    };
+                    drop(server);
+                    return Err(Error::io("spawning a serving thread", e));
+                }
+            }
+        }
+        Ok(Server {
+            local_addr,
+            shared,
+            threads,
+        })
+    }
+
+    /// The address actually bound.
+    pub(crate) fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// What the port holds and has refused.
+    pub(crate) fn stats(&self) -> ConnectionStats {
+        let s = &self.shared;
+        let c = &s.counters;
+        ConnectionStats {
+            open: s.open.load(Ordering::Acquire),
+            pending: s.pending.load(Ordering::Acquire),
+            accepted: c.accepted.load(Ordering::Relaxed),
+            not_members: c.not_members.load(Ordering::Relaxed),
+            shed_pending: c.shed_pending.load(Ordering::Relaxed),
+            shed_idle: c.shed_idle.load(Ordering::Relaxed),
+            refused_full: c.refused_full.load(Ordering::Relaxed),
+            accept_errors: c.accept_errors.load(Ordering::Relaxed),
+            serve_threads: self.threads.len(),
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.shared.stopping.store(true, Ordering::Release);
+        let _ = self.shared.wake.write(1);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        let entries: Vec<Arc<Entry>> = self
+            .shared
+            .entries
+            .lock()
+            .expect("server poisoned")
+            .iter()
+            .map(|(_, e)| e.clone())
+            .collect();
+        for e in entries {
+            self.shared.close(&e);
+        }
+    }
+}
+
+/// One-shot interest: after an event the connection is disarmed until its server re-arms it,
+/// so no two threads ever serve it at once.
+fn armed(flags: EpollFlags) -> EpollFlags {
+    flags | EpollFlags::EPOLLONESHOT
+}
+
+/// Raises the soft fd limit to the hard one: every connection costs an fd, and the default
+/// soft limit (often 1024) is far below what a busy engine holds.
+fn raise_fd_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        if soft < hard {
+            if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                tracing::debug!(error = %e, "cannot raise the fd limit");
+            }
+        }
+    }
+}
+
+fn serve_loop(s: &Shared) {
+    let mut nice = ThreadNice::for_this_thread(s.settings.nice);
+    // One event per wait: a thread holding several ready connections would serve them in turn
+    // while another thread sits idle.
+    let mut events = [EpollEvent::empty(); 1];
+    let timeout = u16::try_from(SWEEP_EVERY.as_millis()).unwrap_or(u16::MAX);
+    loop {
+        let n = match s.epoll.wait(&mut events, timeout) {
+            Ok(n) => n,
+            Err(nix::errno::Errno::EINTR) => 0,
+            Err(e) => {
+                tracing::error!(error = %e, "epoll_wait failed; this serving thread stops");
+                return;
+            }
+        };
+        if s.stopping.load(Ordering::Acquire) {
+            return;
+        }
+        s.maybe_sweep();
+        if n == 0 {
+            continue;
+        }
+        match events[0].data() {
+            WAKE => {}
+            LISTENER => s.accept_burst(),
+            token => s.serve(token, &mut nice),
+        }
+    }
+}
+
+/// What a turn on a connection leads to.
+enum Next {
+    Wait(Wait),
+    Close,
+    HandOff(Vec<u8>),
+}
+
+impl Shared {
+    fn now_ns(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    fn lookup(&self, token: u64) -> Option<Arc<Entry>> {
+        let idx = (token & 0xffff_ffff) as usize;
+        self.entries
+            .lock()
+            .expect("server poisoned")
+            .get(idx)
+            .filter(|e| e.token == token)
+            .cloned()
+    }
+
+    fn rearm(&self, e: &Entry, wait: Wait) {
+        let flags = match wait {
+            Wait::Read | Wait::Again => EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP,
+            Wait::Write => EpollFlags::EPOLLOUT,
+        };
+        let mut ev = EpollEvent::new(armed(flags), e.token);
+        // SAFETY: the entry owns the socket until its last holder drops it, and we hold it.
+        let fd = unsafe { BorrowedFd::borrow_raw(e.fd) };
+        if let Err(err) = self.epoll.modify(fd, &mut ev) {
+            // Closed by another thread meanwhile (shed, deadline): nothing to re-arm.
+            if !e.gone.load(Ordering::Acquire) {
+                tracing::warn!(peer = %e.peer, error = %err, "cannot re-arm a connection");
+                self.close(e);
+            }
+        }
+    }
+
+    /// Closes a connection: out of the set and the table now, its fd when the last thread
+    /// holding it lets go. Idempotent.
+    fn close(&self, e: &Entry) {
+        if e.gone.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.forget(e);
+        // SAFETY: shutting down a socket we still own; it only wakes and fails its I/O.
+        unsafe { libc::shutdown(e.fd, libc::SHUT_RDWR) };
+        self.open.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Takes the entry out of the epoll set and the table, and out of the pending count.
+    fn forget(&self, e: &Entry) {
+        // SAFETY: as in `rearm`: the caller holds the entry, which owns the socket.
+        let fd = unsafe { BorrowedFd::borrow_raw(e.fd) };
+        let _ = self.epoll.delete(fd);
+        {
+            let mut entries = self.entries.lock().expect("server poisoned");
+            let idx = (e.token & 0xffff_ffff) as usize;
+            if entries.get(idx).is_some_and(|x| x.token == e.token) {
+                entries.remove(idx);
+            }
+        }
+        if e.pending.swap(false, Ordering::AcqRel) {
+            self.pending.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    fn log_refusal(&self, peer: SocketAddr, reason: &str) {
+        let mut last = self.last_refusal_log.lock().expect("server poisoned");
+        let now = Instant::now();
+        let due = match *last {
+            Some(t) => now.duration_since(t) >= Duration::from_secs(1),
+            None => true,
+        };
+        if due {
+            *last = Some(now);
+            tracing::warn!(
+                %peer,
+                reason,
+                refused_so_far = self.counters.not_members.load(Ordering::Relaxed),
+                "refused a connection that did not prove membership (logged at most once a second)"
+            );
+        }
+    }
+
+    fn accept_burst(&self) {
+        let mut shed = 0;
+        loop {
+            if self.stopping.load(Ordering::Acquire) {
+                return;
+            }
+            match self.listener.accept() {
+                Ok((stream, peer)) => self.admit(stream, peer),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::ECONNABORTED) | Some(libc::EINTR) | Some(libc::EPROTO)
+                    ) =>
+                {
+                    continue
+                }
+                Err(e) => {
+                    self.counters.accept_errors.fetch_add(1, Ordering::Relaxed);
+                    let out_of_fds = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
+                    if out_of_fds && shed < SHED_PER_ACCEPT && self.shed_for_fd() {
+                        shed += 1;
+                        continue;
+                    }
+                    if out_of_fds {
+                        self.refuse_with_spare();
+                    }
+                    tracing::warn!(error = %e, "accept failed; accepting pauses until the next sweep");
+                    self.listener_paused.store(true, Ordering::Release);
+                    return;
+                }
+            }
+        }
+        self.rearm_listener();
+    }
+
+    fn rearm_listener(&self) {
+        let mut ev = EpollEvent::new(armed(EpollFlags::EPOLLIN), LISTENER);
+        if let Err(e) = self.epoll.modify(&self.listener, &mut ev) {
+            tracing::error!(error = %e, "cannot re-arm the listener");
+        }
+    }
+
+    /// Out of fds with nothing to shed: accept one waiting client with the spare fd and close
+    /// it, so it hears a refusal instead of waiting in the backlog.
+    fn refuse_with_spare(&self) {
+        let mut spare = self.spare.lock().expect("server poisoned");
+        if spare.take().is_some() {
+            if let Ok((s, _)) = self.listener.accept() {
+                self.counters.refused_full.fetch_add(1, Ordering::Relaxed);
+                drop(s);
+            }
+            *spare = File::open("/dev/null").ok();
+        }
+    }
+
+    fn admit(&self, stream: TcpStream, peer: SocketAddr) {
+        if stream.set_nonblocking(true).is_err() {
+            return;
+        }
+        let _ = stream.set_nodelay(true);
+        if self.open.load(Ordering::Acquire) >= self.settings.max_connections
+            && !self.shed_oldest_pending()
+        {
+            self.counters.refused_full.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(%peer, "refused: max_connections held");
+            return;
+        }
+        if self.pending.load(Ordering::Acquire) >= self.settings.max_pending {
+            self.shed_oldest_pending();
+        }
+        let fd = stream.as_raw_fd();
+        let now = Instant::now();
+        let state = State::Handshake {
+            hs: ServerHandshake::new(self.settings.membership.clone(), handshake::nonce()),
+            out: Vec::new(),
+            outcome: None,
+        };
+        let entry = {
+            let mut entries = self.entries.lock().expect("server poisoned");
+            let slot = entries.vacant_entry();
+            let idx = slot.key() as u64;
+            let gen = self.generation.fetch_add(1, Ordering::Relaxed) & 0xffff_ffff;
+            let token = (gen << 32) | idx;
+            let entry = Arc::new(Entry {
+                token,
+                stream: Mutex::new(Some(stream)),
+                fd,
+                peer,
+                opened: now,
+                pending: AtomicBool::new(true),
+                gone: AtomicBool::new(false),
+                last_active_ns: AtomicU64::new(self.now_ns()),
+                state: Mutex::new(state),
+            });
+            slot.insert(entry.clone());
+            entry
+        };
+        self.open.fetch_add(1, Ordering::AcqRel);
+        self.pending.fetch_add(1, Ordering::AcqRel);
+        self.counters.accepted.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: `entry` owns the socket and we hold it.
+        let bfd = unsafe { BorrowedFd::borrow_raw(fd) };
+        let ev = EpollEvent::new(
+            armed(EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP),
+            entry.token,
+        );
+        if let Err(e) = self.epoll.add(bfd, ev) {
+            tracing::warn!(%peer, error = %e, "cannot watch a new connection");
+            self.close(&entry);
+        }
+    }
+
+    /// Closes the connection that has waited longest without finishing the handshake.
+    fn shed_oldest_pending(&self) -> bool {
+        let victim = self
+            .entries
+            .lock()
+            .expect("server poisoned")
+            .iter()
+            .filter(|(_, e)| e.pending.load(Ordering::Acquire))
+            .min_by_key(|(_, e)| e.opened)
+            .map(|(_, e)| e.clone());
+        match victim {
+            Some(v) => {
+                self.counters.shed_pending.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(peer = %v.peer, "shed an unproven connection");
+                self.close(&v);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Frees an fd: the oldest unproven connection, else the member's connection idle the
+    /// longest (at least [`IDLE_BEFORE_SHED`]); the member reconnects when it needs it.
+    fn shed_for_fd(&self) -> bool {
+        if self.shed_oldest_pending() {
+            return true;
+        }
+        let idle_before = self
+            .now_ns()
+            .saturating_sub(IDLE_BEFORE_SHED.as_nanos() as u64);
+        let victim = self
+            .entries
+            .lock()
+            .expect("server poisoned")
+            .iter()
+            .map(|(_, e)| (e.last_active_ns.load(Ordering::Relaxed), e))
+            .filter(|(t, _)| *t <= idle_before)
+            .min_by_key(|(t, _)| *t)
+            .map(|(_, e)| e.clone());
+        match victim {
+            Some(v) => {
+                self.counters.shed_idle.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(peer = %v.peer, "out of fds: closed an idle member connection");
+                self.close(&v);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Closes handshakes past their deadline and resumes a paused listener; at most one
+    /// thread sweeps per [`SWEEP_EVERY`].
+    fn maybe_sweep(&self) {
+        let now = Instant::now();
+        {
+            let Ok(mut next) = self.next_sweep.try_lock() else {
+                return;
+            };
+            if now < *next {
+                return;
+            }
+            *next = now + SWEEP_EVERY;
+        }
+        let deadline = self.settings.handshake_timeout;
+        let late: Vec<Arc<Entry>> = self
+            .entries
+            .lock()
+            .expect("server poisoned")
+            .iter()
+            .filter(|(_, e)| {
+                e.pending.load(Ordering::Acquire) && now.duration_since(e.opened) > deadline
+            })
+            .map(|(_, e)| e.clone())
+            .collect();
+        for e in late {
+            self.counters.shed_pending.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(peer = %e.peer, "no handshake within the deadline; closed");
+            self.close(&e);
+        }
+        if self.listener_paused.swap(false, Ordering::AcqRel) {
+            self.rearm_listener();
+        }
+    }
+
+    /// Serves one ready connection until it would block, then re-arms it.
+    fn serve(&self, token: u64, nice: &mut ThreadNice) {
+        let Some(e) = self.lookup(token) else {
+            return;
+        };
+        e.last_active_ns.store(self.now_ns(), Ordering::Relaxed);
+        let next = {
+            let mut st = e.state.lock().expect("connection poisoned");
+            if e.gone.load(Ordering::Acquire) {
+                return;
+            }
+            self.turn(&e, &mut st, nice)
+        };
+        match next {
+            Ok(Next::Wait(w)) => self.rearm(&e, w),
+            Ok(Next::Close) => self.close(&e),
+            Ok(Next::HandOff(opening)) => self.hand_off(&e, &opening),
+            Err(reason) => {
+                tracing::warn!(peer = %e.peer, %reason, "closed connection");
+                self.close(&e);
+            }
+        }
+    }
+
+    fn turn(&self, e: &Entry, st: &mut State, nice: &mut ThreadNice) -> Result<Next, String> {
+        loop {
+            match st {
+                State::Handshake { hs, out, outcome } => {
+                    if !write_pending(e.fd, out)? {
+                        return Ok(Next::Wait(Wait::Write));
+                    }
+                    match outcome.take() {
+                        Some(Outcome::Accepted(kind)) => {
+                            if e.pending.swap(false, Ordering::AcqRel) {
+                                self.pending.fetch_sub(1, Ordering::AcqRel);
+                            }
+                            *st = match kind {
+                                ConnKind::Control => State::Control { out: Vec::new() },
+                                ConnKind::Data => State::Data(Box::new(DataConn::new(&[]))),
+                                ConnKind::Message => State::Opening { buf: Vec::new() },
+                            };
+                            continue;
+                        }
+                        Some(Outcome::Refused(reason)) => {
+                            self.counters.not_members.fetch_add(1, Ordering::Relaxed);
+                            self.log_refusal(e.peer, &reason);
+                            return Ok(Next::Close);
+                        }
+                        None => {}
+                    }
+                    let mut buf = [0u8; wire::HELLO_LEN];
+                    let want = hs.wants().min(buf.len());
+                    match sockio::recv_nonblocking(e.fd, &mut buf[..want]) {
+                        Ok(None) => return Ok(Next::Wait(Wait::Read)),
+                        Ok(Some(0)) | Err(_) => {
+                            if hs.said_hello() && self.settings.membership.is_required() {
+                                // A client that cannot prove the token hangs up after the
+                                // challenge: refused all the same.
+                                self.counters.not_members.fetch_add(1, Ordering::Relaxed);
+                                self.log_refusal(e.peer, "closed without proving membership");
+                            }
+                            return Ok(Next::Close);
+                        }
+                        Ok(Some(n)) => {
+                            let (took, o) = hs.on_bytes(&buf[..n], out)?;
+                            debug_assert_eq!(took, n, "read no more than the handshake wants");
+                            *outcome = o;
+                        }
+                    }
+                }
+                State::Control { out } => {
+                    if !write_pending(e.fd, out)? {
+                        return Ok(Next::Wait(Wait::Write));
+                    }
+                    let mut ops = [0u8; 16];
+                    match sockio::recv_nonblocking(e.fd, &mut ops) {
+                        Ok(None) => return Ok(Next::Wait(Wait::Read)),
+                        Ok(Some(0)) => return Ok(Next::Close),
+                        Err(err) => return Err(format!("reading control request: {err}")),
+                        Ok(Some(n)) => {
+                            for &op in &ops[..n] {
+                                match op {
+                                    wire::CONTROL_GET_DESCRIPTOR => {
+                                        let json = (self.descriptor)();
+                                        out.extend_from_slice(&(json.len() as u32).to_le_bytes());
+                                        out.extend_from_slice(&json);
+                                    }
+                                    other => {
+                                        return Err(format!("unknown control request {other}"))
+                                    }
+                                }
+                            }
+                            if out.len() > CONTROL_BACKLOG && !write_pending(e.fd, out)? {
+                                return Ok(Next::Wait(Wait::Write));
+                            }
+                        }
+                    }
+                }
+                State::Opening { buf } => {
+                    let need = match crate::messaging::opening_len(buf)? {
+                        Some(total) if buf.len() == total => {
+                            return Ok(Next::HandOff(std::mem::take(buf)))
+                        }
+                        Some(total) => total - buf.len(),
+                        None => 3 - buf.len(),
+                    };
+                    let mut chunk = vec![0u8; need];
+                    match sockio::recv_nonblocking(e.fd, &mut chunk) {
+                        Ok(None) => return Ok(Next::Wait(Wait::Read)),
+                        Ok(Some(0)) => return Ok(Next::Close),
+                        Err(err) => return Err(format!("reading message opening: {err}")),
+                        Ok(Some(n)) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                State::Data(d) => {
+                    return match d.turn(e.fd, &self.registry, nice)? {
+                        Some(w) => Ok(Next::Wait(w)),
+                        None => Ok(Next::Close),
+                    };
+                }
+            }
+        }
+    }
+
+    /// Gives a message connection to messaging, which polls it from the receiver's thread.
+    fn hand_off(&self, e: &Entry, opening: &[u8]) {
+        if e.gone.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.forget(e);
+        let Some(stream) = e.stream.lock().expect("connection poisoned").take() else {
+            self.open.fetch_sub(1, Ordering::AcqRel);
+            return;
+        };
+        let permit = ConnPermit {
+            open: self.open.clone(),
+        };
+        if let Err(reason) = stream.set_nonblocking(false) {
+            tracing::warn!(peer = %e.peer, %reason, "closed message connection");
+            return;
+        }
+        if let Err(reason) = self.messages.accept(stream, opening, permit) {
+            tracing::warn!(peer = %e.peer, %reason, "closed message connection");
+        }
+    }
+}
+
+/// Writes what is left of `out` without blocking; `Ok(true)` once it is all out.
+fn write_pending(fd: RawFd, out: &mut Vec<u8>) -> Result<bool, String> {
+    while !out.is_empty() {
+        let iov = [sockio::iovec(out.as_ptr(), out.len())];
+        // `out` is ours and unchanged for the call.
+        match sockio::write_vectored_nonblocking(fd, &iov) {
+            Ok(Some(0)) | Ok(None) => return Ok(false),
+            Ok(Some(n)) => {
+                out.drain(..n);
+            }
+            Err(e) => return Err(format!("sending: {e}")),
+        }
+    }
+    Ok(true)
+}
