@@ -424,7 +424,8 @@ pub struct TcpConfig {
     /// costs an fd and a little memory, and a peer that opens them without end must not take
     /// the engine's last fd.
     pub max_connections: usize,
-    /// Most connections that have not finished the handshake (default 256); 1..=max_connections.
+    /// Most connections that have not finished the handshake (default 256, and never more
+    /// than max_connections); 1..=1048576.
     /// Past it the oldest such connection is closed to make room: a member finishes its
     /// handshake within one round trip, so what lingers unproven is a stranger.
     pub max_pending_connections: usize,
@@ -896,12 +897,12 @@ impl TcpConfig {
                 format!("must be within [1, 1048576], got {}", self.max_connections),
             ));
         }
-        if !(1..=self.max_connections).contains(&self.max_pending_connections) {
+        if !(1..=1 << 20).contains(&self.max_pending_connections) {
             return Err(ConfigError::new(
                 format!("{prefix}.max_pending_connections"),
                 format!(
-                    "must be within [1, max_connections = {}], got {}",
-                    self.max_connections, self.max_pending_connections
+                    "must be within [1, 1048576], got {}",
+                    self.max_pending_connections
                 ),
             ));
         }

@@ -194,7 +194,7 @@ impl Engine {
             messaging.clone(),
             ServerSettings {
                 max_connections: tcp_cfg.max_connections,
-                max_pending: tcp_cfg.max_pending_connections,
+                max_pending: tcp_cfg.max_pending_connections.min(tcp_cfg.max_connections),
                 serve_threads: tcp_cfg.serve_threads,
                 handshake_timeout: Duration::from_millis(tcp_cfg.connect_timeout_ms),
                 membership: membership.clone(),

@@ -45,8 +45,9 @@ const SWEEP_EVERY: Duration = Duration::from_millis(100);
 /// A member's connection idle at least this long may be shed when fds run out: one that
 /// moved bytes more recently is probably in use.
 const IDLE_BEFORE_SHED: Duration = Duration::from_secs(1);
-/// Most connections shed for one failed accept before accepting backs off.
-const SHED_PER_ACCEPT: usize = 4;
+/// Most connections shed in one round of accepting before accepting backs off: enough to take
+/// a backlog's worth of newcomers, few enough that a flood cannot keep a thread shedding.
+const SHED_PER_ACCEPT: usize = 64;
 /// Control answers queued before the connection stops reading queries.
 const CONTROL_BACKLOG: usize = 1 << 20;
 
@@ -165,6 +166,8 @@ struct Shared {
     listener_paused: AtomicBool,
     /// Last time a refusal was logged, so a flood of strangers cannot flood the log.
     last_refusal_log: Mutex<Option<Instant>>,
+    /// Last time a failed accept was logged, for the same reason.
+    last_accept_log: Mutex<Option<Instant>>,
 }
 
 /// A running listener and the threads that serve its connections.
@@ -231,6 +234,7 @@ impl Server {
             next_sweep: Mutex::new(Instant::now() + SWEEP_EVERY),
             listener_paused: AtomicBool::new(false),
             last_refusal_log: Mutex::new(None),
+            last_accept_log: Mutex::new(None),
             settings,
         });
         let mut threads = Vec::new();
@@ -421,14 +425,7 @@ impl Shared {
     }
 
     fn log_refusal(&self, peer: SocketAddr, reason: &str) {
-        let mut last = self.last_refusal_log.lock().expect("server poisoned");
-        let now = Instant::now();
-        let due = match *last {
-            Some(t) => now.duration_since(t) >= Duration::from_secs(1),
-            None => true,
-        };
-        if due {
-            *last = Some(now);
+        if once_a_second(&self.last_refusal_log) {
             tracing::warn!(
                 %peer,
                 reason,
@@ -465,7 +462,13 @@ impl Shared {
                     if out_of_fds {
                         self.refuse_with_spare();
                     }
-                    tracing::warn!(error = %e, "accept failed; accepting pauses until the next sweep");
+                    if once_a_second(&self.last_accept_log) {
+                        tracing::warn!(
+                            error = %e,
+                            failed_so_far = self.counters.accept_errors.load(Ordering::Relaxed),
+                            "accept failed; accepting pauses until the next sweep (logged at most once a second)"
+                        );
+                    }
                     self.listener_paused.store(true, Ordering::Release);
                     return;
                 }
@@ -780,6 +783,20 @@ impl Shared {
             tracing::warn!(peer = %e.peer, %reason, "closed message connection");
         }
     }
+}
+
+/// True at most once a second per `last`: for warnings a flood of clients could repeat.
+fn once_a_second(last: &Mutex<Option<Instant>>) -> bool {
+    let mut last = last.lock().expect("server poisoned");
+    let now = Instant::now();
+    let due = match *last {
+        Some(t) => now.duration_since(t) >= Duration::from_secs(1),
+        None => true,
+    };
+    if due {
+        *last = Some(now);
+    }
+    due
 }
 
 /// Writes what is left of `out` without blocking; `Ok(true)` once it is all out.
