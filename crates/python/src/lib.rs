@@ -128,6 +128,12 @@ create_exception!(
     Error,
     "An operating-system call failed."
 );
+create_exception!(
+    multirail,
+    NotAMemberError,
+    Error,
+    "This engine and the peer do not share the membership token (auth.token / MULTIRAIL_TOKEN)."
+);
 
 /// Turns an engine error into the matching `multirail.Error` subclass, keeping its message.
 fn to_py(e: multirail::Error) -> PyErr {
@@ -152,6 +158,7 @@ fn to_py(e: multirail::Error) -> PyErr {
         E::TransportUnavailable { .. } => TransportUnavailableError::new_err(msg),
         E::WaitTimeout { .. } => WaitTimeoutError::new_err(msg),
         E::Io { .. } => IoError::new_err(msg),
+        E::NotAMember { .. } => NotAMemberError::new_err(msg),
         // Variants added to the engine later still reach Python as multirail.Error.
         _ => Error::new_err(msg),
     }
@@ -893,7 +900,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         AllocationError,
         TransportUnavailableError,
         WaitTimeoutError,
-        IoError
+        IoError,
+        NotAMemberError
     );
     Ok(())
 }

@@ -41,6 +41,7 @@ from ._native import (
     Error,
     InvalidArgumentError,
     IoError,
+    NotAMemberError,
     PeerDisconnectedError,
     ProtocolError,
     RemoteRejectedError,
@@ -84,6 +85,7 @@ __all__ = [
     "TransportUnavailableError",
     "WaitTimeoutError",
     "IoError",
+    "NotAMemberError",
 ]
 
 _native.init_logging()
