@@ -7,13 +7,16 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{anyhow, bail, Context};
+use clap::builder::RangedU64ValueParser;
 use clap::{Args, ValueEnum};
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
-use multirail::{Buffer, Config, Engine, Location, Opcode, Request, SegmentId, TransportChoice};
+use multirail::{
+    Buffer, Config, Engine, Location, Opcode, RailTraffic, Request, SegmentId, TransportChoice,
+};
 
 use crate::pattern;
 use crate::units;
@@ -25,55 +28,82 @@ enum Op {
     Write,
 }
 
+/// Most submitting threads one bench starts (`--threads`, or the sum of `--mix` submitters).
+/// Each is an OS thread with its own share of the buffers; far beyond the core count the run
+/// measures the host's scheduler, and an unchecked count would size allocations.
+const MAX_THREADS: usize = 1024;
+/// Most requests per batch (`--batch-size`): the engine sizes a batch's task list by it.
+const MAX_BATCH: usize = 65_536;
+/// `--size` of a `--local` run when none is given, and the most a `--target` run takes from the
+/// target's largest buffer when none is given.
+const DEFAULT_SIZE: u64 = 1 << 30;
+/// Shortest `--duration` and `--interval`: the run loop cannot resolve less.
+const MIN_TICK: Duration = Duration::from_millis(1);
+/// Largest request of the traffic around the timed run (seeding the target before a verified
+/// read, reading it back after a verified write), and the size of the read-back scratch buffer.
+const PIECE: u64 = 64 << 20;
+
+/// Flags of `multirail bench`.
 #[derive(Args)]
 pub struct BenchArgs {
     /// Segment to benchmark against (`host:port`, as `multirail target` prints it).
     #[arg(long, required_unless_present = "local", conflicts_with = "local")]
     target: Option<String>,
-    /// Start a target on this host as a child process and benchmark against it.
+    /// Start a target on this host as a child process and benchmark against it. Default: off.
     #[arg(long)]
     local: bool,
     /// Operation. Default: write.
     #[arg(long, value_enum, default_value = "write")]
     op: Op,
-    /// Bytes per request. Default: 1MiB.
+    /// Bytes per request, at least 1 and at most each thread's share of --size. Default: 1MiB.
     #[arg(long, default_value = "1MiB", value_parser = units::parse_size)]
     block_size: u64,
-    /// Requests per batch. Default: 16.
-    #[arg(long, default_value_t = 16)]
+    /// Requests per batch, 1 to 65536. Default: 16.
+    #[arg(long, default_value_t = 16,
+          value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_BATCH as u64))]
     batch_size: usize,
-    /// Submitting threads, each with its own region of the buffers. Default: 1.
-    #[arg(long, default_value_t = 1)]
+    /// Submitting threads, 1 to 1024, each with its own region of the buffers. Default: 1.
+    #[arg(long, default_value_t = 1,
+          value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_THREADS as u64))]
     threads: usize,
-    /// How long to run (seconds, or e.g. 500ms). Default: 5.
+    /// How long to run (seconds, or e.g. 500ms; at least 1ms). Default: 5.
     #[arg(long, default_value = "5", value_parser = units::parse_duration)]
     duration: Duration,
     /// Transport: auto, shm or tcp. Default: auto (shm on the same host).
     #[arg(long, default_value = "auto", value_parser = parse_transport)]
     transport: TransportChoice,
-    /// Buffer size on each side (and of the `--local` target). Default: 1GiB.
-    #[arg(long, default_value = "1GiB", value_parser = units::parse_size)]
-    size: u64,
-    /// Stop after moving this many bytes (e.g. 256MiB) instead of after --duration. Default: off.
+    /// Buffer size on each side (and of the `--local` target). Default: 1GiB with --local;
+    /// with --target, the target's largest buffer, at most 1GiB (said on stderr).
+    #[arg(long, value_parser = units::parse_size)]
+    size: Option<u64>,
+    /// Stop after moving this many bytes (e.g. 256MiB; at least one batch) instead of after
+    /// --duration. Default: off.
     #[arg(long, value_parser = units::parse_size)]
     total: Option<u64>,
-    /// Also report throughput per interval of this length (e.g. 250ms), counted per slice as
-    /// the rails deliver them. Default: off.
+    /// Also report throughput per interval of this length (e.g. 250ms; at least 1ms and, without
+    /// --total, at most --duration), counted per slice as the rails deliver them. Default: off.
     #[arg(long, value_parser = units::parse_duration)]
     interval: Option<Duration>,
-    /// After the run, check every byte that landed. Default: off.
+    /// After the run, check every byte that landed. With --op read, the target's regions are
+    /// first written with a fresh pattern (whatever earlier benches left there). Default: off.
     #[arg(long)]
     verify: bool,
     /// Priority of every request: high, medium or low. Default: high.
     #[arg(long, default_value = "high", value_parser = parse_priority)]
     priority: u8,
     /// Mixed workload instead of --block-size/--threads/--priority: comma-separated
-    /// priority:block:submitters, e.g. high:64KiB:1,low:4MiB:8. Default: off.
+    /// priority:block:submitters, at most 1024 submitters in all, e.g.
+    /// high:64KiB:1,low:4MiB:8. Default: off.
     #[arg(long, value_parser = parse_mix)]
     mix: Option<Mix>,
-    /// Print one JSON object instead of tables.
+    /// Print one JSON object instead of tables. Default: off.
     #[arg(long)]
     json: bool,
+    /// Also print the engine's traffic report in TENT's text format (per-rail totals and EWMA
+    /// bandwidth, then the priority queues), after the tables, or on stderr with --json.
+    /// Default: off.
+    #[arg(long)]
+    tent_stats: bool,
 }
 
 fn parse_transport(s: &str) -> Result<TransportChoice, String> {
@@ -136,6 +166,9 @@ impl Drop for LocalTarget {
 
 struct Plan {
     op: Opcode,
+    /// Seed of the pattern this run checks: what a write puts on the target, or what a verified
+    /// read's seeding put there. Fresh per run, so bytes an earlier bench left cannot pass.
+    seed: u64,
     local_base: u64,
     remote_base: u64,
     seg: SegmentId,
@@ -192,11 +225,18 @@ fn parse_mix(s: &str) -> Result<Mix, String> {
             }
             let submitters: usize = f[2]
                 .parse()
-                .map_err(|_| format!("bad submitter count {:?} in {part:?}", f[2]))?;
+                .ok()
+                .filter(|n| (1..=MAX_THREADS).contains(n))
+                .ok_or_else(|| {
+                    format!(
+                        "submitter count {:?} in {part:?} is not a number from 1 to {MAX_THREADS}",
+                        f[2]
+                    )
+                })?;
             let block = units::parse_size(f[1])?;
-            if submitters == 0 || block == 0 {
+            if block == 0 {
                 return Err(format!(
-                    "mix entry {part:?} needs a block size and submitters of at least 1"
+                    "mix entry {part:?} needs a block size of at least 1 byte"
                 ));
             }
             Ok(Class {
@@ -290,12 +330,9 @@ fn worker(engine: &Engine, plan: &Plan, index: usize, shared: &Shared) -> Thread
     }
 }
 
-pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Result<(), Failure> {
-    if args.block_size == 0 || args.batch_size == 0 || args.threads == 0 {
-        return Err(Failure::Usage(
-            "--block-size, --batch-size and --threads must be at least 1".into(),
-        ));
-    }
+/// The classes of work: the `--mix` list, or one class from --block-size, --threads and
+/// --priority. Fails when the submitters add up to more than [`MAX_THREADS`].
+fn classes(args: &BenchArgs) -> Result<(Vec<Class>, usize), Failure> {
     let classes = args.mix.clone().map(|m| m.0).unwrap_or_else(|| {
         vec![Class {
             priority: args.priority,
@@ -303,43 +340,234 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
             submitters: args.threads,
         }]
     });
-    let threads: usize = classes.iter().map(|c| c.submitters).sum();
-    // Every submitter gets an equal share of the buffers, whole batches of its class.
-    let share = args.size / threads as u64;
+    let threads = classes
+        .iter()
+        .try_fold(0usize, |n, c| n.checked_add(c.submitters))
+        .filter(|&n| n <= MAX_THREADS)
+        .ok_or_else(|| {
+            Failure::Usage(format!(
+                "--mix asks for more than {MAX_THREADS} submitters in all"
+            ))
+        })?;
+    Ok((classes, threads))
+}
+
+/// Bytes of one batch of class `c`: --batch-size × its block, or a usage error when that does
+/// not fit in 64 bits.
+fn batch_bytes(c: &Class, batch: usize) -> Result<u64, Failure> {
+    c.block.checked_mul(batch as u64).ok_or_else(|| {
+        Failure::Usage(format!(
+            "--batch-size {batch} × --block-size {} is more bytes than a batch can hold",
+            units::format_size(c.block)
+        ))
+    })
+}
+
+/// Checks the flags that do not depend on the buffer size, so a usage error is reported before
+/// any target starts or any memory is allocated.
+fn check_flags(args: &BenchArgs, classes: &[Class]) -> Result<(), Failure> {
+    let usage = |m: String| Err(Failure::Usage(m));
+    if args.block_size == 0 {
+        return usage("--block-size must be at least 1 byte".into());
+    }
+    if args.size == Some(0) {
+        return usage("--size must be at least 1 byte".into());
+    }
+    if args.duration < MIN_TICK {
+        return usage(format!("--duration must be at least {MIN_TICK:?}"));
+    }
+    if let Some(interval) = args.interval {
+        if interval < MIN_TICK {
+            return usage(format!("--interval must be at least {MIN_TICK:?}"));
+        }
+        if args.total.is_none() && interval > args.duration {
+            return usage(format!(
+                "--interval {interval:?} is longer than --duration {:?}; no interval would end",
+                args.duration
+            ));
+        }
+    }
+    let mut largest_batch = 0;
+    for c in classes {
+        largest_batch = largest_batch.max(batch_bytes(c, args.batch_size)?);
+    }
+    if let Some(total) = args.total {
+        // A submitter takes its budget a whole batch at a time: with less than one batch of
+        // the largest class, that class would never run.
+        if total < largest_batch {
+            return usage(format!(
+                "--total {} is less than one batch ({} bytes: --batch-size × block); \
+                 nothing would move",
+                units::format_size(total),
+                largest_batch
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Physical memory of this host in bytes, if the OS says.
+fn host_memory() -> Option<u64> {
+    // SAFETY: sysconf only reads system parameters.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    let (pages, page) = (u64::try_from(pages).ok()?, u64::try_from(page).ok()?);
+    pages.checked_mul(page)
+}
+
+/// Checks that buffers of `size` bytes (two of them with a `--local` target on this host) fit
+/// in this host's memory: both sides write every byte of their buffer, so a size beyond memory
+/// would end in the OOM killer rather than an error.
+fn check_memory(size: u64, local: bool) -> Result<(), Failure> {
+    if usize::try_from(size).is_err() {
+        return Err(Failure::Usage(format!(
+            "--size {} does not fit in this host's address space",
+            units::format_size(size)
+        )));
+    }
+    let copies = if local { 2 } else { 1 };
+    let need = size.saturating_mul(copies);
+    match host_memory() {
+        Some(have) if need > have => Err(Failure::Usage(format!(
+            "--size {}: {} need {}, more than this host's {} of memory",
+            units::format_size(size),
+            if local {
+                "the initiator and its --local target"
+            } else {
+                "the initiator's buffer"
+            },
+            units::format_size(need),
+            units::format_size(have)
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Gives every submitter an equal share of `size` bytes and, within it, a region of whole
+/// batches of its class. Fails with a usage error naming the flags to change when a share cannot
+/// hold one batch, so no region is ever empty.
+fn plan_regions(
+    size: u64,
+    classes: &[Class],
+    batch: usize,
+    threads: usize,
+) -> Result<Vec<Submitter>, Failure> {
+    let raw = size / threads as u64;
+    // Shares start on cache lines when they can, so threads do not share lines and copies run
+    // aligned. Correctness does not depend on it: the pattern is defined for any byte offset,
+    // and blocks of odd sizes put requests at odd offsets anyway.
+    let share = if raw >= 64 { raw / 64 * 64 } else { raw };
     let mut submitters = Vec::with_capacity(threads);
     for (class, c) in classes.iter().enumerate() {
-        let per_batch = c.block * args.batch_size as u64;
-        let region = share / per_batch * per_batch;
-        if region == 0 {
-            return Err(Failure::Usage(format!(
-                "--size {} cannot hold {threads} submitter(s) × one batch of {} × {}",
-                units::format_size(args.size),
-                args.batch_size,
+        let per_batch = batch_bytes(c, batch)?;
+        let why = if c.block > share {
+            Some(format!(
+                "less than one --block-size {}",
                 units::format_size(c.block)
+            ))
+        } else if per_batch > share {
+            Some(format!(
+                "less than one batch (--batch-size {batch} × --block-size {} = {})",
+                units::format_size(c.block),
+                units::format_size(per_batch)
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(Failure::Usage(format!(
+                "--size {} gives each of {threads} submitter(s) (--threads or --mix) {} bytes, \
+                 {why}; lower --threads or --batch-size, or raise --size",
+                units::format_size(size),
+                share
             )));
         }
+        let region = share / per_batch * per_batch;
         for _ in 0..c.submitters {
             submitters.push(Submitter {
                 class,
                 priority: c.priority,
                 block: c.block,
-                batch: args.batch_size,
+                batch,
                 base: submitters.len() as u64 * share,
                 region,
             });
         }
     }
+    Ok(submitters)
+}
+
+/// A pattern seed no earlier bench used: `RandomState` draws its keys from the OS, and the
+/// clock and process id vary it further.
+fn fresh_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    h.write_u128(nanos);
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+/// Moves `len` bytes between local address `local` and byte `remote_off` of the target's buffer
+/// in requests of at most [`PIECE`] bytes, in one batch, and waits for them.
+fn transfer(
+    engine: &Engine,
+    plan: &Plan,
+    opcode: Opcode,
+    local: u64,
+    remote_off: u64,
+    len: u64,
+) -> anyhow::Result<()> {
+    if len == 0 {
+        // The engine refuses an empty batch; nothing to move is nothing to wait for.
+        return Ok(());
+    }
+    let reqs: Vec<Request> = (0..len.div_ceil(PIECE))
+        .map(|i| {
+            let o = i * PIECE;
+            Request {
+                opcode,
+                source: local + o,
+                target: plan.seg,
+                target_offset: plan.remote_base + remote_off + o,
+                length: PIECE.min(len - o),
+                priority: multirail::PRIO_HIGH,
+                transport: Some(plan.transport),
+            }
+        })
+        .collect();
+    let batch = engine.allocate_batch(reqs.len())?;
+    engine.submit(batch, &reqs)?;
+    engine.wait(batch, Some(Duration::from_secs(120)))?;
+    engine.free_batch(batch)?;
+    Ok(())
+}
+
+/// Runs `multirail bench`.
+pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Result<(), Failure> {
+    let (classes, threads) = classes(&args)?;
+    check_flags(&args, &classes)?;
+    // What can be checked without the target is checked before a target starts.
+    let local_size = args.size.unwrap_or(DEFAULT_SIZE);
+    if args.local || args.size.is_some() {
+        check_memory(local_size, args.local)?;
+        plan_regions(local_size, &classes, args.batch_size, threads)?;
+    }
     let local_target = if args.local {
-        Some(LocalTarget::start(config_path, args.size)?)
+        Some(LocalTarget::start(config_path, local_size)?)
     } else {
         None
     };
-    let target_name = match &local_target {
-        Some(t) => t.name.clone(),
-        None => args
-            .target
-            .clone()
-            .expect("clap requires --target without --local"),
+    let target_name = match (&local_target, &args.target) {
+        (Some(t), _) => t.name.clone(),
+        (None, Some(t)) => t.clone(),
+        (None, None) => return Err(Failure::Usage("--target or --local is required".into())),
     };
     let listen = if args.local {
         "127.0.0.1:0"
@@ -347,33 +575,100 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         "0.0.0.0:0"
     };
     let engine = Engine::new(config, listen)?;
-    let local = engine.allocate(args.size as usize, Location::Any)?;
-    // SAFETY: nothing is in flight yet.
-    pattern::fill(unsafe { local.as_mut_slice() }, 0, pattern::INITIATOR_SEED);
     let seg = engine.open_segment(&target_name)?;
     let descriptor = engine.segment_descriptor(seg)?;
+    let largest = descriptor.buffers.iter().map(|b| b.len).max().unwrap_or(0);
+    let size = match args.size {
+        Some(size) if size > largest => {
+            return Err(Failure::Usage(format!(
+                "--size {} is larger than what segment {target_name} serves (its largest buffer \
+                 is {}); give --size {} or less, or leave it out",
+                units::format_size(size),
+                units::format_size(largest),
+                units::format_size(largest)
+            )))
+        }
+        Some(size) => size,
+        None if largest == 0 => {
+            return Err(Failure::Runtime(anyhow!(
+                "segment {target_name} serves no buffer"
+            )))
+        }
+        None => {
+            // A target started with a smaller --size is still worth benchmarking against: take
+            // what it offers rather than fail on the 1 GiB default.
+            let size = largest.min(DEFAULT_SIZE);
+            if !args.local {
+                eprintln!(
+                    "bench: using --size {} ({})",
+                    units::format_size(size),
+                    if size < largest {
+                        format!(
+                            "the target serves {}; capped at {}",
+                            units::format_size(largest),
+                            units::format_size(DEFAULT_SIZE)
+                        )
+                    } else {
+                        "the target's largest buffer".to_owned()
+                    }
+                );
+            }
+            check_memory(size, false)?;
+            size
+        }
+    };
+    let submitters = plan_regions(size, &classes, args.batch_size, threads)?;
     let remote = descriptor
         .buffers
         .iter()
-        .find(|b| b.len >= share * threads as u64)
-        .ok_or_else(|| {
-            anyhow!(
-                "segment {target_name} has no buffer of at least {} bytes",
-                share * threads as u64
-            )
-        })?;
+        .find(|b| b.len >= size)
+        .ok_or_else(|| anyhow!("segment {target_name} has no buffer of at least {size} bytes"))?;
+    let len = usize::try_from(size).map_err(|_| Failure::Usage("--size too large".into()))?;
+    let local = engine.allocate(len, Location::Any)?;
     let op = match args.op {
         Op::Read => Opcode::Read,
         Op::Write => Opcode::Write,
     };
     let plan = Arc::new(Plan {
         op,
+        seed: fresh_seed(),
         local_base: local.addr(),
         remote_base: remote.addr,
         seg,
         transport: args.transport,
         submitters,
     });
+    // Writing every local byte also faults its pages in before the clock starts.
+    // SAFETY: nothing is in flight yet.
+    pattern::fill(unsafe { local.as_mut_slice() }, 0, plan.seed);
+    if args.verify && op == Opcode::Read {
+        // A verified read needs known bytes on the target, and a long-lived target holds
+        // whatever the previous bench wrote there (or its own fill, if none did). So the bytes
+        // are made known first: every region this run will read is written with the run's
+        // fresh pattern, and the local buffer is then refilled with a different one, so a read
+        // that delivered nothing, or stale bytes, cannot pass. This costs one write of the
+        // regions before the timed run, which the report's rail figures leave out (its slices
+        // do count in the priority queue figures). (The other
+        // way, one pattern for both sides as a function of the target offset, would let a
+        // lost write pass a verified write, since the target would already hold its bytes.)
+        // Benches verifying against the same target at the same time would overwrite each
+        // other's patterns; run them one after another.
+        for sub in &plan.submitters {
+            transfer(
+                &engine,
+                &plan,
+                Opcode::Write,
+                plan.local_base + sub.base,
+                sub.base,
+                sub.region,
+            )
+            .context("verify: writing the reference pattern to the target before reading")?;
+        }
+        // SAFETY: the seeding batches completed; nothing is in flight on `local`.
+        pattern::fill(unsafe { local.as_mut_slice() }, 0, !plan.seed);
+    }
+    // Rail counters before the timed run, so the report shows only what the run moved.
+    let before = engine.traffic_stats();
 
     let shared = Arc::new(Shared {
         stop: AtomicBool::new(false),
@@ -454,8 +749,15 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
     let requests: u64 = results.iter().map(|r| r.requests).sum();
     // Rails as the timed run left them, before verification adds its own traffic.
     let traffic = engine.traffic_stats();
-    let rails = &traffic.rails;
-    let stats_report = engine.traffic_stats_report();
+    let assumed: Vec<(String, f64)> = engine
+        .rails()
+        .into_iter()
+        .map(|r| (r.name, r.bandwidth_gbps))
+        .collect();
+    let rails = run_rails(&before.rails, &traffic.rails, &assumed);
+    let tent_text = args
+        .tent_stats
+        .then(|| tent_report(&engine.traffic_stats_report(), &assumed, &traffic.rails));
     let verified = if args.verify {
         Some(verify(&engine, &plan, &local, &results)?)
     } else {
@@ -490,6 +792,7 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         "op": match op { Opcode::Read => "read", Opcode::Write => "write" },
         "transport": args.transport.as_str(),
         "target": target_name,
+        "size": size,
         "block_size": args.block_size,
         "batch_size": args.batch_size,
         "threads": threads,
@@ -515,22 +818,111 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
     });
     if args.json {
         println!("{report}");
+        if let Some(text) = tent_text {
+            // stdout holds exactly one JSON object for scripts.
+            eprint!("{text}");
+        }
     } else {
-        print_human(&report, rails);
-        print!("{stats_report}");
+        print_human(&report, &rails);
+        if let Some(text) = tent_text {
+            print!("{text}");
+        }
     }
     drop(engine);
     drop(local_target);
     Ok(())
 }
 
-fn print_human(report: &serde_json::Value, rails: &[multirail::RailTraffic]) {
+/// A rail's EWMA bandwidth if it is a measurement: the scheduler starts every rail's EWMA at the
+/// speed it assumes for it (`assumed_gbps`, e.g. 400 Gbps for a NIC that reports none) and only
+/// completed slices move it away (learning from several samples with min/max clamps never lands
+/// back on exactly the start). An EWMA still at its start has no samples behind it and is not
+/// shown.
+fn measured_ewma(ewma_gbps: Option<f64>, assumed_gbps: Option<f64>) -> Option<f64> {
+    match (ewma_gbps, assumed_gbps) {
+        (Some(g), Some(a)) if (g - a).abs() <= a.abs() * 1e-9 => None,
+        (g, _) => g,
+    }
+}
+
+/// The speed the scheduler assumes for rail `name`, from `assumed` (rail name, Gbps).
+fn assumed_for(assumed: &[(String, f64)], name: &str) -> Option<f64> {
+    assumed.iter().find(|(n, _)| n == name).map(|&(_, g)| g)
+}
+
+/// The rails as the timed run used them: the counters minus what they held before it (a
+/// verified read seeds the target first), and an EWMA bandwidth only where it is a measurement
+/// (see [`measured_ewma`]). `assumed` holds the scheduler's rails: name and assumed speed.
+fn run_rails(
+    before: &[RailTraffic],
+    after: &[RailTraffic],
+    assumed: &[(String, f64)],
+) -> Vec<RailTraffic> {
+    after
+        .iter()
+        .map(|a| {
+            let b = before.iter().find(|b| b.name == a.name);
+            let minus = |now: u64, f: fn(&RailTraffic) -> u64| now.saturating_sub(b.map_or(0, f));
+            RailTraffic {
+                bytes: minus(a.bytes, |r| r.bytes),
+                slices: minus(a.slices, |r| r.slices),
+                errors: minus(a.errors, |r| r.errors),
+                priority_bytes: std::array::from_fn(|p| {
+                    a.priority_bytes[p].saturating_sub(b.map_or(0, |r| r.priority_bytes[p]))
+                }),
+                ewma_gbps: measured_ewma(a.ewma_gbps, assumed_for(assumed, &a.name)),
+                ..a.clone()
+            }
+        })
+        .collect()
+}
+
+/// The engine's TENT-format report with the EWMA bandwidth of every rail that has no samples
+/// (see [`measured_ewma`]) replaced by `- (no samples)`. `assumed` lists the engine's rails in
+/// report order (`Dev N` is `assumed[N]`) with their assumed speeds; `rails` are the engine's
+/// traffic figures, which carry each scheduler rail's EWMA under its name.
+fn tent_report(text: &str, assumed: &[(String, f64)], rails: &[RailTraffic]) -> String {
+    let sampled = |dev: usize| {
+        assumed.get(dev).is_some_and(|(name, speed)| {
+            let ewma = rails
+                .iter()
+                .find(|r| &r.name == name)
+                .and_then(|r| r.ewma_gbps);
+            measured_ewma(ewma, Some(*speed)).is_some()
+        })
+    };
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        let dev = line
+            .strip_prefix("Dev ")
+            .and_then(|rest| rest.split_once(':'))
+            .and_then(|(n, _)| n.parse::<usize>().ok());
+        let field = line.find("EWMA BW=").and_then(|at| {
+            line[at..]
+                .find(" Gbps")
+                .map(|end| (at, at + end + " Gbps".len()))
+        });
+        match (dev, field) {
+            (Some(dev), Some((at, end))) if !sampled(dev) => {
+                out.push_str(&line[..at]);
+                out.push_str("EWMA BW=- (no samples)");
+                out.push_str(&line[end..]);
+            }
+            _ => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
+
+fn print_human(report: &serde_json::Value, rails: &[RailTraffic]) {
     use comfy_table::{presets::UTF8_FULL, Table};
     let mut t = Table::new();
     t.load_preset(UTF8_FULL);
     t.set_header(vec![
         "op",
         "transport",
+        "size",
         "block",
         "batch",
         "threads",
@@ -542,6 +934,7 @@ fn print_human(report: &serde_json::Value, rails: &[multirail::RailTraffic]) {
     t.add_row(vec![
         report["op"].as_str().unwrap_or("").to_owned(),
         report["transport"].as_str().unwrap_or("").to_owned(),
+        units::format_size(report["size"].as_u64().unwrap_or(0)),
         units::format_size(report["block_size"].as_u64().unwrap_or(0)),
         report["batch_size"].to_string(),
         report["threads"].to_string(),
@@ -561,6 +954,7 @@ fn print_human(report: &serde_json::Value, rails: &[multirail::RailTraffic]) {
         "low bytes",
         "slices",
         "errors",
+        "EWMA Gbps",
         "window bytes",
     ]);
     for rail in rails {
@@ -572,6 +966,10 @@ fn print_human(report: &serde_json::Value, rails: &[multirail::RailTraffic]) {
             rail.priority_bytes[2].to_string(),
             rail.slices.to_string(),
             rail.errors.to_string(),
+            // `-`: no estimate (shm, a routed path's interface) or one no sample has moved
+            // from the assumed speed yet (see `measured_ewma`).
+            rail.ewma_gbps
+                .map_or_else(|| "-".to_owned(), |g| format!("{g:.2}")),
             rail.window_bytes.to_string(),
         ]);
     }
@@ -629,8 +1027,10 @@ fn print_human(report: &serde_json::Value, rails: &[multirail::RailTraffic]) {
     }
 }
 
-/// Checks the bytes that landed: after reads, the local regions hold the target's pattern;
-/// after writes, reading the target's regions back gives the initiator's pattern.
+/// Checks the bytes that landed, against the run's pattern (`plan.seed`): after reads, the
+/// local regions hold what seeding put on the target; after writes, reading the target's
+/// regions back gives what the initiator wrote. Both sides use the same offsets within their
+/// buffers, so one offset names the pattern byte on either side.
 fn verify(
     engine: &Engine,
     plan: &Plan,
@@ -638,50 +1038,116 @@ fn verify(
     results: &[ThreadResult],
 ) -> Result<u64, Failure> {
     let mut checked = 0u64;
+    let longest = results.iter().map(|r| r.touched).max().unwrap_or(0);
+    // One scratch buffer of at most PIECE bytes, reused for every read-back.
+    let scratch = match plan.op {
+        Opcode::Write if longest > 0 => {
+            Some(engine.allocate(PIECE.min(longest) as usize, Location::Any)?)
+        }
+        _ => None,
+    };
     for (sub, r) in plan.submitters.iter().zip(results) {
         let start = sub.base;
         let len = r.touched;
-        if len == 0 {
-            continue;
-        }
-        match plan.op {
-            Opcode::Read => {
+        match (&scratch, plan.op) {
+            (_, Opcode::Read) => {
                 // SAFETY: every batch completed; nothing is in flight on the local buffer.
                 let bytes = unsafe { &local.as_slice()[start as usize..(start + len) as usize] };
-                if let Some(at) = pattern::first_mismatch(bytes, start, pattern::TARGET_SEED) {
+                if let Some(at) = pattern::first_mismatch(bytes, start, plan.seed) {
                     return Err(Failure::Runtime(anyhow!(
                         "verify: byte {} read from the target is wrong",
                         start + at as u64
                     )));
                 }
             }
-            Opcode::Write => {
-                let scratch = engine.allocate(len as usize, Location::Any)?;
-                let batch = engine.allocate_batch(1)?;
-                let req = Request {
-                    opcode: Opcode::Read,
-                    source: scratch.addr(),
-                    target: plan.seg,
-                    target_offset: plan.remote_base + start,
-                    length: len,
-                    priority: multirail::PRIO_HIGH,
-                    transport: Some(plan.transport),
-                };
-                engine.submit(batch, &[req])?;
-                engine.wait(batch, Some(Duration::from_secs(120)))?;
-                engine.free_batch(batch)?;
-                // SAFETY: the read completed; nothing else touches `scratch`.
-                let bytes = unsafe { scratch.as_slice() };
-                if let Some(at) = pattern::first_mismatch(bytes, start, pattern::INITIATOR_SEED) {
-                    return Err(Failure::Runtime(anyhow!(
-                        "verify: byte {} written to the target is wrong",
-                        start + at as u64
-                    )));
+            (Some(scratch), Opcode::Write) => {
+                let mut done = 0;
+                while done < len {
+                    let n = PIECE.min(len - done);
+                    let off = start + done;
+                    transfer(engine, plan, Opcode::Read, scratch.addr(), off, n)
+                        .context("verify: reading the target back")?;
+                    // SAFETY: the read completed; nothing else touches `scratch`.
+                    let bytes = unsafe { &scratch.as_slice()[..n as usize] };
+                    if let Some(at) = pattern::first_mismatch(bytes, off, plan.seed) {
+                        return Err(Failure::Runtime(anyhow!(
+                            "verify: byte {} written to the target is wrong",
+                            off + at as u64
+                        )));
+                    }
+                    done += n;
                 }
-                engine.free(&scratch)?;
             }
+            (None, _) => {}
         }
         checked += len;
     }
+    if let Some(scratch) = scratch {
+        engine.free(&scratch)?;
+    }
     Ok(checked)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rail(name: &str, slices: u64, ewma: Option<f64>) -> RailTraffic {
+        RailTraffic {
+            name: name.into(),
+            bytes: slices * 100,
+            slices,
+            errors: 0,
+            priority_bytes: [slices * 100, 0, 0],
+            ewma_gbps: ewma,
+            inflight_bytes: 0,
+            window_bytes: 0,
+        }
+    }
+
+    #[test]
+    fn a_rail_without_samples_shows_no_ewma() {
+        let text = "=== Device Traffic Statistics ===\n\
+                    Dev 0: Total=0.0 GB, EWMA BW=400.00 Gbps, Inflight=0 bytes\n\
+                    Dev 1: Total=1.5 GB, EWMA BW=38.20 Gbps, Inflight=0 bytes\n\
+                    === Priority Queue Statistics ===\n";
+        let assumed = [("eth0".to_owned(), 400.0), ("eth1".to_owned(), 400.0)];
+        let rails = [rail("eth0", 0, Some(400.0)), rail("eth1", 9, Some(38.2))];
+        let out = tent_report(text, &assumed, &rails);
+        assert!(out.contains("Dev 0: Total=0.0 GB, EWMA BW=- (no samples), Inflight=0 bytes\n"));
+        assert!(out.contains("Dev 1: Total=1.5 GB, EWMA BW=38.20 Gbps, Inflight=0 bytes\n"));
+        assert!(out.ends_with("=== Priority Queue Statistics ===\n"));
+        let run = run_rails(&[rail("eth1", 4, Some(30.0))], &rails, &assumed);
+        assert_eq!(run[0].ewma_gbps, None);
+        assert_eq!((run[1].slices, run[1].bytes), (5, 500));
+        assert_eq!(run[1].ewma_gbps, Some(38.2));
+        // Clamped to the floor (a tenth of the assumed speed) is a measurement; without an
+        // estimate there is nothing to show, and a rail the scheduler does not know keeps its.
+        assert_eq!(measured_ewma(Some(40.0), Some(400.0)), Some(40.0));
+        assert_eq!(measured_ewma(None, Some(400.0)), None);
+        assert_eq!(measured_ewma(Some(7.5), None), Some(7.5));
+    }
+
+    #[test]
+    fn regions_are_never_empty() {
+        let one = |block, submitters| {
+            vec![Class {
+                priority: 0,
+                block,
+                submitters,
+            }]
+        };
+        // 3 threads over 40 MiB: shares start on cache lines and hold whole batches.
+        let subs = plan_regions(40 << 20, &one(256 << 10, 3), 4, 3).unwrap_or_else(|_| panic!());
+        assert_eq!(subs.len(), 3);
+        for s in &subs {
+            assert_eq!(s.base % 64, 0);
+            assert!(s.region >= 1 << 20 && s.region % (1 << 20) == 0);
+            assert!(s.base + s.region <= 40 << 20);
+        }
+        // More threads than blocks, or than batches: a usage error, not an empty region.
+        assert!(plan_regions(4 << 20, &one(1 << 20, 8), 1, 8).is_err());
+        assert!(plan_regions(8 << 20, &one(1 << 20, 2), 16, 2).is_err());
+        assert!(plan_regions(3, &one(1, 8), 1, 8).is_err());
+    }
 }

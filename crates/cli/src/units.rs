@@ -44,7 +44,9 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     if !v.is_finite() || v <= 0.0 {
         return Err(format!("duration {s:?} must be positive"));
     }
-    Ok(Duration::from_secs_f64(v * scale))
+    // `from_secs_f64` panics on values a Duration cannot hold (e.g. `1e300`); a flag value
+    // must give an error instead.
+    Duration::try_from_secs_f64(v * scale).map_err(|_| format!("duration {s:?} is out of range"))
 }
 
 /// Formats a byte count with a binary unit, e.g. `64 KiB`.
@@ -83,5 +85,7 @@ mod tests {
         assert_eq!(parse_duration("2.5s").unwrap(), Duration::from_millis(2500));
         assert!(parse_duration("-1").is_err());
         assert!(parse_duration("x").is_err());
+        assert!(parse_duration("1e300").is_err());
+        assert!(parse_duration("1e300ms").is_err());
     }
 }
