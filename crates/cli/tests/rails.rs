@@ -66,7 +66,17 @@ impl Rails {
 
     /// Starts `multirail target` in namespace a; returns it and its segment name.
     fn target(&self, size: &str) -> (Child, String) {
-        let mut child = Command::new("ip")
+        self.target_with(size, None)
+    }
+
+    /// As `target`, with configuration `conf` (inline JSON).
+    fn target_with(&self, size: &str, conf: Option<&str>) -> (Child, String) {
+        let mut cmd = Command::new("ip");
+        match conf {
+            Some(c) => cmd.env("MULTIRAIL_CONF", c),
+            None => cmd.env_remove("MULTIRAIL_CONF"),
+        };
+        let mut child = cmd
             .args([
                 "netns",
                 "exec",
@@ -76,7 +86,6 @@ impl Rails {
                 "--size",
                 size,
             ])
-            .env_remove("MULTIRAIL_CONF")
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
@@ -310,4 +319,72 @@ fn transfer_survives_a_rail_going_down() {
         .map(|r| r["errors"].as_u64().unwrap())
         .sum();
     eprintln!("slices retried after the rail went down: {errors}");
+}
+
+/// An initiator killed while every link to the target is down never gets its FIN through; the
+/// target's keepalive probes go unanswered and it drops those connections (and their fds)
+/// instead of holding them forever.
+#[test]
+fn a_target_drops_connections_of_an_initiator_that_vanished_behind_dead_links() {
+    let prefix = "mrka";
+    let rails = match Rails::up(prefix) {
+        Ok(r) => r,
+        Err(why) => {
+            eprintln!("{why}");
+            return;
+        }
+    };
+    let conf = r#"{"transports": {"tcp": {"keepalive_ms": 1000, "timeout_ms": 1500}}}"#;
+    let (mut target, name) = rails.target_with("64MiB", Some(conf));
+    let fds = |pid: u32| {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .count()
+    };
+    let idle_fds = fds(target.id());
+    let args = [
+        "--target",
+        &name,
+        "--op",
+        "write",
+        "--block-size",
+        "1MiB",
+        "--size",
+        "64MiB",
+        "--duration",
+        "30",
+    ];
+    let mut bench = rails.bench(conf, &args);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while fds(target.id()) < idle_fds + 4 {
+        assert!(Instant::now() < deadline, "the bench never connected");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let busy_fds = fds(target.id());
+    for i in 0..4 {
+        rails.run(&["down", &i.to_string()]);
+    }
+    bench.kill().unwrap();
+    bench.wait().unwrap();
+    let t0 = Instant::now();
+    let mut now_fds = fds(target.id());
+    while now_fds > idle_fds && t0.elapsed() < Duration::from_secs(15) {
+        std::thread::sleep(Duration::from_millis(100));
+        now_fds = fds(target.id());
+    }
+    for i in 0..4 {
+        rails.run(&["restore", &i.to_string()]);
+    }
+    target.kill().ok();
+    target.wait().ok();
+    eprintln!(
+        "target fds: {idle_fds} idle, {busy_fds} with the bench, {now_fds} {:?} after it vanished",
+        t0.elapsed()
+    );
+    assert!(
+        now_fds <= idle_fds,
+        "the target still holds {} connections of a vanished initiator",
+        now_fds - idle_fds
+    );
 }

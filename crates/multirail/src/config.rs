@@ -432,6 +432,11 @@ pub struct TcpConfig {
     /// Threads that serve every accepted connection, however many there are (default 4);
     /// 1..=64. Idle connections cost no thread.
     pub serve_threads: usize,
+    /// A connection idle this long is probed by TCP keepalive, on both ends (default 15000);
+    /// >= 1. A peer that does not answer within `timeout_ms` is dropped: without it, a peer
+    /// that vanished while its link was down (its FIN lost) would hold an fd here forever.
+    /// Live idle connections answer the probes and stay open.
+    pub keepalive_ms: u64,
     /// Receive path of two-sided messages over TCP.
     pub receive: ReceiveConfig,
 }
@@ -448,6 +453,7 @@ impl Default for TcpConfig {
             max_connections: 4096,
             max_pending_connections: 256,
             serve_threads: 4,
+            keepalive_ms: 15000,
             receive: ReceiveConfig::default(),
         }
     }
@@ -907,6 +913,7 @@ impl TcpConfig {
             ));
         }
         within_count(prefix, "serve_threads", self.serve_threads)?;
+        at_least_one(prefix, "keepalive_ms", self.keepalive_ms)?;
         self.receive.validate(&format!("{prefix}.receive"))?;
         Ok(())
     }

@@ -197,6 +197,8 @@ impl Engine {
                 max_pending: tcp_cfg.max_pending_connections.min(tcp_cfg.max_connections),
                 serve_threads: tcp_cfg.serve_threads,
                 handshake_timeout: Duration::from_millis(tcp_cfg.connect_timeout_ms),
+                keepalive: Duration::from_millis(tcp_cfg.keepalive_ms),
+                timeout: Duration::from_millis(tcp_cfg.timeout_ms),
                 membership: membership.clone(),
                 nice: NiceTable::new(tcp_cfg.bulk_thread_nice),
             },
@@ -217,6 +219,7 @@ impl Engine {
             max_retries: tcp_cfg.max_retries,
             nice: NiceTable::new(tcp_cfg.bulk_thread_nice),
             membership: membership.clone(),
+            keepalive: Duration::from_millis(tcp_cfg.keepalive_ms),
         };
         let scheduler = Arc::new(RailScheduler::new(
             topology,

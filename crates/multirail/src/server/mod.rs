@@ -59,6 +59,10 @@ pub(crate) struct ServerSettings {
     pub serve_threads: usize,
     /// A connection that has not finished the handshake by then is closed.
     pub handshake_timeout: Duration,
+    /// Idle time before keepalive probes a connection, and how long a probe or sent data may
+    /// go unanswered before the kernel drops it.
+    pub keepalive: Duration,
+    pub timeout: Duration,
     pub membership: Membership,
     pub nice: NiceTable,
 }
@@ -502,6 +506,15 @@ impl Shared {
             return;
         }
         let _ = stream.set_nodelay(true);
+        // A peer that vanishes while its link is down never sends its FIN: without probes its
+        // connections would stay here, each holding an fd, until fd pressure sheds them.
+        if let Err(e) = crate::transport::tcp::keep_alive(
+            &stream,
+            self.settings.keepalive,
+            self.settings.timeout,
+        ) {
+            tracing::debug!(%peer, error = %e, "cannot set keepalive");
+        }
         if self.open.load(Ordering::Acquire) >= self.settings.max_connections
             && !self.shed_oldest_pending()
         {

@@ -40,6 +40,8 @@ pub(crate) struct TcpSettings {
     pub nice: NiceTable,
     /// What this engine proves in every connection's handshake.
     pub membership: Membership,
+    /// Idle time before TCP keepalive probes a connection.
+    pub keepalive: Duration,
 }
 
 /// One slice to post.
@@ -472,11 +474,26 @@ impl Conn {
 /// Socket options every data connection gets, on both ends.
 pub(crate) fn configure_stream(stream: &TcpStream, settings: &TcpSettings) -> std::io::Result<()> {
     stream.set_nodelay(true)?;
+    keep_alive(stream, settings.keepalive, settings.timeout)
+}
+
+/// Probes `stream` once it has been idle for `idle`, and has the kernel drop it when sent data
+/// or a probe goes unanswered for `timeout`: a dead host is noticed even with nothing in flight
+/// at our level, and a peer whose FIN was lost does not hold the connection forever.
+pub(crate) fn keep_alive(
+    stream: &TcpStream,
+    idle: Duration,
+    timeout: Duration,
+) -> std::io::Result<()> {
     let sock = socket2::SockRef::from(stream);
-    sock.set_keepalive(true)?;
-    // The kernel drops a connection whose sent data goes unacknowledged this long, so a dead
-    // host is noticed even with nothing in flight at our level.
-    sock.set_tcp_user_timeout(Some(settings.timeout))?;
+    let interval = (idle / 3).max(Duration::from_secs(1));
+    sock.set_tcp_keepalive(
+        &socket2::TcpKeepalive::new()
+            .with_time(idle.max(Duration::from_secs(1)))
+            .with_interval(interval)
+            .with_retries(3),
+    )?;
+    sock.set_tcp_user_timeout(Some(timeout))?;
     Ok(())
 }
 

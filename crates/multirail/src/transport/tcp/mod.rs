@@ -30,7 +30,7 @@ use crate::stats::TrafficStats;
 use crate::topology;
 use crate::transport::{Prepared, Transport};
 
-pub(crate) use conn::TcpSettings;
+pub(crate) use conn::{keep_alive, TcpSettings};
 use conn::{Conn, ConnOwner, ConnTarget, Outgoing};
 
 /// One (local rail, remote rail) pair to a peer.
