@@ -432,8 +432,8 @@ pub struct TcpConfig {
     /// Threads that serve every accepted connection, however many there are (default 4);
     /// 1..=64. Idle connections cost no thread.
     pub serve_threads: usize,
-    /// A connection idle this long is probed by TCP keepalive, on both ends (default 15000);
-    /// >= 1. A peer that does not answer within `timeout_ms` is dropped: without it, a peer
+    /// A connection idle this long is probed by TCP keepalive, on both ends (default 15000;
+    /// at least 1). A peer that does not answer within `timeout_ms` is dropped: without it, a peer
     /// that vanished while its link was down (its FIN lost) would hold an fd here forever.
     /// Live idle connections answer the probes and stay open.
     pub keepalive_ms: u64,

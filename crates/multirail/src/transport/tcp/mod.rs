@@ -11,7 +11,7 @@
 mod conn;
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
@@ -49,6 +49,8 @@ struct Path {
     health: Mutex<RailHealth>,
     /// Health is up and at least one connection is alive.
     usable: AtomicBool,
+    /// A reconnect or probe of this path is under way on its own thread.
+    reconnecting: AtomicBool,
 }
 
 impl Path {
@@ -190,6 +192,15 @@ struct Dispatch {
     min_fixed_ns: Vec<u64>,
     rails: Vec<usize>,
     ewma: Vec<f64>,
+    /// Since when (scheduler ns) this peer has had slices queued or in flight without a break;
+    /// `None` while it has none. With `TcpPeer::last_heard_ns`, when the peer's silence began.
+    outstanding_since: Option<u64>,
+}
+
+impl Dispatch {
+    fn has_outstanding(&self) -> bool {
+        !self.queue.is_empty() || self.posted.iter().any(|&b| b > 0)
+    }
 }
 
 /// Everything needed to reach one peer.
@@ -205,6 +216,11 @@ pub(crate) struct TcpPeer {
     stats: Arc<TrafficStats>,
     me: Weak<TcpPeer>,
     closed: AtomicBool,
+    /// Scheduler ns of the last answer on any connection; 0 = none yet.
+    last_heard_ns: AtomicU64,
+    /// Set once the peer was found silent for the timeout: every slice of it fails, none is
+    /// retried, until its connections are gone and a fresh `TcpPeer` takes over.
+    silent: AtomicBool,
 }
 
 impl TcpPeer {
@@ -275,6 +291,7 @@ impl TcpPeer {
                 next: AtomicUsize::new(0),
                 health: health(),
                 usable: AtomicBool::new(false),
+                reconnecting: AtomicBool::new(false),
             });
         }
         if paths.is_empty() {
@@ -291,6 +308,7 @@ impl TcpPeer {
                 next: AtomicUsize::new(0),
                 health: health(),
                 usable: AtomicBool::new(false),
+                reconnecting: AtomicBool::new(false),
             });
         }
         let npaths = paths.len();
@@ -305,6 +323,7 @@ impl TcpPeer {
                 min_fixed_ns: vec![u64::MAX; npaths],
                 rails: Vec::new(),
                 ewma: Vec::new(),
+                outstanding_since: None,
             }),
             scheduler: scheduler.clone(),
             qos: qos.clone(),
@@ -312,6 +331,8 @@ impl TcpPeer {
             stats: stats.clone(),
             me: me.clone(),
             closed: AtomicBool::new(false),
+            last_heard_ns: AtomicU64::new(0),
+            silent: AtomicBool::new(false),
         });
         let mut last_err = None;
         for path in &tcp.paths {
@@ -363,9 +384,26 @@ impl TcpPeer {
         )
     }
 
-    /// True when no path can carry slices and none is coming back soon.
+    /// True when no path can carry slices and none is coming back soon, or the peer went
+    /// silent (a fresh `TcpPeer` then gives new requests their own full timeout).
     pub(crate) fn is_dead(&self) -> bool {
-        self.closed.load(Ordering::Acquire) || self.paths.iter().all(|p| !p.is_up())
+        self.closed.load(Ordering::Acquire)
+            || self.silent.load(Ordering::Acquire)
+            || self.paths.iter().all(|p| !p.is_up())
+    }
+
+    /// When the peer's silence began, if it has work outstanding: the later of its last
+    /// answer and the moment the outstanding work began.
+    fn silent_since(&self, d: &Dispatch) -> Option<u64> {
+        let since = d.outstanding_since?;
+        Some(since.max(self.last_heard_ns.load(Ordering::Acquire)))
+    }
+
+    fn timeout_error(&self) -> Error {
+        Error::Timeout {
+            peer: self.name.clone(),
+            timeout_ms: self.settings.timeout.as_millis() as u64,
+        }
     }
 
     /// Queues the slices of one request and deals out what the rails' windows allow.
@@ -385,6 +423,9 @@ impl TcpPeer {
         let now_ns = self.scheduler.ns(now);
         {
             let mut d = self.dispatch.lock().expect("peer poisoned");
+            if d.outstanding_since.is_none() {
+                d.outstanding_since = Some(now_ns);
+            }
             for s in slices {
                 let q = Queued {
                     slice: Outgoing {
@@ -722,29 +763,45 @@ impl TcpPeer {
         }
     }
 
-    /// Fails queued slices when no rail can take them: at once when every rail is paused,
-    /// after the timeout when rails are only reconnecting.
+    /// Fails queued slices that can no longer go anywhere in time: all of them once the peer
+    /// was found silent (with the timeout error); when no rail can take them, at once if every
+    /// rail is paused or the engine closed the peer, and otherwise (rails reconnecting) once
+    /// the peer's deadline has passed, so a retry waiting for a rail never outlives it.
     fn expire_queue(&self, d: &mut Dispatch, now: Instant) {
-        if d.queue.is_empty() || self.paths.iter().any(|p| p.usable.load(Ordering::Acquire)) {
+        if d.queue.is_empty() {
             return;
         }
-        let all_down = self.is_dead();
-        let timeout = self.settings.timeout;
-        let failed = d
-            .queue
-            .take_if(|q, _| all_down || now.saturating_duration_since(q.since) > timeout);
-        for q in failed {
+        let silent = self.silent.load(Ordering::Acquire);
+        if !silent && self.paths.iter().any(|p| p.usable.load(Ordering::Acquire)) {
+            return;
+        }
+        let all_down = self.closed.load(Ordering::Acquire) || self.paths.iter().all(|p| !p.is_up());
+        // The peer's deadline, not each slice's: a slice handed back and queued again must not
+        // restart the clock, or retries would stretch the wait past the timeout.
+        let timeout_ns = self.settings.timeout.as_nanos() as u64;
+        let now_ns = self.scheduler.ns(now);
+        let expired = silent
+            || self
+                .silent_since(d)
+                .is_some_and(|since| now_ns.saturating_sub(since) > timeout_ns);
+        if !all_down && !expired {
+            return;
+        }
+        for q in d.queue.take_if(|_, _| true) {
             if q.slice.rail != usize::MAX {
                 self.scheduler.unassigned(q.slice.rail, q.slice.len as u64);
             }
-            let err = match (&q.error, all_down) {
-                (Some(e @ Error::Timeout { .. }), _) => e.clone(),
-                (Some(e), true) => Error::PeerDisconnected {
-                    peer: self.name.clone(),
-                    reason: format!("every rail to it is down (last error: {e})"),
-                },
-                (Some(e), false) => e.clone(),
-                (None, _) => self.down_error(),
+            let err = if silent || !all_down {
+                self.timeout_error()
+            } else {
+                match &q.error {
+                    Some(e @ Error::Timeout { .. }) => e.clone(),
+                    Some(e) => Error::PeerDisconnected {
+                        peer: self.name.clone(),
+                        reason: format!("every rail to it is down (last error: {e})"),
+                    },
+                    None => self.down_error(),
+                }
             };
             q.slice.task.part_done(Err(err));
         }
@@ -772,13 +829,17 @@ impl TcpPeer {
             })
     }
 
-    /// Periodic upkeep: timeouts, link state, reconnects and probes, parked slices.
+    /// Periodic upkeep: the peer's silence, timeouts, link state, reconnects and probes (on
+    /// their own threads), parked slices.
     pub(crate) fn maintain(&self, now: Instant) {
-        if self.closed.load(Ordering::Acquire) {
+        if self.closed.load(Ordering::Acquire) || self.silent.load(Ordering::Acquire) {
             return;
         }
         let now_ns = self.scheduler.ns(now);
-        for path in &self.paths {
+        if self.fail_if_silent(now_ns) {
+            return;
+        }
+        for (p, path) in self.paths.iter().enumerate() {
             let conns: Vec<Arc<Conn>> = path.conns.lock().expect("path poisoned").clone();
             for c in conns.iter().filter(|c| !c.is_dead()) {
                 c.check_timeout(now);
@@ -794,6 +855,9 @@ impl TcpPeer {
                     });
                 }
             }
+            if path.reconnecting.load(Ordering::Acquire) {
+                continue;
+            }
             let probe = path
                 .health
                 .lock()
@@ -804,32 +868,7 @@ impl TcpPeer {
             let missing =
                 (self.settings.connections_per_rail + 1).saturating_sub(conns.len() - dead);
             if (probe || up) && missing > 0 && !path.link_down() {
-                let mut ok = true;
-                let mut fresh = Vec::new();
-                for _ in 0..missing {
-                    match self.open(path) {
-                        Ok(c) => fresh.push(c),
-                        Err(e) => {
-                            tracing::debug!(peer = %self.name, rail = path.rail, error = %e, "reconnect failed");
-                            ok = false;
-                            break;
-                        }
-                    }
-                }
-                {
-                    let mut cs = path.conns.lock().expect("path poisoned");
-                    cs.retain(|c| !c.is_dead());
-                    cs.extend(fresh);
-                }
-                let mut h = path.health.lock().expect("path poisoned");
-                if probe {
-                    h.on_probe(now_ns, ok);
-                    if ok {
-                        tracing::info!(peer = %self.name, rail = path.rail, "rail rejoined after a successful probe");
-                    }
-                } else if !ok && h.on_error(now_ns) {
-                    tracing::warn!(peer = %self.name, rail = path.rail, "rail paused after repeated errors");
-                }
+                self.reconnect_in_background(p, missing, probe);
             } else if probe {
                 // Nothing to reconnect: the connections survived the pause.
                 path.health
@@ -840,6 +879,111 @@ impl TcpPeer {
             path.refresh_usable();
         }
         self.pump();
+    }
+
+    /// Fails every slice of the peer, queued or in flight, with the timeout error once it has
+    /// had work outstanding and answered nothing for the timeout; its connections are killed
+    /// (so no late byte lands in memory whose request already failed) and none is retried.
+    /// Returns whether it did.
+    fn fail_if_silent(&self, now_ns: u64) -> bool {
+        let timeout_ns = self.settings.timeout.as_nanos() as u64;
+        let silent = {
+            let mut d = self.dispatch.lock().expect("peer poisoned");
+            if !d.has_outstanding() {
+                d.outstanding_since = None;
+            }
+            self.silent_since(&d)
+                .is_some_and(|since| now_ns.saturating_sub(since) > timeout_ns)
+        };
+        if !silent {
+            return false;
+        }
+        self.silent.store(true, Ordering::Release);
+        tracing::warn!(
+            peer = %self.name,
+            timeout_ms = self.settings.timeout.as_millis() as u64,
+            "peer answered nothing for the timeout: its requests fail"
+        );
+        let err = self.timeout_error();
+        for path in &self.paths {
+            // Killing calls back into this peer (slices handed back): no lock held across it.
+            let conns: Vec<Arc<Conn>> = path.conns.lock().expect("path poisoned").clone();
+            for c in conns {
+                c.kill(err.clone());
+            }
+            path.refresh_usable();
+        }
+        let mut d = self.dispatch.lock().expect("peer poisoned");
+        self.expire_queue(&mut d, Instant::now());
+        self.report_depths(&mut d);
+        d.outstanding_since = None;
+        true
+    }
+
+    /// Opens `missing` connections of path `p` (a probe when `probe`) on a thread of its own:
+    /// a handshake with a peer that does not answer takes up to `connect_timeout_ms`, and the
+    /// upkeep thread must keep every peer's timeouts on time meanwhile. At most one per path.
+    fn reconnect_in_background(&self, p: usize, missing: usize, probe: bool) {
+        let path = &self.paths[p];
+        if path.reconnecting.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Some(me) = self.me.upgrade() else {
+            path.reconnecting.store(false, Ordering::Release);
+            return;
+        };
+        let spawned = std::thread::Builder::new()
+            .name("mr-reconnect".into())
+            .spawn(move || {
+                me.reconnect(p, missing, probe);
+                me.paths[p].reconnecting.store(false, Ordering::Release);
+                me.pump();
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(peer = %self.name, error = %e, "cannot spawn a reconnect thread");
+            path.reconnecting.store(false, Ordering::Release);
+        }
+    }
+
+    fn reconnect(&self, p: usize, missing: usize, probe: bool) {
+        let path = &self.paths[p];
+        let mut ok = true;
+        let mut fresh = Vec::new();
+        for _ in 0..missing {
+            match self.open(path) {
+                Ok(c) => fresh.push(c),
+                Err(e) => {
+                    tracing::debug!(peer = %self.name, rail = path.rail, error = %e, "reconnect failed");
+                    ok = false;
+                    break;
+                }
+            }
+        }
+        if self.closed.load(Ordering::Acquire) || self.silent.load(Ordering::Acquire) {
+            // The peer was closed or given up on while we connected.
+            for c in fresh {
+                c.kill(self.down_error());
+            }
+            return;
+        }
+        {
+            let mut cs = path.conns.lock().expect("path poisoned");
+            cs.retain(|c| !c.is_dead());
+            cs.extend(fresh);
+        }
+        let now_ns = self.scheduler.now_ns();
+        {
+            let mut h = path.health.lock().expect("path poisoned");
+            if probe {
+                h.on_probe(now_ns, ok);
+                if ok {
+                    tracing::info!(peer = %self.name, rail = path.rail, "rail rejoined after a successful probe");
+                }
+            } else if !ok && h.on_error(now_ns) {
+                tracing::warn!(peer = %self.name, rail = path.rail, "rail paused after repeated errors");
+            }
+        }
+        path.refresh_usable();
     }
 
     /// Closes every connection; slices in flight fail with `reason`.
@@ -875,10 +1019,15 @@ impl ConnOwner for TcpPeer {
         } else {
             self.scheduler.failed(rail, bytes);
         }
+        self.last_heard_ns
+            .store(self.scheduler.ns(now).max(1), Ordering::Release);
         let mut refill = true;
         if let Some(p) = self.rail_path.get(rail).copied().flatten() {
             let mut d = self.dispatch.lock().expect("peer poisoned");
             d.posted[p] = d.posted[p].saturating_sub(bytes);
+            if !d.has_outstanding() {
+                d.outstanding_since = None;
+            }
             let rtt = now.saturating_duration_since(posted).as_nanos() as u64;
             let serialization_ns = match d.ewma.get(rail).copied() {
                 Some(bw) if bw > 0.0 => (bytes as f64 * 1e9 / bw) as u64,
@@ -927,7 +1076,7 @@ impl ConnOwner for TcpPeer {
         let now = Instant::now();
         let timed_out = matches!(err, Error::Timeout { .. });
         let elsewhere = timed_out && self.progress_elsewhere(rail, now);
-        let closed = self.closed.load(Ordering::Acquire);
+        let closed = self.closed.load(Ordering::Acquire) || self.silent.load(Ordering::Acquire);
         {
             let mut d = self.dispatch.lock().expect("peer poisoned");
             for mut s in slices {
