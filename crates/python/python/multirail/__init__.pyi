@@ -71,6 +71,9 @@ class WaitTimeoutError(Error):
 class IoError(Error):
     """An operating-system call failed."""
 
+class NotAMemberError(Error):
+    """This engine and the peer do not share the membership token (auth.token / MULTIRAIL_TOKEN)."""
+
 class Status(str, enum.Enum):
     """State of one request or of a whole batch."""
 
