@@ -77,19 +77,29 @@ impl Membership {
         self.token.is_some()
     }
 
-    fn proof(&self, label: &[u8], kind: ConnKind, first: &[u8], second: &[u8]) -> [u8; 32] {
-        let Some(token) = &self.token else {
-            return [0; 32];
-        };
+    /// The MAC over one side's proof input, or `None` without a token.
+    fn mac(
+        &self,
+        label: &[u8],
+        kind: ConnKind,
+        first: &[u8],
+        second: &[u8],
+    ) -> Option<Hmac<Sha256>> {
+        let token = self.token.as_ref()?;
         let mut mac = Hmac::<Sha256>::new_from_slice(token).expect("HMAC takes keys of any size");
         mac.update(label);
         mac.update(&[kind as u8]);
         mac.update(first);
         mac.update(second);
-        mac.finalize().into_bytes().into()
+        Some(mac)
     }
 
-    /// Checks `proof` in constant time.
+    fn proof(&self, label: &[u8], kind: ConnKind, first: &[u8], second: &[u8]) -> [u8; 32] {
+        self.mac(label, kind, first, second)
+            .map_or([0; 32], |m| m.finalize().into_bytes().into())
+    }
+
+    /// Checks `proof` in constant time; anything passes without a token.
     fn verify(
         &self,
         label: &[u8],
@@ -98,15 +108,10 @@ impl Membership {
         second: &[u8],
         proof: &[u8],
     ) -> bool {
-        let Some(token) = &self.token else {
-            return true;
-        };
-        let mut mac = Hmac::<Sha256>::new_from_slice(token).expect("HMAC takes keys of any size");
-        mac.update(label);
-        mac.update(&[kind as u8]);
-        mac.update(first);
-        mac.update(second);
-        mac.verify_slice(proof).is_ok()
+        match self.mac(label, kind, first, second) {
+            Some(m) => m.verify_slice(proof).is_ok(),
+            None => true,
+        }
     }
 }
 
