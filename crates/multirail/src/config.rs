@@ -405,7 +405,14 @@ const RDMA_KEYS: &[&str] = &[
 pub struct TcpConfig {
     /// Connections opened per (local rail, remote rail) pair to each peer (default 2); 1..=64.
     pub connections_per_rail: usize,
-    /// A slice not answered within this many milliseconds fails (default 5000); >= 1.
+    /// How long a peer may answer nothing, on any rail, while requests to it are outstanding
+    /// (queued or in flight), in milliseconds (default 5000); >= 1. Counted from the later of
+    /// its last answer and the moment the outstanding work began; once past, every one of
+    /// those requests fails with `Error::Timeout` (within the 50 ms upkeep interval), whatever
+    /// `max_retries` says, and the peer's connections are closed. A single rail that answers
+    /// nothing this long while others do has its slices retried on them (at most
+    /// `max_retries` times, and only until the peer's own deadline). Also the kernel's
+    /// `TCP_USER_TIMEOUT` on data connections.
     pub timeout_ms: u64,
     /// Connection attempt timeout in milliseconds (default 3000); >= 1.
     pub connect_timeout_ms: u64,

@@ -26,6 +26,11 @@ pub(crate) struct Peer {
     pub mappings: Mutex<HashMap<(u64, u64), Arc<PeerMapping>>>,
     /// Connections, made on first use and remade when all have failed.
     pub tcp: Mutex<Option<Arc<TcpPeer>>>,
+    /// Held while (re)making `tcp`, so one thread connects and others wait for its result.
+    /// Apart from `tcp` because connecting to a stopped peer waits `connect_timeout_ms` for its
+    /// handshake, and the upkeep thread, which takes `tcp` for every peer's timeout checks,
+    /// must not wait that long.
+    pub tcp_connect: Mutex<()>,
     /// Whether the kernel lets us use process_vm_readv/writev on this peer.
     pub process_vm_allowed: OnceLock<bool>,
 }
@@ -66,6 +71,7 @@ impl Peer {
             pidfd,
             mappings: Mutex::default(),
             tcp: Mutex::default(),
+            tcp_connect: Mutex::default(),
             process_vm_allowed: OnceLock::new(),
         }
     }

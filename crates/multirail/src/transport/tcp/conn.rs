@@ -362,20 +362,14 @@ impl Conn {
                 let rest = sockio::advance(iov, n);
                 if let Err(e) = sockio::write_all_vectored(self.fd, rest) {
                     drop(writing);
-                    self.kill(Error::PeerDisconnected {
-                        peer: self.peer.clone(),
-                        reason: format!("send failed: {e}"),
-                    });
+                    self.kill(self.io_failure("send failed: ", &e));
                 }
                 Ok(())
             }
             Err(e) => {
                 drop(writing);
                 // The slice is in flight on this connection: `kill` hands it back to the owner.
-                self.kill(Error::PeerDisconnected {
-                    peer: self.peer.clone(),
-                    reason: format!("send failed: {e}"),
-                });
+                self.kill(self.io_failure("send failed: ", &e));
                 Ok(())
             }
         }
@@ -446,6 +440,25 @@ impl Conn {
                 peer: self.peer.clone(),
                 reason: "connection closed".into(),
             })
+    }
+
+    /// What a socket error `e` means for this connection; `doing` prefixes the reason.
+    /// `ETIMEDOUT` is the kernel's `TCP_USER_TIMEOUT`, which [`keep_alive`] sets to
+    /// `timeout_ms`: the peer acknowledged nothing for the timeout, the very verdict of
+    /// [`check_timeout`](Self::check_timeout), so it is reported as [`Error::Timeout`] and the
+    /// owner treats it alike (no retry unless another rail answers), whichever fires first.
+    fn io_failure(&self, doing: &str, e: &std::io::Error) -> Error {
+        if e.raw_os_error() == Some(libc::ETIMEDOUT) {
+            Error::Timeout {
+                peer: self.peer.clone(),
+                timeout_ms: self.settings.timeout.as_millis() as u64,
+            }
+        } else {
+            Error::PeerDisconnected {
+                peer: self.peer.clone(),
+                reason: format!("{doing}{e}"),
+            }
+        }
     }
 
     /// True once the connection has failed or was closed.
@@ -583,10 +596,7 @@ fn sender_loop(conn: &Arc<Conn>, rx: Receiver<Msg>) {
         let written = sockio::write_all_vectored(conn.fd, &mut iov);
         drop(writing);
         if let Err(e) = written {
-            conn.kill(Error::PeerDisconnected {
-                peer: conn.peer.clone(),
-                reason: format!("send failed: {e}"),
-            });
+            conn.kill(conn.io_failure("send failed: ", &e));
         }
     }
     // Hand back whatever is still queued so no task waits forever.
@@ -679,10 +689,7 @@ fn reap(conn: &Arc<Conn>, staging: &mut Staging) -> Result<()> {
         let must_read = staging.available() < wire::RESPONSE_LEN;
         let raw = staging
             .fill_header(conn.fd, reads)
-            .map_err(|e| Error::PeerDisconnected {
-                peer: peer(),
-                reason: e.to_string(),
-            })?;
+            .map_err(|e| conn.io_failure("", &e))?;
         if must_read {
             now = Instant::now();
         }
@@ -741,11 +748,7 @@ fn reap(conn: &Arc<Conn>, staging: &mut Staging) -> Result<()> {
                 if let Err(e) =
                     sockio::read_exact_raw(conn.fd, unsafe { dst.add(staged) }, len - staged)
                 {
-                    let err = Error::PeerDisconnected {
-                        peer: peer(),
-                        reason: e.to_string(),
-                    };
-                    return Err(requeue(inflight, err));
+                    return Err(requeue(inflight, conn.io_failure("", &e)));
                 }
                 if staged < len {
                     now = Instant::now();

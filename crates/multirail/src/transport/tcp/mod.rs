@@ -219,8 +219,12 @@ pub(crate) struct TcpPeer {
     /// Scheduler ns of the last answer on any connection; 0 = none yet.
     last_heard_ns: AtomicU64,
     /// Set once the peer was found silent for the timeout: every slice of it fails, none is
-    /// retried, until its connections are gone and a fresh `TcpPeer` takes over.
+    /// retried, until its connections are gone and a fresh `TcpPeer` takes over. Set under the
+    /// `dispatch` lock, so `post` either queues before the verdict or sees it.
     silent: AtomicBool,
+    /// Why the last connection died: what queued slices fail with once every rail is down
+    /// (a timeout stays a timeout).
+    last_loss: Mutex<Option<Error>>,
 }
 
 impl TcpPeer {
@@ -333,9 +337,10 @@ impl TcpPeer {
             closed: AtomicBool::new(false),
             last_heard_ns: AtomicU64::new(0),
             silent: AtomicBool::new(false),
+            last_loss: Mutex::new(None),
         });
-        let mut last_err = None;
-        for path in &tcp.paths {
+        let open_path = |path: &Path| -> Option<Error> {
+            let mut failed = None;
             for _ in 0..settings.connections_per_rail + 1 {
                 match tcp.open(path) {
                     Ok(c) => path.conns.lock().expect("path poisoned").push(c),
@@ -344,13 +349,42 @@ impl TcpPeer {
                             .lock()
                             .expect("path poisoned")
                             .on_error(tcp.scheduler.now_ns());
-                        last_err = Some(e);
+                        failed = Some(e);
                         break;
                     }
                 }
             }
             path.refresh_usable();
-        }
+            failed
+        };
+        // Paths connect side by side: against a peer that is up but silent, each waits
+        // `connect_timeout_ms` for its handshake, and one after another they would hold the
+        // submitter that long per rail.
+        let failures: Vec<Option<Error>> = if tcp.paths.len() == 1 {
+            vec![open_path(&tcp.paths[0])]
+        } else {
+            std::thread::scope(|scope| {
+                let running: Vec<_> = tcp
+                    .paths
+                    .iter()
+                    .map(|path| {
+                        std::thread::Builder::new()
+                            .name("mr-connect".into())
+                            .spawn_scoped(scope, || open_path(path))
+                            .map_err(|_| path)
+                    })
+                    .collect();
+                running
+                    .into_iter()
+                    .map(|r| match r {
+                        Ok(h) => h.join().expect("connect thread panicked"),
+                        // No thread to spare: connect here.
+                        Err(path) => open_path(path),
+                    })
+                    .collect()
+            })
+        };
+        let last_err = failures.into_iter().flatten().last();
         if !tcp.paths.iter().any(|p| p.usable.load(Ordering::Acquire)) {
             return Err(last_err.unwrap_or_else(|| Error::SegmentUnreachable {
                 name: peer.name.clone(),
@@ -406,24 +440,28 @@ impl TcpPeer {
         }
     }
 
-    /// Queues the slices of one request and deals out what the rails' windows allow.
-    fn post(&self, req: Prepared, plan: &SlicePlan) {
-        let Some(slices) = req.slices(plan) else {
-            return;
-        };
-        req.task.add_parts(slices.len() as u32);
+    /// Queues the slices of one request and deals out what the rails' windows allow. Hands
+    /// the request back untouched when this peer is dead or was found silent, for the caller
+    /// to post on fresh connections: a request submitted after the verdict gets its own
+    /// timeout.
+    fn post(&self, req: Prepared, plan: &SlicePlan) -> std::result::Result<(), Prepared> {
         if self.is_dead() {
-            let err = self.down_error();
-            for _ in slices {
-                req.task.part_done(Err(err.clone()));
-            }
-            return;
+            return Err(req);
         }
+        let Some(slices) = req.slices(plan) else {
+            return Ok(());
+        };
         let now = Instant::now();
         let now_ns = self.scheduler.ns(now);
         {
             let mut d = self.dispatch.lock().expect("peer poisoned");
-            if d.outstanding_since.is_none() {
+            if self.silent.load(Ordering::Acquire) || self.closed.load(Ordering::Acquire) {
+                return Err(req);
+            }
+            req.task.add_parts(slices.len() as u32);
+            // Work outstanding from now on, unless some already is: then the peer's silence is
+            // still counted from the older work (or its last answer).
+            if d.outstanding_since.is_none() || !d.has_outstanding() {
                 d.outstanding_since = Some(now_ns);
             }
             for s in slices {
@@ -449,6 +487,7 @@ impl TcpPeer {
             self.report_depths(&mut d);
         }
         self.pump();
+        Ok(())
     }
 
     /// Brings the engine-wide queue depths up to date with this peer's queues.
@@ -794,8 +833,15 @@ impl TcpPeer {
             let err = if silent || !all_down {
                 self.timeout_error()
             } else {
-                match &q.error {
-                    Some(e @ Error::Timeout { .. }) => e.clone(),
+                // Every rail went down: say why, from the slice's own failure or the peer's
+                // last lost connection. Rails lost to timeouts mean the peer went silent.
+                let last = q.error.clone().or_else(|| {
+                    (!self.closed.load(Ordering::Acquire))
+                        .then(|| self.last_loss.lock().expect("peer poisoned").clone())
+                        .flatten()
+                });
+                match last {
+                    Some(e @ Error::Timeout { .. }) => e,
                     Some(e) => Error::PeerDisconnected {
                         peer: self.name.clone(),
                         reason: format!("every rail to it is down (last error: {e})"),
@@ -887,18 +933,20 @@ impl TcpPeer {
     /// Returns whether it did.
     fn fail_if_silent(&self, now_ns: u64) -> bool {
         let timeout_ns = self.settings.timeout.as_nanos() as u64;
-        let silent = {
+        {
             let mut d = self.dispatch.lock().expect("peer poisoned");
             if !d.has_outstanding() {
                 d.outstanding_since = None;
             }
-            self.silent_since(&d)
-                .is_some_and(|since| now_ns.saturating_sub(since) > timeout_ns)
-        };
-        if !silent {
-            return false;
+            let silent = self
+                .silent_since(&d)
+                .is_some_and(|since| now_ns.saturating_sub(since) > timeout_ns);
+            if !silent {
+                return false;
+            }
+            // Under the lock: a request posted from here on goes to a fresh `TcpPeer`.
+            self.silent.store(true, Ordering::Release);
         }
-        self.silent.store(true, Ordering::Release);
         tracing::warn!(
             peer = %self.name,
             timeout_ms = self.settings.timeout.as_millis() as u64,
@@ -1058,6 +1106,7 @@ impl ConnOwner for TcpPeer {
     }
 
     fn connection_lost(&self, rail: usize, err: &Error) {
+        *self.last_loss.lock().expect("peer poisoned") = Some(err.clone());
         if let Some(p) = self.rail_path.get(rail).copied().flatten() {
             let path = &self.paths[p];
             if path
@@ -1074,9 +1123,13 @@ impl ConnOwner for TcpPeer {
 
     fn slices_returned(&self, rail: usize, slices: Vec<Outgoing>, err: Error) {
         let now = Instant::now();
+        let silent = self.silent.load(Ordering::Acquire);
+        // Once the peer was found silent, whatever killed the connection first (a send error,
+        // the kernel's timeout), its slices fail by the peer's verdict.
+        let err = if silent { self.timeout_error() } else { err };
         let timed_out = matches!(err, Error::Timeout { .. });
         let elsewhere = timed_out && self.progress_elsewhere(rail, now);
-        let closed = self.closed.load(Ordering::Acquire) || self.silent.load(Ordering::Acquire);
+        let closed = self.closed.load(Ordering::Acquire) || silent;
         {
             let mut d = self.dispatch.lock().expect("peer poisoned");
             for mut s in slices {
@@ -1139,12 +1192,25 @@ impl TcpTransport {
         }
     }
 
+    /// The peer's live connections, made afresh when there are none or they were given up on.
+    /// Connecting happens outside `peer.tcp` (one thread at a time, under `peer.tcp_connect`):
+    /// a stopped peer keeps it waiting `connect_timeout_ms`, and the upkeep thread takes
+    /// `peer.tcp` every 50 ms for the timeouts of every peer.
     fn connected(&self, peer: &Peer) -> Result<Arc<TcpPeer>> {
-        let mut slot = peer.tcp.lock().expect("peer poisoned");
-        if let Some(p) = slot.as_ref() {
-            if !p.is_dead() {
-                return Ok(p.clone());
-            }
+        let live = || {
+            peer.tcp
+                .lock()
+                .expect("peer poisoned")
+                .clone()
+                .filter(|p| !p.is_dead())
+        };
+        if let Some(p) = live() {
+            return Ok(p);
+        }
+        let _connecting = peer.tcp_connect.lock().expect("peer poisoned");
+        // Another thread may have connected while this one waited.
+        if let Some(p) = live() {
+            return Ok(p);
         }
         let fresh = TcpPeer::connect(
             peer,
@@ -1153,7 +1219,7 @@ impl TcpTransport {
             &self.settings,
             &self.stats,
         )?;
-        *slot = Some(fresh.clone());
+        *peer.tcp.lock().expect("peer poisoned") = Some(fresh.clone());
         Ok(fresh)
     }
 
@@ -1184,9 +1250,21 @@ impl Transport for TcpTransport {
     }
 
     fn post(&self, peer: &Peer, req: Prepared, plan: &SlicePlan) {
-        match self.connected(peer) {
-            Ok(t) => t.post(req, plan),
-            Err(e) => req.fail(e),
+        let mut req = req;
+        // The connections may be given up on between `connected` and `post` (a silent peer's
+        // verdict); then once more on fresh ones.
+        for _ in 0..2 {
+            match self.connected(peer) {
+                Ok(t) => match t.post(req, plan) {
+                    Ok(()) => return,
+                    Err(back) => req = back,
+                },
+                Err(e) => return req.fail(e),
+            }
         }
+        req.fail(Error::PeerDisconnected {
+            peer: peer.name.clone(),
+            reason: "every rail to it is down".into(),
+        });
     }
 }
