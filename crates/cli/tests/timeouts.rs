@@ -99,7 +99,8 @@ fn submit_until_failure(
                         statuses,
                     });
                 }
-                engine.free_batch(b).unwrap();
+                // Refused while a batch is still pending (a wait that timed out): left as is.
+                let _ = engine.free_batch(b);
             }
         }
         failed
@@ -286,7 +287,7 @@ fn a_reconnect_to_a_stopped_peer_does_not_delay_another_peers_timeout() {
                 let bt = engine.allocate_batch(1).unwrap();
                 let _ = engine.submit(bt, &to_a);
                 let _ = engine.wait(bt, Some(Duration::from_secs(30)));
-                engine.free_batch(bt).unwrap();
+                let _ = engine.free_batch(bt);
             }
         })
     };
