@@ -142,9 +142,6 @@ pub(crate) struct Conn {
     carrying: AtomicU8,
     reads_outstanding: AtomicU32,
     dead: AtomicBool,
-    /// Nanoseconds after `epoch` of the last answered slice; 0 = never.
-    last_answer_ns: AtomicU64,
-    epoch: Instant,
     sender: OnceLock<Thread>,
     counters: Arc<RailCounters>,
     owner: Weak<dyn ConnOwner>,
@@ -194,7 +191,6 @@ impl Conn {
         settings: &TcpSettings,
         counters: Arc<RailCounters>,
         owner: Weak<dyn ConnOwner>,
-        epoch: Instant,
     ) -> Result<Arc<Conn>> {
         let stream = open_socket(target, settings).map_err(|e| Error::SegmentUnreachable {
             name: target.peer.to_owned(),
@@ -224,8 +220,6 @@ impl Conn {
             carrying: AtomicU8::new(0),
             reads_outstanding: AtomicU32::new(0),
             dead: AtomicBool::new(false),
-            last_answer_ns: AtomicU64::new(0),
-            epoch,
             sender: OnceLock::new(),
             counters,
             owner,
@@ -375,14 +369,6 @@ impl Conn {
         }
     }
 
-    /// When this connection last got an answer, if ever.
-    pub(crate) fn last_answer(&self) -> Option<Instant> {
-        match self.last_answer_ns.load(Ordering::Relaxed) {
-            0 => None,
-            ns => Some(self.epoch + Duration::from_nanos(ns)),
-        }
-    }
-
     /// Marks the connection dead with `err` and hands every slice in flight on it back to the
     /// owner. Idempotent: the first error wins and slices are handed back once.
     pub(crate) fn kill(&self, err: Error) {
@@ -466,16 +452,19 @@ impl Conn {
         self.dead.load(Ordering::Acquire)
     }
 
-    /// Kills the connection if its oldest slice waited longer than the timeout: a peer that
-    /// stopped answering is treated as gone.
-    pub(crate) fn check_timeout(&self, now: Instant) {
-        let expired = {
-            let st = self.state.lock().expect("conn poisoned");
-            st.queue
-                .front()
-                .is_some_and(|f| now.saturating_duration_since(f.posted) > self.settings.timeout)
-        };
-        if expired {
+    /// How long the oldest slice in flight here has waited for its answer; zero when nothing
+    /// is in flight.
+    pub(crate) fn oldest_wait(&self, now: Instant) -> Duration {
+        let st = self.state.lock().expect("conn poisoned");
+        st.queue
+            .front()
+            .map_or(Duration::ZERO, |f| now.saturating_duration_since(f.posted))
+    }
+
+    /// Kills the connection with the timeout error if its oldest slice waited longer than
+    /// `limit`: the connection is stuck, or the peer silent.
+    pub(crate) fn check_timeout(&self, now: Instant, limit: Duration) {
+        if self.oldest_wait(now) > limit {
             self.kill(Error::Timeout {
                 peer: self.peer.clone(),
                 timeout_ms: self.settings.timeout.as_millis() as u64,
@@ -769,10 +758,6 @@ fn reap(conn: &Arc<Conn>, staging: &mut Staging) -> Result<()> {
                 t.unpark();
             }
         }
-        conn.last_answer_ns.store(
-            now.duration_since(conn.epoch).as_nanos().max(1) as u64,
-            Ordering::Relaxed,
-        );
         if let Some(owner) = conn.owner.upgrade() {
             owner.answered(slice.rail, slice.len as u64, inflight.posted, now, ok);
         }

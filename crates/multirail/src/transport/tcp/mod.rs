@@ -7,13 +7,22 @@
 //! times mean something, and backlog waits here rather than in socket buffers. A slice whose
 //! connection fails goes back to the front of the queue for another rail; a rail that keeps
 //! failing is paused and probed back (rail health).
+//!
+//! Timeouts are the peer's, not each slice's: a peer with work outstanding (queued or in
+//! flight) that answers nothing on any rail for `timeout_ms`, counted from the later of its
+//! last answer and the moment that work began, has all of it failed with `Error::Timeout` and
+//! its connections closed; no retry, reconnect or requeue restarts that clock. Within it, a
+//! rail whose oldest slice waits half the timeout while another rail answers or stands idle is
+//! dropped and its slices retried there (at most `max_retries` times), which tells a stalled
+//! rail from a silent peer before the peer's deadline. Connecting (which waits for the peer's
+//! handshake) never runs on the upkeep thread that checks these clocks.
 
 mod conn;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use multirail_policy::health::{HealthConfig, RailHealth};
 use multirail_policy::pairing::{pair_rails, RailInfo, Reach};
@@ -108,6 +117,17 @@ impl Path {
 
     fn is_up(&self) -> bool {
         self.health.lock().expect("path poisoned").is_up()
+    }
+
+    /// The longest any live connection's oldest slice has waited for its answer (zero when
+    /// nothing is in flight); `None` without a live connection.
+    fn longest_wait(&self, now: Instant) -> Option<Duration> {
+        let conns: Vec<Arc<Conn>> = self.conns.lock().expect("path poisoned").clone();
+        conns
+            .iter()
+            .filter(|c| !c.is_dead())
+            .map(|c| c.oldest_wait(now))
+            .max()
     }
 
     /// Reports whether the local interface says its link is down.
@@ -409,13 +429,7 @@ impl TcpPeer {
             ),
         };
         let owner: Weak<dyn ConnOwner> = self.me.clone();
-        Conn::open(
-            &target,
-            &self.settings,
-            counters,
-            owner,
-            self.scheduler.epoch(),
-        )
+        Conn::open(&target, &self.settings, counters, owner)
     }
 
     /// True when no path can carry slices and none is coming back soon, or the peer went
@@ -860,19 +874,16 @@ impl TcpPeer {
         }
     }
 
-    /// True when some usable path other than `rail`'s got an answer within the timeout.
+    /// True when a usable path other than `rail`'s can take retries: it has live connections
+    /// and none of them has a slice waiting more than half the timeout (it answers, or has
+    /// nothing to answer). Whether the peer as a whole still answers is not asked here: its
+    /// deadline bounds every retry (`fail_if_silent`).
     fn progress_elsewhere(&self, rail: usize, now: Instant) -> bool {
+        let suspect = self.settings.timeout / 2;
         self.paths
             .iter()
             .filter(|p| p.rail != rail && p.usable.load(Ordering::Acquire))
-            .any(|p| {
-                p.conns.lock().expect("path poisoned").iter().any(|c| {
-                    !c.is_dead()
-                        && c.last_answer().is_some_and(|t| {
-                            now.saturating_duration_since(t) < self.settings.timeout
-                        })
-                })
-            })
+            .any(|p| p.longest_wait(now).is_some_and(|w| w <= suspect))
     }
 
     /// Periodic upkeep: the peer's silence, timeouts, link state, reconnects and probes (on
@@ -885,10 +896,32 @@ impl TcpPeer {
         if self.fail_if_silent(now_ns) {
             return;
         }
+        // A rail that stalls while the others answer or stand idle is given up on after half the
+        // timeout when its slices may retry on another: answered there, they prove the peer
+        // alive before its deadline. Waiting the whole timeout would make a stalled rail look
+        // like a silent peer whenever the other rails went idle meanwhile (a batch waiting for
+        // the stalled rail's last slices), and the peer's deadline would fail everything.
+        let suspect = self.settings.timeout / 2;
+        let waits: Vec<Option<Duration>> = self.paths.iter().map(|p| p.longest_wait(now)).collect();
         for (p, path) in self.paths.iter().enumerate() {
             let conns: Vec<Arc<Conn>> = path.conns.lock().expect("path poisoned").clone();
-            for c in conns.iter().filter(|c| !c.is_dead()) {
-                c.check_timeout(now);
+            let elsewhere = self.settings.max_retries > 0
+                && self.paths.iter().enumerate().any(|(q, other)| {
+                    q != p
+                        && other.usable.load(Ordering::Acquire)
+                        && waits[q].is_some_and(|w| w <= suspect)
+                });
+            if elsewhere && waits[p].is_some_and(|w| w > suspect) {
+                // The whole path goes, idle connections too: they share the stalled link, and a
+                // retry dealt to one of them would stall again while the peer's deadline runs.
+                // Until a reconnect proves the path again, retries go to the other rails.
+                for c in conns.iter().filter(|c| !c.is_dead()) {
+                    c.kill(self.timeout_error());
+                }
+            } else {
+                for c in conns.iter().filter(|c| !c.is_dead()) {
+                    c.check_timeout(now, self.settings.timeout);
+                }
             }
             if path.link_down() {
                 for c in conns.iter().filter(|c| !c.is_dead()) {
