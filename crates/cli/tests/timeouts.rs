@@ -313,6 +313,57 @@ fn a_reconnect_to_a_stopped_peer_does_not_delay_another_peers_timeout() {
     drop(watchdog);
 }
 
+/// Requests submitted to a stopped peer after its timeout go to fresh connections, whose
+/// handshake the stopped process cannot answer: each fails within `connect_timeout_ms` (+ 1 s)
+/// of its submission, also when several submitters ask at once (one connects, the others take
+/// its answer instead of waiting a connect timeout each in turn).
+#[test]
+fn requests_after_the_timeout_fail_within_one_connect_timeout() {
+    let _serial = serial();
+    const CONNECT_TIMEOUT_MS: u64 = 1000;
+    let target = TargetProcess::start("16MiB", None);
+    let engine = engine(None, CONNECT_TIMEOUT_MS);
+    let local = engine.allocate(PIECE as usize, Location::Any).unwrap();
+    let seg = engine.open_segment(&target.name).unwrap();
+    let remote = engine.segment_descriptor(seg).unwrap().buffers[0].addr;
+    let reqs = requests(Opcode::Write, local.addr(), seg, remote, 0, 1);
+    let run = |reqs: &[Request]| {
+        let b = engine.allocate_batch(1).unwrap();
+        let t0 = Instant::now();
+        let r = engine
+            .submit(b, reqs)
+            .and_then(|()| engine.wait(b, Some(Duration::from_secs(30))));
+        let took = t0.elapsed();
+        let _ = engine.free_batch(b);
+        (r, took)
+    };
+    run(&reqs).0.unwrap();
+    target.signal(libc::SIGSTOP);
+    // The first request meets the peer's timeout.
+    let (r, took) = run(&reqs);
+    assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+    assert!(
+        took <= Duration::from_millis(TIMEOUT_MS) + SLACK,
+        "{took:?}"
+    );
+    let after: Vec<(multirail::Result<()>, Duration)> = thread::scope(|s| {
+        let running: Vec<_> = (0..4).map(|_| s.spawn(|| run(&reqs))).collect();
+        running.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    target.signal(libc::SIGCONT);
+    let times: Vec<Duration> = after.iter().map(|(_, t)| *t).collect();
+    eprintln!("four requests after the timeout failed after {times:?}");
+    for (r, took) in &after {
+        assert!(r.is_err(), "a stopped peer took a request");
+        assert!(
+            *took <= Duration::from_millis(CONNECT_TIMEOUT_MS) + SLACK,
+            "failed {took:?} after its submission ({r:?})"
+        );
+    }
+    // Resumed, the peer takes requests again.
+    run(&reqs).0.unwrap();
+}
+
 /// `multirail bench --target` against a target stopped mid-run exits 1 within the timeout
 /// (+ 1 s) of the stop, naming the timeout.
 #[test]

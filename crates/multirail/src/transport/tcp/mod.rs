@@ -1240,20 +1240,36 @@ impl TcpTransport {
         if let Some(p) = live() {
             return Ok(p);
         }
-        let _connecting = peer.tcp_connect.lock().expect("peer poisoned");
-        // Another thread may have connected while this one waited.
+        let asked = Instant::now();
+        let mut last_failure = peer.tcp_connect.lock().expect("peer poisoned");
+        // Another thread may have connected while this one waited, or failed to: an attempt
+        // that ended since this thread asked answers for it too, so submitters lining up
+        // behind a stopped peer do not wait one connect timeout each.
         if let Some(p) = live() {
             return Ok(p);
         }
-        let fresh = TcpPeer::connect(
+        if let Some((ended, err)) = last_failure.as_ref() {
+            if *ended >= asked {
+                return Err(err.clone());
+            }
+        }
+        match TcpPeer::connect(
             peer,
             &self.scheduler,
             &self.qos,
             &self.settings,
             &self.stats,
-        )?;
-        *peer.tcp.lock().expect("peer poisoned") = Some(fresh.clone());
-        Ok(fresh)
+        ) {
+            Ok(fresh) => {
+                *last_failure = None;
+                *peer.tcp.lock().expect("peer poisoned") = Some(fresh.clone());
+                Ok(fresh)
+            }
+            Err(e) => {
+                *last_failure = Some((Instant::now(), e.clone()));
+                Err(e)
+            }
+        }
     }
 
     /// Deals `peer`'s queued slices if any rail and slot allow.
