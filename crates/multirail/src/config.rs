@@ -409,10 +409,10 @@ pub struct TcpConfig {
     /// (queued or in flight), in milliseconds (default 5000); >= 1. Counted from the later of
     /// its last answer and the moment the outstanding work began; once past, every one of
     /// those requests fails with `Error::Timeout` (within the 50 ms upkeep interval), whatever
-    /// `max_retries` says, and the peer's connections are closed. A single rail that answers
-    /// nothing this long while others do has its slices retried on them (at most
-    /// `max_retries` times, and only until the peer's own deadline). Also the kernel's
-    /// `TCP_USER_TIMEOUT` on data connections.
+    /// `max_retries` says, and the peer's connections are closed. A single rail whose oldest
+    /// slice waits half of this while another rail answers or stands idle is dropped and its
+    /// slices retried on the others (at most `max_retries` times, and only until the peer's own
+    /// deadline). Also the kernel's `TCP_USER_TIMEOUT` on data connections.
     pub timeout_ms: u64,
     /// Connection attempt timeout in milliseconds (default 3000); >= 1.
     pub connect_timeout_ms: u64,
