@@ -694,11 +694,8 @@ impl Shared {
                             };
                             continue;
                         }
-                        Some(Outcome::Refused(reason)) => {
-                            self.counters.not_members.fetch_add(1, Ordering::Relaxed);
-                            self.log_refusal(e.peer, &reason);
-                            return Ok(Next::Close);
-                        }
+                        // Counted when decided, below: the client may act on the verdict at once.
+                        Some(Outcome::Refused(_)) => return Ok(Next::Close),
                         None => {}
                     }
                     let mut buf = [0u8; wire::HELLO_LEN];
@@ -717,6 +714,10 @@ impl Shared {
                         Ok(Some(n)) => {
                             let (took, o) = hs.on_bytes(&buf[..n], out)?;
                             debug_assert_eq!(took, n, "read no more than the handshake wants");
+                            if let Some(Outcome::Refused(reason)) = &o {
+                                self.counters.not_members.fetch_add(1, Ordering::Relaxed);
+                                self.log_refusal(e.peer, reason);
+                            }
                             *outcome = o;
                         }
                     }
