@@ -20,6 +20,17 @@ impl TargetProcess {
 
     /// As `start`, with extra `multirail target` flags.
     pub fn start_with(size: &str, conf: Option<&str>, extra: &[&str]) -> TargetProcess {
+        Self::start_configured(size, conf, extra, |_| {})
+    }
+
+    /// As `start_with`, after `configure` has adjusted the command (environment, limits,
+    /// where stderr goes).
+    pub fn start_configured(
+        size: &str,
+        conf: Option<&str>,
+        extra: &[&str],
+        configure: impl FnOnce(&mut Command),
+    ) -> TargetProcess {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_multirail"));
         cmd.args(["target", "--listen", "127.0.0.1:0", "--size", size])
             .args(extra)
@@ -30,6 +41,7 @@ impl TargetProcess {
             Some(c) => cmd.env("MULTIRAIL_CONF", c),
             None => cmd.env_remove("MULTIRAIL_CONF"),
         };
+        configure(&mut cmd);
         let mut child = cmd.spawn().expect("start multirail target");
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap())

@@ -1,63 +1,64 @@
 //! What idle and hostile clients cost a long-lived `multirail target`: no thread per
 //! connection, members served when fds run out, and the membership token kept out of its logs.
 
-use std::io::{BufRead, BufReader, Read};
+mod common;
+
+use std::io::Read;
 use std::net::TcpStream;
 use std::os::unix::process::CommandExt;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
+
+use common::TargetProcess;
 use std::time::{Duration, Instant};
 
 use multirail::transport::handshake::{self, Membership};
 use multirail::transport::wire::{self, ConnKind};
 use multirail::{Config, Engine, Location, Request, TransportChoice};
 
-/// A `multirail target` child with the environment and fd limit a test gives it.
-struct Target {
-    child: Child,
-    name: String,
+/// A `multirail target` child (64 MiB) with the environment and fd limit a test gives it.
+struct Target(TargetProcess);
+
+impl std::ops::Deref for Target {
+    type Target = TargetProcess;
+    fn deref(&self) -> &TargetProcess {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Target {
+    fn deref_mut(&mut self) -> &mut TargetProcess {
+        &mut self.0
+    }
 }
 
 impl Target {
     fn start(envs: &[(&str, &str)], fd_limit: Option<u64>, capture_stderr: bool) -> Target {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_multirail"));
-        cmd.args(["target", "--listen", "127.0.0.1:0", "--size", "64MiB"])
-            .env_remove("MULTIRAIL_CONF")
-            .env_remove("MULTIRAIL_TOKEN")
-            .envs(envs.iter().copied())
-            .stdout(Stdio::piped())
-            .stderr(if capture_stderr {
-                Stdio::piped()
-            } else {
-                Stdio::inherit()
-            })
-            .stdin(Stdio::null());
-        if let Some(limit) = fd_limit {
-            // SAFETY: setrlimit is async-signal-safe; it only lowers this child's own limits.
-            unsafe {
-                cmd.pre_exec(move || {
-                    let rl = libc::rlimit {
-                        rlim_cur: limit,
-                        rlim_max: limit,
-                    };
-                    if libc::setrlimit(libc::RLIMIT_NOFILE, &rl) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    Ok(())
-                })
-            };
-        }
-        let mut child = cmd.spawn().expect("start multirail target");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .expect("read segment name");
-        let name = line.trim().to_owned();
-        assert!(name.starts_with("127.0.0.1:"), "got {name:?}");
-        Target { child, name }
+        Target(TargetProcess::start_configured("64MiB", None, &[], |cmd| {
+            cmd.env_remove("MULTIRAIL_TOKEN").envs(envs.iter().copied());
+            if capture_stderr {
+                cmd.stderr(Stdio::piped());
+            }
+            if let Some(limit) = fd_limit {
+                // SAFETY: setrlimit is async-signal-safe; it only lowers this child's own
+                // limits.
+                unsafe {
+                    cmd.pre_exec(move || {
+                        let rl = libc::rlimit {
+                            rlim_cur: limit,
+                            rlim_max: limit,
+                        };
+                        if libc::setrlimit(libc::RLIMIT_NOFILE, &rl) != 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        Ok(())
+                    })
+                };
+            }
+        }))
     }
 
     fn status_field(&self, field: &str) -> u64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
         status
             .lines()
             .find_map(|l| l.strip_prefix(field))
@@ -70,16 +71,9 @@ impl Target {
     }
 
     fn fds(&self) -> usize {
-        std::fs::read_dir(format!("/proc/{}/fd", self.child.id()))
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
             .unwrap()
             .count()
-    }
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

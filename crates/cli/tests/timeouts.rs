@@ -6,6 +6,7 @@
 //! clock can tell that they went silent.
 
 mod common;
+mod netns;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -16,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use common::TargetProcess;
 use multirail::{Config, Engine, Error, Location, Opcode, Request, SegmentId, Status};
+use netns::Rails;
 
 const TIMEOUT_MS: u64 = 1500;
 /// What the promise allows beyond the timeout: one upkeep interval, with room for a loaded
@@ -420,62 +422,6 @@ fn bench_against_a_stopped_target_exits_in_time() {
     );
 }
 
-/// Shaped veth rails between two network namespaces (`scripts/rails`), torn down when dropped.
-struct Rails {
-    prefix: String,
-}
-
-impl Rails {
-    /// Builds four rails, or says why it cannot (not root, no namespaces).
-    fn up(prefix: &str) -> Result<Rails, String> {
-        let out = Command::new(Self::script())
-            .args(["up", "4", "800mbit", "400mbit", "200mbit", "200mbit"])
-            .args(["--prefix", prefix])
-            .output()
-            .map_err(|e| format!("cannot run scripts/rails: {e}"))?;
-        match out.status.code() {
-            Some(0) => Ok(Rails {
-                prefix: prefix.to_owned(),
-            }),
-            Some(77) => Err(format!(
-                "skipped: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            )),
-            _ => panic!(
-                "scripts/rails up failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            ),
-        }
-    }
-
-    fn script() -> std::path::PathBuf {
-        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/rails")
-    }
-
-    fn ns(&self, side: char) -> String {
-        format!("{}{side}", self.prefix)
-    }
-
-    /// `ip` with `args`, which must succeed.
-    fn ip(&self, args: &[&str]) -> String {
-        let out = Command::new("ip").args(args).output().unwrap();
-        assert!(
-            out.status.success(),
-            "ip {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-}
-
-impl Drop for Rails {
-    fn drop(&mut self) {
-        let _ = Command::new(Self::script())
-            .args(["teardown", "--prefix", &self.prefix])
-            .output();
-    }
-}
-
 /// One rail stops delivering anything (the target's answers on it go to a blackhole route)
 /// while the three others work: the stalled rail's slices are retried on the others and the
 /// transfer completes with every byte verified. The peer must not be judged silent although
@@ -491,35 +437,29 @@ fn a_stalled_rail_is_retried_on_the_others() {
             return;
         }
     };
-    let mut target = Command::new("ip")
-        .args(["netns", "exec", &rails.ns('a')])
-        .arg(env!("CARGO_BIN_EXE_multirail"))
-        .args(["target", "--size", "128MiB"])
-        .env_remove("MULTIRAIL_CONF")
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut name = String::new();
-    BufReader::new(target.stdout.take().unwrap())
-        .read_line(&mut name)
-        .unwrap();
-    let name = name.trim().to_owned();
+    let (mut target, name) = rails.target_with("128MiB", None);
     // As in tests/rails.rs: the EWMA may learn rates far below veth's nominal 10 Gbps.
     let conf = format!(
         r#"{{"transports": {{"rdma": {{"ewma_min_bandwidth_multiplier": 0.01}}, "tcp": {{"timeout_ms": {TIMEOUT_MS}}}}}}}"#
     );
-    let mut bench = Command::new("ip")
-        .args(["netns", "exec", &rails.ns('b')])
-        .arg(env!("CARGO_BIN_EXE_multirail"))
-        .args(["bench", "--json", "--transport", "tcp", "--target", &name])
-        .args(["--op", "write", "--block-size", "4MiB", "--batch-size", "4"])
-        .args(["--size", "128MiB", "--total", "512MiB", "--verify"])
-        .args(["--interval", "100ms"])
-        .env("MULTIRAIL_CONF", conf)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let args = [
+        "--target",
+        &name,
+        "--op",
+        "write",
+        "--block-size",
+        "4MiB",
+        "--batch-size",
+        "4",
+        "--size",
+        "128MiB",
+        "--total",
+        "512MiB",
+        "--verify",
+        "--interval",
+        "100ms",
+    ];
+    let mut bench = rails.bench(&conf, &args);
     // Stall once bytes flow (the bench reports each interval on stderr); keep draining stderr.
     let stderr = BufReader::new(bench.stderr.take().unwrap());
     let (flowing_tx, flowing_rx) = std::sync::mpsc::channel();
