@@ -4,6 +4,7 @@
 //! it owns no thread, socket, clock or global, so the engine, the simulator and the tests drive
 //! the same code.
 
+pub mod dispatch;
 pub mod health;
 pub mod latency;
 pub mod pairing;
@@ -11,3 +12,4 @@ pub mod qos;
 pub mod receive;
 pub mod selector;
 pub mod slicing;
+pub mod timer;

@@ -15,6 +15,64 @@ pub const LOW: u8 = 2;
 /// Number of priority levels.
 pub const LEVELS: usize = 3;
 
+/// A request's priority, TENT's three levels. HIGH is served first; MEDIUM and LOW are bulk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum Priority {
+    /// Latency-critical work (TENT's 0).
+    High,
+    /// Bulk that should pass background traffic (TENT's 1).
+    Medium,
+    /// Background bulk (TENT's 2), the default.
+    #[default]
+    Low,
+}
+
+impl Priority {
+    /// Every level, highest first.
+    pub const ALL: [Priority; LEVELS] = [Priority::High, Priority::Medium, Priority::Low];
+
+    /// TENT's number for the level: 0 HIGH, 1 MEDIUM, 2 LOW; also the level's index in arrays
+    /// of `LEVELS`.
+    pub const fn index(self) -> usize {
+        self as usize
+    }
+
+    /// TENT's number for the level as a byte (the wire and the C API carry it so).
+    pub const fn as_u8(self) -> u8 {
+        self as u8
+    }
+
+    /// The level of TENT's number `n`; `None` above 2.
+    pub const fn from_u8(n: u8) -> Option<Priority> {
+        match n {
+            0 => Some(Priority::High),
+            1 => Some(Priority::Medium),
+            2 => Some(Priority::Low),
+            _ => None,
+        }
+    }
+
+    /// True for MEDIUM and LOW, which share rails as bulk.
+    pub const fn is_bulk(self) -> bool {
+        !matches!(self, Priority::High)
+    }
+
+    /// The name TENT's reports use: `HIGH`, `MEDIUM`, `LOW`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Priority::High => "HIGH",
+            Priority::Medium => "MEDIUM",
+            Priority::Low => "LOW",
+        }
+    }
+}
+
+impl std::fmt::Display for Priority {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Promotion settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PromotionConfig {

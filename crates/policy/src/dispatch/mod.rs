@@ -1,0 +1,1050 @@
+//! The per-peer dispatcher: which slice goes to which rail and connection when.
+//!
+//! One [`Dispatcher`] per peer holds the peer's queued slices (strict HIGH → MEDIUM → LOW with
+//! promotion), what each path (a local rail paired with one of the peer's) has in flight, each
+//! path's window controller and round-trip estimate, and the peer's clocks. It follows
+//! quinn-proto's shape: events go in (`on_submit`, `on_completed`, `on_failed`, `on_path`,
+//! `on_timeout`, ...), decisions come out (`poll_post`, `poll_event`, `poll_failed`,
+//! `poll_timeout`), time is always an argument. The engine posts what it says on sockets (or
+//! queue pairs); the simulator on modelled NICs; tests in virtual time.
+//!
+//! What the engine shares between its peers (the rail selector, the QoS slot schedule, rail
+//! filtering, which priorities are active host-wide) the dispatcher consults through [`Rails`].
+//!
+//! Rules it keeps:
+//! - Slices are dealt only while a path's window has room (see [`window`]): backlog waits here,
+//!   where the selector can still choose, not in socket buffers.
+//! - Beside HIGH work, bulk keeps to the lean window and travels in pieces a HIGH slice can pass
+//!   soon ([`DispatchConfig::high_wait_ns`]); HIGH takes the path's reserved connection.
+//! - Timeouts are the peer's, not each slice's: a peer with work outstanding that answers
+//!   nothing on any path for `timeout_ns`, counted from the later of its last answer and the
+//!   moment that work began, is silent; everything of it fails with [`Verdict::Timeout`] and
+//!   no retry restarts that clock. Within it, a path whose oldest slice waits half the timeout
+//!   while another path answers or stands idle is dropped ([`Event::DropPath`]) and its slices
+//!   retried elsewhere, which tells a stalled rail from a silent peer.
+//! - A slice that comes back from a failed connection goes to the head of its level for
+//!   another rail, at most `max_retries` times; a path that keeps failing is paused and probed
+//!   back ([`crate::health`]).
+
+mod window;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::VecDeque;
+
+pub use window::{
+    BdpController, ControllerKind, FixedController, RttEstimator, Window, WindowController,
+    DEFAULT_INITIAL_WINDOW, DEFAULT_LEAN_BDPS, DEFAULT_MAX_QUEUE_NS, DEFAULT_WINDOW_BDPS,
+};
+
+use crate::health::{HealthConfig, RailHealth};
+use crate::qos::{Priority, PriorityQueues, PromotionConfig, LEVELS};
+use crate::selector::{RailId, SliceShape};
+
+/// Index of a path among the dispatcher's (the order given to [`Dispatcher::new`]).
+pub type PathId = usize;
+
+/// Names one posted slice until it is answered or handed back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SliceId {
+    /// The path it was posted on.
+    pub path: PathId,
+    /// Posting order within the dispatcher.
+    pub seq: u64,
+}
+
+/// What the dispatcher needs of the work it moves: its length, and how to cut it.
+pub trait Payload {
+    /// Bytes the slice moves.
+    fn len(&self) -> u64;
+
+    /// True for a slice that moves nothing (never made by the slicing rules).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Cuts the slice after `at` bytes (0 < `at` < `len`) and returns the rest, a slice of the
+    /// same request.
+    fn split_off(&mut self, at: u64) -> Self;
+}
+
+/// The engine-wide view the dispatcher consults: the rail selector shared by every peer, the
+/// QoS schedule and filtering, the NUMA tiers of the rails. The engine implements it over its
+/// shared state; the simulator over its model.
+pub trait Rails<T> {
+    /// True in smart (EWMA) mode; false in baseline round-robin mode, where a slice's rail is
+    /// chosen without looking at load and the slice waits for room there.
+    fn smart(&self) -> bool;
+    /// Whether the global time slot in force lets `priority` post.
+    fn slot_admits(&self, priority: Priority) -> bool;
+    /// Whether priority filtering lets `priority` use `rail` now.
+    fn rail_admits(&self, rail: RailId, priority: Priority) -> bool;
+    /// Whether work of `priority` is queued or moving anywhere in the engine (rails are a host
+    /// resource: HIGH to one peer shares them with bulk to another).
+    fn has_work(&self, priority: Priority) -> bool;
+    /// Fills `out[rail]` with the tier (0 best, 2 worst) of every rail for the memory `item`
+    /// lives in.
+    fn tiers(&mut self, item: &T, out: &mut Vec<u8>);
+    /// The selector's bandwidth estimate of `rail`, bytes per second (0 when unknown).
+    fn bandwidth(&self, rail: RailId) -> f64;
+    /// Chooses a rail per slice among `candidates` (rails per tier); `out[i]` carries slice
+    /// `i`. Leaves `out` shorter than the shape's count when it cannot choose.
+    fn select(&mut self, candidates: &[Vec<RailId>; 3], shape: SliceShape, out: &mut Vec<RailId>);
+    /// A slice of `bytes` on `rail`, posted at `posted_ns`, was answered at `now_ns`.
+    fn completed(&mut self, rail: RailId, bytes: u64, posted_ns: u64, now_ns: u64);
+    /// A slice of `bytes` on `rail` failed or was refused by the target.
+    fn failed(&mut self, rail: RailId, bytes: u64);
+    /// A slice of `bytes` charged to `rail` by `select` never went there.
+    fn unassigned(&mut self, rail: RailId, bytes: u64);
+    /// A slice of `priority` left the queue after `waited_ns` (statistics).
+    fn dequeued(&mut self, _priority: Priority, _waited_ns: u64) {}
+    /// `n` slices were promoted one level (statistics).
+    fn promoted(&mut self, _n: u64) {}
+    /// The full window last computed for `rail`, bytes (statistics).
+    fn note_window(&mut self, _rail: RailId, _bytes: u64) {}
+    /// Slices wait that the global slot in force does not admit: the engine should deal again
+    /// when the next slot begins.
+    fn slot_holds_work(&mut self) {}
+}
+
+/// Which of a path's connections a slice should take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Connection {
+    /// The path's connection kept for HIGH slices, so they never queue behind bulk bytes in a
+    /// byte stream or behind a bulk payload at the target.
+    Reserved,
+    /// Any of the others, in turn.
+    Shared,
+}
+
+/// A slice to post now.
+#[derive(Debug)]
+pub struct Post<T> {
+    /// Report its outcome under this id.
+    pub id: SliceId,
+    /// The slice.
+    pub item: T,
+    /// Path to post it on.
+    pub path: PathId,
+    /// That path's local rail.
+    pub rail: RailId,
+    /// Level it was dealt at (after any promotion): it travels and is counted at this level.
+    pub priority: Priority,
+    /// Which connection of the path.
+    pub connection: Connection,
+}
+
+/// Why a posted slice came back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cause {
+    /// Its connection was given up on for answering nothing in time.
+    Timeout,
+    /// Its connection was lost (reset, closed, a send error).
+    Lost,
+}
+
+/// Why the dispatcher gave up on a slice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// The peer answered nothing for the timeout (or its deadline passed while the slice
+    /// waited for a rail).
+    Timeout,
+    /// Its connection failed with `Cause` and no retry is allowed: retries are used up, or a
+    /// timed-out slice has no other path answering to go to.
+    Failed(Cause),
+    /// Every path is paused, or the dispatcher was closed.
+    RailsDown,
+}
+
+/// A slice given up on.
+#[derive(Debug)]
+pub struct Failed<T> {
+    /// The slice.
+    pub item: T,
+    /// Its level.
+    pub priority: Priority,
+    /// Why.
+    pub verdict: Verdict,
+}
+
+/// Something the engine must do on the dispatcher's word.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// The peer answered nothing for the timeout: close all its connections (no late byte may
+    /// land for a request that already failed). Its slices in flight come back through
+    /// [`Dispatcher::on_failed`] and fail with the timeout.
+    Silent,
+    /// Close every connection of `path`: its oldest slice waited too long. `stalled` when other
+    /// paths still answer (its slices will be retried there), false when it passed the whole
+    /// timeout.
+    DropPath {
+        /// The path.
+        path: PathId,
+        /// Whether other paths answer meanwhile.
+        stalled: bool,
+    },
+    /// The pause of `path` is over: try to connect it and report with
+    /// [`Dispatcher::on_probe`].
+    Probe(PathId),
+}
+
+/// Most time's worth of a rail's bandwidth one bulk slice carries while HIGH work is active: a
+/// bulk slice already on the wire cannot be passed, so this bounds what a HIGH slice waits
+/// behind on a slow rail. Fast rails carry whole slices (their bound exceeds any slice).
+pub const DEFAULT_HIGH_WAIT_NS: u64 = 250_000;
+/// Bulk slices are not cut below this while HIGH work is active: smaller ones cost more per
+/// byte than the wait they save.
+pub const DEFAULT_MIN_BULK_CHUNK: u64 = 16 << 10;
+/// Slices dealt to the selector in one call at most (one decision for a run of equal slices
+/// is cheaper than one each, and the selector spreads a run over rails by predicted finish).
+pub const MAX_RUN: usize = 64;
+
+/// Settings of a dispatcher.
+#[derive(Debug, Clone)]
+pub struct DispatchConfig {
+    /// Silence that fails a peer's work, ns (`transports.tcp.timeout_ms`).
+    pub timeout_ns: u64,
+    /// Times a slice is retried after its connection failed (`transports.tcp.max_retries`).
+    pub max_retries: u32,
+    /// Window sizing.
+    pub controller: ControllerKind,
+    /// See [`DEFAULT_HIGH_WAIT_NS`].
+    pub high_wait_ns: u64,
+    /// See [`DEFAULT_MIN_BULK_CHUNK`].
+    pub min_bulk_chunk: u64,
+    /// Promotion of starved levels.
+    pub promotion: PromotionConfig,
+    /// When a path is paused and probed back.
+    pub health: HealthConfig,
+}
+
+impl Default for DispatchConfig {
+    fn default() -> Self {
+        DispatchConfig {
+            timeout_ns: 30_000_000_000,
+            max_retries: 8,
+            controller: ControllerKind::default(),
+            high_wait_ns: DEFAULT_HIGH_WAIT_NS,
+            min_bulk_chunk: DEFAULT_MIN_BULK_CHUNK,
+            promotion: PromotionConfig::default(),
+            health: HealthConfig::default(),
+        }
+    }
+}
+
+/// A slice waiting for a rail.
+struct Queued<T> {
+    item: T,
+    /// Baseline mode charges a slice to a rail before it has room there; it then waits at
+    /// the head for that rail.
+    rail: Option<RailId>,
+    /// Times it came back from a failed connection.
+    attempts: u32,
+    /// When it was first queued (wait statistics survive a retry or a refusal).
+    since_ns: u64,
+}
+
+/// A slice posted and not yet answered.
+#[derive(Debug, Clone, Copy)]
+struct InFlight {
+    seq: u64,
+    len: u64,
+    posted_ns: u64,
+    since_ns: u64,
+    priority: Priority,
+    attempts: u32,
+    /// Answered or handed back; dropped once it reaches the front.
+    done: bool,
+}
+
+/// One (local rail, remote rail) pair.
+struct Path {
+    rail: RailId,
+    /// Connections alive, as the engine last reported.
+    live: usize,
+    health: RailHealth,
+    /// Health is up and a connection is alive.
+    usable: bool,
+    /// Bytes posted and not yet answered.
+    posted: u64,
+    /// Posting order: answers may come back out of order across connections, so finished
+    /// entries stay until they reach the front; the front is the oldest slice in flight.
+    inflight: VecDeque<InFlight>,
+    rtt: RttEstimator,
+    controller: Box<dyn WindowController>,
+    /// A drop was asked for and the path's slices have not all come back yet.
+    dropping: bool,
+}
+
+impl Path {
+    fn refresh_usable(&mut self) {
+        self.usable = self.live > 0 && self.health.is_up();
+    }
+
+    fn oldest_posted_ns(&self) -> Option<u64> {
+        self.inflight.iter().find(|f| !f.done).map(|f| f.posted_ns)
+    }
+
+    /// Takes the record of `seq`, if it is in flight here.
+    fn finish(&mut self, seq: u64) -> Option<InFlight> {
+        let i = self.inflight.binary_search_by_key(&seq, |f| f.seq).ok()?;
+        let f = &mut self.inflight[i];
+        if f.done {
+            return None;
+        }
+        f.done = true;
+        let rec = *f;
+        self.posted = self.posted.saturating_sub(rec.len);
+        while self.inflight.front().is_some_and(|f| f.done) {
+            self.inflight.pop_front();
+        }
+        Some(rec)
+    }
+}
+
+/// The per-peer dispatcher. See the module doc.
+pub struct Dispatcher<T> {
+    config: DispatchConfig,
+    queue: PriorityQueues<Queued<T>>,
+    paths: Vec<Path>,
+    /// Rail → its path.
+    rail_path: Vec<Option<PathId>>,
+    /// Bandwidth estimate per rail, bytes/s, refreshed at every deal.
+    bandwidth: Vec<f64>,
+    next_seq: u64,
+    /// Dealt and charged, not yet taken by `poll_post`.
+    ready: VecDeque<Post<T>>,
+    failed: VecDeque<Failed<T>>,
+    events: VecDeque<Event>,
+    /// Since when the peer has had work outstanding without a break; `None` while it has none.
+    outstanding_since: Option<u64>,
+    /// Last answer on any path; 0 = none yet.
+    last_heard_ns: u64,
+    silent: bool,
+    closed: bool,
+    /// Queue depths at the last `take_depth_change`.
+    reported: [usize; LEVELS],
+    /// Scratch space reused by every deal, so dealing allocates nothing once warm.
+    scratch: Scratch,
+}
+
+/// Buffers every deal reuses.
+#[derive(Default)]
+struct Scratch {
+    candidates: [Vec<RailId>; 3],
+    selected: Vec<RailId>,
+    tiers: Vec<u8>,
+    /// Per path: what the priority being dealt may hold there.
+    allowed: Vec<u64>,
+}
+
+impl<T: Payload> Dispatcher<T> {
+    /// A dispatcher for a peer reached over one path per entry of `path_rails` (the local rail
+    /// of each). Every path starts healthy with no connection: report them with
+    /// [`on_path`](Self::on_path). A rail should appear once; later paths on the same rail are
+    /// reachable by id only.
+    pub fn new(config: DispatchConfig, path_rails: &[RailId]) -> Self {
+        let nrails = path_rails.iter().map(|r| r + 1).max().unwrap_or(0);
+        let mut rail_path = vec![None; nrails];
+        for (p, &r) in path_rails.iter().enumerate() {
+            if rail_path[r].is_none() {
+                rail_path[r] = Some(p);
+            }
+        }
+        let paths = path_rails
+            .iter()
+            .map(|&rail| Path {
+                rail,
+                live: 0,
+                health: RailHealth::new(config.health),
+                usable: false,
+                posted: 0,
+                inflight: VecDeque::new(),
+                rtt: RttEstimator::new(),
+                controller: config.controller.build(),
+                dropping: false,
+            })
+            .collect();
+        Dispatcher {
+            queue: PriorityQueues::new(config.promotion),
+            paths,
+            rail_path,
+            bandwidth: vec![0.0; nrails],
+            next_seq: 0,
+            ready: VecDeque::new(),
+            failed: VecDeque::new(),
+            events: VecDeque::new(),
+            outstanding_since: None,
+            last_heard_ns: 0,
+            silent: false,
+            closed: false,
+            reported: [0; LEVELS],
+            scratch: Scratch::default(),
+            config,
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &DispatchConfig {
+        &self.config
+    }
+
+    /// Number of paths.
+    pub fn paths(&self) -> usize {
+        self.paths.len()
+    }
+
+    /// The local rail of `path`.
+    pub fn rail_of(&self, path: PathId) -> RailId {
+        self.paths[path].rail
+    }
+
+    /// The path on local rail `rail`, if any.
+    pub fn path_of(&self, rail: RailId) -> Option<PathId> {
+        self.rail_path.get(rail).copied().flatten()
+    }
+
+    /// True when `path` may carry slices (healthy, with a live connection).
+    pub fn is_usable(&self, path: PathId) -> bool {
+        self.paths[path].usable
+    }
+
+    /// True when `path`'s health lets it carry slices (whatever its connections).
+    pub fn is_up(&self, path: PathId) -> bool {
+        self.paths[path].health.is_up()
+    }
+
+    /// Bytes `path` has in flight.
+    pub fn in_flight(&self, path: PathId) -> u64 {
+        self.paths[path].posted
+    }
+
+    /// The round-trip estimate of `path`.
+    pub fn rtt(&self, path: PathId) -> &RttEstimator {
+        &self.paths[path].rtt
+    }
+
+    /// Slices waiting at each level.
+    pub fn depths(&self) -> [usize; LEVELS] {
+        self.queue.depths()
+    }
+
+    /// The depths now and at the previous call, when they changed since: for engine-wide
+    /// counters that sum every peer's queues without a lock.
+    pub fn take_depth_change(&mut self) -> Option<([usize; LEVELS], [usize; LEVELS])> {
+        let now = self.queue.depths();
+        (now != self.reported).then(|| (std::mem::replace(&mut self.reported, now), now))
+    }
+
+    /// True when slices are queued or in flight.
+    pub fn has_outstanding(&self) -> bool {
+        !self.queue.is_empty() || self.paths.iter().any(|p| p.posted > 0)
+    }
+
+    /// True once the peer was found silent: everything of it fails, and new work should go to
+    /// a fresh dispatcher (with fresh connections and its own full timeout).
+    pub fn is_silent(&self) -> bool {
+        self.silent
+    }
+
+    /// True after [`close`](Self::close).
+    pub fn is_closed(&self) -> bool {
+        self.closed
+    }
+
+    /// True when no path can carry slices and none is coming back soon: closed, silent, or
+    /// every path paused.
+    pub fn is_dead(&self) -> bool {
+        self.closed || self.silent || self.paths.iter().all(|p| !p.health.is_up())
+    }
+
+    /// Queues the slices of one request at `priority`, behind their level.
+    pub fn on_submit(&mut self, now: u64, priority: Priority, items: impl IntoIterator<Item = T>) {
+        // Work outstanding from now on, unless some already is: then the peer's silence is
+        // still counted from the older work (or its last answer).
+        if self.outstanding_since.is_none() || !self.has_outstanding() {
+            self.outstanding_since = Some(now);
+        }
+        for item in items {
+            let q = Queued {
+                item,
+                rail: None,
+                attempts: 0,
+                since_ns: now,
+            };
+            if self.closed || self.silent {
+                self.failed.push_back(Failed {
+                    item: q.item,
+                    priority,
+                    verdict: if self.silent {
+                        Verdict::Timeout
+                    } else {
+                        Verdict::RailsDown
+                    },
+                });
+                continue;
+            }
+            self.queue.push_back(q, priority.as_u8(), now);
+        }
+    }
+
+    /// The next slice to post, dealing queued slices to paths while windows, slots and
+    /// filtering allow. The slice is charged to its path from here on: report its outcome
+    /// with `on_completed`, `on_rejected`, `on_failed` or (never posted) `on_refused`.
+    pub fn poll_post(&mut self, now: u64, rails: &mut impl Rails<T>) -> Option<Post<T>> {
+        if self.ready.is_empty() {
+            self.deal(now, rails);
+        }
+        self.ready.pop_front()
+    }
+
+    /// A slice from `poll_post` could not be posted (its connection was found dead): it goes
+    /// back to the head of its level, for any rail.
+    pub fn on_refused(&mut self, now: u64, post: Post<T>, rails: &mut impl Rails<T>) {
+        let Some(rec) = self.paths[post.id.path].finish(post.id.seq) else {
+            return;
+        };
+        rails.unassigned(post.rail, rec.len);
+        self.requeue_front(
+            Queued {
+                item: post.item,
+                rail: None,
+                attempts: rec.attempts,
+                since_ns: rec.since_ns,
+            },
+            post.priority,
+            now,
+        );
+    }
+
+    /// Slice `id` is in place at the target. Returns whether the caller should `poll_post`
+    /// now: HIGH work waits, or half of what the waiting level may hold on the path has
+    /// drained (so the sender gets several slices per wake-up instead of one).
+    pub fn on_completed(&mut self, now: u64, id: SliceId, rails: &mut impl Rails<T>) -> bool {
+        self.answered(now, id, true, rails)
+    }
+
+    /// The target refused slice `id` (no retry can fix that; the caller fails it). Returns
+    /// whether to `poll_post` now, as `on_completed`.
+    pub fn on_rejected(&mut self, now: u64, id: SliceId, rails: &mut impl Rails<T>) -> bool {
+        self.answered(now, id, false, rails)
+    }
+
+    fn answered(&mut self, now: u64, id: SliceId, ok: bool, rails: &mut impl Rails<T>) -> bool {
+        let Some(path) = self.paths.get_mut(id.path) else {
+            return false;
+        };
+        let Some(rec) = path.finish(id.seq) else {
+            return false;
+        };
+        let rail = path.rail;
+        if ok {
+            rails.completed(rail, rec.len, rec.posted_ns, now);
+            let rtt = now.saturating_sub(rec.posted_ns);
+            let bw = self.bandwidth.get(rail).copied().unwrap_or(0.0);
+            path.rtt.on_sample(rtt, rec.len, bw);
+            path.controller.on_completed(now, rec.len, rtt);
+        } else {
+            rails.failed(rail, rec.len);
+        }
+        self.last_heard_ns = now.max(1);
+        if !self.has_outstanding() {
+            self.outstanding_since = None;
+        }
+        self.wants_refill(id.path, rec.len, rails)
+    }
+
+    /// Whether `path`, having just drained a slice of `bytes`, should be refilled now.
+    fn wants_refill(&self, p: PathId, bytes: u64, rails: &impl Rails<T>) -> bool {
+        let depths = self.queue.depths();
+        match depths.iter().position(|&n| n > 0) {
+            None => false,
+            Some(0) => true,
+            Some(level) => {
+                let prio = Priority::ALL[level];
+                let window = self.window(p, bytes);
+                let high_active = rails.has_work(Priority::High);
+                let allowed = allowance(prio, window, high_active, true);
+                self.paths[p].posted + (window.full / 2).min(allowed / 2) <= allowed
+            }
+        }
+    }
+
+    /// Slice `id` came back from a failed connection (`cause`). It goes to the head of its
+    /// level for another rail, unless the peer is closed or silent, its retries are used up,
+    /// or it timed out with no other path answering (then it appears in `poll_failed`).
+    pub fn on_failed(
+        &mut self,
+        now: u64,
+        id: SliceId,
+        item: T,
+        cause: Cause,
+        rails: &mut impl Rails<T>,
+    ) {
+        let Some(path) = self.paths.get_mut(id.path) else {
+            return;
+        };
+        let Some(rec) = path.finish(id.seq) else {
+            return;
+        };
+        let rail = path.rail;
+        path.controller.on_lost(now);
+        if path.inflight.is_empty() {
+            path.dropping = false;
+        }
+        rails.failed(rail, rec.len);
+        let attempts = rec.attempts + 1;
+        let timed_out = cause == Cause::Timeout;
+        let verdict = if self.silent {
+            Some(Verdict::Timeout)
+        } else if self.closed {
+            Some(Verdict::Failed(cause))
+        } else if (timed_out && !self.progress_elsewhere(id.path, now))
+            || attempts > self.config.max_retries
+        {
+            // A peer that answers on no other path is gone or stuck: retrying would only
+            // stretch the wait past the timeout.
+            Some(Verdict::Failed(cause))
+        } else {
+            None
+        };
+        match verdict {
+            Some(verdict) => self.failed.push_back(Failed {
+                item,
+                priority: rec.priority,
+                verdict,
+            }),
+            None => self.requeue_front(
+                Queued {
+                    item,
+                    rail: None,
+                    attempts,
+                    since_ns: now,
+                },
+                rec.priority,
+                now,
+            ),
+        }
+        if !self.has_outstanding() {
+            self.outstanding_since = None;
+        }
+    }
+
+    /// `path` now has `live` connections alive (0: it cannot carry slices until reconnected).
+    pub fn on_path(&mut self, _now: u64, path: PathId, live: usize) {
+        let p = &mut self.paths[path];
+        p.live = live;
+        p.refresh_usable();
+    }
+
+    /// A connection of `path` was lost, or connecting it failed: counts toward pausing it.
+    /// Returns true when this error paused the path.
+    pub fn on_path_error(&mut self, now: u64, path: PathId) -> bool {
+        let p = &mut self.paths[path];
+        let paused = p.health.on_error(now);
+        p.refresh_usable();
+        paused
+    }
+
+    /// The probe of `path` asked for by [`Event::Probe`] succeeded (`ok`) or failed.
+    pub fn on_probe(&mut self, now: u64, path: PathId, ok: bool) {
+        let p = &mut self.paths[path];
+        p.health.on_probe(now, ok);
+        p.refresh_usable();
+    }
+
+    /// Closes the dispatcher: queued slices fail with [`Verdict::RailsDown`]; slices in flight
+    /// fail as they come back.
+    pub fn close(&mut self, now: u64, rails: &mut impl Rails<T>) {
+        self.closed = true;
+        for p in &mut self.paths {
+            p.live = 0;
+            p.refresh_usable();
+        }
+        self.expire_queue(now, rails);
+    }
+
+    /// Runs what is due at `now`: promotion, the peer's silence, stalled paths, probes, and
+    /// queued slices whose deadline passed with no rail to take them. Follow with
+    /// `poll_event`, `poll_failed` and `poll_post`.
+    pub fn on_timeout(&mut self, now: u64, rails: &mut impl Rails<T>) {
+        if self.closed || self.silent {
+            return;
+        }
+        let promoted = self.queue.on_timeout(now);
+        if promoted > 0 {
+            rails.promoted(promoted);
+        }
+        if !self.has_outstanding() {
+            self.outstanding_since = None;
+        }
+        if self
+            .silent_since()
+            .is_some_and(|since| now.saturating_sub(since) > self.config.timeout_ns)
+        {
+            self.silent = true;
+            self.events.push_back(Event::Silent);
+            self.expire_queue(now, rails);
+            return;
+        }
+        // A path that stalls while the others answer or stand idle is given up on after half
+        // the timeout when its slices may retry on another: answered there, they prove the peer
+        // alive before its deadline. Waiting the whole timeout would make a stalled rail look
+        // like a silent peer whenever the other paths went idle meanwhile (a batch waiting for
+        // the stalled path's last slices), and the peer's deadline would fail everything.
+        let suspect = self.config.timeout_ns / 2;
+        for p in 0..self.paths.len() {
+            let path = &self.paths[p];
+            if path.dropping {
+                continue;
+            }
+            let Some(oldest) = path.oldest_posted_ns() else {
+                continue;
+            };
+            let waited = now.saturating_sub(oldest);
+            let elsewhere = self.config.max_retries > 0 && self.progress_elsewhere(p, now);
+            if (elsewhere && waited > suspect) || waited > self.config.timeout_ns {
+                self.paths[p].dropping = true;
+                self.events.push_back(Event::DropPath {
+                    path: p,
+                    stalled: elsewhere,
+                });
+            }
+        }
+        for (p, path) in self.paths.iter_mut().enumerate() {
+            if path.health.poll_probe(now) {
+                self.events.push_back(Event::Probe(p));
+            }
+        }
+        self.expire_queue(now, rails);
+    }
+
+    /// When `on_timeout` next has something to do, if ever. Earlier calls are harmless (nothing
+    /// is due yet); answers only move the deadlines later, so callers need not ask again
+    /// after each answer.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        if self.closed || self.silent {
+            return None;
+        }
+        let timeout = self.config.timeout_ns;
+        let mut next = self.queue.poll_timeout();
+        let mut earliest = |t: Option<u64>| {
+            if let Some(t) = t {
+                next = Some(next.map_or(t, |n: u64| n.min(t)));
+            }
+        };
+        earliest(self.silent_since().map(|s| s.saturating_add(timeout) + 1));
+        for p in &self.paths {
+            if !p.dropping {
+                earliest(
+                    p.oldest_posted_ns()
+                        .map(|o| o.saturating_add(timeout / 2) + 1),
+                );
+            }
+            earliest(p.health.poll_timeout());
+        }
+        next
+    }
+
+    /// The next thing the engine must do, if any.
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// The next slice given up on, if any: the caller fails its request.
+    pub fn poll_failed(&mut self) -> Option<Failed<T>> {
+        self.failed.pop_front()
+    }
+
+    /// When the peer's silence began, if it has work outstanding: the later of its last answer
+    /// and the moment the outstanding work began.
+    fn silent_since(&self) -> Option<u64> {
+        Some(self.outstanding_since?.max(self.last_heard_ns))
+    }
+
+    /// True when a usable path other than `path` can take retries: none of its slices has
+    /// waited more than half the timeout (it answers, or has nothing to answer). Whether the
+    /// peer as a whole answers is not asked here: its deadline bounds every retry.
+    fn progress_elsewhere(&self, path: PathId, now: u64) -> bool {
+        let suspect = self.config.timeout_ns / 2;
+        self.paths.iter().enumerate().any(|(q, other)| {
+            q != path
+                && other.usable
+                && !other.dropping
+                && other
+                    .oldest_posted_ns()
+                    .is_none_or(|o| now.saturating_sub(o) <= suspect)
+        })
+    }
+
+    fn window(&self, p: PathId, slice: u64) -> Window {
+        let path = &self.paths[p];
+        let bw = self.bandwidth.get(path.rail).copied().unwrap_or(0.0);
+        path.controller.window(&path.rtt, bw, slice)
+    }
+
+    /// Largest bulk slice `rail` may carry while HIGH work is active: `high_wait_ns` of its
+    /// estimated bandwidth, in whole pages, at least `min_bulk_chunk`.
+    fn bulk_chunk(&self, rail: RailId) -> u64 {
+        match self.bandwidth.get(rail).copied() {
+            Some(bw) if bw > 0.0 => {
+                let bytes =
+                    (bw * self.config.high_wait_ns as f64 / 1e9).min(u32::MAX as f64) as u64;
+                (bytes & !4095).max(self.config.min_bulk_chunk)
+            }
+            _ => u64::MAX,
+        }
+    }
+
+    fn requeue_front(&mut self, q: Queued<T>, priority: Priority, now: u64) {
+        let since = q.since_ns;
+        self.queue.push_front(q, priority.as_u8(), since, now);
+    }
+
+    /// Charges `q` (with its rail chosen) to path `p` and readies it for `poll_post`.
+    fn post_on(&mut self, p: PathId, q: Queued<T>, priority: Priority, now: u64) {
+        let len = q.item.len();
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let path = &mut self.paths[p];
+        path.posted += len;
+        path.inflight.push_back(InFlight {
+            seq,
+            len,
+            posted_ns: now,
+            since_ns: q.since_ns,
+            priority,
+            attempts: q.attempts,
+            done: false,
+        });
+        self.ready.push_back(Post {
+            id: SliceId { path: p, seq },
+            item: q.item,
+            path: p,
+            rail: path.rail,
+            priority,
+            connection: if priority == Priority::High {
+                Connection::Reserved
+            } else {
+                Connection::Shared
+            },
+        });
+    }
+
+    /// Deals queued slices to paths, highest priority first, while some usable path that the
+    /// priority may use has room in its window and the global slot admits the priority.
+    fn deal(&mut self, now: u64, rails: &mut impl Rails<T>) {
+        if self.closed || self.silent {
+            self.expire_queue(now, rails);
+            return;
+        }
+        let promoted = self.queue.on_timeout(now);
+        if promoted > 0 {
+            rails.promoted(promoted);
+        }
+        for r in 0..self.bandwidth.len() {
+            self.bandwidth[r] = rails.bandwidth(r);
+        }
+        let smart = rails.smart();
+        let mut candidates = std::mem::take(&mut self.scratch.candidates);
+        let mut selected = std::mem::take(&mut self.scratch.selected);
+        let mut tiers = std::mem::take(&mut self.scratch.tiers);
+        let mut allowed = std::mem::take(&mut self.scratch.allowed);
+        allowed.resize(self.paths.len(), 0);
+        // Priorities whose turn it is; one that finds no rail is skipped this round so lower
+        // ones may still use rails reserved away from it.
+        let mut blocked = [false; LEVELS];
+        while let Some((head, level)) = self
+            .queue
+            .front(|p| !blocked[p as usize] && rails.slot_admits(Priority::ALL[p as usize]))
+        {
+            let prio = Priority::ALL[level as usize];
+            let len = head.item.len();
+            // Baseline mode chose this slice's rail without looking at load: it waits for room
+            // on that rail, as plain round-robin striping does.
+            if let Some(rail) = head.rail {
+                let Some(p) = self.path_of(rail) else { break };
+                // Charged while the rail admitted its priority; the rotation may have reserved
+                // the rail since, and filtering holds on every path that assigns rails.
+                if !self.paths[p].usable || !rails.rail_admits(rail, prio) {
+                    rails.unassigned(rail, len);
+                    self.queue.front_mut(level).expect("head exists").rail = None;
+                    continue;
+                }
+                if self.paths[p].posted >= self.window(p, len).full {
+                    blocked[level as usize] = true;
+                    continue;
+                }
+                let q = self.queue.pop(level, now).expect("head exists");
+                rails.dequeued(prio, q.waited_ns);
+                self.post_on(p, q.item, prio, now);
+                continue;
+            }
+            let high_active = rails.has_work(Priority::High);
+            let bulk_active = rails.has_work(Priority::Medium) || rails.has_work(Priority::Low);
+            // Bulk beside HIGH goes out in pieces a HIGH slice can pass soon (slow rails only).
+            let split = prio != Priority::High && high_active;
+            rails.tiers(&head.item, &mut tiers);
+            for c in candidates.iter_mut() {
+                c.clear();
+            }
+            let mut room = 0u64;
+            for (p, path) in self.paths.iter().enumerate() {
+                allowed[p] = 0;
+                if !path.usable || !rails.rail_admits(path.rail, prio) {
+                    continue;
+                }
+                let slice = if split {
+                    len.min(self.bulk_chunk(path.rail))
+                } else {
+                    len
+                };
+                let window = self.window(p, slice);
+                rails.note_window(path.rail, window.full);
+                allowed[p] = allowance(prio, window, high_active, bulk_active);
+                if !smart || path.posted < allowed[p] {
+                    let tier = tiers.get(path.rail).copied().unwrap_or(0).min(2) as usize;
+                    candidates[tier].push(path.rail);
+                    room += allowed[p].saturating_sub(path.posted);
+                }
+            }
+            if candidates.iter().all(Vec::is_empty) {
+                blocked[level as usize] = true;
+                continue;
+            }
+            // A run of equal slices at the head of this level, as many as the windows hold.
+            // Bulk beside HIGH goes one slice at a time: a run is spread by predicted finish
+            // and could heap more than one path's room on the fastest, which a HIGH slice
+            // would then find ahead of it.
+            let mut k = 1;
+            while !split
+                && k < self.queue.level_len(level).min(MAX_RUN)
+                && self
+                    .queue
+                    .get(level, k)
+                    .is_some_and(|q| q.item.len() == len && q.rail.is_none())
+                && (k as u64 + 1) * len <= room
+            {
+                k += 1;
+            }
+            rails.select(&candidates, SliceShape::uniform(k, len), &mut selected);
+            if selected.len() != k {
+                for &rail in &selected {
+                    rails.unassigned(rail, len);
+                }
+                break;
+            }
+            let mut back: Vec<(Queued<T>, u64)> = Vec::new();
+            let mut rests: Vec<(Queued<T>, u64)> = Vec::new();
+            for &rail in selected.iter() {
+                let mut q = self.queue.pop(level, now).expect("k slices queued");
+                let p = self.path_of(rail).expect("candidates have paths");
+                let fits = if smart {
+                    // The selector spreads a run by predicted finish, which can heap more on
+                    // the fastest path than its room: the excess waits for the next deal.
+                    self.paths[p].posted < allowed[p]
+                } else {
+                    self.paths[p].posted < self.window(p, len).full
+                };
+                if fits {
+                    let chunk = self.bulk_chunk(rail);
+                    if split && q.item.item.len() > chunk {
+                        let rest = q.item.item.split_off(chunk);
+                        rails.unassigned(rail, rest.len());
+                        rests.push((
+                            Queued {
+                                item: rest,
+                                rail: None,
+                                attempts: q.item.attempts,
+                                since_ns: q.item.since_ns,
+                            },
+                            q.waited_ns,
+                        ));
+                    }
+                    rails.dequeued(prio, q.waited_ns);
+                    self.post_on(p, q.item, prio, now);
+                } else if smart {
+                    rails.unassigned(rail, len);
+                    back.push((q.item, q.waited_ns));
+                } else {
+                    // Baseline: charged to its rail, it waits at the head for room there.
+                    q.item.rail = Some(rail);
+                    back.push((q.item, q.waited_ns));
+                }
+            }
+            // What was cut off or could not go waits at the head, in request order.
+            for (item, waited_ns) in back.into_iter().chain(rests).rev() {
+                self.queue
+                    .push_front(item, level, now.saturating_sub(waited_ns), now);
+            }
+        }
+        self.scratch.candidates = candidates;
+        self.scratch.selected = selected;
+        self.scratch.tiers = tiers;
+        self.scratch.allowed = allowed;
+        self.expire_queue(now, rails);
+        if (0..LEVELS)
+            .any(|l| self.queue.level_len(l as u8) > 0 && !rails.slot_admits(Priority::ALL[l]))
+        {
+            rails.slot_holds_work();
+        }
+    }
+
+    /// Fails queued slices that can no longer go anywhere in time: all of them once the peer
+    /// was found silent (with the timeout); when no path can take them, at once if every path
+    /// is paused or the dispatcher is closed, and otherwise (paths reconnecting) once the
+    /// peer's deadline has passed, so a retry waiting for a rail never outlives it.
+    fn expire_queue(&mut self, now: u64, rails: &mut impl Rails<T>) {
+        if self.queue.is_empty() {
+            return;
+        }
+        if !self.silent && !self.closed && self.paths.iter().any(|p| p.usable) {
+            return;
+        }
+        let all_down = self.closed || self.paths.iter().all(|p| !p.health.is_up());
+        let expired = self.silent
+            || self
+                .silent_since()
+                .is_some_and(|since| now.saturating_sub(since) > self.config.timeout_ns);
+        if !all_down && !expired {
+            return;
+        }
+        let verdict = if self.silent || !all_down {
+            Verdict::Timeout
+        } else {
+            Verdict::RailsDown
+        };
+        for (q, level) in self.queue.drain_all() {
+            if let Some(rail) = q.rail {
+                rails.unassigned(rail, q.item.len());
+            }
+            self.failed.push_back(Failed {
+                item: q.item,
+                priority: Priority::ALL[level as usize],
+                verdict,
+            });
+        }
+        if !self.has_outstanding() {
+            self.outstanding_since = None;
+        }
+    }
+}
+
+/// Bytes a path may have in flight for slices of `priority`. Two full windows keep a rail busy
+/// at full speed; bulk gets them while HIGH is quiet (work-conserving: alone, LOW moves as
+/// fast as HIGH). While HIGH is active, bulk keeps to the lean window: whatever bulk has in
+/// flight is a queue (socket buffers, the kernel's backlog, a switch) that a HIGH slice finds
+/// ahead of it on the link, so bulk gives up the margin it uses for throughput. HIGH beside
+/// bulk may post one window past the most it could use alone: it has its own connection, so
+/// it does not queue behind bulk bytes in a byte stream, and it never waits for whichever rail
+/// drains first (a slow one, often).
+pub fn allowance(priority: Priority, window: Window, high_active: bool, bulk_active: bool) -> u64 {
+    if priority == Priority::High && bulk_active {
+        3 * window.full
+    } else if priority == Priority::High || !high_active {
+        2 * window.full
+    } else {
+        window.lean
+    }
+}

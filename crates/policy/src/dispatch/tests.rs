@@ -1,0 +1,610 @@
+//! The dispatcher in virtual time, against the real DeviceSelector.
+
+use super::*;
+use crate::selector::{DeviceSelector, SelectorConfig};
+use proptest::prelude::*;
+
+const US: u64 = 1_000;
+const MS: u64 = 1_000_000;
+
+/// A piece of request `req` covering `[offset, offset + len)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Piece {
+    req: u32,
+    offset: u64,
+    len: u64,
+}
+
+impl Payload for Piece {
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn split_off(&mut self, at: u64) -> Piece {
+        assert!(at > 0 && at < self.len, "split {at} of {}", self.len);
+        let rest = Piece {
+            req: self.req,
+            offset: self.offset + at,
+            len: self.len - at,
+        };
+        self.len = at;
+        rest
+    }
+}
+
+/// The engine-wide view, over a real selector; `high`/`bulk` say which priorities are active.
+struct Host {
+    selector: DeviceSelector,
+    high: bool,
+    bulk: bool,
+    slot_admits_all: bool,
+    unassigned: u64,
+    holds: u32,
+}
+
+impl Host {
+    fn new(gbps: &[f64], smart: bool) -> Host {
+        let cfg = SelectorConfig {
+            enable_smart_scheduling: smart,
+            min_bandwidth_gbps: 0.001,
+            ..SelectorConfig::default()
+        };
+        let reported: Vec<Option<f64>> = gbps.iter().map(|g| Some(*g)).collect();
+        Host {
+            selector: DeviceSelector::new(cfg, &reported, 7),
+            high: false,
+            bulk: false,
+            slot_admits_all: true,
+            unassigned: 0,
+            holds: 0,
+        }
+    }
+}
+
+impl Rails<Piece> for Host {
+    fn smart(&self) -> bool {
+        self.selector.config().enable_smart_scheduling
+    }
+    fn slot_admits(&self, priority: Priority) -> bool {
+        self.slot_admits_all || priority == Priority::High
+    }
+    fn rail_admits(&self, _rail: RailId, _priority: Priority) -> bool {
+        true
+    }
+    fn has_work(&self, priority: Priority) -> bool {
+        if priority == Priority::High {
+            self.high
+        } else {
+            self.bulk
+        }
+    }
+    fn tiers(&mut self, _item: &Piece, out: &mut Vec<u8>) {
+        out.clear();
+        out.resize(self.selector.num_rails(), 0);
+    }
+    fn bandwidth(&self, rail: RailId) -> f64 {
+        self.selector
+            .rail_stats(rail)
+            .map_or(0.0, |s| s.ewma_gbps * 1e9 / 8.0)
+    }
+    fn select(&mut self, candidates: &[Vec<RailId>; 3], shape: SliceShape, out: &mut Vec<RailId>) {
+        let tiers: [&[RailId]; 3] = [&candidates[0], &candidates[1], &candidates[2]];
+        if self.selector.select(&tiers, shape, out).is_err() {
+            out.clear();
+        }
+    }
+    fn completed(&mut self, rail: RailId, bytes: u64, posted_ns: u64, now_ns: u64) {
+        self.selector
+            .on_completed(rail, bytes, posted_ns, now_ns)
+            .unwrap();
+    }
+    fn failed(&mut self, rail: RailId, bytes: u64) {
+        self.selector.on_failed(rail, bytes).unwrap();
+    }
+    fn unassigned(&mut self, rail: RailId, bytes: u64) {
+        self.unassigned += bytes;
+        self.selector.on_unassigned(rail, bytes).unwrap();
+    }
+    fn slot_holds_work(&mut self) {
+        self.holds += 1;
+    }
+}
+
+fn config() -> DispatchConfig {
+    DispatchConfig {
+        timeout_ns: 1_000 * MS,
+        max_retries: 3,
+        ..DispatchConfig::default()
+    }
+}
+
+fn dispatcher(paths: usize) -> Dispatcher<Piece> {
+    let rails: Vec<RailId> = (0..paths).collect();
+    let mut d = Dispatcher::new(config(), &rails);
+    for p in 0..paths {
+        d.on_path(0, p, 2);
+    }
+    d
+}
+
+fn pieces(req: u32, count: u64, len: u64) -> Vec<Piece> {
+    (0..count)
+        .map(|i| Piece {
+            req,
+            offset: i * len,
+            len,
+        })
+        .collect()
+}
+
+fn drain(d: &mut Dispatcher<Piece>, now: u64, host: &mut Host) -> Vec<Post<Piece>> {
+    std::iter::from_fn(|| d.poll_post(now, host)).collect()
+}
+
+#[test]
+fn slices_go_out_only_while_windows_have_room() {
+    let mut host = Host::new(&[100.0, 100.0], true);
+    let mut d = dispatcher(2);
+    d.on_submit(0, Priority::Low, pieces(0, 200, 64 << 10));
+    let posts = drain(&mut d, 0, &mut host);
+    // Before any round trip a path holds two initial windows (LOW alone), and the slice that
+    // crosses that line: 2 × 2 MiB in all, plus at most a slice per path.
+    let total: u64 = posts.iter().map(|p| p.item.len).sum();
+    assert!(total >= 2 * 2 * DEFAULT_INITIAL_WINDOW);
+    assert!(total <= 2 * 2 * DEFAULT_INITIAL_WINDOW + 2 * (64 << 10));
+    assert!(posts.iter().all(|p| p.connection == Connection::Shared));
+    assert_eq!(d.depths()[Priority::Low.index()], 200 - posts.len());
+    // An answer frees room; the dispatcher asks to be polled once half a window drained.
+    let mut refill = false;
+    for p in posts.iter().take(20) {
+        refill |= d.on_completed(100 * US, p.id, &mut host);
+    }
+    assert!(refill);
+    assert!(!drain(&mut d, 100 * US, &mut host).is_empty());
+}
+
+#[test]
+fn high_takes_the_reserved_connection_and_goes_first() {
+    let mut host = Host::new(&[100.0], true);
+    let mut d = dispatcher(1);
+    d.on_submit(0, Priority::Low, pieces(0, 4, 64 << 10));
+    d.on_submit(0, Priority::High, pieces(1, 2, 64 << 10));
+    let posts = drain(&mut d, 0, &mut host);
+    assert_eq!(posts[0].priority, Priority::High);
+    assert_eq!(posts[1].priority, Priority::High);
+    assert_eq!(posts[0].connection, Connection::Reserved);
+    assert_eq!(posts[2].priority, Priority::Low);
+}
+
+#[test]
+fn bulk_beside_high_is_cut_to_what_a_slow_rail_moves_in_the_high_wait() {
+    // 1 Gbps = 125 MB/s: 250 µs of it is 31 250 bytes → 28 KiB in whole pages.
+    let mut host = Host::new(&[1.0], true);
+    host.high = true;
+    host.bulk = true;
+    let mut d = dispatcher(1);
+    d.on_submit(0, Priority::Low, pieces(0, 1, 1 << 20));
+    let posts = drain(&mut d, 0, &mut host);
+    assert!(!posts.is_empty());
+    assert_eq!(posts[0].item.len, 28 << 10);
+    // The rest waits at the head and leaves in request order, every byte once.
+    let mut all: Vec<Piece> = posts.iter().map(|p| p.item.clone()).collect();
+    let mut t = 0;
+    let mut out = posts;
+    while d.has_outstanding() {
+        t += 10 * US;
+        for p in out.drain(..) {
+            d.on_completed(t, p.id, &mut host);
+        }
+        out = drain(&mut d, t, &mut host);
+        all.extend(out.iter().map(|p| p.item.clone()));
+        assert!(t < 10_000 * MS, "no progress");
+    }
+    let offsets: Vec<u64> = all.iter().map(|p| p.offset).collect();
+    let mut sorted = offsets.clone();
+    sorted.sort();
+    assert_eq!(offsets, sorted, "pieces leave in request order");
+    assert_eq!(all.iter().map(|p| p.len).sum::<u64>(), 1 << 20);
+}
+
+#[test]
+fn baseline_mode_waits_for_the_rail_it_chose() {
+    let mut host = Host::new(&[100.0, 100.0], false);
+    let mut d = dispatcher(2);
+    d.on_submit(0, Priority::Low, pieces(0, 100, 1 << 20));
+    let posts = drain(&mut d, 0, &mut host);
+    // Round-robin: alternate rails, each up to its full window (the initial 1 MiB).
+    let rails: Vec<RailId> = posts.iter().map(|p| p.rail).collect();
+    assert_eq!(rails, vec![0, 1]);
+    // The third slice was charged to rail 0 and waits for room there, though rail 1 frees first.
+    d.on_completed(10 * US, posts[1].id, &mut host);
+    assert!(drain(&mut d, 10 * US, &mut host).is_empty());
+    d.on_completed(20 * US, posts[0].id, &mut host);
+    let next = drain(&mut d, 20 * US, &mut host);
+    assert_eq!(next[0].rail, 0);
+}
+
+#[test]
+fn a_refused_slice_returns_to_the_head() {
+    let mut host = Host::new(&[100.0], true);
+    let mut d = dispatcher(1);
+    d.on_submit(0, Priority::Low, pieces(0, 3, 4096));
+    let mut posts = drain(&mut d, 0, &mut host);
+    assert_eq!(posts.len(), 3);
+    let first = posts.remove(0);
+    let offset = first.item.offset;
+    d.on_refused(1, first, &mut host);
+    assert_eq!(d.in_flight(0), 2 * 4096);
+    let again = drain(&mut d, 2, &mut host);
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].item.offset, offset);
+}
+
+#[test]
+fn a_rail_that_goes_down_has_its_slices_dealt_to_the_others() {
+    let mut host = Host::new(&[100.0, 100.0], true);
+    let mut d = dispatcher(2);
+    d.on_submit(0, Priority::Low, pieces(0, 8, 64 << 10));
+    let posts = drain(&mut d, 0, &mut host);
+    assert_eq!(posts.len(), 8);
+    // Path 0's connections die: its slices come back, and the path has none left.
+    d.on_path(100 * US, 0, 0);
+    let mut redealt = Vec::new();
+    for p in posts {
+        if p.path == 0 {
+            redealt.push(p.item.offset);
+            d.on_failed(100 * US, p.id, p.item, Cause::Lost, &mut host);
+        } else {
+            d.on_completed(100 * US, p.id, &mut host);
+        }
+    }
+    assert!(!redealt.is_empty());
+    let again = drain(&mut d, 100 * US, &mut host);
+    assert!(again.iter().all(|p| p.path == 1));
+    let mut offsets: Vec<u64> = again.iter().map(|p| p.item.offset).collect();
+    offsets.sort();
+    redealt.sort();
+    assert_eq!(offsets, redealt);
+    assert!(d.poll_failed().is_none());
+}
+
+#[test]
+fn retries_are_bounded() {
+    let mut host = Host::new(&[100.0, 100.0], true);
+    let mut d = dispatcher(2);
+    d.on_submit(0, Priority::Low, pieces(0, 1, 4096));
+    for attempt in 0..=config().max_retries {
+        let post = d.poll_post(attempt as u64, &mut host).expect("dealt");
+        d.on_failed(attempt as u64, post.id, post.item, Cause::Lost, &mut host);
+    }
+    let f = d.poll_failed().expect("given up");
+    assert_eq!(f.verdict, Verdict::Failed(Cause::Lost));
+    assert!(!d.has_outstanding());
+}
+
+#[test]
+fn a_silent_peer_fails_everything_with_the_timeout() {
+    let mut host = Host::new(&[100.0], true);
+    let mut d = dispatcher(1);
+    // HIGH: no promotion check wakes the dispatcher before the deadlines.
+    d.on_submit(0, Priority::High, pieces(0, 100, 64 << 10));
+    let posts = drain(&mut d, 0, &mut host);
+    assert_eq!(d.poll_timeout(), Some(500 * MS + 1));
+    d.on_timeout(500 * MS + 1, &mut host);
+    // One path: nothing else answers, so it is not "stalled", and the peer is not silent yet.
+    assert_eq!(d.poll_event(), None);
+    let deadline = d.poll_timeout().unwrap();
+    assert!(deadline <= 1_000 * MS + 1);
+    d.on_timeout(1_000 * MS + 1, &mut host);
+    assert_eq!(d.poll_event(), Some(Event::Silent));
+    assert!(d.is_silent());
+    let queued = std::iter::from_fn(|| d.poll_failed()).count();
+    assert_eq!(queued, 100 - posts.len());
+    for p in posts {
+        d.on_failed(1_000 * MS + 2, p.id, p.item, Cause::Lost, &mut host);
+        assert_eq!(d.poll_failed().unwrap().verdict, Verdict::Timeout);
+    }
+    assert!(std::iter::from_fn(|| d.poll_event()).all(|e| e == Event::Silent));
+    assert!(!d.has_outstanding());
+    assert_eq!(d.poll_timeout(), None);
+}
+
+#[test]
+fn an_answer_pushes_the_deadline_back() {
+    let mut host = Host::new(&[100.0], true);
+    let mut d = dispatcher(1);
+    d.on_submit(0, Priority::Low, pieces(0, 100, 64 << 10));
+    let posts = drain(&mut d, 0, &mut host);
+    d.on_completed(900 * MS, posts[0].id, &mut host);
+    d.on_timeout(1_000 * MS + 1, &mut host);
+    assert_ne!(d.poll_event(), Some(Event::Silent));
+    d.on_timeout(1_900 * MS + 1, &mut host);
+    assert_eq!(d.poll_event(), Some(Event::Silent));
+}
+
+#[test]
+fn a_stalled_path_is_dropped_while_another_answers() {
+    let mut host = Host::new(&[100.0, 100.0], true);
+    let mut d = dispatcher(2);
+    d.on_submit(0, Priority::Low, pieces(0, 4, 64 << 10));
+    let posts = drain(&mut d, 0, &mut host);
+    // Path 1 answers everything; path 0 nothing.
+    let (stuck, answered): (Vec<_>, Vec<_>) = posts.into_iter().partition(|p| p.path == 0);
+    assert!(!stuck.is_empty() && !answered.is_empty());
+    for p in answered {
+        d.on_completed(100 * US, p.id, &mut host);
+    }
+    d.on_timeout(500 * MS + 1, &mut host);
+    assert_eq!(
+        d.poll_event(),
+        Some(Event::DropPath {
+            path: 0,
+            stalled: true
+        })
+    );
+    // Not asked again while its slices come back.
+    d.on_timeout(600 * MS, &mut host);
+    assert_eq!(d.poll_event(), None);
+    d.on_path(600 * MS, 0, 0);
+    for p in stuck {
+        d.on_failed(600 * MS, p.id, p.item, Cause::Timeout, &mut host);
+    }
+    assert!(d.poll_failed().is_none(), "retried on path 1");
+    let again = drain(&mut d, 600 * MS, &mut host);
+    assert!(!again.is_empty() && again.iter().all(|p| p.path == 1));
+}
+
+#[test]
+fn a_path_that_keeps_failing_is_paused_then_probed_back() {
+    let mut host = Host::new(&[100.0, 100.0], true);
+    let mut d = dispatcher(2);
+    let cfg = config().health;
+    let mut paused = false;
+    for i in 0..cfg.error_threshold {
+        paused = d.on_path_error(i as u64, 0);
+    }
+    assert!(paused && !d.is_usable(0) && d.is_usable(1));
+    let probe_at = d.poll_timeout().expect("probe due");
+    assert_eq!(probe_at, 2 + cfg.initial_pause_ns);
+    d.on_timeout(probe_at, &mut host);
+    assert_eq!(d.poll_event(), Some(Event::Probe(0)));
+    d.on_probe(probe_at + 1, 0, true);
+    assert!(d.is_usable(0));
+}
+
+#[test]
+fn every_path_paused_fails_the_queue_at_once() {
+    let mut host = Host::new(&[100.0], true);
+    let mut d = dispatcher(1);
+    for i in 0..config().health.error_threshold {
+        d.on_path_error(i as u64, 0);
+    }
+    d.on_submit(10, Priority::High, pieces(0, 2, 4096));
+    assert!(d.poll_post(10, &mut host).is_none());
+    assert_eq!(d.poll_failed().unwrap().verdict, Verdict::RailsDown);
+    assert!(d.is_dead());
+}
+
+#[test]
+fn a_slot_that_holds_work_back_says_so() {
+    let mut host = Host::new(&[100.0], true);
+    host.slot_admits_all = false;
+    let mut d = dispatcher(1);
+    d.on_submit(0, Priority::Low, pieces(0, 2, 4096));
+    assert!(d.poll_post(0, &mut host).is_none());
+    assert_eq!(host.holds, 1);
+    host.slot_admits_all = true;
+    assert!(d.poll_post(1, &mut host).is_some());
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Submit { prio: u8, count: u64, len: u64 },
+    Post,
+    Complete(usize),
+    Fail(usize, bool),
+    Refuse,
+    PathDown(usize),
+    PathUp(usize),
+    High(bool),
+    Advance(u64),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (0u8..3, 1u64..6, 1u64..(300 << 10)).prop_map(|(prio, count, len)| Op::Submit {
+            prio,
+            count,
+            len
+        }),
+        Just(Op::Post),
+        Just(Op::Post),
+        (0usize..64).prop_map(Op::Complete),
+        (0usize..64).prop_map(Op::Complete),
+        (0usize..64, any::<bool>()).prop_map(|(i, t)| Op::Fail(i, t)),
+        Just(Op::Refuse),
+        (0usize..3).prop_map(Op::PathDown),
+        (0usize..3).prop_map(Op::PathUp),
+        any::<bool>().prop_map(Op::High),
+        (1u64..400).prop_map(|ms| Op::Advance(ms * MS)),
+    ]
+}
+
+/// Drives a dispatcher through `ops`, then lets every path answer until nothing is
+/// outstanding. Returns the finished pieces (completed or failed) and the requests' lengths.
+fn run(ops: &[Op], smart: bool) -> Result<(Vec<Piece>, Vec<u64>), TestCaseError> {
+    let mut host = Host::new(&[1.0, 10.0, 100.0], smart);
+    let mut d = dispatcher(3);
+    let mut now = 0u64;
+    let mut lengths = Vec::new();
+    let mut inflight: Vec<Post<Piece>> = Vec::new();
+    let mut done: Vec<Piece> = Vec::new();
+    let post_all =
+        |d: &mut Dispatcher<Piece>, now: u64, host: &mut Host, inflight: &mut Vec<Post<Piece>>| {
+            // What each path held before this round, plus what the round added so far: what a
+            // slice found ahead of it when it was dealt (posts leave in dealing order).
+            let mut ahead: Vec<u64> = (0..3).map(|q| d.in_flight(q)).collect();
+            while let Some(p) = d.poll_post(now, host) {
+                // HIGH never waits behind more than one window of bulk: bulk goes on a path
+                // beside active HIGH work only while less than a full window is in flight.
+                if p.priority != Priority::High && host.high && smart {
+                    let full = d.window(p.path, p.item.len).full;
+                    prop_assert!(
+                        ahead[p.path] < full,
+                        "bulk posted on path {} holding {} of window {}",
+                        p.path,
+                        ahead[p.path],
+                        full
+                    );
+                }
+                ahead[p.path] += p.item.len;
+                inflight.push(p);
+            }
+            Ok(())
+        };
+    for op in ops {
+        match op.clone() {
+            Op::Submit { prio, count, len } => {
+                let req = lengths.len() as u32;
+                lengths.push(count * len);
+                d.on_submit(now, Priority::ALL[prio as usize], pieces(req, count, len));
+            }
+            Op::Post => post_all(&mut d, now, &mut host, &mut inflight)?,
+            Op::Complete(i) if !inflight.is_empty() => {
+                let p = inflight.swap_remove(i % inflight.len());
+                d.on_completed(now, p.id, &mut host);
+                done.push(p.item);
+            }
+            Op::Fail(i, timeout) if !inflight.is_empty() => {
+                let p = inflight.swap_remove(i % inflight.len());
+                let cause = if timeout { Cause::Timeout } else { Cause::Lost };
+                d.on_failed(now, p.id, p.item, cause, &mut host);
+            }
+            Op::Refuse if !inflight.is_empty() => {
+                let p = inflight.pop().expect("non-empty");
+                d.on_refused(now, p, &mut host);
+            }
+            Op::PathDown(p) => {
+                d.on_path(now, p, 0);
+                // Its connections die: what they carried comes back.
+                let (gone, kept): (Vec<_>, Vec<_>) = inflight.drain(..).partition(|x| x.path == p);
+                inflight = kept;
+                for x in gone {
+                    d.on_failed(now, x.id, x.item, Cause::Lost, &mut host);
+                }
+            }
+            Op::PathUp(p) => d.on_path(now, p, 2),
+            Op::High(on) => host.high = on,
+            Op::Advance(dt) => {
+                now += dt;
+                d.on_timeout(now, &mut host);
+                while let Some(e) = d.poll_event() {
+                    match e {
+                        Event::Silent => {
+                            for x in inflight.drain(..) {
+                                d.on_failed(now, x.id, x.item, Cause::Lost, &mut host);
+                            }
+                        }
+                        Event::DropPath { path, .. } => {
+                            d.on_path(now, path, 0);
+                            let (gone, kept): (Vec<_>, Vec<_>) =
+                                inflight.drain(..).partition(|x| x.path == path);
+                            inflight = kept;
+                            for x in gone {
+                                d.on_failed(now, x.id, x.item, Cause::Timeout, &mut host);
+                            }
+                        }
+                        Event::Probe(p) => d.on_probe(now, p, true),
+                    }
+                }
+            }
+            _ => {}
+        }
+        while let Some(f) = d.poll_failed() {
+            done.push(f.item);
+        }
+        prop_assert_eq!(
+            (0..3).map(|p| d.in_flight(p)).sum::<u64>(),
+            inflight.iter().map(|p| p.item.len).sum::<u64>(),
+            "in-flight accounting"
+        );
+    }
+    // Wind down: every path up and answering.
+    for p in 0..3 {
+        d.on_path(now, p, 2);
+    }
+    let mut rounds = 0;
+    while d.has_outstanding() || !inflight.is_empty() {
+        rounds += 1;
+        prop_assert!(rounds < 100_000, "no progress");
+        now += MS;
+        d.on_timeout(now, &mut host);
+        while let Some(e) = d.poll_event() {
+            if let Event::Probe(p) = e {
+                d.on_probe(now, p, true);
+            }
+        }
+        post_all(&mut d, now, &mut host, &mut inflight)?;
+        for p in inflight.drain(..) {
+            d.on_completed(now, p.id, &mut host);
+            done.push(p.item);
+        }
+        while let Some(f) = d.poll_failed() {
+            done.push(f.item);
+        }
+    }
+    Ok((done, lengths))
+}
+
+fn check_coverage(done: &[Piece], lengths: &[u64]) -> Result<(), TestCaseError> {
+    let mut by_req: Vec<Vec<(u64, u64)>> = vec![Vec::new(); lengths.len()];
+    for p in done {
+        prop_assert!(p.len > 0, "empty piece");
+        by_req[p.req as usize].push((p.offset, p.len));
+    }
+    for (req, mut ranges) in by_req.into_iter().enumerate() {
+        ranges.sort();
+        let mut at = 0;
+        for (off, len) in ranges {
+            prop_assert_eq!(off, at, "request {} has a gap or overlap at {}", req, at);
+            at = off + len;
+        }
+        prop_assert_eq!(at, lengths[req], "request {} not covered", req);
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// Whatever fails, is refused, retried or times out, every byte of every request finishes
+    /// exactly once (completed or given up on), and the dispatcher's in-flight accounting
+    /// matches what is really out.
+    #[test]
+    fn no_slice_is_lost_or_duplicated(ops in proptest::collection::vec(op(), 1..120), smart in any::<bool>()) {
+        let (done, lengths) = run(&ops, smart)?;
+        check_coverage(&done, &lengths)?;
+    }
+
+    /// In smart mode a path never holds more than its allowance (three full windows, HIGH
+    /// beside bulk) plus the slice that crossed it.
+    #[test]
+    fn a_path_never_holds_more_than_its_allowance(
+        count in 1u64..200,
+        len in 1u64..(1 << 20),
+        high in any::<bool>(),
+    ) {
+        let mut host = Host::new(&[1.0, 100.0], true);
+        host.high = high;
+        host.bulk = true;
+        let mut d = dispatcher(2);
+        d.on_submit(0, Priority::Low, pieces(0, count, len));
+        d.on_submit(0, Priority::High, pieces(1, count, len));
+        let posts = drain(&mut d, 0, &mut host);
+        for p in 0..2 {
+            let w = d.window(p, len);
+            prop_assert!(d.in_flight(p) < 3 * w.full + len);
+        }
+        prop_assert!(!posts.is_empty());
+    }
+}
