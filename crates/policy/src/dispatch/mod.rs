@@ -86,8 +86,9 @@ pub trait Rails<T> {
     /// Fills `out[rail]` with the tier (0 best, 2 worst) of every rail for the memory `item`
     /// lives in.
     fn tiers(&mut self, item: &T, out: &mut Vec<u8>);
-    /// The selector's bandwidth estimate of `rail`, bytes per second (0 when unknown).
-    fn bandwidth(&self, rail: RailId) -> f64;
+    /// Fills `out[rail]` with the selector's bandwidth estimate of each rail, bytes per second
+    /// (0 when unknown).
+    fn bandwidths(&mut self, out: &mut [f64]);
     /// Chooses a rail per slice among `candidates` (rails per tier); `out[i]` carries slice
     /// `i`. Leaves `out` shorter than the shape's count when it cannot choose.
     fn select(&mut self, candidates: &[Vec<RailId>; 3], shape: SliceShape, out: &mut Vec<RailId>);
@@ -518,20 +519,36 @@ impl<T: Payload> Dispatcher<T> {
         );
     }
 
-    /// Slice `id` is in place at the target. Returns whether the caller should `poll_post`
-    /// now: HIGH work waits, or half of what the waiting level may hold on the path has
-    /// drained (so the sender gets several slices per wake-up instead of one).
-    pub fn on_completed(&mut self, now: u64, id: SliceId, rails: &mut impl Rails<T>) -> bool {
-        self.answered(now, id, true, rails)
+    /// Slice `id` is in place at the target. `sent` is when it went on the wire, if the
+    /// transport knows (a sender thread may write it a little after `poll_post` gave it out);
+    /// the round trip and the selector's bandwidth sample count from there. Returns whether
+    /// the caller should `poll_post` now: HIGH work waits, or half of what the waiting level
+    /// may hold on the path has drained (so the sender gets several slices per wake-up
+    /// instead of one).
+    pub fn on_completed(
+        &mut self,
+        now: u64,
+        id: SliceId,
+        sent: Option<u64>,
+        rails: &mut impl Rails<T>,
+    ) -> bool {
+        self.answered(now, id, sent, true, rails)
     }
 
     /// The target refused slice `id` (no retry can fix that; the caller fails it). Returns
     /// whether to `poll_post` now, as `on_completed`.
     pub fn on_rejected(&mut self, now: u64, id: SliceId, rails: &mut impl Rails<T>) -> bool {
-        self.answered(now, id, false, rails)
+        self.answered(now, id, None, false, rails)
     }
 
-    fn answered(&mut self, now: u64, id: SliceId, ok: bool, rails: &mut impl Rails<T>) -> bool {
+    fn answered(
+        &mut self,
+        now: u64,
+        id: SliceId,
+        sent: Option<u64>,
+        ok: bool,
+        rails: &mut impl Rails<T>,
+    ) -> bool {
         let Some(path) = self.paths.get_mut(id.path) else {
             return false;
         };
@@ -540,8 +557,9 @@ impl<T: Payload> Dispatcher<T> {
         };
         let rail = path.rail;
         if ok {
-            rails.completed(rail, rec.len, rec.posted_ns, now);
-            let rtt = now.saturating_sub(rec.posted_ns);
+            let sent = sent.unwrap_or(rec.posted_ns);
+            rails.completed(rail, rec.len, sent, now);
+            let rtt = now.saturating_sub(sent);
             let bw = self.bandwidth.get(rail).copied().unwrap_or(0.0);
             path.rtt.on_sample(rtt, rec.len, bw);
             path.controller.on_completed(now, rec.len, rtt);
@@ -728,7 +746,10 @@ impl<T: Payload> Dispatcher<T> {
             return None;
         }
         let timeout = self.config.timeout_ns;
-        let mut next = self.queue.poll_timeout();
+        // While slices are in flight their answers deal again, and every deal runs the
+        // promotion check: a timer for it then would only wake the caller every check interval.
+        let idle = self.paths.iter().all(|p| p.posted == 0);
+        let mut next = self.queue.poll_timeout().filter(|_| idle);
         let mut earliest = |t: Option<u64>| {
             if let Some(t) = t {
                 next = Some(next.map_or(t, |n: u64| n.min(t)));
@@ -843,9 +864,7 @@ impl<T: Payload> Dispatcher<T> {
         if promoted > 0 {
             rails.promoted(promoted);
         }
-        for r in 0..self.bandwidth.len() {
-            self.bandwidth[r] = rails.bandwidth(r);
-        }
+        rails.bandwidths(&mut self.bandwidth);
         let smart = rails.smart();
         let mut candidates = std::mem::take(&mut self.scratch.candidates);
         let mut selected = std::mem::take(&mut self.scratch.selected);

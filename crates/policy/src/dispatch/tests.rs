@@ -82,10 +82,13 @@ impl Rails<Piece> for Host {
         out.clear();
         out.resize(self.selector.num_rails(), 0);
     }
-    fn bandwidth(&self, rail: RailId) -> f64 {
-        self.selector
-            .rail_stats(rail)
-            .map_or(0.0, |s| s.ewma_gbps * 1e9 / 8.0)
+    fn bandwidths(&mut self, out: &mut [f64]) {
+        for (rail, bw) in out.iter_mut().enumerate() {
+            *bw = self
+                .selector
+                .rail_stats(rail)
+                .map_or(0.0, |s| s.ewma_gbps * 1e9 / 8.0);
+        }
     }
     fn select(&mut self, candidates: &[Vec<RailId>; 3], shape: SliceShape, out: &mut Vec<RailId>) {
         let tiers: [&[RailId]; 3] = [&candidates[0], &candidates[1], &candidates[2]];
@@ -157,7 +160,7 @@ fn slices_go_out_only_while_windows_have_room() {
     // An answer frees room; the dispatcher asks to be polled once half a window drained.
     let mut refill = false;
     for p in posts.iter().take(20) {
-        refill |= d.on_completed(100 * US, p.id, &mut host);
+        refill |= d.on_completed(100 * US, p.id, None, &mut host);
     }
     assert!(refill);
     assert!(!drain(&mut d, 100 * US, &mut host).is_empty());
@@ -194,7 +197,7 @@ fn bulk_beside_high_is_cut_to_what_a_slow_rail_moves_in_the_high_wait() {
     while d.has_outstanding() {
         t += 10 * US;
         for p in out.drain(..) {
-            d.on_completed(t, p.id, &mut host);
+            d.on_completed(t, p.id, None, &mut host);
         }
         out = drain(&mut d, t, &mut host);
         all.extend(out.iter().map(|p| p.item.clone()));
@@ -217,9 +220,9 @@ fn baseline_mode_waits_for_the_rail_it_chose() {
     let rails: Vec<RailId> = posts.iter().map(|p| p.rail).collect();
     assert_eq!(rails, vec![0, 1]);
     // The third slice was charged to rail 0 and waits for room there, though rail 1 frees first.
-    d.on_completed(10 * US, posts[1].id, &mut host);
+    d.on_completed(10 * US, posts[1].id, None, &mut host);
     assert!(drain(&mut d, 10 * US, &mut host).is_empty());
-    d.on_completed(20 * US, posts[0].id, &mut host);
+    d.on_completed(20 * US, posts[0].id, None, &mut host);
     let next = drain(&mut d, 20 * US, &mut host);
     assert_eq!(next[0].rail, 0);
 }
@@ -255,7 +258,7 @@ fn a_rail_that_goes_down_has_its_slices_dealt_to_the_others() {
             redealt.push(p.item.offset);
             d.on_failed(100 * US, p.id, p.item, Cause::Lost, &mut host);
         } else {
-            d.on_completed(100 * US, p.id, &mut host);
+            d.on_completed(100 * US, p.id, None, &mut host);
         }
     }
     assert!(!redealt.is_empty());
@@ -315,7 +318,7 @@ fn an_answer_pushes_the_deadline_back() {
     let mut d = dispatcher(1);
     d.on_submit(0, Priority::Low, pieces(0, 100, 64 << 10));
     let posts = drain(&mut d, 0, &mut host);
-    d.on_completed(900 * MS, posts[0].id, &mut host);
+    d.on_completed(900 * MS, posts[0].id, None, &mut host);
     d.on_timeout(1_000 * MS + 1, &mut host);
     assert_ne!(d.poll_event(), Some(Event::Silent));
     d.on_timeout(1_900 * MS + 1, &mut host);
@@ -332,7 +335,7 @@ fn a_stalled_path_is_dropped_while_another_answers() {
     let (stuck, answered): (Vec<_>, Vec<_>) = posts.into_iter().partition(|p| p.path == 0);
     assert!(!stuck.is_empty() && !answered.is_empty());
     for p in answered {
-        d.on_completed(100 * US, p.id, &mut host);
+        d.on_completed(100 * US, p.id, None, &mut host);
     }
     d.on_timeout(500 * MS + 1, &mut host);
     assert_eq!(
@@ -472,7 +475,7 @@ fn run(ops: &[Op], smart: bool) -> Result<(Vec<Piece>, Vec<u64>), TestCaseError>
             Op::Post => post_all(&mut d, now, &mut host, &mut inflight)?,
             Op::Complete(i) if !inflight.is_empty() => {
                 let p = inflight.swap_remove(i % inflight.len());
-                d.on_completed(now, p.id, &mut host);
+                d.on_completed(now, p.id, None, &mut host);
                 done.push(p.item);
             }
             Op::Fail(i, timeout) if !inflight.is_empty() => {
@@ -546,7 +549,7 @@ fn run(ops: &[Op], smart: bool) -> Result<(Vec<Piece>, Vec<u64>), TestCaseError>
         }
         post_all(&mut d, now, &mut host, &mut inflight)?;
         for p in inflight.drain(..) {
-            d.on_completed(now, p.id, &mut host);
+            d.on_completed(now, p.id, None, &mut host);
             done.push(p.item);
         }
         while let Some(f) = d.poll_failed() {
