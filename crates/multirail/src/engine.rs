@@ -27,6 +27,7 @@ use crate::transport::handshake::Membership;
 use crate::transport::shm::ShmTransport;
 use crate::transport::tcp::{TcpSettings, TcpTransport};
 use crate::transport::{Opcode, Prepared, Transport};
+use crate::upkeep::{TimerKey, Timers, LINK_CHECK};
 
 /// Highest priority, the default: metadata, control, latency-sensitive transfers.
 pub const PRIO_HIGH: u8 = 0;
@@ -125,6 +126,7 @@ struct Inner {
     wait_spin: Duration,
     shm: ShmTransport,
     tcp: TcpTransport,
+    timers: Arc<Timers>,
     scheduler: Arc<RailScheduler>,
     qos: Arc<Qos>,
     read_plan: SlicePlan,
@@ -220,6 +222,7 @@ impl Engine {
             nice: NiceTable::new(tcp_cfg.bulk_thread_nice),
             membership: membership.clone(),
             keepalive: Duration::from_millis(tcp_cfg.keepalive_ms),
+            dispatch: multirail_policy::dispatch::DispatchConfig::default(),
         };
         let scheduler = Arc::new(RailScheduler::new(
             topology,
@@ -227,6 +230,7 @@ impl Engine {
             &stats,
         ));
         let qos = Arc::new(Qos::new(&config.transports.rdma, scheduler.epoch())?);
+        let timers = Arc::new(Timers::new(scheduler.epoch()));
         let workers = &config.workers;
         let plan = |cap| {
             SlicePlan::new(workers.block_size, cap).map_err(|e| {
@@ -245,7 +249,14 @@ impl Engine {
                 &stats,
                 qos.clone(),
             )?,
-            tcp: TcpTransport::new(settings, scheduler.clone(), qos.clone(), stats.clone()),
+            tcp: TcpTransport::new(
+                settings,
+                scheduler.clone(),
+                qos.clone(),
+                timers.clone(),
+                stats.clone(),
+            ),
+            timers,
             qos,
             scheduler,
             read_plan: plan(workers.max_slices_per_request)?,
@@ -265,8 +276,9 @@ impl Engine {
             messaging,
             config,
         });
-        if let Some(t) = spawn_timeout_watch(Arc::downgrade(&inner)) {
-            inner.qos.set_upkeep_thread(t);
+        if let Some(t) = spawn_upkeep(Arc::downgrade(&inner)) {
+            inner.qos.set_upkeep_thread(t.clone());
+            inner.timers.set_thread(t);
         }
         Ok(Engine { inner })
     }
@@ -660,41 +672,72 @@ fn annotate(e: Error, index: usize, total: usize) -> Error {
     e
 }
 
-/// Upkeep of every peer: timeouts, reconnects and probes every 50 ms; while a global QoS slot
-/// holds queued slices back, also a pump when the next slot that admits them begins, since
-/// nothing else may happen then. Runs until the engine is dropped.
-/// Returns the thread, or `None` (logged) when it cannot be spawned.
-fn spawn_timeout_watch(inner: Weak<Inner>) -> Option<thread::Thread> {
+/// The thread that keeps the engine's timer table ([`crate::upkeep`]): runs each peer's
+/// dispatcher when its deadline comes, the link check every [`LINK_CHECK`], and, while a global
+/// QoS slot holds queued slices back, a pump when the next slot that admits them begins (nothing
+/// else may happen then). Sleeps until the earliest; arming an earlier deadline wakes it. Runs
+/// until the engine is dropped. Returns the thread, or `None` (logged) when it cannot be spawned.
+fn spawn_upkeep(inner: Weak<Inner>) -> Option<thread::Thread> {
     let spawned = thread::Builder::new()
-        .name("mr-timeouts".into())
+        .name("mr-timers".into())
         .spawn(move || {
-            let mut last_upkeep = Instant::now();
+            let mut due = Vec::new();
+            if let Some(i) = inner.upgrade() {
+                i.timers
+                    .arm(TimerKey::Links, i.timers.ns(Instant::now() + LINK_CHECK));
+            }
             loop {
-                let slot_wait = inner.upgrade().and_then(|i| i.qos.slot_wait());
-                let until_upkeep = Duration::from_millis(50).saturating_sub(last_upkeep.elapsed());
-                // Parked rather than asleep: a slot starting to hold work back wakes us at once.
-                thread::park_timeout(slot_wait.map_or(until_upkeep, |w| w.min(until_upkeep)));
+                let wait = {
+                    let Some(inner) = inner.upgrade() else { return };
+                    let now = Instant::now();
+                    let timer = inner.timers.until_next(now).unwrap_or(LINK_CHECK);
+                    inner.qos.slot_wait().map_or(timer, |w| w.min(timer))
+                };
+                // Parked rather than asleep: an earlier deadline, or a slot starting to hold
+                // work back, wakes us at once.
+                thread::park_timeout(wait);
                 let Some(inner) = inner.upgrade() else { return };
                 let now = Instant::now();
-                let upkeep = now.duration_since(last_upkeep) >= Duration::from_millis(50);
-                if upkeep {
-                    last_upkeep = now;
-                } else if !inner.qos.anything_queued() {
-                    // A pump takes each peer's lock, which a HIGH submitter may be waiting for.
-                    continue;
+                due.clear();
+                inner.timers.expire(now, &mut due);
+                let peers = |inner: &Inner| -> Vec<Arc<Peer>> {
+                    inner
+                        .peers
+                        .read()
+                        .expect("peers poisoned")
+                        .by_id
+                        .values()
+                        .cloned()
+                        .collect()
+                };
+                for key in &due {
+                    match *key {
+                        TimerKey::Peer(id) => {
+                            let peer = inner
+                                .peers
+                                .read()
+                                .expect("peers poisoned")
+                                .by_id
+                                .get(&id)
+                                .cloned();
+                            if let Some(p) = peer {
+                                inner.tcp.on_timer(&p, now);
+                            }
+                        }
+                        TimerKey::Links => {
+                            for p in peers(&inner) {
+                                inner.tcp.check_links(&p);
+                            }
+                            inner
+                                .timers
+                                .arm(TimerKey::Links, inner.timers.ns(now + LINK_CHECK));
+                        }
+                    }
                 }
-                let peers: Vec<Arc<Peer>> = inner
-                    .peers
-                    .read()
-                    .expect("peers poisoned")
-                    .by_id
-                    .values()
-                    .cloned()
-                    .collect();
-                for p in peers {
-                    if upkeep {
-                        inner.tcp.maintain(&p, now);
-                    } else {
+                // A slot that admits held-back slices began: deal them. A pump takes each
+                // peer's lock, which a HIGH submitter may be waiting for, so only then.
+                if inner.qos.anything_queued() {
+                    for p in peers(&inner) {
                         inner.tcp.pump(&p);
                     }
                 }

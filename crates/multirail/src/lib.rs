@@ -32,6 +32,7 @@ pub mod slots;
 pub mod stats;
 pub mod topology;
 pub mod transport;
+pub(crate) mod upkeep;
 
 pub use batch::Status;
 pub use config::{Config, ConfigError, TransportChoice};

@@ -113,9 +113,8 @@ impl RailScheduler {
         }
     }
 
-    /// A slice on `rail` posted at `posted` is in place at `now`.
-    pub(crate) fn completed(&self, rail: RailId, bytes: u64, posted: Instant, now: Instant) {
-        let (p, n) = (self.ns(posted), self.ns(now));
+    /// A slice on `rail` posted at `p` is in place at `n` (ns since [`epoch`](Self::epoch)).
+    pub(crate) fn completed_ns(&self, rail: RailId, bytes: u64, p: u64, n: u64) {
         tracing::trace!(rail, bytes, posted_ns = p, now_ns = n, "slice completed");
         let _ = self
             .selector
@@ -156,11 +155,13 @@ impl RailScheduler {
             .map_or(0, |w| w.load(std::sync::atomic::Ordering::Relaxed))
     }
 
-    /// Fills `out` with every rail's EWMA bandwidth in bytes per second, in rail order.
-    pub(crate) fn fill_ewma_bytes_per_sec(&self, out: &mut Vec<f64>) {
+    /// Fills `out[rail]` with each rail's EWMA bandwidth in bytes per second (as many rails as
+    /// both have).
+    pub(crate) fn fill_ewma_bytes_per_sec(&self, out: &mut [f64]) {
         let sel = self.selector.lock().expect("scheduler poisoned");
-        out.clear();
-        out.extend(sel.stats().map(|s| s.ewma_gbps * 1e9 / 8.0));
+        for (o, s) in out.iter_mut().zip(sel.stats()) {
+            *o = s.ewma_gbps * 1e9 / 8.0;
+        }
     }
 
     /// Selector statistics per rail, in rail order, with the rail names.

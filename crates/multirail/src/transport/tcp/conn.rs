@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 
 use crossbeam::channel::{self, Receiver, Sender};
 
+use multirail_policy::dispatch::SliceId;
+
 use crate::batch::Task;
 use crate::error::{Error, Result};
 use crate::stats::RailCounters;
@@ -42,6 +44,9 @@ pub(crate) struct TcpSettings {
     pub membership: Membership,
     /// Idle time before TCP keepalive probes a connection.
     pub keepalive: Duration,
+    /// Dispatcher settings beyond the timeout and retries above (window controller, bulk
+    /// chunking beside HIGH, rail health).
+    pub dispatch: multirail_policy::dispatch::DispatchConfig,
 }
 
 /// One slice to post.
@@ -52,16 +57,17 @@ pub(crate) struct Outgoing {
     pub key: u64,
     pub len: u32,
     pub task: Arc<Task>,
-    /// The rail the selector charged this slice to (`usize::MAX` while queued).
-    pub rail: usize,
+    /// What the dispatcher calls it while it is posted (set when it is handed to a
+    /// connection).
+    pub id: SliceId,
     /// Where the local memory lives, which ranks the rails for it.
     pub location: crate::memory::Location,
-    /// The request's priority (0 HIGH, 1 MEDIUM, 2 LOW).
+    /// The level it travels at (0 HIGH, 1 MEDIUM, 2 LOW): its request's, or the one it was
+    /// promoted to.
     pub priority: u8,
-    /// Times this slice was handed back after a connection failed.
-    pub attempts: u32,
-    /// When the slice first went on the wire; bounds how long retries may go on.
-    pub first_posted: Option<Instant>,
+    /// Why its last connection failed, if one did: what it fails with when it cannot be
+    /// retried.
+    pub last_error: Option<Error>,
 }
 
 impl Outgoing {
@@ -82,11 +88,10 @@ impl Outgoing {
             key: self.key,
             len: self.len - at,
             task: self.task.clone(),
-            rail: usize::MAX,
+            id: self.id,
             location: self.location,
             priority: self.priority,
-            attempts: self.attempts,
-            first_posted: None,
+            last_error: None,
         };
         self.len = at;
         rest
@@ -97,7 +102,7 @@ impl Outgoing {
 pub(crate) trait ConnOwner: Send + Sync {
     /// A slice posted at `posted` was answered: `ok` when its bytes are in place, false when the
     /// target refused it (which no retry can fix).
-    fn answered(&self, rail: usize, bytes: u64, posted: Instant, now: Instant, ok: bool);
+    fn answered(&self, id: SliceId, posted: Instant, now: Instant, ok: bool);
     /// The connection on `rail` died with `err` (reported once per connection).
     fn connection_lost(&self, rail: usize, err: &Error);
     /// Slices that were in flight or queued on a dead connection of `rail`; each must be
@@ -262,7 +267,7 @@ impl Conn {
     /// [`send`](Self::send). This spares a
     /// HIGH slice the sender thread's wake-up, which on a host whose cores are busy moving bulk
     /// bytes can cost more than the write. Hands the slice back when the connection is dead.
-    pub(crate) fn send_now(&self, mut slice: Outgoing) -> std::result::Result<(), Outgoing> {
+    pub(crate) fn send_now(&self, slice: Outgoing) -> std::result::Result<(), Outgoing> {
         let len = u64::from(slice.len);
         // Only a small slice on an idle connection: the write then costs one system call that
         // returns at once. A stream of slices is better served by the sender thread, which
@@ -301,7 +306,6 @@ impl Conn {
             }
             .encode(&mut header);
             let now = Instant::now();
-            slice.first_posted.get_or_insert(now);
             // Queued before the first byte goes out: the response can arrive at once.
             st.queue.push_back(Inflight {
                 seq,
@@ -451,26 +455,6 @@ impl Conn {
     pub(crate) fn is_dead(&self) -> bool {
         self.dead.load(Ordering::Acquire)
     }
-
-    /// How long the oldest slice in flight here has waited for its answer; zero when nothing
-    /// is in flight.
-    pub(crate) fn oldest_wait(&self, now: Instant) -> Duration {
-        let st = self.state.lock().expect("conn poisoned");
-        st.queue
-            .front()
-            .map_or(Duration::ZERO, |f| now.saturating_duration_since(f.posted))
-    }
-
-    /// Kills the connection with the timeout error if its oldest slice waited longer than
-    /// `limit`: the connection is stuck, or the peer silent.
-    pub(crate) fn check_timeout(&self, now: Instant, limit: Duration) {
-        if self.oldest_wait(now) > limit {
-            self.kill(Error::Timeout {
-                peer: self.peer.clone(),
-                timeout_ms: self.settings.timeout.as_millis() as u64,
-            });
-        }
-    }
 }
 
 /// Socket options every data connection gets, on both ends.
@@ -548,7 +532,7 @@ fn sender_loop(conn: &Arc<Conn>, rx: Receiver<Msg>) {
                 continue;
             }
             let now = Instant::now();
-            for (i, mut s) in batch.drain(..).enumerate() {
+            for (i, s) in batch.drain(..).enumerate() {
                 let seq = st.next_seq;
                 st.next_seq += 1;
                 let op = match s.op {
@@ -570,7 +554,6 @@ fn sender_loop(conn: &Arc<Conn>, rx: Receiver<Msg>) {
                 } else {
                     reads += 1;
                 }
-                s.first_posted.get_or_insert(now);
                 st.queue.push_back(Inflight {
                     seq,
                     slice: s,
@@ -759,7 +742,7 @@ fn reap(conn: &Arc<Conn>, staging: &mut Staging) -> Result<()> {
             }
         }
         if let Some(owner) = conn.owner.upgrade() {
-            owner.answered(slice.rail, slice.len as u64, inflight.posted, now, ok);
+            owner.answered(slice.id, inflight.posted, now, ok);
         }
         let Inflight { slice, .. } = inflight;
         if ok {
