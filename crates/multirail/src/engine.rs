@@ -639,20 +639,7 @@ impl Engine {
     /// local state but peers can no longer reach this engine.
     pub fn shutdown(&self) {
         self.inner.server.lock().expect("server poisoned").take();
-        let peers: Vec<Arc<Peer>> = self
-            .inner
-            .peers
-            .read()
-            .expect("peers poisoned")
-            .by_id
-            .values()
-            .cloned()
-            .collect();
-        for p in peers {
-            if let Some(t) = p.tcp.lock().expect("peer poisoned").take() {
-                t.close("engine shut down");
-            }
-        }
+        self.inner.tcp.shutdown("engine shut down");
     }
 }
 
@@ -700,46 +687,22 @@ fn spawn_upkeep(inner: Weak<Inner>) -> Option<thread::Thread> {
                 let now = Instant::now();
                 due.clear();
                 inner.timers.expire(now, &mut due);
-                let peers = |inner: &Inner| -> Vec<Arc<Peer>> {
-                    inner
-                        .peers
-                        .read()
-                        .expect("peers poisoned")
-                        .by_id
-                        .values()
-                        .cloned()
-                        .collect()
-                };
                 for key in &due {
                     match *key {
-                        TimerKey::Peer(id) => {
-                            let peer = inner
-                                .peers
-                                .read()
-                                .expect("peers poisoned")
-                                .by_id
-                                .get(&id)
-                                .cloned();
-                            if let Some(p) = peer {
-                                inner.tcp.on_timer(&p, now);
-                            }
-                        }
+                        TimerKey::Peer(id) => inner.tcp.on_timer(id, now),
                         TimerKey::Links => {
-                            for p in peers(&inner) {
-                                inner.tcp.check_links(&p);
-                            }
+                            inner.tcp.check_links();
                             inner
                                 .timers
                                 .arm(TimerKey::Links, inner.timers.ns(now + LINK_CHECK));
                         }
                     }
                 }
-                // A slot that admits held-back slices began: deal them. A pump takes each
-                // peer's lock, which a HIGH submitter may be waiting for, so only then.
+                // A slot that admits held-back slices may have begun: deal them. A pump takes
+                // each peer's lock, which a HIGH submitter may be waiting for, so only when
+                // something waits.
                 if inner.qos.anything_queued() {
-                    for p in peers(&inner) {
-                        inner.tcp.pump(&p);
-                    }
+                    inner.tcp.pump_all();
                 }
             }
         });

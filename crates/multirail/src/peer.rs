@@ -5,12 +5,9 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
-use std::time::Instant;
 
-use crate::error::Error;
 use crate::memory::PeerMapping;
 use crate::segment::SegmentDescriptor;
-use crate::transport::tcp::TcpPeer;
 
 /// An opened segment.
 pub(crate) struct Peer {
@@ -26,13 +23,6 @@ pub(crate) struct Peer {
     pidfd: Option<OwnedFd>,
     /// Mappings of the peer's memfd buffers, by (address, key).
     pub mappings: Mutex<HashMap<(u64, u64), Arc<PeerMapping>>>,
-    /// Connections, made on first use and remade when all have failed.
-    pub tcp: Mutex<Option<Arc<TcpPeer>>>,
-    /// Held while (re)making `tcp`, so one thread connects and others wait for its result;
-    /// holds when the last attempt failed and why. Apart from `tcp` because connecting to a
-    /// stopped peer waits `connect_timeout_ms` for its handshake, and the upkeep thread, which
-    /// takes `tcp` for every peer's timeout checks, must not wait that long.
-    pub tcp_connect: Mutex<Option<(Instant, Error)>>,
     /// Whether the kernel lets us use process_vm_readv/writev on this peer.
     pub process_vm_allowed: OnceLock<bool>,
 }
@@ -72,8 +62,6 @@ impl Peer {
             same_process,
             pidfd,
             mappings: Mutex::default(),
-            tcp: Mutex::default(),
-            tcp_connect: Mutex::default(),
             process_vm_allowed: OnceLock::new(),
         }
     }

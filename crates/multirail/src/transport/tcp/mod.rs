@@ -819,8 +819,22 @@ impl Drop for TcpPeer {
     }
 }
 
-/// The tcp transport: each `Peer` keeps its `TcpPeer`; the rail scheduler is engine-wide.
+/// The tcp state of one peer: its connections, and the lock that makes them.
+#[derive(Default)]
+struct PeerSlot {
+    /// Connections, made on first use and remade when all have failed.
+    tcp: Mutex<Option<Arc<TcpPeer>>>,
+    /// Held while (re)making `tcp`, so one thread connects and others wait for its result;
+    /// holds when the last attempt failed and why. Apart from `tcp` because connecting to a
+    /// stopped peer waits `connect_timeout_ms` for its handshake, and the timer thread, which
+    /// takes `tcp` for every peer's deadlines, must not wait that long.
+    connect: Mutex<Option<(Instant, Error)>>,
+}
+
+/// The tcp transport: the state of each peer it reaches, by the engine's peer id; the rail
+/// scheduler is engine-wide.
 pub(crate) struct TcpTransport {
+    peers: std::sync::RwLock<std::collections::HashMap<u64, Arc<PeerSlot>>>,
     settings: TcpSettings,
     scheduler: Arc<RailScheduler>,
     qos: Arc<Qos>,
@@ -837,6 +851,7 @@ impl TcpTransport {
         stats: Arc<TrafficStats>,
     ) -> Self {
         TcpTransport {
+            peers: Default::default(),
             settings,
             scheduler,
             qos,
@@ -850,8 +865,9 @@ impl TcpTransport {
     /// a stopped peer keeps it waiting `connect_timeout_ms`, and the upkeep thread takes
     /// `peer.tcp` every 50 ms for the timeouts of every peer.
     fn connected(&self, peer: &Peer) -> Result<Arc<TcpPeer>> {
+        let slot = self.slot(peer.id);
         let live = || {
-            peer.tcp
+            slot.tcp
                 .lock()
                 .expect("peer poisoned")
                 .clone()
@@ -861,7 +877,7 @@ impl TcpTransport {
             return Ok(p);
         }
         let asked = Instant::now();
-        let mut last_failure = peer.tcp_connect.lock().expect("peer poisoned");
+        let mut last_failure = slot.connect.lock().expect("peer poisoned");
         // Another thread may have connected while this one waited, or failed to: an attempt
         // that ended since this thread asked answers for it too, so submitters lining up
         // behind a stopped peer do not wait one connect timeout each.
@@ -883,7 +899,7 @@ impl TcpTransport {
         ) {
             Ok(fresh) => {
                 *last_failure = None;
-                *peer.tcp.lock().expect("peer poisoned") = Some(fresh.clone());
+                *slot.tcp.lock().expect("peer poisoned") = Some(fresh.clone());
                 Ok(fresh)
             }
             Err(e) => {
@@ -893,27 +909,81 @@ impl TcpTransport {
         }
     }
 
-    /// Deals `peer`'s queued slices if any rail and slot allow.
-    pub(crate) fn pump(&self, peer: &Peer) {
-        let tcp = peer.tcp.lock().expect("peer poisoned").clone();
-        if let Some(t) = tcp {
+    /// The tcp state of peer `id`, made on first use.
+    fn slot(&self, id: u64) -> Arc<PeerSlot> {
+        if let Some(s) = self.peers.read().expect("peers poisoned").get(&id) {
+            return s.clone();
+        }
+        self.peers
+            .write()
+            .expect("peers poisoned")
+            .entry(id)
+            .or_default()
+            .clone()
+    }
+
+    /// The connections of peer `id`, if it has any.
+    fn peer(&self, id: u64) -> Option<Arc<TcpPeer>> {
+        let slot = self
+            .peers
+            .read()
+            .expect("peers poisoned")
+            .get(&id)
+            .cloned()?;
+        let tcp = slot.tcp.lock().expect("peer poisoned").clone();
+        tcp
+    }
+
+    /// Every peer with connections.
+    fn connected_peers(&self) -> Vec<Arc<TcpPeer>> {
+        let slots: Vec<Arc<PeerSlot>> = self
+            .peers
+            .read()
+            .expect("peers poisoned")
+            .values()
+            .cloned()
+            .collect();
+        slots
+            .iter()
+            .filter_map(|s| s.tcp.lock().expect("peer poisoned").clone())
+            .collect()
+    }
+
+    /// Deals every peer's queued slices that rails and slots now allow.
+    pub(crate) fn pump_all(&self) {
+        for t in self.connected_peers() {
             t.pump();
         }
     }
 
-    /// Runs `peer`'s dispatcher deadline.
-    pub(crate) fn on_timer(&self, peer: &Peer, now: Instant) {
-        let tcp = peer.tcp.lock().expect("peer poisoned").clone();
-        if let Some(t) = tcp {
+    /// Runs the dispatcher deadline of peer `id`.
+    pub(crate) fn on_timer(&self, id: u64, now: Instant) {
+        if let Some(t) = self.peer(id) {
             t.on_timer(now);
         }
     }
 
-    /// The link check of `peer`'s paths.
-    pub(crate) fn check_links(&self, peer: &Peer) {
-        let tcp = peer.tcp.lock().expect("peer poisoned").clone();
-        if let Some(t) = tcp {
+    /// The link check of every peer's paths.
+    pub(crate) fn check_links(&self) {
+        for t in self.connected_peers() {
             t.check_links();
+        }
+    }
+
+    /// Closes every peer's connections; their slices in flight fail.
+    pub(crate) fn shutdown(&self, reason: &str) {
+        let slots: Vec<Arc<PeerSlot>> = self
+            .peers
+            .read()
+            .expect("peers poisoned")
+            .values()
+            .cloned()
+            .collect();
+        for s in slots {
+            let tcp = s.tcp.lock().expect("peer poisoned").take();
+            if let Some(t) = tcp {
+                t.close(reason);
+            }
         }
     }
 }
