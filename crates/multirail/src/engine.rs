@@ -222,7 +222,7 @@ impl Engine {
             nice: NiceTable::new(tcp_cfg.bulk_thread_nice),
             membership: membership.clone(),
             keepalive: Duration::from_millis(tcp_cfg.keepalive_ms),
-            dispatch: multirail_policy::dispatch::DispatchConfig::default(),
+            dispatch: config.workers.dispatch_config(),
         };
         let scheduler = Arc::new(RailScheduler::new(
             topology,

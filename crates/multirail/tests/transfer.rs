@@ -12,9 +12,13 @@ fn engine() -> Engine {
 }
 
 fn round_trip(transport: TransportChoice, len: usize) {
+    round_trip_with(Config::default(), transport, len);
+}
+
+fn round_trip_with(config: Config, transport: TransportChoice, len: usize) {
     let target = engine();
     let dst = target.allocate(len, Location::Any).unwrap();
-    let init = engine();
+    let init = Engine::new(config, "127.0.0.1:0").expect("engine starts");
     let src = init.allocate(len, Location::Any).unwrap();
     let back = init.allocate(len, Location::Any).unwrap();
     // SAFETY: no transfer is in flight on these buffers.
@@ -67,6 +71,17 @@ fn round_trip(transport: TransportChoice, len: usize) {
 #[test]
 fn tcp_moves_bytes_both_ways() {
     round_trip(TransportChoice::Tcp, 8 << 20);
+}
+
+#[test]
+fn tcp_moves_bytes_under_the_fixed_window_controller() {
+    // One slice in flight per path, as Mooncake keeps: slow, but every byte lands.
+    let config = Config::from_json_str(
+        r#"{"workers": {"window": {"controller": "fixed", "fixed_bytes": 65536}}}"#,
+        "test",
+    )
+    .unwrap();
+    round_trip_with(config, TransportChoice::Tcp, 3 << 20);
 }
 
 #[test]
