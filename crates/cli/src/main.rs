@@ -3,6 +3,7 @@
 mod bench;
 mod membench;
 mod pingpong;
+mod sim;
 mod target;
 mod ticks;
 mod topo;
@@ -42,6 +43,9 @@ enum Command {
     Pingpong(pingpong::PingpongArgs),
     /// Measure single-thread memcpy bandwidth walking two buffers block by block.
     Membench(membench::MembenchArgs),
+    /// Simulate a scenario (modelled NICs, links, workloads) with the engine's own policy in
+    /// virtual time; prints the same figures as bench.
+    Sim(sim::SimArgs),
     /// Configuration commands.
     Config {
         #[command(subcommand)]
@@ -100,6 +104,7 @@ fn main() -> ExitCode {
         Command::Target(args) => target::run(config, args),
         Command::Bench(args) => bench::run(config, cli.config.as_deref(), args),
         Command::Membench(args) => membench::run(args),
+        Command::Sim(args) => sim::run(args),
         Command::Pingpong(args) => pingpong::run(config, cli.config.as_deref(), args),
         Command::Topo(args) => topo::run(config, args),
         Command::Config {

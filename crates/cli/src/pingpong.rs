@@ -438,35 +438,13 @@ fn write_trace(path: &Path, rtt: &[u64]) -> std::io::Result<()> {
 /// The seed's picture: round trip against iteration for a window, and a histogram.
 mod plot {
     use std::path::Path;
-    use std::sync::OnceLock;
 
     use anyhow::{anyhow, Context};
     use multirail_policy::latency::{percentile_sorted, PatternReport, Summary};
     use plotters::prelude::*;
-    use plotters::style::{register_font, FontStyle};
-
-    const FONTS: &[&str] = &[
-        "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
-        "/usr/share/fonts/dejavu/DejaVuSans.ttf",
-        "/usr/share/fonts/TTF/DejaVuSans.ttf",
-        "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
-    ];
 
     fn font() -> anyhow::Result<()> {
-        static DONE: OnceLock<Result<(), String>> = OnceLock::new();
-        DONE.get_or_init(|| {
-            let bytes = FONTS
-                .iter()
-                .find_map(|p| std::fs::read(p).ok())
-                .ok_or_else(|| {
-                    format!("no TrueType font found (looked for {})", FONTS.join(", "))
-                })?;
-            let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
-            register_font("sans-serif", FontStyle::Normal, bytes)
-                .map_err(|_| "the font file does not parse".to_string())
-        })
-        .clone()
-        .map_err(|e| anyhow!(e))
+        multirail_sim::report::register_font().map_err(|e| anyhow!(e))
     }
 
     pub(super) fn draw(

@@ -1,0 +1,13 @@
+//! multirail-sim: a discrete-event simulator that drives the real `multirail-policy` structs
+//! (slicing, the DeviceSelector, the per-peer dispatcher with its QoS queues, windows and rail
+//! health) in virtual time over modelled NICs, links that fail, recover or change rate, and
+//! workloads, from scenario files. It depends on the policy crate, never on the engine: what it
+//! shows at cluster scale is what the engine's own decisions do.
+
+pub mod model;
+pub mod report;
+pub mod scenario;
+
+pub use model::simulate;
+pub use report::{plot, Report};
+pub use scenario::{parse_runs, Run, ScenarioError};

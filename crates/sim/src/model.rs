@@ -1,0 +1,744 @@
+//! The simulation of one run: modelled NICs, submitters, and the real policy structs
+//! (slicing, DeviceSelector, the per-peer dispatcher with its QoS queues, windows and rail
+//! health) driven in virtual time by a binary-heap event queue.
+//!
+//! A NIC serializes slices one after another at its line rate (or its message rate, whichever
+//! is slower) and the answer returns after twice its one-way latency; it holds what is posted
+//! to it in its own FIFO, as a socket buffer and a switch would. A failed link loses what it
+//! holds: the engine notices at its next link check and hands those slices back, so that is
+//! when the dispatcher hears of them. Time is nanoseconds from the start of the run.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use hdrhistogram::Histogram;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use slab::Slab;
+
+use multirail_policy::dispatch::{
+    Cause, Connection, Dispatcher, Event, Payload, Post, Rails, SliceId,
+};
+use multirail_policy::qos::{Priority, LEVELS};
+use multirail_policy::selector::{DeviceSelector, RailId, SliceShape};
+use multirail_policy::slicing::SlicePlan;
+
+use crate::report::{Adaptation, ClassReport, RailReport, Report, Sample};
+use crate::scenario::{Arrival, Run, ScenarioError};
+
+/// How long after its last posted slice a priority still counts as active (the engine's
+/// `slots::ACTIVE_NS`): a stream of requests that never queues is still traffic.
+const ACTIVE_NS: u64 = 10_000_000;
+
+/// A piece of request `req`.
+#[derive(Debug)]
+struct Piece {
+    req: usize,
+    len: u64,
+    numa_node: i32,
+}
+
+impl Payload for Piece {
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn split_off(&mut self, at: u64) -> Piece {
+        let rest = Piece {
+            req: self.req,
+            len: self.len - at,
+            numa_node: self.numa_node,
+        };
+        self.len = at;
+        rest
+    }
+}
+
+/// A modelled NIC. It has two send queues, as a path has two kinds of connection: the one
+/// reserved for HIGH slices and the shared ones. Each is a FIFO; while both hold work the wire
+/// alternates between them packet by packet, so each gets half the line rate (a HIGH slice is
+/// slowed by bulk beside it, not queued behind all of it, as with separate queue pairs or TCP
+/// connections).
+struct Nic {
+    bytes_per_ns: f64,
+    latency_ns: u64,
+    op_ns: u64,
+    /// When each queue (reserved, shared) has sent what it holds.
+    busy_until: [u64; 2],
+    up: bool,
+    /// Bumped when the link fails: completions of older generations were lost.
+    generation: u64,
+    /// When the engine notices the current failure (its next link check).
+    detected_at: u64,
+    /// The connections were closed for answering nothing in time (their slices come back as
+    /// timed out) rather than lost with the link.
+    lost_by_timeout: bool,
+    numa_node: i32,
+}
+
+/// What happens at an instant.
+#[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Ev {
+    /// A slice's answer arrives (if its NIC's generation is still `generation`).
+    Answer {
+        rail: usize,
+        generation: u64,
+        id: SliceId,
+        token: usize,
+    },
+    /// A lost slice is handed back.
+    Lost {
+        id: SliceId,
+        token: usize,
+        timeout: bool,
+    },
+    /// An open-loop workload's next request.
+    Arrival { workload: usize },
+    /// Link event `index` of the scenario.
+    Link { index: usize },
+    /// The dispatcher's deadline.
+    Timer { at: u64 },
+    /// The engine's link check.
+    LinkCheck,
+}
+
+/// The engine-wide view the dispatcher consults: the selector, the NUMA tiers, and which
+/// priorities are active.
+struct Host {
+    selector: DeviceSelector,
+    tiers: Vec<(i32, Vec<u8>)>,
+    queued: [usize; LEVELS],
+    last_posted: [Option<u64>; LEVELS],
+    now: u64,
+    smart: bool,
+}
+
+impl Rails<Piece> for Host {
+    fn smart(&self) -> bool {
+        self.smart
+    }
+    fn slot_admits(&self, _priority: Priority) -> bool {
+        true
+    }
+    fn rail_admits(&self, _rail: RailId, _priority: Priority) -> bool {
+        true
+    }
+    fn has_work(&self, priority: Priority) -> bool {
+        let p = priority.index();
+        self.queued[p] > 0
+            || self.last_posted[p].is_some_and(|t| self.now.saturating_sub(t) < ACTIVE_NS)
+    }
+    fn tiers(&mut self, item: &Piece, out: &mut Vec<u8>) {
+        out.clear();
+        if let Some((_, t)) = self.tiers.iter().find(|(n, _)| *n == item.numa_node) {
+            out.extend_from_slice(t);
+        }
+    }
+    fn bandwidths(&mut self, out: &mut [f64]) {
+        for (o, s) in out.iter_mut().zip(self.selector.stats()) {
+            *o = s.ewma_gbps * 1e9 / 8.0;
+        }
+    }
+    fn select(&mut self, candidates: &[Vec<RailId>; 3], shape: SliceShape, out: &mut Vec<RailId>) {
+        let tiers: [&[RailId]; 3] = [&candidates[0], &candidates[1], &candidates[2]];
+        if self.selector.select(&tiers, shape, out).is_err() {
+            out.clear();
+        }
+    }
+    fn completed(&mut self, rail: RailId, bytes: u64, posted_ns: u64, now_ns: u64) {
+        let _ = self.selector.on_completed(rail, bytes, posted_ns, now_ns);
+    }
+    fn failed(&mut self, rail: RailId, bytes: u64) {
+        let _ = self.selector.on_failed(rail, bytes);
+    }
+    fn unassigned(&mut self, rail: RailId, bytes: u64) {
+        let _ = self.selector.on_unassigned(rail, bytes);
+    }
+}
+
+/// A request in flight.
+struct Request {
+    workload: usize,
+    /// The closed-loop submitter it belongs to.
+    submitter: Option<usize>,
+    len: u64,
+    done: u64,
+    failed: u64,
+    submitted: u64,
+}
+
+/// A closed-loop submitter: one batch outstanding at a time.
+struct Submitter {
+    workload: usize,
+    outstanding: usize,
+    batch_started: u64,
+}
+
+struct Class {
+    latency: Histogram<u64>,
+    requests: u64,
+    bytes: u64,
+    failed: u64,
+}
+
+/// Runs one scenario run to its end and reports what happened. Fails only on a scenario the
+/// parser should have refused.
+pub fn simulate(run: &Run) -> Result<Report, ScenarioError> {
+    Sim::new(run)?.run()
+}
+
+struct Sim<'a> {
+    run: &'a Run,
+    plans: (SlicePlan, SlicePlan),
+    nics: Vec<Nic>,
+    host: Host,
+    dispatch: Dispatcher<Piece>,
+    events: BinaryHeap<Reverse<(u64, u64, Ev)>>,
+    seq: u64,
+    now: u64,
+    end: u64,
+    timer_at: Option<u64>,
+    requests: Slab<Request>,
+    /// Slices on the wire, by token: what a NIC holds.
+    wire: Slab<Piece>,
+    submitters: Vec<Submitter>,
+    classes: Vec<Class>,
+    rng: SmallRng,
+    /// Bytes answered per rail per sample.
+    samples: Vec<Vec<u64>>,
+    rail_bytes: Vec<u64>,
+    slices: u64,
+    retried: u64,
+    probes: u64,
+    paused: u64,
+    live: Vec<usize>,
+}
+
+impl<'a> Sim<'a> {
+    fn new(run: &'a Run) -> Result<Sim<'a>, ScenarioError> {
+        let policy = &run.policy;
+        let reported: Vec<Option<f64>> = run
+            .rails
+            .iter()
+            .map(|r| Some(r.reported_gbps.unwrap_or(r.gbps)))
+            .collect();
+        let mut nodes: Vec<i32> = run.workloads.iter().map(|w| w.numa_node).collect();
+        nodes.sort_unstable();
+        nodes.dedup();
+        let tiers = nodes
+            .iter()
+            .map(|&n| {
+                let t = run
+                    .rails
+                    .iter()
+                    .map(|r| u8::from(!(r.numa_node == n || r.numa_node < 0 || n < 0)))
+                    .collect();
+                (n, t)
+            })
+            .collect();
+        let rails: Vec<RailId> = (0..run.rails.len()).collect();
+        let mut dispatch = Dispatcher::new(policy.dispatch(), &rails);
+        let conns = policy.connections_per_rail + 1;
+        for p in 0..rails.len() {
+            dispatch.on_path(0, p, conns);
+        }
+        let nics = run
+            .rails
+            .iter()
+            .map(|r| Nic {
+                bytes_per_ns: r.gbps * r.efficiency / 8.0,
+                latency_ns: (r.latency_us * 1000.0) as u64,
+                op_ns: if r.ops_per_sec > 0.0 {
+                    (1e9 / r.ops_per_sec) as u64
+                } else {
+                    0
+                },
+                busy_until: [0; 2],
+                up: true,
+                generation: 0,
+                detected_at: 0,
+                lost_by_timeout: false,
+                numa_node: r.numa_node,
+            })
+            .collect();
+        let end = run.duration_ms * 1_000_000;
+        let nsamples = run.duration_ms.div_ceil(run.sample_ms) as usize;
+        let histogram =
+            || Histogram::new_with_bounds(1, 3_600_000_000_000, 3).expect("valid bounds");
+        Ok(Sim {
+            plans: policy.plans()?,
+            nics,
+            host: Host {
+                selector: DeviceSelector::new(policy.selector(), &reported, run.seed),
+                tiers,
+                queued: [0; LEVELS],
+                last_posted: [None; LEVELS],
+                now: 0,
+                smart: policy.enable_smart_scheduling,
+            },
+            dispatch,
+            events: BinaryHeap::new(),
+            seq: 0,
+            now: 0,
+            end,
+            timer_at: None,
+            requests: Slab::new(),
+            wire: Slab::new(),
+            submitters: Vec::new(),
+            classes: run
+                .workloads
+                .iter()
+                .map(|_| Class {
+                    latency: histogram(),
+                    requests: 0,
+                    bytes: 0,
+                    failed: 0,
+                })
+                .collect(),
+            rng: SmallRng::seed_from_u64(run.seed),
+            samples: vec![vec![0; run.rails.len()]; nsamples.max(1)],
+            rail_bytes: vec![0; run.rails.len()],
+            slices: 0,
+            retried: 0,
+            probes: 0,
+            paused: 0,
+            live: vec![conns; run.rails.len()],
+            run,
+        })
+    }
+
+    fn at(&mut self, t: u64, ev: Ev) {
+        self.seq += 1;
+        self.events.push(Reverse((t, self.seq, ev)));
+    }
+
+    fn run(mut self) -> Result<Report, ScenarioError> {
+        let wall = std::time::Instant::now();
+        for (w, wl) in self.run.workloads.iter().enumerate() {
+            let start = wl.start_ms * 1_000_000;
+            match wl.arrival {
+                Arrival::Closed => {
+                    for _ in 0..wl.threads {
+                        self.submitters.push(Submitter {
+                            workload: w,
+                            outstanding: 0,
+                            batch_started: 0,
+                        });
+                    }
+                }
+                _ => self.at(start, Ev::Arrival { workload: w }),
+            }
+        }
+        for (i, e) in self.run.events.iter().enumerate() {
+            self.at(e.at_ms * 1_000_000, Ev::Link { index: i });
+        }
+        let link_check = self.run.policy.link_check_ms * 1_000_000;
+        self.at(link_check, Ev::LinkCheck);
+        // Closed-loop submitters start at their workload's start.
+        for s in 0..self.submitters.len() {
+            let w = self.submitters[s].workload;
+            let start = self.run.workloads[w].start_ms * 1_000_000;
+            if start == 0 {
+                self.submit_batch(s);
+            } else {
+                self.at(
+                    start,
+                    Ev::Arrival {
+                        workload: usize::MAX - s,
+                    },
+                );
+            }
+        }
+        self.pump();
+        while let Some(Reverse((t, _, ev))) = self.events.pop() {
+            if t > self.end {
+                break;
+            }
+            self.now = t;
+            self.host.now = t;
+            match ev {
+                Ev::Answer {
+                    rail,
+                    generation,
+                    id,
+                    token,
+                } => {
+                    if self.nics[rail].generation != generation {
+                        // Lost with its link: handed back when the engine notices.
+                        let when = self.nics[rail].detected_at.max(t);
+                        let timeout = self.nics[rail].lost_by_timeout;
+                        self.at(when, Ev::Lost { id, token, timeout });
+                        continue;
+                    }
+                    let piece = self.wire.remove(token);
+                    self.slices += 1;
+                    let refill = self.dispatch.on_completed(t, id, None, &mut self.host);
+                    self.credit(rail, &piece);
+                    if refill {
+                        self.pump();
+                    }
+                }
+                Ev::Lost { id, token, timeout } => {
+                    let piece = self.wire.remove(token);
+                    self.retried += 1;
+                    let cause = if timeout { Cause::Timeout } else { Cause::Lost };
+                    self.dispatch.on_failed(t, id, piece, cause, &mut self.host);
+                    self.settle();
+                    self.pump();
+                }
+                Ev::Arrival { workload } if workload > usize::MAX / 2 => {
+                    self.submit_batch(usize::MAX - workload);
+                    self.pump();
+                }
+                Ev::Arrival { workload } => {
+                    let wl = &self.run.workloads[workload];
+                    let stop = wl.stop_ms.map_or(self.end, |s| s * 1_000_000);
+                    if t < stop {
+                        self.submit(workload, None);
+                        let gap = match wl.arrival {
+                            Arrival::Poisson => {
+                                let u: f64 = self.rng.gen_range(f64::EPSILON..1.0);
+                                -u.ln() / wl.rate_per_sec * 1e9
+                            }
+                            _ => wl.interval_us * 1000.0,
+                        };
+                        self.at(t + (gap as u64).max(1), Ev::Arrival { workload });
+                        self.pump();
+                    }
+                }
+                Ev::Link { index } => self.link_event(index),
+                Ev::Timer { at } => {
+                    if self.timer_at != Some(at) {
+                        continue;
+                    }
+                    self.timer_at = None;
+                    self.dispatch.on_timeout(t, &mut self.host);
+                    self.handle_events();
+                    self.settle();
+                    self.pump();
+                }
+                Ev::LinkCheck => {
+                    self.link_check();
+                    self.at(t + link_check, Ev::LinkCheck);
+                }
+            }
+            self.arm();
+        }
+        Ok(self.report(wall.elapsed()))
+    }
+
+    /// Submits one batch for closed-loop submitter `s`.
+    fn submit_batch(&mut self, s: usize) {
+        let w = self.submitters[s].workload;
+        let wl = &self.run.workloads[w];
+        if wl.stop_ms.is_some_and(|stop| self.now >= stop * 1_000_000) {
+            return;
+        }
+        self.submitters[s].outstanding = wl.batch;
+        self.submitters[s].batch_started = self.now;
+        for _ in 0..wl.batch {
+            self.submit(w, Some(s));
+        }
+    }
+
+    fn submit(&mut self, w: usize, submitter: Option<usize>) {
+        let wl = &self.run.workloads[w];
+        let req = self.requests.insert(Request {
+            workload: w,
+            submitter,
+            len: wl.size,
+            done: 0,
+            failed: 0,
+            submitted: self.now,
+        });
+        let plan = if wl.is_read() {
+            &self.plans.0
+        } else {
+            &self.plans.1
+        };
+        let numa_node = wl.numa_node;
+        let slices = plan.slices(wl.size).expect("validated size");
+        let priority = wl.priority();
+        self.dispatch.on_submit(
+            self.now,
+            priority,
+            slices.map(|s| Piece {
+                req,
+                len: s.length,
+                numa_node,
+            }),
+        );
+    }
+
+    /// Posts what the dispatcher deals.
+    fn pump(&mut self) {
+        while let Some(post) = self.dispatch.poll_post(self.now, &mut self.host) {
+            self.post(post);
+        }
+        self.host.queued = self.dispatch.depths();
+        self.settle();
+    }
+
+    fn post(&mut self, post: Post<Piece>) {
+        let Post {
+            id,
+            item,
+            rail,
+            priority,
+            connection,
+            ..
+        } = post;
+        let lane = usize::from(connection == Connection::Shared);
+        self.host.last_posted[priority.index()] = Some(self.now);
+        let nic = &mut self.nics[rail];
+        let len = item.len;
+        let token = self.wire.insert(item);
+        if !nic.up {
+            // Posted into a dead link before the engine noticed: lost.
+            let when = nic.detected_at.max(self.now);
+            self.at(
+                when,
+                Ev::Lost {
+                    id,
+                    token,
+                    timeout: false,
+                },
+            );
+            return;
+        }
+        let start = nic.busy_until[lane].max(self.now);
+        let wire_ns = ((len as f64 / nic.bytes_per_ns) as u64).max(nic.op_ns);
+        // The other queue's backlog past `start` shares the wire: the overlap runs at half
+        // rate for both, which delays each by half of it.
+        let other = nic.busy_until[1 - lane];
+        let overlap = other.saturating_sub(start).min(2 * wire_ns);
+        let done = start + wire_ns + overlap / 2;
+        nic.busy_until[lane] = done;
+        nic.busy_until[1 - lane] = other.max(start) + if other > start { overlap / 2 } else { 0 };
+        let answer = done + 2 * nic.latency_ns;
+        let generation = nic.generation;
+        self.at(
+            answer,
+            Ev::Answer {
+                rail,
+                generation,
+                id,
+                token,
+            },
+        );
+    }
+
+    /// Credits an answered piece to its rail, its sample and its request.
+    fn credit(&mut self, rail: usize, piece: &Piece) {
+        self.rail_bytes[rail] += piece.len;
+        let sample = ((self.now / 1_000_000) / self.run.sample_ms) as usize;
+        if let Some(s) = self.samples.get_mut(sample) {
+            s[rail] += piece.len;
+        }
+        self.finish(piece.req, piece.len, false);
+    }
+
+    fn finish(&mut self, req: usize, bytes: u64, failed: bool) {
+        let r = &mut self.requests[req];
+        if failed {
+            r.failed += bytes;
+        } else {
+            r.done += bytes;
+        }
+        if r.done + r.failed < r.len {
+            return;
+        }
+        let r = self.requests.remove(req);
+        let class = &mut self.classes[r.workload];
+        class.requests += 1;
+        class.bytes += r.done;
+        if r.failed > 0 {
+            class.failed += 1;
+        }
+        match r.submitter {
+            None => {
+                let _ = class
+                    .latency
+                    .record(self.now.saturating_sub(r.submitted).max(1));
+            }
+            Some(s) => {
+                let sub = &mut self.submitters[s];
+                sub.outstanding -= 1;
+                if sub.outstanding == 0 {
+                    let lat = self.now.saturating_sub(sub.batch_started).max(1);
+                    let _ = class.latency.record(lat);
+                    self.submit_batch(s);
+                }
+            }
+        }
+    }
+
+    /// Fails what the dispatcher gave up on.
+    fn settle(&mut self) {
+        while let Some(f) = self.dispatch.poll_failed() {
+            self.finish(f.item.req, f.item.len, true);
+        }
+    }
+
+    fn handle_events(&mut self) {
+        while let Some(e) = self.dispatch.poll_event() {
+            match e {
+                Event::Silent => {
+                    for rail in 0..self.nics.len() {
+                        self.drop_rail(rail);
+                    }
+                }
+                Event::DropPath { path, .. } => self.drop_rail(path),
+                Event::Probe(p) => {
+                    self.probes += 1;
+                    let ok = self.nics[p].up;
+                    self.dispatch.on_probe(self.now, p, ok);
+                    if ok {
+                        self.live[p] = self.run.policy.connections_per_rail + 1;
+                        self.dispatch.on_path(self.now, p, self.live[p]);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Closes the connections of `rail` for answering nothing in time: what it holds comes
+    /// back as timed out (each slice when its lost answer would have surfaced, the heap not
+    /// being searchable; the engine hands them back at once).
+    fn drop_rail(&mut self, rail: usize) {
+        let nic = &mut self.nics[rail];
+        nic.generation += 1;
+        nic.detected_at = self.now;
+        nic.lost_by_timeout = true;
+        nic.busy_until = [self.now; 2];
+        self.live[rail] = 0;
+        self.dispatch.on_path(self.now, rail, 0);
+    }
+
+    fn link_event(&mut self, index: usize) {
+        let e = &self.run.events[index];
+        let rail = e.rail;
+        match e.action.as_str() {
+            "fail" => {
+                let link_check = self.run.policy.link_check_ms * 1_000_000;
+                let nic = &mut self.nics[rail];
+                nic.up = false;
+                nic.generation += 1;
+                nic.busy_until = [self.now; 2];
+                nic.lost_by_timeout = false;
+                nic.detected_at = self.now.div_ceil(link_check) * link_check;
+            }
+            "recover" => self.nics[rail].up = true,
+            _ => {
+                let r = &self.run.rails[rail];
+                self.nics[rail].bytes_per_ns = e.gbps * r.efficiency / 8.0;
+            }
+        }
+    }
+
+    /// The engine's link check: a rail whose link is down loses its connections (each a
+    /// health error); a healthy rail with its link up gets its connections back.
+    fn link_check(&mut self) {
+        let conns = self.run.policy.connections_per_rail + 1;
+        for rail in 0..self.nics.len() {
+            if !self.nics[rail].up {
+                if self.live[rail] > 0 {
+                    for _ in 0..self.live[rail] {
+                        if self.dispatch.on_path_error(self.now, rail) {
+                            self.paused += 1;
+                        }
+                    }
+                    self.live[rail] = 0;
+                    self.dispatch.on_path(self.now, rail, 0);
+                }
+            } else if self.live[rail] == 0 && self.dispatch.is_up(rail) {
+                self.live[rail] = conns;
+                self.dispatch.on_path(self.now, rail, conns);
+            }
+        }
+        self.settle();
+        self.pump();
+    }
+
+    fn arm(&mut self) {
+        if let Some(at) = self.dispatch.poll_timeout() {
+            if self.timer_at.is_none_or(|t| at < t) {
+                self.timer_at = Some(at);
+                self.at(at.max(self.now), Ev::Timer { at });
+            }
+        }
+    }
+
+    fn report(&self, wall: std::time::Duration) -> Report {
+        let secs = self.run.duration_ms as f64 / 1000.0;
+        let total: u64 = self.rail_bytes.iter().sum();
+        let rails = self
+            .run
+            .rails
+            .iter()
+            .zip(&self.rail_bytes)
+            .map(|(r, &b)| RailReport {
+                name: r.name.clone(),
+                bytes: b,
+                gb_per_s: b as f64 / secs / 1e9,
+            })
+            .collect();
+        let classes = self
+            .run
+            .workloads
+            .iter()
+            .zip(&self.classes)
+            .map(|(w, c)| ClassReport {
+                workload: w.name.clone(),
+                priority: w.priority.clone(),
+                requests: c.requests,
+                failed: c.failed,
+                gb_per_s: c.bytes as f64 / secs / 1e9,
+                latency_us: crate::report::Percentiles::of(&c.latency),
+            })
+            .collect();
+        let sample_s = self.run.sample_ms as f64 / 1000.0;
+        let timeline: Vec<Sample> = self
+            .samples
+            .iter()
+            .enumerate()
+            .map(|(i, s)| Sample {
+                t_ms: (i as u64 + 1) * self.run.sample_ms,
+                rails_gb_per_s: s.iter().map(|&b| b as f64 / sample_s / 1e9).collect(),
+                gb_per_s: s.iter().sum::<u64>() as f64 / sample_s / 1e9,
+            })
+            .collect();
+        let adaptation = self
+            .run
+            .events
+            .iter()
+            .filter(|e| e.action == "rate" || e.action == "fail")
+            .map(|e| Adaptation::measure(self.run, e, &timeline))
+            .collect();
+        let unfinished = self.requests.len() as u64;
+        Report {
+            name: self.run.name.clone(),
+            description: self.run.description.clone(),
+            simulated_ms: self.run.duration_ms,
+            wall_ms: wall.as_secs_f64() * 1e3,
+            smart: self.run.policy.enable_smart_scheduling,
+            line_rate_gb_per_s: self
+                .run
+                .rails
+                .iter()
+                .map(|r| r.gbps * r.efficiency / 8.0)
+                .sum(),
+            gb_per_s: total as f64 / secs / 1e9,
+            slices: self.slices,
+            retried: self.retried,
+            probes: self.probes,
+            rails_paused: self.paused,
+            unfinished_requests: unfinished,
+            rails,
+            classes,
+            adaptation,
+            timeline,
+            nic_numa: self.nics.iter().map(|n| n.numa_node).collect(),
+        }
+    }
+}

@@ -1,0 +1,599 @@
+//! Scenario files: the modelled host (rails), the policy settings, the workloads, the link
+//! events, and the runs to compare.
+//!
+//! A file is one JSON document. `runs` lists variants of it: each run is a partial scenario
+//! deep-merged into the base (so `{"name": "round-robin", "policy": {"enable_smart_scheduling":
+//! false}}` changes one key). Policy keys carry the engine's configuration names, and their
+//! defaults are the policy crate's, mapped to the policy structs in [`Policy`] only.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use multirail_policy::dispatch::{
+    BdpController, ControllerKind, DispatchConfig, FixedController, DEFAULT_HIGH_WAIT_NS,
+    DEFAULT_MIN_BULK_CHUNK,
+};
+use multirail_policy::health::HealthConfig;
+use multirail_policy::qos::{Priority, PromotionConfig};
+use multirail_policy::selector::SelectorConfig;
+use multirail_policy::slicing::{
+    SlicePlan, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_SLICES, DEFAULT_MAX_SLICES_WRITE,
+};
+
+/// A scenario error: the key (dotted path) and what is wrong with it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScenarioError {
+    /// Dotted path of the offending key ("" for the document as a whole).
+    pub key: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl std::fmt::Display for ScenarioError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.key.is_empty() {
+            write!(f, "{}", self.message)
+        } else {
+            write!(f, "scenario key {}: {}", self.key, self.message)
+        }
+    }
+}
+
+impl std::error::Error for ScenarioError {}
+
+fn bad(key: impl Into<String>, message: impl Into<String>) -> ScenarioError {
+    ScenarioError {
+        key: key.into(),
+        message: message.into(),
+    }
+}
+
+/// One run of a scenario: everything the simulator needs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Run {
+    /// Name of the scenario (and, after merging, of the run).
+    pub name: String,
+    /// What the scenario shows.
+    #[serde(default)]
+    pub description: String,
+    /// Simulated time, milliseconds.
+    pub duration_ms: u64,
+    /// Width of a throughput sample (timeline and plot), milliseconds (default 10).
+    #[serde(default = "default_sample_ms")]
+    pub sample_ms: u64,
+    /// Seed of the selector's jitter and of Poisson arrivals.
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+    /// The initiator's NICs; the target reaches each (one path per rail).
+    pub rails: Vec<Rail>,
+    /// Policy settings.
+    #[serde(default)]
+    pub policy: Policy,
+    /// Who submits what.
+    pub workloads: Vec<Workload>,
+    /// Link changes during the run.
+    #[serde(default)]
+    pub events: Vec<LinkEvent>,
+    /// Variants to run (only in the file's base document).
+    #[serde(default, skip_serializing)]
+    pub runs: Vec<Value>,
+}
+
+fn default_sample_ms() -> u64 {
+    10
+}
+
+fn default_seed() -> u64 {
+    1
+}
+
+/// A modelled NIC.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Rail {
+    /// Name shown in reports.
+    pub name: String,
+    /// Line rate, Gbit/s.
+    pub gbps: f64,
+    /// What the NIC reports to the selector, Gbit/s (default: `gbps`). A veth shaped by tc
+    /// reports 10 whatever its shaping.
+    #[serde(default)]
+    pub reported_gbps: Option<f64>,
+    /// One-way latency, microseconds (default 2).
+    #[serde(default = "default_latency_us")]
+    pub latency_us: f64,
+    /// Message-rate limit, operations per second (0 = none).
+    #[serde(default)]
+    pub ops_per_sec: f64,
+    /// NUMA node of the NIC (default 0).
+    #[serde(default)]
+    pub numa_node: i32,
+    /// Payload bytes per byte on the wire (default 1; TCP over 1500-byte Ethernet frames
+    /// carries 1448 of every 1514).
+    #[serde(default = "one")]
+    pub efficiency: f64,
+}
+
+fn default_latency_us() -> f64 {
+    2.0
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// Settings of the policy structs, by the engine's configuration names.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Policy {
+    /// Selector (`transports.rdma.*`, TENT's keys).
+    pub enable_smart_scheduling: bool,
+    /// See `SelectorConfig::numa_penalties`.
+    pub numa_penalties: Vec<f64>,
+    /// See `SelectorConfig::bandwidth_learning_rate`.
+    pub bandwidth_learning_rate: f64,
+    /// See `SelectorConfig::ewma_min_bandwidth_multiplier`.
+    pub ewma_min_bandwidth_multiplier: f64,
+    /// See `SelectorConfig::ewma_max_bandwidth_multiplier`.
+    pub ewma_max_bandwidth_multiplier: f64,
+    /// See `SelectorConfig::score_jitter_range`.
+    pub score_jitter_range: f64,
+    /// See `SelectorConfig::default_bandwidth_gbps`.
+    pub default_bandwidth_gbps: f64,
+    /// See `SelectorConfig::min_bandwidth_gbps`.
+    pub min_bandwidth_gbps: f64,
+    /// See `SelectorConfig::max_bandwidth_gbps`.
+    pub max_bandwidth_gbps: f64,
+    /// The engine's `transports.rdma.bandwidth_sample_min_us` (default 1000).
+    pub bandwidth_sample_min_us: u64,
+    /// Promotion (`priority_promotion_timeout_us`, `priority_promotion_check_us`).
+    pub priority_promotion_timeout_us: u64,
+    /// See above.
+    pub priority_promotion_check_us: u64,
+    /// `qos_promote_only_when_starved`.
+    pub qos_promote_only_when_starved: bool,
+    /// Slicing (`workers.*`).
+    pub block_size: u64,
+    /// `workers.max_slices_per_request` (READ).
+    pub max_slices_per_request: u32,
+    /// `workers.max_slices_per_write`.
+    pub max_slices_per_write: u32,
+    /// Window controller (`workers.window.*`): `bdp` or `fixed`.
+    pub window_controller: String,
+    /// `workers.window.bdps`.
+    pub window_bdps: f64,
+    /// `workers.window.lean_bdps`.
+    pub window_lean_bdps: f64,
+    /// `workers.window.max_queue_us`.
+    pub window_max_queue_us: u64,
+    /// `workers.window.initial_bytes`.
+    pub window_initial_bytes: u64,
+    /// `workers.window.fixed_bytes`.
+    pub window_fixed_bytes: u64,
+    /// `workers.bulk_chunk_wait_us`.
+    pub bulk_chunk_wait_us: u64,
+    /// `workers.min_bulk_chunk`.
+    pub min_bulk_chunk: u64,
+    /// `transports.tcp.timeout_ms`.
+    pub timeout_ms: u64,
+    /// `transports.tcp.max_retries`.
+    pub max_retries: u32,
+    /// `transports.tcp.connections_per_rail` (a path has one more, for HIGH).
+    pub connections_per_rail: usize,
+    /// Rail health: errors that pause a rail.
+    pub health_error_threshold: u32,
+    /// Rail health: first pause, ms.
+    pub health_initial_pause_ms: u64,
+    /// Rail health: longest pause, ms.
+    pub health_max_pause_ms: u64,
+    /// The engine's link check interval (link state, reconnects), ms (50).
+    pub link_check_ms: u64,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        let sel = SelectorConfig::default();
+        let promo = PromotionConfig::default();
+        let bdp = BdpController::default();
+        let health = HealthConfig::default();
+        Policy {
+            enable_smart_scheduling: sel.enable_smart_scheduling,
+            numa_penalties: sel.numa_penalties,
+            bandwidth_learning_rate: sel.bandwidth_learning_rate,
+            ewma_min_bandwidth_multiplier: sel.ewma_min_bandwidth_multiplier,
+            ewma_max_bandwidth_multiplier: sel.ewma_max_bandwidth_multiplier,
+            score_jitter_range: sel.score_jitter_range,
+            default_bandwidth_gbps: sel.default_bandwidth_gbps,
+            min_bandwidth_gbps: sel.min_bandwidth_gbps,
+            max_bandwidth_gbps: sel.max_bandwidth_gbps,
+            bandwidth_sample_min_us: 1000,
+            priority_promotion_timeout_us: promo.timeout_ns / 1000,
+            priority_promotion_check_us: promo.check_ns / 1000,
+            qos_promote_only_when_starved: promo.only_when_starved,
+            block_size: DEFAULT_BLOCK_SIZE,
+            max_slices_per_request: DEFAULT_MAX_SLICES,
+            max_slices_per_write: DEFAULT_MAX_SLICES_WRITE,
+            window_controller: "bdp".into(),
+            window_bdps: bdp.window_bdps,
+            window_lean_bdps: bdp.lean_bdps,
+            window_max_queue_us: bdp.max_queue_ns / 1000,
+            window_initial_bytes: bdp.initial_window,
+            window_fixed_bytes: 4 << 20,
+            bulk_chunk_wait_us: DEFAULT_HIGH_WAIT_NS / 1000,
+            min_bulk_chunk: DEFAULT_MIN_BULK_CHUNK,
+            timeout_ms: 5000,
+            max_retries: 8,
+            connections_per_rail: 2,
+            health_error_threshold: health.error_threshold,
+            health_initial_pause_ms: health.initial_pause_ns / 1_000_000,
+            health_max_pause_ms: health.max_pause_ns / 1_000_000,
+            link_check_ms: 50,
+        }
+    }
+}
+
+impl Policy {
+    /// The selector settings.
+    pub fn selector(&self) -> SelectorConfig {
+        SelectorConfig {
+            enable_smart_scheduling: self.enable_smart_scheduling,
+            numa_penalties: self.numa_penalties.clone(),
+            bandwidth_learning_rate: self.bandwidth_learning_rate,
+            ewma_min_bandwidth_multiplier: self.ewma_min_bandwidth_multiplier,
+            ewma_max_bandwidth_multiplier: self.ewma_max_bandwidth_multiplier,
+            score_jitter_range: self.score_jitter_range,
+            default_bandwidth_gbps: self.default_bandwidth_gbps,
+            min_bandwidth_gbps: self.min_bandwidth_gbps,
+            max_bandwidth_gbps: self.max_bandwidth_gbps,
+            min_sample_ns: self.bandwidth_sample_min_us.saturating_mul(1000),
+            ..SelectorConfig::default()
+        }
+    }
+
+    /// The dispatcher settings.
+    pub fn dispatch(&self) -> DispatchConfig {
+        let controller = if self.window_controller == "fixed" {
+            ControllerKind::Fixed(FixedController {
+                bytes: self.window_fixed_bytes,
+            })
+        } else {
+            ControllerKind::Bdp(BdpController {
+                initial_window: self.window_initial_bytes,
+                window_bdps: self.window_bdps,
+                lean_bdps: self.window_lean_bdps,
+                max_queue_ns: self.window_max_queue_us.saturating_mul(1000),
+            })
+        };
+        DispatchConfig {
+            timeout_ns: self.timeout_ms.saturating_mul(1_000_000),
+            max_retries: self.max_retries,
+            controller,
+            high_wait_ns: self.bulk_chunk_wait_us.saturating_mul(1000),
+            min_bulk_chunk: self.min_bulk_chunk,
+            promotion: PromotionConfig {
+                timeout_ns: self.priority_promotion_timeout_us.saturating_mul(1000),
+                check_ns: self.priority_promotion_check_us.saturating_mul(1000),
+                only_when_starved: self.qos_promote_only_when_starved,
+            },
+            health: HealthConfig {
+                error_threshold: self.health_error_threshold,
+                error_window_ns: HealthConfig::default().error_window_ns,
+                initial_pause_ns: self.health_initial_pause_ms.saturating_mul(1_000_000),
+                max_pause_ns: self.health_max_pause_ms.saturating_mul(1_000_000),
+            },
+        }
+    }
+
+    /// The slicing plans for READ and WRITE requests.
+    pub fn plans(&self) -> Result<(SlicePlan, SlicePlan), ScenarioError> {
+        let read = SlicePlan::new(self.block_size, self.max_slices_per_request)
+            .map_err(|e| bad("policy.max_slices_per_request", e.to_string()))?;
+        let write = SlicePlan::new(self.block_size, self.max_slices_per_write)
+            .map_err(|e| bad("policy.max_slices_per_write", e.to_string()))?;
+        Ok((read, write))
+    }
+}
+
+/// How a workload's requests arrive.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arrival {
+    /// Each submitter keeps one batch outstanding and submits the next when it completes, as
+    /// `multirail bench --threads T --batch-size B` does.
+    Closed,
+    /// One request every `interval_us`.
+    Interval,
+    /// Requests at exponentially distributed gaps, `rate_per_sec` on average.
+    Poisson,
+}
+
+/// Who submits what.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Workload {
+    /// Name shown in reports.
+    pub name: String,
+    /// `high`, `medium` or `low`.
+    pub priority: String,
+    /// `read` or `write` (decides the slicing cap).
+    #[serde(default = "default_op")]
+    pub op: String,
+    /// Request size, bytes.
+    pub size: u64,
+    /// Submitters (closed loop).
+    #[serde(default = "one_usize")]
+    pub threads: usize,
+    /// Requests per batch (closed loop).
+    #[serde(default = "one_usize")]
+    pub batch: usize,
+    /// NUMA node of the buffers.
+    #[serde(default)]
+    pub numa_node: i32,
+    /// How requests arrive (default closed).
+    #[serde(default = "default_arrival")]
+    pub arrival: Arrival,
+    /// For `interval`: the gap, microseconds.
+    #[serde(default)]
+    pub interval_us: f64,
+    /// For `poisson`: requests per second.
+    #[serde(default)]
+    pub rate_per_sec: f64,
+    /// Starts at, ms (default 0).
+    #[serde(default)]
+    pub start_ms: u64,
+    /// Stops submitting at, ms (default: the end).
+    #[serde(default)]
+    pub stop_ms: Option<u64>,
+}
+
+fn default_op() -> String {
+    "write".into()
+}
+
+fn one_usize() -> usize {
+    1
+}
+
+fn default_arrival() -> Arrival {
+    Arrival::Closed
+}
+
+impl Workload {
+    /// The priority named.
+    pub fn priority(&self) -> Priority {
+        match self.priority.as_str() {
+            "high" => Priority::High,
+            "medium" => Priority::Medium,
+            _ => Priority::Low,
+        }
+    }
+
+    /// True for a READ workload.
+    pub fn is_read(&self) -> bool {
+        self.op == "read"
+    }
+}
+
+/// A change to one link at one time.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LinkEvent {
+    /// When, ms.
+    pub at_ms: u64,
+    /// Which rail (index).
+    pub rail: usize,
+    /// `fail`, `recover` or `rate`.
+    pub action: String,
+    /// For `rate`: the new line rate, Gbit/s.
+    #[serde(default)]
+    pub gbps: f64,
+}
+
+impl Run {
+    fn validate(&self) -> Result<(), ScenarioError> {
+        if self.duration_ms == 0 {
+            return Err(bad("duration_ms", "must be at least 1"));
+        }
+        if self.sample_ms == 0 {
+            return Err(bad("sample_ms", "must be at least 1"));
+        }
+        if self.rails.is_empty() {
+            return Err(bad("rails", "needs at least one rail"));
+        }
+        for (i, r) in self.rails.iter().enumerate() {
+            if !(r.gbps > 0.0 && r.gbps.is_finite()) {
+                return Err(bad(
+                    format!("rails[{i}].gbps"),
+                    format!("must be > 0, got {}", r.gbps),
+                ));
+            }
+            if !(r.latency_us >= 0.0 && r.latency_us.is_finite()) {
+                return Err(bad(format!("rails[{i}].latency_us"), "must be >= 0"));
+            }
+            if !(r.ops_per_sec >= 0.0 && r.ops_per_sec.is_finite()) {
+                return Err(bad(format!("rails[{i}].ops_per_sec"), "must be >= 0"));
+            }
+            if !(r.efficiency > 0.0 && r.efficiency <= 1.0) {
+                return Err(bad(
+                    format!("rails[{i}].efficiency"),
+                    "must be within (0, 1]",
+                ));
+            }
+        }
+        let p = &self.policy;
+        if !["bdp", "fixed"].contains(&p.window_controller.as_str()) {
+            return Err(bad(
+                "policy.window_controller",
+                format!("must be bdp or fixed, got {:?}", p.window_controller),
+            ));
+        }
+        if p.connections_per_rail == 0 {
+            return Err(bad("policy.connections_per_rail", "must be at least 1"));
+        }
+        if p.link_check_ms == 0 {
+            return Err(bad("policy.link_check_ms", "must be at least 1"));
+        }
+        p.plans()?;
+        if self.workloads.is_empty() {
+            return Err(bad("workloads", "needs at least one workload"));
+        }
+        for (i, w) in self.workloads.iter().enumerate() {
+            let key = |k: &str| format!("workloads[{i}].{k}");
+            if !["high", "medium", "low"].contains(&w.priority.as_str()) {
+                return Err(bad(
+                    key("priority"),
+                    format!("must be high, medium or low, got {:?}", w.priority),
+                ));
+            }
+            if !["read", "write"].contains(&w.op.as_str()) {
+                return Err(bad(
+                    key("op"),
+                    format!("must be read or write, got {:?}", w.op),
+                ));
+            }
+            if w.size == 0 {
+                return Err(bad(key("size"), "must be at least 1"));
+            }
+            if w.threads == 0 || w.batch == 0 {
+                return Err(bad(key("threads"), "threads and batch must be at least 1"));
+            }
+            match w.arrival {
+                Arrival::Interval if !positive(w.interval_us) => {
+                    return Err(bad(key("interval_us"), "must be > 0 for interval arrivals"))
+                }
+                Arrival::Poisson if !positive(w.rate_per_sec) => {
+                    return Err(bad(key("rate_per_sec"), "must be > 0 for poisson arrivals"))
+                }
+                _ => {}
+            }
+        }
+        for (i, e) in self.events.iter().enumerate() {
+            let key = |k: &str| format!("events[{i}].{k}");
+            if e.rail >= self.rails.len() {
+                return Err(bad(
+                    key("rail"),
+                    format!("no rail {} (there are {})", e.rail, self.rails.len()),
+                ));
+            }
+            match e.action.as_str() {
+                "fail" | "recover" => {}
+                "rate" if e.gbps > 0.0 && e.gbps.is_finite() => {}
+                "rate" => return Err(bad(key("gbps"), "must be > 0 for a rate change")),
+                other => {
+                    return Err(bad(
+                        key("action"),
+                        format!("must be fail, recover or rate, got {other:?}"),
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// True for a finite number above zero (false for NaN).
+fn positive(v: f64) -> bool {
+    v.is_finite() && v > 0.0
+}
+
+/// Merges `patch` into `base`: objects key by key, anything else replaced.
+fn merge(base: &mut Value, patch: &Value) {
+    match (base, patch) {
+        (Value::Object(b), Value::Object(p)) => {
+            for (k, v) in p {
+                merge(b.entry(k.clone()).or_insert(Value::Null), v);
+            }
+        }
+        (b, p) => *b = p.clone(),
+    }
+}
+
+fn parse(doc: Value, prefix: &str) -> Result<Run, ScenarioError> {
+    let run: Run = serde_path_to_error::deserialize(doc).map_err(|e| {
+        let path = e.path().to_string();
+        let key = if path == "." { String::new() } else { path };
+        bad(format!("{prefix}{key}"), e.into_inner().to_string())
+    })?;
+    run.validate().map_err(|e| ScenarioError {
+        key: format!("{prefix}{}", e.key),
+        ..e
+    })?;
+    Ok(run)
+}
+
+/// Parses a scenario document into its runs: the base alone when it lists no `runs`, else
+/// one per entry (the entry deep-merged into the base). Fails naming the first bad key.
+pub fn parse_runs(json: &str) -> Result<Vec<Run>, ScenarioError> {
+    let doc: Value =
+        serde_json::from_str(json).map_err(|e| bad("", format!("invalid JSON: {e}")))?;
+    let base = parse(doc.clone(), "")?;
+    if base.runs.is_empty() {
+        return Ok(vec![base]);
+    }
+    let mut runs = Vec::new();
+    for (i, patch) in base.runs.iter().enumerate() {
+        if !patch.is_object() {
+            return Err(bad(format!("runs[{i}]"), "must be an object"));
+        }
+        let mut merged = doc.clone();
+        if let Value::Object(m) = &mut merged {
+            m.remove("runs");
+        }
+        merge(&mut merged, patch);
+        if let (Value::Object(m), Some(name)) = (&mut merged, patch.get("name")) {
+            let full = format!("{}/{}", base.name, name.as_str().unwrap_or("?"));
+            m.insert("name".into(), Value::String(full));
+        }
+        runs.push(parse(merged, &format!("runs[{i}]."))?);
+    }
+    Ok(runs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIN: &str = r#"{"name": "t", "duration_ms": 10,
+        "rails": [{"name": "r0", "gbps": 100}],
+        "workloads": [{"name": "w", "priority": "low", "size": 1048576}]}"#;
+
+    #[test]
+    fn a_minimal_scenario_parses_with_the_policy_defaults() {
+        let runs = parse_runs(MIN).unwrap();
+        assert_eq!(runs.len(), 1);
+        assert_eq!(runs[0].policy.block_size, DEFAULT_BLOCK_SIZE);
+        assert!(runs[0].policy.enable_smart_scheduling);
+    }
+
+    #[test]
+    fn runs_override_the_base() {
+        let doc = MIN.trim_end_matches('}').to_owned()
+            + r#", "runs": [{"name": "rr", "policy": {"enable_smart_scheduling": false}}, {"name": "smart"}]}"#;
+        let runs = parse_runs(&doc).unwrap();
+        assert_eq!(runs.len(), 2);
+        assert_eq!(runs[0].name, "t/rr");
+        assert!(!runs[0].policy.enable_smart_scheduling);
+        assert!(runs[1].policy.enable_smart_scheduling);
+        assert_eq!(runs[1].rails.len(), 1);
+    }
+
+    #[test]
+    fn bad_keys_are_named() {
+        let e =
+            parse_runs(&MIN.replace("\"gbps\": 100", "\"gbps\": 100, \"speed\": 3")).unwrap_err();
+        assert!(e.key.starts_with("rails[0]"), "{e}");
+        assert!(e.message.contains("speed"), "{e}");
+        let e = parse_runs(&MIN.replace("\"low\"", "\"urgent\"")).unwrap_err();
+        assert_eq!(e.key, "workloads[0].priority");
+        let e = parse_runs(&MIN.replace("\"gbps\": 100", "\"gbps\": -1")).unwrap_err();
+        assert_eq!(e.key, "rails[0].gbps");
+        let doc = MIN.trim_end_matches('}').to_owned()
+            + r#", "runs": [{"name": "x", "policy": {"window_controller": "cubic"}}]}"#;
+        assert_eq!(
+            parse_runs(&doc).unwrap_err().key,
+            "runs[0].policy.window_controller"
+        );
+        assert_eq!(parse_runs("{").unwrap_err().key, "");
+    }
+}
