@@ -539,12 +539,19 @@ impl<'a> Sim<'a> {
     }
 
     fn finish(&mut self, req: usize, bytes: u64, failed: bool) {
-        let r = &mut self.requests[req];
+        let r = self
+            .requests
+            .get_mut(req)
+            .expect("a piece of a finished request came back: a slice was duplicated");
         if failed {
             r.failed += bytes;
         } else {
             r.done += bytes;
         }
+        assert!(
+            r.done + r.failed <= r.len,
+            "request {req} got more bytes than it has: a slice was duplicated"
+        );
         if r.done + r.failed < r.len {
             return;
         }
@@ -740,5 +747,103 @@ impl<'a> Sim<'a> {
             timeline,
             nic_numa: self.nics.iter().map(|n| n.numa_node).collect(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scenario::parse_runs;
+
+    fn run(doc: &str) -> Report {
+        let runs = parse_runs(doc).expect("scenario parses");
+        simulate(&runs[0]).expect("runs")
+    }
+
+    #[test]
+    fn one_rail_carries_its_line_rate() {
+        let r = run(r#"{"name": "one", "duration_ms": 200,
+            "rails": [{"name": "r0", "gbps": 100, "latency_us": 5}],
+            "workloads": [{"name": "w", "priority": "low", "size": 4194304, "threads": 4, "batch": 4}]}"#);
+        let line = 100.0 / 8.0;
+        assert!(
+            (r.gb_per_s / line - 1.0).abs() < 0.01,
+            "{} GB/s of {line}",
+            r.gb_per_s
+        );
+        assert_eq!(r.classes[0].failed, 0);
+        // The timeline accounts for every byte.
+        let from_timeline: f64 = r.timeline.iter().map(|s| s.gb_per_s).sum::<f64>() * 0.01;
+        let total: u64 = r.rails.iter().map(|x| x.bytes).sum();
+        assert!((from_timeline - total as f64 / 1e9).abs() < 1e-6);
+    }
+
+    #[test]
+    fn smart_mode_shares_unequal_rails_by_their_speed() {
+        let doc = r#"{"name": "two", "duration_ms": 300,
+            "rails": [{"name": "fast", "gbps": 300, "reported_gbps": 100}, {"name": "slow", "gbps": 100}],
+            "workloads": [{"name": "w", "priority": "low", "size": 4194304, "threads": 8, "batch": 4}]}"#;
+        let r = run(doc);
+        let share = r.rails[0].bytes as f64 / (r.rails[0].bytes + r.rails[1].bytes) as f64;
+        assert!((share - 0.75).abs() < 0.05, "fast rail carried {share:.3}");
+        assert!(r.gb_per_s > 0.9 * 50.0, "{} GB/s", r.gb_per_s);
+        // Round-robin deals evenly and is held to twice the slow rail.
+        let rr = run(&doc.replace(
+            r#""duration_ms": 300,"#,
+            r#""duration_ms": 300, "policy": {"enable_smart_scheduling": false},"#,
+        ));
+        assert!(rr.gb_per_s < 0.55 * 50.0, "{} GB/s", rr.gb_per_s);
+    }
+
+    #[test]
+    fn a_failed_link_loses_nothing_and_its_rail_comes_back() {
+        let r = run(r#"{"name": "fail", "duration_ms": 3000, "sample_ms": 50,
+            "rails": [{"name": "a", "gbps": 100}, {"name": "b", "gbps": 100}],
+            "policy": {"block_size": 1048576, "health_initial_pause_ms": 1000},
+            "workloads": [{"name": "w", "priority": "low", "size": 4194304, "threads": 4, "batch": 4, "stop_ms": 2500}],
+            "events": [{"at_ms": 300, "rail": 1, "action": "fail"}, {"at_ms": 800, "rail": 1, "action": "recover"}]}"#);
+        assert_eq!(r.classes[0].failed, 0, "no request failed");
+        assert_eq!(r.unfinished_requests, 0, "every request finished");
+        assert!(r.retried > 0, "slices on the failed link were handed back");
+        assert_eq!(r.rails_paused, 1);
+        assert!(r.probes >= 1);
+        // Down from the failure until the probe after the pause (detected at 300 ms, paused
+        // 1 s), carrying again after.
+        let rail_b = |t: u64| {
+            r.timeline
+                .iter()
+                .find(|s| s.t_ms == t)
+                .unwrap()
+                .rails_gb_per_s[1]
+        };
+        assert_eq!(rail_b(1000), 0.0);
+        assert!(rail_b(2000) > 10.0);
+    }
+
+    #[test]
+    fn high_requests_report_their_own_latency() {
+        let r = run(r#"{"name": "q", "duration_ms": 50,
+            "rails": [{"name": "a", "gbps": 100, "latency_us": 10}],
+            "workloads": [{"name": "h", "priority": "high", "size": 65536, "arrival": "interval", "interval_us": 100}]}"#);
+        let c = &r.classes[0];
+        assert_eq!(c.requests, 500);
+        // 64 KiB at 12.5 GB/s plus two 10 us latencies.
+        let expected = 65536.0 / 12.5e3 + 20.0;
+        assert!(
+            (c.latency_us.p50 - expected).abs() < 1.0,
+            "{} vs {expected}",
+            c.latency_us.p50
+        );
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_run() {
+        let doc = r#"{"name": "d", "duration_ms": 100, "seed": 9,
+            "rails": [{"name": "a", "gbps": 100}, {"name": "b", "gbps": 50}],
+            "workloads": [{"name": "w", "priority": "low", "size": 1048576, "threads": 2, "batch": 2},
+                          {"name": "p", "priority": "high", "size": 65536, "arrival": "poisson", "rate_per_sec": 10000}]}"#;
+        let (a, b) = (run(doc), run(doc));
+        assert_eq!(a.slices, b.slices);
+        assert_eq!(a.rails[0].bytes, b.rails[0].bytes);
     }
 }
