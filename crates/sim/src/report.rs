@@ -83,8 +83,9 @@ pub struct Adaptation {
     pub at_ms: u64,
     /// Line rate of all rails after the change, GB/s.
     pub new_line_rate_gb_per_s: f64,
-    /// Time from the change until throughput reached 0.85 × the new line rate and stayed there
-    /// (the criterion `bench/rails` applies), ms; `None` if it never did.
+    /// Time from the change to the end of the first sample window from which throughput stays
+    /// at or above 0.85 × the new line rate (the criterion `bench/rails` applies to its
+    /// intervals), ms; so at best one sample window. `None` if it never did.
     pub recovered_ms: Option<u64>,
 }
 
@@ -110,10 +111,7 @@ impl Adaptation {
         let judged = after.len().saturating_sub(1).max(1).min(after.len());
         let recovered = (0..judged)
             .find(|&i| after[i..judged].iter().all(|s| s.gb_per_s >= target))
-            .map(|i| {
-                let window_start = after[i].t_ms - run.sample_ms;
-                window_start.max(event.at_ms) - event.at_ms
-            });
+            .map(|i| after[i].t_ms - event.at_ms);
         Adaptation {
             event: format!(
                 "rail {} {} {}",
