@@ -36,7 +36,7 @@ fuzz_target!(|data: &[u8]| {
         Ok(h) => {
             assert!(data.len() >= REQUEST_LEN);
             assert!((1..=MAX_SLICE_LEN).contains(&h.len), "{h:?}");
-            assert!(h.priority <= 2, "{h:?}");
+            assert!(h.priority.as_u8() <= 2, "{h:?}");
             let mut out = [0u8; REQUEST_LEN];
             h.encode(&mut out);
             same_meaning(&data[..REQUEST_LEN], &out, REQUEST_RESERVED);

@@ -15,7 +15,8 @@ use clap::{Args, ValueEnum};
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
 use multirail::{
-    Buffer, Config, Engine, Location, Opcode, RailTraffic, Request, SegmentId, TransportChoice,
+    Buffer, Config, Engine, Location, Opcode, Priority, RailTraffic, Request, SegmentId,
+    TransportChoice,
 };
 
 use crate::pattern;
@@ -90,7 +91,7 @@ pub struct BenchArgs {
     verify: bool,
     /// Priority of every request: high, medium or low. Default: high.
     #[arg(long, default_value = "high", value_parser = parse_priority)]
-    priority: u8,
+    priority: Priority,
     /// Mixed workload instead of --block-size/--threads/--priority: comma-separated
     /// priority:block:submitters, at most 1024 submitters in all, e.g.
     /// high:64KiB:1,low:4MiB:8. Default: off.
@@ -180,7 +181,7 @@ struct Plan {
 #[derive(Clone)]
 struct Submitter {
     class: usize,
-    priority: u8,
+    priority: Priority,
     block: u64,
     batch: usize,
     base: u64,
@@ -190,12 +191,12 @@ struct Submitter {
 /// A class of a mixed workload: `priority:block:submitters`.
 #[derive(Clone, Debug, PartialEq)]
 struct Class {
-    priority: u8,
+    priority: Priority,
     block: u64,
     submitters: usize,
 }
 
-fn parse_priority(s: &str) -> Result<u8, String> {
+fn parse_priority(s: &str) -> Result<Priority, String> {
     match s.to_ascii_lowercase().as_str() {
         "high" | "0" => Ok(multirail::PRIO_HIGH),
         "medium" | "1" => Ok(multirail::PRIO_MEDIUM),
@@ -206,8 +207,8 @@ fn parse_priority(s: &str) -> Result<u8, String> {
     }
 }
 
-fn priority_name(p: u8) -> &'static str {
-    ["high", "medium", "low"][(p as usize).min(2)]
+fn priority_name(p: Priority) -> &'static str {
+    ["high", "medium", "low"][p.index()]
 }
 
 /// A parsed `--mix` (a newtype so clap takes the whole list as one value).
@@ -1132,7 +1133,7 @@ mod tests {
     fn regions_are_never_empty() {
         let one = |block, submitters| {
             vec![Class {
-                priority: 0,
+                priority: Priority::High,
                 block,
                 submitters,
             }]

@@ -40,6 +40,7 @@ pub use engine::{BatchId, Engine, Request, SegmentId, PRIO_HIGH, PRIO_LOW, PRIO_
 pub use error::{Error, Result};
 pub use memory::{Buffer, Location};
 pub use messaging::{Message, Notification};
+pub use multirail_policy::qos::Priority;
 pub use qos::{PriorityTraffic, QosTraffic};
 pub use server::ConnectionStats;
 pub use stats::{RailTraffic, Traffic};

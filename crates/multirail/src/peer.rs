@@ -1,12 +1,11 @@
 //! What the engine keeps about an opened segment: its descriptor (cached, refetched when a target
-//! address is not in it), whether it shares this host, and the transport state to reach it.
+//! address is not in it) and whether it shares this host. Each transport keeps its own state
+//! for the peer, by its id.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::sync::{Arc, RwLock};
 
-use crate::memory::PeerMapping;
 use crate::segment::SegmentDescriptor;
 
 /// An opened segment.
@@ -21,10 +20,6 @@ pub(crate) struct Peer {
     pub same_process: bool,
     /// Becomes readable when the peer process exits; only for same-host peers.
     pidfd: Option<OwnedFd>,
-    /// Mappings of the peer's memfd buffers, by (address, key).
-    pub mappings: Mutex<HashMap<(u64, u64), Arc<PeerMapping>>>,
-    /// Whether the kernel lets us use process_vm_readv/writev on this peer.
-    pub process_vm_allowed: OnceLock<bool>,
 }
 
 fn pidfd_open(pid: u32) -> Option<OwnedFd> {
@@ -61,8 +56,6 @@ impl Peer {
             same_host,
             same_process,
             pidfd,
-            mappings: Mutex::default(),
-            process_vm_allowed: OnceLock::new(),
         }
     }
 

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use multirail_policy::qos::{self as policy, PromotionConfig, LEVELS};
+use multirail_policy::qos::{self as policy, Priority, PromotionConfig, LEVELS};
 
 use crate::config::RdmaConfig;
 use crate::error::Result;
@@ -130,11 +130,7 @@ impl Qos {
             )?)
         };
         Ok(Qos {
-            promotion: PromotionConfig {
-                timeout_ns: rdma.priority_promotion_timeout_us.saturating_mul(1000),
-                check_ns: rdma.priority_promotion_check_us.saturating_mul(1000),
-                only_when_starved: rdma.qos_promote_only_when_starved,
-            },
+            promotion: rdma.promotion(),
             filtering: rdma.enable_priority_filtering,
             rotation_ns: rdma.local_rotation_interval_us.saturating_mul(1000).max(1),
             work_conserving: rdma.qos_work_conserving,
@@ -193,7 +189,7 @@ impl Qos {
         }
         // Slot 2 admits everything; MEDIUM also goes in slot 1. A little past the boundary,
         // so the pump finds the new slot in force.
-        let medium = self.queued[policy::MEDIUM as usize].load(Ordering::Relaxed) > 0;
+        let medium = self.queued[Priority::Medium.index()].load(Ordering::Relaxed) > 0;
         let mut wait = g.until_slot(2);
         if medium {
             wait = wait.min(g.until_slot(1));
@@ -219,9 +215,9 @@ impl Qos {
 
     /// Records that an shm copy job of `priority` left the queue at `now` after `waited_ns`:
     /// wait statistics, and for MEDIUM and LOW that bulk is moving on this host.
-    pub(crate) fn host_dequeued(&self, priority: u8, waited_ns: u64, now: Instant) {
-        let p = (priority as usize).min(LEVELS - 1);
-        if p != policy::HIGH as usize {
+    pub(crate) fn host_dequeued(&self, priority: Priority, waited_ns: u64, now: Instant) {
+        let p = priority.index();
+        if priority.is_bulk() {
             let now_ns = now.saturating_duration_since(self.epoch).as_nanos() as u64;
             self.host_bulk_ns.store(now_ns.max(1), Ordering::Relaxed);
         }
@@ -240,8 +236,8 @@ impl Qos {
     }
 
     /// Records that a slice of `priority` left the queue at `now` after `waited_ns`.
-    pub(crate) fn dequeued(&self, priority: u8, waited_ns: u64, now: Instant) {
-        let p = (priority as usize).min(LEVELS - 1);
+    pub(crate) fn dequeued(&self, priority: Priority, waited_ns: u64, now: Instant) {
+        let p = priority.index();
         let now_ns = now.saturating_duration_since(self.epoch).as_nanos() as u64;
         self.last_posted_ns[p].store(now_ns.max(1), Ordering::Relaxed);
         if let Some(g) = &self.global {
@@ -253,8 +249,8 @@ impl Qos {
     /// Whether `priority` has work anywhere in the engine at `now`, or, with shared slots, in
     /// any process attached to them: some of it queued, or some posted within the last
     /// [`ACTIVE_NS`]. So bulk in one process makes room for another process's HIGH stream.
-    pub(crate) fn has_work(&self, priority: u8, now: Instant) -> bool {
-        let p = (priority as usize).min(LEVELS - 1);
+    pub(crate) fn has_work(&self, priority: Priority, now: Instant) -> bool {
+        let p = priority.index();
         let now_ns = now.saturating_duration_since(self.epoch).as_nanos() as u64;
         let last = self.last_posted_ns[p].load(Ordering::Relaxed);
         self.queued[p].load(Ordering::Relaxed) > 0
@@ -292,7 +288,7 @@ impl Qos {
     }
 
     /// Whether the global slot lets `priority` post now (always, without shared slots).
-    pub(crate) fn slot_admits(&self, priority: u8) -> bool {
+    pub(crate) fn slot_admits(&self, priority: Priority) -> bool {
         match &self.global {
             Some(g) => g.admits(priority),
             None => true,
@@ -305,13 +301,16 @@ impl Qos {
         now: Instant,
         rail: usize,
         rails: usize,
-        priority: u8,
+        priority: Priority,
     ) -> bool {
         if !self.filtering {
             return true;
         }
         let step = now.saturating_duration_since(self.epoch).as_nanos() as u64 / self.rotation_ns;
-        let waiting = [self.has_work(0, now), self.has_work(1, now)];
+        let waiting = [
+            self.has_work(Priority::High, now),
+            self.has_work(Priority::Medium, now),
+        ];
         policy::rail_admits(step, rail, rails, priority, waiting, self.work_conserving)
     }
 

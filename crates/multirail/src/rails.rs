@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use multirail_policy::selector::{self, DeviceSelector, RailId, SelectorConfig, SliceShape};
+use multirail_policy::selector::{self, DeviceSelector, RailId, SliceShape};
 
 use crate::config::RdmaConfig;
 use crate::memory::Location;
@@ -25,30 +25,13 @@ pub(crate) struct RailScheduler {
     windows: Vec<std::sync::atomic::AtomicU64>,
 }
 
-/// The selector settings TENT's keys give.
-pub(crate) fn selector_config(rdma: &RdmaConfig) -> SelectorConfig {
-    SelectorConfig {
-        enable_smart_scheduling: rdma.enable_smart_scheduling,
-        numa_penalties: rdma.numa_penalties.clone(),
-        bandwidth_learning_rate: rdma.bandwidth_learning_rate,
-        ewma_min_bandwidth_multiplier: rdma.ewma_min_bandwidth_multiplier,
-        ewma_max_bandwidth_multiplier: rdma.ewma_max_bandwidth_multiplier,
-        score_jitter_range: rdma.score_jitter_range,
-        score_epsilon: rdma.score_epsilon,
-        default_bandwidth_gbps: rdma.default_bandwidth_gbps,
-        min_bandwidth_gbps: rdma.min_bandwidth_gbps,
-        max_bandwidth_gbps: rdma.max_bandwidth_gbps,
-        min_sample_ns: rdma.bandwidth_sample_min_us.saturating_mul(1000),
-    }
-}
-
 impl RailScheduler {
     pub(crate) fn new(topology: Topology, rdma: &RdmaConfig, stats: &TrafficStats) -> Self {
         let reported: Vec<Option<f64>> = topology.rails.iter().map(|r| r.reported_gbps).collect();
         let counters = topology.rails.iter().map(|r| stats.rail(&r.name)).collect();
         RailScheduler {
             selector: Mutex::new(DeviceSelector::new(
-                selector_config(rdma),
+                rdma.selector_config(),
                 &reported,
                 rand::random(),
             )),

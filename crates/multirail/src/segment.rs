@@ -90,6 +90,11 @@ pub fn local_host_id() -> String {
     format!("{boot}/{pidns}")
 }
 
+/// Handle of an opened segment, returned by `Engine::open_segment`: the engine's id of the
+/// peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SegmentId(pub u64);
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-use multirail_policy::qos;
+use multirail_policy::qos::{self, Priority};
 
 use crate::error::{Error, Result};
 
@@ -397,10 +397,10 @@ impl GlobalSlots {
     /// Records that this process posted a slice of `priority` at `now_ns` (CLOCK_MONOTONIC),
     /// so other processes see its HIGH or MEDIUM stream as work, and its MEDIUM or LOW stream
     /// as bulk keeping the host's cores busy.
-    pub fn note_posted(&self, priority: u8, now_ns: u64) {
+    pub fn note_posted(&self, priority: Priority, now_ns: u64) {
         let Some(t) = self.header().procs[self.entry]
             .posted_ns
-            .get(priority as usize)
+            .get(priority.index())
         else {
             return;
         };
@@ -412,8 +412,8 @@ impl GlobalSlots {
     /// Whether some attached process (this one included) has `priority` work: slices queued,
     /// or one posted within [`ACTIVE_NS`], as of the rotation thread's last look. Always false
     /// for LOW, which nothing makes room for.
-    pub fn has_work(&self, priority: u8) -> bool {
-        let p = priority as usize;
+    pub fn has_work(&self, priority: Priority) -> bool {
+        let p = priority.index();
         p < 2
             && (self.totals[p].load(Ordering::Relaxed) > 0
                 || self.active[p].load(Ordering::Relaxed))
@@ -427,8 +427,11 @@ impl GlobalSlots {
 
     /// Whether `priority` may post now. Work-conserving slots admit an excluded priority when
     /// no process has work of the priorities above it (see [`GlobalSlots::has_work`]).
-    pub fn admits(&self, priority: u8) -> bool {
-        let work = [self.has_work(0) as u64, self.has_work(1) as u64];
+    pub fn admits(&self, priority: Priority) -> bool {
+        let work = [
+            self.has_work(Priority::High) as u64,
+            self.has_work(Priority::Medium) as u64,
+        ];
         qos::admits(self.current_slot(), priority, work, self.work_conserving)
     }
 

@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use multirail_policy::qos::LEVELS;
+use multirail_policy::qos::{Priority, LEVELS};
 
 use crate::qos::QosTraffic;
 
@@ -23,10 +23,9 @@ pub(crate) struct RailCounters {
 impl RailCounters {
     /// Counts `slices` slices of `bytes` in all, moved at `priority` (values above LOW count
     /// as LOW).
-    pub(crate) fn record_at(&self, priority: u8, bytes: u64, slices: u64) {
+    pub(crate) fn record_at(&self, priority: Priority, bytes: u64, slices: u64) {
         self.record(bytes, slices);
-        self.priority_bytes[(priority as usize).min(LEVELS - 1)]
-            .fetch_add(bytes, Ordering::Relaxed);
+        self.priority_bytes[priority.index()].fetch_add(bytes, Ordering::Relaxed);
     }
     pub(crate) fn record(&self, bytes: u64, slices: u64) {
         self.bytes.fetch_add(bytes, Ordering::Relaxed);

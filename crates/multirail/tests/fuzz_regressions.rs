@@ -22,7 +22,7 @@ fn request(len: u32) -> [u8; REQUEST_LEN] {
         id: u64::MAX,
         addr: u64::MAX,
         key: u64::MAX,
-        priority: 2,
+        priority: multirail::Priority::Low,
     }
     .encode(&mut b);
     b
@@ -51,7 +51,10 @@ fn request_fields_outside_their_range_are_refused() {
     for priority in 0..=2 {
         let mut b = good;
         b[1] = priority;
-        assert_eq!(RequestHeader::decode(&b).unwrap().priority, priority);
+        assert_eq!(
+            RequestHeader::decode(&b).unwrap().priority.as_u8(),
+            priority
+        );
     }
 }
 

@@ -130,7 +130,7 @@ fn a_stranger_speaking_the_wire_protocol_is_refused_before_any_slice() {
         id: 0,
         addr: dst.addr(),
         key: dst.key(),
-        priority: 0,
+        priority: multirail::Priority::High,
     }
     .encode(&mut frame);
     // The target closes after the verdict; these bytes go nowhere.

@@ -64,7 +64,7 @@ fn pair(work_conserving: bool, len: usize) -> Pair {
 impl Pair {
     /// Writes `len` bytes at `off` with `priority` over tcp, in requests of `piece` bytes, and
     /// waits for them.
-    fn write(&self, off: usize, len: usize, piece: usize, priority: u8) {
+    fn write(&self, off: usize, len: usize, piece: usize, priority: multirail::Priority) {
         let reqs: Vec<Request> = (off..off + len)
             .step_by(piece)
             .map(|o| {

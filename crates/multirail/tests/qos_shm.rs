@@ -40,7 +40,7 @@ fn write(
     dst: &Buffer,
     dst_off: usize,
     len: usize,
-    priority: u8,
+    priority: multirail::Priority,
 ) -> Request {
     let mut r = Request::write(
         src.addr() + src_off as u64,
@@ -86,7 +86,7 @@ fn landed(src: &Buffer, dst: &Buffer, dst_off: usize, len: usize) -> bool {
 /// as it delays the test thread, which competes with the two workers for the same cores. The
 /// buffers and batches are set up before the first submit so nothing else runs in that window,
 /// and the tests of this file run one at a time.
-fn small_request_passes_queued_low_bulk(small: u8, seed: u64) {
+fn small_request_passes_queued_low_bulk(small: multirail::Priority, seed: u64) {
     const LOW_REQUESTS: usize = 16;
     const LOW_LEN: usize = 32 << 20;
     const SMALL_LEN: usize = 64 << 10;
@@ -143,7 +143,7 @@ fn small_request_passes_queued_low_bulk(small: u8, seed: u64) {
     }
 
     let qos = init.qos_stats();
-    let used = |p: u8| qos.priorities[p as usize].dequeued;
+    let used = |p: multirail::Priority| qos.priorities[p.index()].dequeued;
     assert!(used(small) >= 1, "{qos:?}");
     assert!(used(PRIO_LOW) >= 1, "{qos:?}");
     let dequeued: u64 = qos.priorities.iter().map(|p| p.dequeued).sum();
@@ -238,7 +238,7 @@ fn promotion_lets_low_finish_under_a_continuous_high_stream() {
     }
     let qos = init.qos_stats();
     assert!(
-        qos.priorities[PRIO_HIGH as usize].dequeued as usize >= high_writes,
+        qos.priorities[PRIO_HIGH.index()].dequeued as usize >= high_writes,
         "{qos:?}"
     );
     // The stream keeps about 128 MiB of HIGH jobs queued (tens of ms of copying): for LOW to get

@@ -129,14 +129,6 @@ fn bad_requests_are_refused_with_the_right_error() {
         init.submit(batch, &[zero]),
         Err(Error::InvalidArgument { arg: "length", .. })
     ));
-    let prio = Request { priority: 3, ..ok };
-    assert!(matches!(
-        init.submit(batch, &[prio]),
-        Err(Error::InvalidArgument {
-            arg: "priority",
-            ..
-        })
-    ));
     let unregistered = Request { source: 0x10, ..ok };
     assert!(matches!(
         init.submit(batch, &[unregistered]),

@@ -99,7 +99,7 @@ fn target_closes_connections_that_send_garbage() {
         id: 0,
         addr: buf.addr(),
         key: buf.key(),
-        priority: 0,
+        priority: multirail::Priority::High,
     }
     .encode(&mut frame);
     frame[0] = 77;
@@ -150,7 +150,7 @@ fn target_refuses_wrong_key_and_out_of_bounds_without_closing() {
             id: id as u64,
             addr,
             key,
-            priority: 2,
+            priority: multirail::Priority::Low,
         }
         .encode(&mut frame);
         s.write_all(&frame).unwrap();

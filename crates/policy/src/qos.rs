@@ -1,17 +1,17 @@
 //! Quality of service: per-worker priority queues with promotion, the global slot schedule, and
 //! priority-aware rail filtering.
 //!
-//! Priorities are `0` (HIGH), `1` (MEDIUM) and `2` (LOW), as in TENT. Time is nanoseconds on any
-//! monotonic clock the caller chooses.
+//! Priorities are [`Priority`] values, TENT's `0` (HIGH), `1` (MEDIUM) and `2` (LOW). Time is
+//! nanoseconds on any monotonic clock the caller chooses.
 
 use std::collections::VecDeque;
 
 /// HIGH priority.
-pub const HIGH: u8 = 0;
+pub const HIGH: Priority = Priority::High;
 /// MEDIUM priority.
-pub const MEDIUM: u8 = 1;
+pub const MEDIUM: Priority = Priority::Medium;
 /// LOW priority.
-pub const LOW: u8 = 2;
+pub const LOW: Priority = Priority::Low;
 /// Number of priority levels.
 pub const LEVELS: usize = 3;
 
@@ -117,7 +117,7 @@ pub struct Dequeued<T> {
     /// The item.
     pub item: T,
     /// Level it left from (after any promotion).
-    pub priority: u8,
+    pub priority: Priority,
     /// Time since it was first queued.
     pub waited_ns: u64,
 }
@@ -145,12 +145,12 @@ impl<T> PriorityQueues<T> {
         }
     }
 
-    fn level(priority: u8) -> usize {
-        (priority as usize).min(LEVELS - 1)
+    fn level(priority: Priority) -> usize {
+        priority.index()
     }
 
-    /// Queues `item` at `priority` (values above LOW count as LOW) behind its level.
-    pub fn push_back(&mut self, item: T, priority: u8, now_ns: u64) {
+    /// Queues `item` at `priority` behind its level.
+    pub fn push_back(&mut self, item: T, priority: Priority, now_ns: u64) {
         let level = Self::level(priority);
         self.levels[level].push_back(Entry {
             item,
@@ -162,7 +162,7 @@ impl<T> PriorityQueues<T> {
 
     /// Queues `item` ahead of its level, for work handed back after a failure, which already
     /// waited its turn once. `queued_ns` is when it was first queued.
-    pub fn push_front(&mut self, item: T, priority: u8, queued_ns: u64, now_ns: u64) {
+    pub fn push_front(&mut self, item: T, priority: Priority, queued_ns: u64, now_ns: u64) {
         let level = Self::level(priority);
         self.levels[level].push_front(Entry {
             item,
@@ -197,31 +197,32 @@ impl<T> PriorityQueues<T> {
     }
 
     /// The highest non-empty level whose priority `admit` allows, and its head.
-    pub fn front(&self, admit: impl Fn(u8) -> bool) -> Option<(&T, u8)> {
-        (0..LEVELS as u8)
+    pub fn front(&self, admit: impl Fn(Priority) -> bool) -> Option<(&T, Priority)> {
+        Priority::ALL
+            .into_iter()
             .filter(|p| admit(*p))
-            .find_map(|p| self.levels[p as usize].front().map(|e| (&e.item, p)))
+            .find_map(|p| self.levels[p.index()].front().map(|e| (&e.item, p)))
     }
 
     /// Mutable access to the head of level `priority`.
-    pub fn front_mut(&mut self, priority: u8) -> Option<&mut T> {
+    pub fn front_mut(&mut self, priority: Priority) -> Option<&mut T> {
         self.levels[Self::level(priority)]
             .front_mut()
             .map(|e| &mut e.item)
     }
 
     /// The `k`-th entry (0 = head) of level `priority`.
-    pub fn get(&self, priority: u8, k: usize) -> Option<&T> {
+    pub fn get(&self, priority: Priority, k: usize) -> Option<&T> {
         self.levels[Self::level(priority)].get(k).map(|e| &e.item)
     }
 
     /// Entries waiting at level `priority`.
-    pub fn level_len(&self, priority: u8) -> usize {
+    pub fn level_len(&self, priority: Priority) -> usize {
         self.levels[Self::level(priority)].len()
     }
 
     /// Takes the head of level `priority`.
-    pub fn pop(&mut self, priority: u8, now_ns: u64) -> Option<Dequeued<T>> {
+    pub fn pop(&mut self, priority: Priority, now_ns: u64) -> Option<Dequeued<T>> {
         let level = Self::level(priority);
         let e = self.levels[level].pop_front()?;
         for l in [level, e.origin] {
@@ -235,10 +236,10 @@ impl<T> PriorityQueues<T> {
     }
 
     /// Takes every entry, highest level first (for failing them all).
-    pub fn drain_all(&mut self) -> Vec<(T, u8)> {
+    pub fn drain_all(&mut self) -> Vec<(T, Priority)> {
         let mut out = Vec::with_capacity(self.len());
-        for (p, level) in self.levels.iter_mut().enumerate() {
-            out.extend(level.drain(..).map(|e| (e.item, p as u8)));
+        for (level, p) in self.levels.iter_mut().zip(Priority::ALL) {
+            out.extend(level.drain(..).map(|e| (e.item, p)));
         }
         out
     }
@@ -276,7 +277,7 @@ impl<T> PriorityQueues<T> {
         }
         self.next_check_ns = now_ns.saturating_add(self.config.check_ns.max(1));
         let mut promoted = 0;
-        for from in [MEDIUM as usize, LOW as usize] {
+        for from in [MEDIUM.index(), LOW.index()] {
             let served = if self.config.only_when_starved {
                 self.served_ns[from]
             } else {
@@ -304,19 +305,19 @@ impl<T> PriorityQueues<T> {
 
 /// Priorities a global slot admits by TENT's schedule: slot 0 HIGH only, slot 1 HIGH and
 /// MEDIUM, slot 2 everything.
-pub fn slot_admits(slot: u8, priority: u8) -> bool {
-    priority <= slot.min(LOW)
+pub fn slot_admits(slot: u8, priority: Priority) -> bool {
+    priority.as_u8() <= slot.min(LOW.as_u8())
 }
 
 /// Whether `priority` may post during `slot`, given how much HIGH and MEDIUM work the processes
 /// have (`work[p]`: slices queued, or streams posting). With `work_conserving`, a slot that would exclude a priority admits
 /// it when no process has work at the levels the slot is reserved for, so bulk traffic is not
 /// held back while the reserved capacity would sit idle.
-pub fn admits(slot: u8, priority: u8, work: [u64; 2], work_conserving: bool) -> bool {
+pub fn admits(slot: u8, priority: Priority, work: [u64; 2], work_conserving: bool) -> bool {
     if slot_admits(slot, priority) {
         return true;
     }
-    work_conserving && (0..=slot.min(MEDIUM)).all(|p| work[p as usize] == 0)
+    work_conserving && (0..=slot.min(MEDIUM.as_u8())).all(|p| work[p as usize] == 0)
 }
 
 /// The slot in force at `now_ns` when slots of `interval_ns` rotate 0, 1, 2, 0, ...
@@ -333,7 +334,7 @@ pub fn rail_admits(
     step: u64,
     rail: usize,
     rails: usize,
-    priority: u8,
+    priority: Priority,
     higher_waiting: [bool; 2],
     work_conserving: bool,
 ) -> bool {
@@ -559,14 +560,17 @@ mod tests {
         /// One step of a random schedule: queue an item at a priority, or take the head.
         #[derive(Debug, Clone)]
         enum Op {
-            Push(u8),
+            Push(Priority),
             Pop,
         }
 
         fn ops() -> impl Strategy<Value = Vec<(Op, u64)>> {
             prop::collection::vec(
                 (
-                    prop_oneof![(0u8..3).prop_map(Op::Push), Just(Op::Pop)],
+                    prop_oneof![
+                        (0usize..3).prop_map(|p| Op::Push(Priority::ALL[p])),
+                        Just(Op::Pop)
+                    ],
                     0u64..4 * MS,
                 ),
                 1..300,
@@ -591,11 +595,11 @@ mod tests {
                     match op {
                         Op::Push(p) => {
                             q.push_back(id, p, now);
-                            model[p as usize].push_back(id);
+                            model[p.index()].push_back(id);
                         }
                         Op::Pop => {
                             let expected = model.iter_mut().enumerate().find_map(|(p, l)| {
-                                l.pop_front().map(|id| (id, p as u8))
+                                l.pop_front().map(|id| (id, Priority::ALL[p]))
                             });
                             let got = q.front(|_| true).map(|(_, p)| p).and_then(|p| {
                                 q.pop(p, now).map(|d| (d.item, d.priority))
@@ -626,7 +630,7 @@ mod tests {
                 let take = |q: &mut PriorityQueues<usize>, now: u64| {
                     let depths = q.depths();
                     let (_, p) = q.front(|_| true)?;
-                    assert!(depths[..p as usize].iter().all(|&n| n == 0), "{depths:?} {p}");
+                    assert!(depths[..p.index()].iter().all(|&n| n == 0), "{depths:?} {p}");
                     Some(q.pop(p, now).expect("front exists"))
                 };
                 for (id, (op, dt)) in schedule.into_iter().enumerate() {
@@ -642,7 +646,7 @@ mod tests {
                                 let (origin, at) = queued.remove(&d.item).expect("queued once");
                                 prop_assert!(d.priority <= origin);
                                 prop_assert_eq!(d.waited_ns, now - at);
-                                let climbed = u64::from(origin - d.priority);
+                                let climbed = (origin.index() - d.priority.index()) as u64;
                                 prop_assert!(d.waited_ns > climbed * timeout || climbed == 0);
                             }
                         }

@@ -37,6 +37,9 @@ pub const PROBE_INTERVAL: u64 = 100;
 const NS_PER_S: f64 = 1e9;
 /// "No rail yet" in the branch-free minimum search.
 const NONE: RailId = RailId::MAX;
+/// Default of [`SelectorConfig::min_sample_ns`]: a millisecond of busy time per sample.
+pub const DEFAULT_MIN_SAMPLE_NS: u64 = 1_000_000;
+
 /// Bytes per second in one Gbps.
 const BYTES_PER_S_PER_GBPS: f64 = 1e9 / 8.0;
 
@@ -69,7 +72,8 @@ pub struct SelectorConfig {
     /// Largest plausible reported bandwidth. Default 800 Gbps.
     pub max_bandwidth_gbps: f64,
     /// Busy time a bandwidth sample must span before the EWMA learns from it (multirail's own
-    /// setting, not TENT's). 0 = one sample per slice, as TENT does. Over TCP, completions arrive
+    /// setting `bandwidth_sample_min_us`, not TENT's; default 1 ms). 0 = one sample per slice,
+    /// as TENT does. Over TCP, completions arrive
     /// with scheduling and acknowledgement jitter of tens of microseconds, so per-slice samples
     /// of small slices swing by orders of magnitude; pooling the bytes and busy time of
     /// consecutive completions for a millisecond measures the rail instead of the jitter.
@@ -90,7 +94,7 @@ impl Default for SelectorConfig {
             default_bandwidth_gbps: 400.0,
             min_bandwidth_gbps: 10.0,
             max_bandwidth_gbps: 800.0,
-            min_sample_ns: 0,
+            min_sample_ns: DEFAULT_MIN_SAMPLE_NS,
         }
     }
 }
@@ -739,8 +743,12 @@ mod tests {
     const US: u64 = 1_000;
     const MS: u64 = 1_000_000;
 
+    /// TENT's selector: one bandwidth sample per slice (pooling is tested on its own).
     fn cfg() -> SelectorConfig {
-        SelectorConfig::default()
+        SelectorConfig {
+            min_sample_ns: 0,
+            ..SelectorConfig::default()
+        }
     }
 
     fn no_jitter() -> SelectorConfig {

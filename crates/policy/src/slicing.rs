@@ -227,8 +227,246 @@ impl ExactSizeIterator for Slices {}
 
 impl FusedIterator for Slices {}
 
+/// Where one copy job lies in its request. A same-host copy gains nothing from slices (they
+/// matter to rails), so the shm transport copies contiguous runs of whole slices, cut into
+/// jobs that a HIGH job never waits long behind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JobSpan {
+    /// Offset of the job's first byte from the start of the request.
+    pub offset: u64,
+    /// Bytes in the job; never 0.
+    pub len: u64,
+    /// Slices that start in the job, for the rail's slice count: at least 1 for a run of
+    /// whole slices; 0 for every piece but the first of a run cut by [`job_pieces`].
+    pub slices: u64,
+}
+
+/// The jobs of one request, in order of offset; see [`job_spans`].
+#[derive(Debug, Clone)]
+pub struct JobSpans {
+    /// Slices in the request.
+    count: u64,
+    /// Size of every slice but the last.
+    slice_size: u64,
+    /// Bytes in the request.
+    length: u64,
+    /// Jobs in all.
+    jobs: u64,
+    /// Index of the next job to yield.
+    next: u64,
+}
+
+/// Cuts the request sliced as `slices` into jobs: contiguous runs of whole slices, as evenly
+/// sized as whole slices allow, at least `min(slices, workers)` of them (so every worker can
+/// help with one request) and no more than needed to keep each job at most `max_job` bytes,
+/// which only a job of a single slice larger than that exceeds. Together the jobs cover every
+/// byte of the request exactly once and none is empty. Pure arithmetic: allocates nothing.
+pub fn job_spans(slices: &Slices, workers: usize, max_job: u64) -> JobSpans {
+    let count = slices.len() as u64;
+    let slice_size = slices.slice_size().max(1);
+    // Every slice but the last is `slice_size` long (the slicing module's contract); the last
+    // may be up to 1.25 times that, or shorter.
+    let last = slices.clone().nth(slices.len().saturating_sub(1));
+    let (last_offset, last_len) = last.map_or((0, 0), |s| (s.offset, s.length));
+    let length = last_offset + last_len;
+    let jobs = if count == 0 {
+        0
+    } else {
+        // Whole slices of full size that fit in one job, and slices that fit in the job that
+        // ends with the last slice.
+        let per_job = (max_job / slice_size).max(1);
+        let per_last_job = if last_len > max_job {
+            1
+        } else {
+            1 + (max_job - last_len) / slice_size
+        };
+        // Job `j` holds slices `j * count / jobs ..(j + 1) * count / jobs`: none holds more than
+        // ceil(count / jobs), and the last holds exactly that many.
+        (count.min(workers.max(1) as u64))
+            .max(count.div_ceil(per_job))
+            .max(count.div_ceil(per_last_job))
+    };
+    JobSpans {
+        count,
+        slice_size,
+        length,
+        jobs,
+        next: 0,
+    }
+}
+
+impl Iterator for JobSpans {
+    type Item = JobSpan;
+
+    fn next(&mut self) -> Option<JobSpan> {
+        if self.next >= self.jobs {
+            return None;
+        }
+        let j = self.next;
+        self.next += 1;
+        let first = j * self.count / self.jobs;
+        let end = (j + 1) * self.count / self.jobs;
+        let offset = first * self.slice_size;
+        let end_offset = if end == self.count {
+            self.length
+        } else {
+            end * self.slice_size
+        };
+        Some(JobSpan {
+            offset,
+            len: end_offset - offset,
+            slices: end - first,
+        })
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let n = (self.jobs - self.next) as usize;
+        (n, Some(n))
+    }
+}
+
+impl ExactSizeIterator for JobSpans {}
+
+/// Cuts every run of `runs` longer than `max_job` into equal contiguous pieces of at most
+/// `max_job` bytes (the first carries the run's slice count), leaving shorter runs whole.
+/// Returns the number of jobs and the jobs, which cover the same bytes as the runs, in order.
+/// Pure arithmetic: allocates nothing.
+pub fn job_pieces(runs: JobSpans, max_job: u64) -> (usize, impl Iterator<Item = JobSpan>) {
+    let max_job = max_job.max(1);
+    let count = runs.clone().map(|r| r.len.div_ceil(max_job)).sum::<u64>() as usize;
+    let jobs = runs.flat_map(move |run| {
+        let n = run.len.div_ceil(max_job);
+        (0..n).map(move |k| {
+            let start = run.len * k / n;
+            let end = run.len * (k + 1) / n;
+            JobSpan {
+                offset: run.offset + start,
+                len: end - start,
+                slices: if k == 0 { run.slices } else { 0 },
+            }
+        })
+    });
+    (count, jobs)
+}
+
 #[cfg(test)]
 mod tests {
+    fn spans(block: u64, max_slices: u32, length: u64, workers: usize) -> Vec<JobSpan> {
+        let plan = SlicePlan::new(block, max_slices).unwrap();
+        job_spans(&plan.slices(length).unwrap(), workers, MIB).collect()
+    }
+
+    fn lens(spans: &[JobSpan]) -> Vec<u64> {
+        spans.iter().map(|s| s.len).collect()
+    }
+
+    #[test]
+    fn bulk_requests_become_one_mib_jobs() {
+        // The default write plan: 64 KiB blocks, at most 32 slices.
+        let s = spans(64 * KIB, 32, 16 * MIB, 2);
+        assert_eq!(lens(&s), vec![MIB; 16], "32 slices of 512 KiB, two per job");
+        assert!(s.iter().all(|s| s.slices == 2));
+        assert_eq!(lens(&spans(64 * KIB, 32, 4 * MIB, 2)), vec![MIB; 4]);
+        // The default read plan: 64 slices of 64 KiB.
+        assert_eq!(lens(&spans(64 * KIB, 64, 4 * MIB, 2)), vec![MIB; 4]);
+    }
+
+    #[test]
+    fn small_requests_are_split_only_between_workers() {
+        assert_eq!(lens(&spans(64 * KIB, 32, 64 * KIB, 2)), vec![64 * KIB]);
+        assert_eq!(lens(&spans(64 * KIB, 32, 3, 8)), vec![3]);
+        assert_eq!(lens(&spans(64 * KIB, 32, 256 * KIB, 2)), vec![128 * KIB; 2]);
+        assert_eq!(lens(&spans(64 * KIB, 32, 256 * KIB, 8)), vec![64 * KIB; 4]);
+    }
+
+    #[test]
+    fn a_slice_larger_than_a_job_is_copied_in_job_sized_pieces() {
+        // 1 GiB in at most 32 slices: 32 MiB each, one per run...
+        let plan = SlicePlan::new(64 * KIB, 32).unwrap();
+        let slices = plan.slices(1 << 30).unwrap();
+        let runs = job_spans(&slices, 2, MIB);
+        assert_eq!(lens(&runs.clone().collect::<Vec<_>>()), vec![32 * MIB; 32]);
+        // ...each copied in 32 jobs of 1 MiB, the first of which counts the slice.
+        let (n, jobs) = job_pieces(runs, MIB);
+        let jobs: Vec<JobSpan> = jobs.collect();
+        assert_eq!((n, lens(&jobs)), (1024, vec![MIB; 1024]));
+        assert_eq!(jobs.iter().map(|j| j.slices).sum::<u64>(), 32);
+        assert_eq!((jobs[0].slices, jobs[1].slices, jobs[32].slices), (1, 0, 1));
+        // Runs within the bound are left whole.
+        let (n, jobs) = job_pieces(job_spans(&slices, 2, 64 * MIB), 64 * MIB);
+        assert_eq!((n, jobs.count()), (16, 16));
+    }
+
+    #[test]
+    fn the_long_last_slice_gets_a_job_of_its_own_when_needed() {
+        // Two slices, the last carrying a merged tail: 512 KiB + 612 KiB exceed 1 MiB together.
+        let s = spans(512 * KIB, 64, MIB + 100 * KIB, 1);
+        assert_eq!(lens(&s), vec![512 * KIB, 612 * KIB]);
+        // 4 × 256 KiB + a 60 KiB tail merged into the last: 512 KiB + 572 KiB.
+        let s = spans(256 * KIB, 64, MIB + 60 * KIB, 1);
+        assert_eq!(lens(&s), vec![512 * KIB, 572 * KIB]);
+    }
+
+    proptest! {
+        #[test]
+        fn jobs_cover_every_byte_once_in_whole_slices(
+            length in 1u64..(64 * MIB),
+            block in 1u64..(4 * MIB),
+            max_slices in 1u32..128,
+            workers in 1usize..9,
+            max_job in 1u64..(4 * MIB),
+        ) {
+            let plan = SlicePlan::new(block, max_slices).unwrap();
+            let slices = plan.slices(length).unwrap();
+            let bounds: Vec<u64> = slices.clone().map(|s| s.offset).collect();
+            let count = bounds.len() as u64;
+            let slice_len: Vec<u64> = slices.clone().map(|s| s.length).collect();
+            let jobs: Vec<JobSpan> = job_spans(&slices, workers, max_job).collect();
+            prop_assert_eq!(jobs.len(), job_spans(&slices, workers, max_job).len());
+            prop_assert!(jobs.len() as u64 >= count.min(workers as u64));
+            let mut offset = 0;
+            let mut first = 0usize;
+            for job in &jobs {
+                prop_assert_eq!(job.offset, offset, "contiguous");
+                prop_assert!(job.len > 0 && job.slices > 0, "never empty");
+                // The job starts at a slice boundary and holds exactly its slices.
+                prop_assert_eq!(bounds[first], job.offset);
+                let n = job.slices as usize;
+                prop_assert_eq!(slice_len[first..first + n].iter().sum::<u64>(), job.len);
+                prop_assert!(job.len <= max_job || job.slices == 1, "{:?} over {}", job, max_job);
+                offset += job.len;
+                first += n;
+            }
+            prop_assert_eq!(offset, length, "every byte once");
+            prop_assert_eq!(first as u64, count, "every slice once");
+        }
+
+        #[test]
+        fn pieces_cover_every_byte_once_within_the_bound(
+            length in 1u64..(256 * MIB),
+            block in 1u64..(64 * MIB),
+            max_slices in 1u32..128,
+            workers in 1usize..9,
+            max_job in 1u64..(4 * MIB),
+        ) {
+            let plan = SlicePlan::new(block, max_slices).unwrap();
+            let slices = plan.slices(length).unwrap();
+            let count = slices.len() as u64;
+            let (n, jobs) = job_pieces(job_spans(&slices, workers, max_job), max_job);
+            let jobs: Vec<JobSpan> = jobs.collect();
+            prop_assert_eq!(n, jobs.len());
+            prop_assert!(n as u64 >= count.min(workers as u64));
+            let mut offset = 0;
+            for job in &jobs {
+                prop_assert_eq!(job.offset, offset, "contiguous");
+                prop_assert!(job.len > 0 && job.len <= max_job, "{:?} over {}", job, max_job);
+                offset += job.len;
+            }
+            prop_assert_eq!(offset, length, "every byte once");
+            prop_assert_eq!(jobs.iter().map(|j| j.slices).sum::<u64>(), count, "every slice counted once");
+        }
+    }
+
     use super::*;
     use proptest::prelude::*;
 

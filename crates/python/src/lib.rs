@@ -262,6 +262,11 @@ impl NativeRequest {
         priority: u8,
         transport: Option<&str>,
     ) -> PyResult<Self> {
+        let priority = multirail::Priority::from_u8(priority).ok_or_else(|| {
+            InvalidArgumentError::new_err(format!(
+                "invalid argument priority: {priority} is not PRIO_HIGH (0), PRIO_MEDIUM (1) or PRIO_LOW (2)"
+            ))
+        })?;
         Ok(NativeRequest {
             req: multirail::Request {
                 opcode: parse_opcode(opcode)?,
@@ -875,9 +880,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeRequest>()?;
     m.add_class::<NativeBatch>()?;
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
-    m.add("PRIO_HIGH", multirail::PRIO_HIGH)?;
-    m.add("PRIO_MEDIUM", multirail::PRIO_MEDIUM)?;
-    m.add("PRIO_LOW", multirail::PRIO_LOW)?;
+    m.add("PRIO_HIGH", multirail::PRIO_HIGH.as_u8())?;
+    m.add("PRIO_MEDIUM", multirail::PRIO_MEDIUM.as_u8())?;
+    m.add("PRIO_LOW", multirail::PRIO_LOW.as_u8())?;
     m.add("BufferView", view::create_type(py)?)?;
     macro_rules! exc {
         ($($name:ident),*) => { $( m.add(stringify!($name), py.get_type::<$name>())?; )* };

@@ -145,7 +145,7 @@ pub struct Policy {
     pub min_bandwidth_gbps: f64,
     /// See `SelectorConfig::max_bandwidth_gbps`.
     pub max_bandwidth_gbps: f64,
-    /// The engine's `transports.rdma.bandwidth_sample_min_us` (default 1000).
+    /// The engine's `transports.rdma.bandwidth_sample_min_us`.
     pub bandwidth_sample_min_us: u64,
     /// Promotion (`priority_promotion_timeout_us`, `priority_promotion_check_us`).
     pub priority_promotion_timeout_us: u64,
@@ -207,7 +207,7 @@ impl Default for Policy {
             default_bandwidth_gbps: sel.default_bandwidth_gbps,
             min_bandwidth_gbps: sel.min_bandwidth_gbps,
             max_bandwidth_gbps: sel.max_bandwidth_gbps,
-            bandwidth_sample_min_us: 1000,
+            bandwidth_sample_min_us: sel.min_sample_ns / 1000,
             priority_promotion_timeout_us: promo.timeout_ns / 1000,
             priority_promotion_check_us: promo.check_ns / 1000,
             qos_promote_only_when_starved: promo.only_when_starved,

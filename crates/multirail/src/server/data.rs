@@ -10,6 +10,7 @@ use std::sync::Arc;
 use crate::memory::{MemoryRegistry, Region};
 use crate::transport::cpu_priority::ThreadNice;
 use crate::transport::sockio::{self, iovec};
+use crate::transport::staging::Staging;
 use crate::transport::wire::{self, RequestHeader, RequestOp, ResponseHeader, Status};
 
 /// Responses gathered before one `writev`.
@@ -127,27 +128,6 @@ impl Responses {
     }
 }
 
-/// Request bytes read ahead of where they are needed.
-struct Staging {
-    buf: Box<[u8]>,
-    start: usize,
-    end: usize,
-}
-
-impl Staging {
-    fn available(&self) -> usize {
-        self.end - self.start
-    }
-
-    fn compact(&mut self) {
-        if self.start > 0 {
-            self.buf.copy_within(self.start..self.end, 0);
-            self.end -= self.start;
-            self.start = 0;
-        }
-    }
-}
-
 /// A WRITE payload being received.
 struct Payload {
     /// Where its bytes go: checked registered memory, or `None` to drop them (a refused slice
@@ -176,14 +156,8 @@ unsafe impl Send for DataConn {}
 impl DataConn {
     /// A connection whose first `early` bytes (read with the handshake) are already here.
     pub(crate) fn new(early: &[u8]) -> DataConn {
-        let mut buf = vec![0u8; STAGING.max(early.len())].into_boxed_slice();
-        buf[..early.len()].copy_from_slice(early);
         DataConn {
-            staging: Staging {
-                buf,
-                start: 0,
-                end: early.len(),
-            },
+            staging: Staging::new(STAGING, early),
             scratch: Vec::new(),
             out: Responses::new(),
             last_was_read: false,
@@ -234,9 +208,8 @@ impl DataConn {
                     None => return self.idle(fd),
                 }
             }
-            let st = &mut self.staging;
-            let h = RequestHeader::decode(&st.buf[st.start..st.start + wire::REQUEST_LEN])?;
-            st.start += wire::REQUEST_LEN;
+            let h = RequestHeader::decode(self.staging.peek(wire::REQUEST_LEN))?;
+            self.staging.consume(wire::REQUEST_LEN);
             nice.follow(h.priority);
             match h.op {
                 RequestOp::Write => {
@@ -289,14 +262,13 @@ impl DataConn {
         let st = &mut self.staging;
         st.compact();
         let want = if self.last_was_read {
-            (st.buf.len() - st.end).min(16 * wire::REQUEST_LEN)
+            st.tail().len().min(16 * wire::REQUEST_LEN)
         } else {
             wire::REQUEST_LEN - st.available()
         };
-        let end = st.end;
-        match sockio::recv_nonblocking(fd, &mut st.buf[end..end + want]) {
+        match sockio::recv_nonblocking(fd, &mut st.tail()[..want]) {
             Ok(Some(n)) => {
-                st.end += n;
+                st.filled(n);
                 Ok(Some(n))
             }
             Ok(None) => Ok(None),
@@ -307,19 +279,18 @@ impl DataConn {
     /// Moves payload bytes that arrived with the header out of staging.
     fn take_staged_payload(&mut self) {
         let p = self.payload.as_mut().expect("payload under way");
-        let st = &mut self.staging;
-        let n = st.available().min(p.len - p.done);
+        let n = self.staging.available().min(p.len - p.done);
         if n == 0 {
             return;
         }
-        if let Some((dst, _)) = &p.dst {
+        match &p.dst {
             // SAFETY: `dst..dst+len` was checked against a registered region that the Arc
-            // beside it keeps alive, and `done + n <= len`.
-            unsafe {
-                std::ptr::copy_nonoverlapping(st.buf[st.start..].as_ptr(), dst.add(p.done), n)
-            };
+            // beside it keeps alive, `done + n <= len`, and registered memory is not staging.
+            Some((dst, _)) => unsafe {
+                self.staging.take_into(dst.add(p.done), n);
+            },
+            None => self.staging.consume(n),
         }
-        st.start += n;
         p.done += n;
         self.finish_payload_if_done();
     }
@@ -338,8 +309,7 @@ impl DataConn {
         let p = self.payload.as_mut().expect("payload under way");
         // Staging is empty here: whatever it held went to the payload first.
         debug_assert_eq!(self.staging.available(), 0);
-        self.staging.start = 0;
-        self.staging.end = 0;
+        self.staging.clear();
         let left = p.len - p.done;
         let dst = match &p.dst {
             // SAFETY: `done < len`, so the pointer stays inside the checked destination.
@@ -358,7 +328,7 @@ impl DataConn {
         };
         let iov = [
             iovec(dst, chunk),
-            iovec(self.staging.buf.as_mut_ptr(), wire::REQUEST_LEN),
+            iovec(self.staging.tail().as_mut_ptr(), wire::REQUEST_LEN),
         ];
         let n = match sockio::readv_nonblocking(fd, &iov)
             .map_err(|e| format!("reading payload: {e}"))?
@@ -371,7 +341,7 @@ impl DataConn {
             p.done += n;
         } else {
             p.done += chunk;
-            self.staging.end = n - chunk;
+            self.staging.filled(n - chunk);
         }
         self.finish_payload_if_done();
         Ok(Some(n))

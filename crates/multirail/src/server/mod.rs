@@ -27,7 +27,6 @@ use slab::Slab;
 
 use crate::error::{Error, Result};
 use crate::memory::MemoryRegistry;
-use crate::messaging::Messaging;
 use crate::transport::cpu_priority::{NiceTable, ThreadNice};
 use crate::transport::handshake::{self, Membership, Outcome, ServerHandshake};
 use crate::transport::sockio;
@@ -102,6 +101,22 @@ struct Counters {
     accept_errors: AtomicU64,
 }
 
+/// Where the listener routes message connections (the engine's messaging). A trait, so the
+/// listener does not depend on messaging, which depends on it for [`ConnPermit`].
+pub(crate) trait MessageListener: Send + Sync {
+    /// Length of a complete message-connection opening, given its first bytes; `None` while
+    /// more are needed. Fails on an opening that cannot be valid.
+    fn opening_len(&self, prefix: &[u8]) -> std::result::Result<Option<usize>, String>;
+    /// Takes over a message connection whose `opening` was read. Fails with the reason it
+    /// refused it (then the connection is closed).
+    fn accept(
+        &self,
+        stream: TcpStream,
+        opening: &[u8],
+        permit: ConnPermit,
+    ) -> std::result::Result<(), String>;
+}
+
 /// Keeps a connection handed to messaging counted against `max_connections` until it closes.
 pub(crate) struct ConnPermit {
     open: Arc<AtomicUsize>,
@@ -159,7 +174,7 @@ struct Shared {
     settings: ServerSettings,
     registry: Arc<MemoryRegistry>,
     descriptor: DescriptorSource,
-    messages: Arc<Messaging>,
+    messages: Arc<dyn MessageListener>,
     stopping: AtomicBool,
     /// Held open so that, out of fds with nothing to shed, one waiting client can still be
     /// accepted and closed instead of left hanging.
@@ -188,7 +203,7 @@ impl Server {
         listen: SocketAddr,
         registry: Arc<MemoryRegistry>,
         descriptor: DescriptorSource,
-        messages: Arc<Messaging>,
+        messages: Arc<dyn MessageListener>,
         settings: ServerSettings,
     ) -> Result<Server> {
         raise_fd_limit();
@@ -751,7 +766,7 @@ impl Shared {
                     }
                 }
                 State::Opening { buf } => {
-                    let need = match crate::messaging::opening_len(buf)? {
+                    let need = match self.messages.opening_len(buf)? {
                         Some(total) if buf.len() == total => {
                             return Ok(Next::HandOff(std::mem::take(buf)))
                         }

@@ -12,6 +12,8 @@
 //! value: the HIGH connection's threads carry only HIGH slices, so they are not affected.
 //! Kernels before 6.12 ignore the slice request; the nice values still apply.
 
+use multirail_policy::qos::Priority;
+
 /// Scheduler slice a thread asks for while it carries HIGH slices: the kernel's floor.
 const HIGH_SLICE_NS: u64 = 100_000;
 /// `sched_setattr` flag: leave the thread's scheduling policy as it is.
@@ -42,8 +44,8 @@ impl NiceTable {
     }
 
     /// The offset for `priority` (levels past LOW count as LOW).
-    pub(crate) fn offset(&self, priority: u8) -> i32 {
-        self.0[(priority as usize).min(2)]
+    pub(crate) fn offset(&self, priority: Priority) -> i32 {
+        self.0[priority.index()]
     }
 
     fn is_off(&self) -> bool {
@@ -93,11 +95,11 @@ impl ThreadNice {
     /// Sets the thread's nice value and scheduler slice for carrying slices of `priority`, if
     /// they differ from those in force. Failures are ignored: CPU priority is an optimisation,
     /// never a condition for moving bytes.
-    pub(crate) fn follow(&mut self, priority: u8) {
+    pub(crate) fn follow(&mut self, priority: Priority) {
         if self.table.is_off() {
             return;
         }
-        let short = priority == 0 && self.slices_supported;
+        let short = priority == Priority::High && self.slices_supported;
         let mut nice = (self.base + self.table.offset(priority)).min(19);
         if nice < self.applied && self.cannot_lower {
             nice = self.applied;
@@ -194,15 +196,15 @@ mod tests {
         std::thread::spawn(|| {
             let base = current();
             let mut n = ThreadNice::for_this_thread(NiceTable::new(10));
-            n.follow(0);
+            n.follow(Priority::High);
             assert_eq!(current(), base);
             if n.short_slice {
                 assert_eq!(slice_ns(), HIGH_SLICE_NS);
             }
-            n.follow(2);
+            n.follow(Priority::Low);
             assert_eq!(current(), (base + 10).min(19));
             assert_eq!(n.applied(), (base + 10).min(19));
-            n.follow(1);
+            n.follow(Priority::Medium);
             // MEDIUM sits halfway, where lowering is allowed (root, or a raised RLIMIT_NICE);
             // otherwise the thread stays at the bulk value and stops asking.
             assert!(current() == (base + 5).min(19) || current() == (base + 10).min(19));
@@ -217,7 +219,7 @@ mod tests {
         std::thread::spawn(|| {
             let base = current();
             let mut n = ThreadNice::for_this_thread(NiceTable::new(0));
-            n.follow(2);
+            n.follow(Priority::Low);
             assert_eq!(current(), base);
         })
         .join()
@@ -227,9 +229,8 @@ mod tests {
     #[test]
     fn levels_past_low_count_as_low() {
         let t = NiceTable::new(10);
-        assert_eq!(t.offset(0), 0);
-        assert_eq!(t.offset(1), 5);
-        assert_eq!(t.offset(2), 10);
-        assert_eq!(t.offset(7), 10);
+        assert_eq!(t.offset(Priority::High), 0);
+        assert_eq!(t.offset(Priority::Medium), 5);
+        assert_eq!(t.offset(Priority::Low), 10);
     }
 }

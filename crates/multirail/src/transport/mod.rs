@@ -5,6 +5,7 @@ pub(crate) mod cpu_priority;
 pub mod handshake;
 pub(crate) mod shm;
 pub(crate) mod sockio;
+pub(crate) mod staging;
 pub(crate) mod tcp;
 pub mod wire;
 
@@ -37,8 +38,7 @@ pub(crate) struct Prepared {
     pub len: u64,
     /// Where the local memory lives; picks the rails' tiers.
     pub location: crate::memory::Location,
-    /// 0 HIGH, 1 MEDIUM, 2 LOW (validated).
-    pub priority: u8,
+    pub priority: multirail_policy::qos::Priority,
     /// The target buffer that holds `remote..remote+len`.
     pub buffer: BufferDescriptor,
     pub task: Arc<Task>,

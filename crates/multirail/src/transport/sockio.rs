@@ -8,6 +8,30 @@ use std::os::fd::RawFd;
 /// Most iovecs one `writev` takes (Linux's IOV_MAX).
 pub(crate) const MAX_IOV: usize = 1024;
 
+/// Runs `call` (a system call returning a count, or -1 with errno set) again while it is
+/// interrupted by a signal. Returns the count, or the OS error.
+pub(crate) fn retry_eintr(mut call: impl FnMut() -> isize) -> io::Result<usize> {
+    loop {
+        let rc = call();
+        if rc >= 0 {
+            return Ok(rc as usize);
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+}
+
+/// [`retry_eintr`] for a call on a non-blocking socket: `Ok(None)` when it would block.
+pub(crate) fn nonblocking(call: impl FnMut() -> isize) -> io::Result<Option<usize>> {
+    match retry_eintr(call) {
+        Ok(n) => Ok(Some(n)),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// Writes every byte described by `iov`, advancing through partial writes.
 ///
 /// The caller guarantees each iovec describes readable memory that stays valid for the call.
@@ -16,15 +40,8 @@ pub(crate) fn write_all_vectored(fd: RawFd, mut iov: &mut [libc::iovec]) -> io::
         let n = iov.len().min(MAX_IOV);
         // SAFETY: the caller guarantees the iovecs point at readable memory valid for this call;
         // writev only reads through them.
-        let rc = unsafe { libc::writev(fd, iov.as_ptr(), n as libc::c_int) };
-        if rc < 0 {
-            let err = io::Error::last_os_error();
-            if err.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(err);
-        }
-        let written = rc as usize;
+        let rc = retry_eintr(|| unsafe { libc::writev(fd, iov.as_ptr(), n as libc::c_int) })?;
+        let written = rc;
         if written == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::WriteZero,
@@ -63,25 +80,14 @@ pub(crate) fn write_vectored_nonblocking(
     fd: RawFd,
     iov: &[libc::iovec],
 ) -> io::Result<Option<usize>> {
-    loop {
-        // SAFETY: an all-zero msghdr is valid; we point it at the caller's iovecs, which the
-        // caller guarantees are readable for this call.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
-        msg.msg_iovlen = iov.len().min(MAX_IOV) as _;
-        // SAFETY: `msg` describes only the caller's iovecs; sendmsg only reads through them.
-        // MSG_NOSIGNAL: a closed peer is an error to report, not a signal to die of.
-        let rc = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
-        if rc < 0 {
-            let err = io::Error::last_os_error();
-            match err.kind() {
-                io::ErrorKind::Interrupted => continue,
-                io::ErrorKind::WouldBlock => return Ok(None),
-                _ => return Err(err),
-            }
-        }
-        return Ok(Some(rc as usize));
-    }
+    // SAFETY: an all-zero msghdr is valid; we point it at the caller's iovecs, which the
+    // caller guarantees are readable for this call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+    msg.msg_iovlen = iov.len().min(MAX_IOV) as _;
+    // SAFETY: `msg` describes only the caller's iovecs; sendmsg only reads through them.
+    // MSG_NOSIGNAL: a closed peer is an error to report, not a signal to die of.
+    nonblocking(|| unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) })
 }
 
 /// One read of up to `len` bytes into `ptr`; `Ok(0)` means the peer closed the connection.
@@ -89,43 +95,23 @@ pub(crate) fn write_vectored_nonblocking(
 /// The caller guarantees `ptr..ptr+len` is writable memory nothing else reads or writes during
 /// the call.
 pub(crate) fn read_raw(fd: RawFd, ptr: *mut u8, len: usize) -> io::Result<usize> {
-    loop {
-        // SAFETY: the caller guarantees `ptr..ptr+len` is writable and unaliased for this call.
-        let rc = unsafe { libc::read(fd, ptr as *mut libc::c_void, len) };
-        if rc < 0 {
-            let err = io::Error::last_os_error();
-            if err.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(err);
-        }
-        return Ok(rc as usize);
-    }
+    // SAFETY: the caller guarantees `ptr..ptr+len` is writable and unaliased for this call.
+    retry_eintr(|| unsafe { libc::read(fd, ptr as *mut libc::c_void, len) })
 }
 
 /// A vectored read that does not block: `Ok(None)` when nothing is waiting, `Ok(Some(0))` when
 /// the peer closed the connection.
 ///
-/// Same contract as [`readv_raw`].
+/// The caller guarantees each iovec describes writable memory nothing else touches during the
+/// call.
 pub(crate) fn readv_nonblocking(fd: RawFd, iov: &[libc::iovec]) -> io::Result<Option<usize>> {
-    loop {
-        // SAFETY: an all-zero msghdr is valid; we point it at the caller's iovecs, which the
-        // caller guarantees are writable and unaliased for this call.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
-        msg.msg_iovlen = iov.len() as _;
-        // SAFETY: `msg` describes only the caller's iovecs; no control buffer or name is given.
-        let rc = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT) };
-        if rc < 0 {
-            let err = io::Error::last_os_error();
-            match err.kind() {
-                io::ErrorKind::Interrupted => continue,
-                io::ErrorKind::WouldBlock => return Ok(None),
-                _ => return Err(err),
-            }
-        }
-        return Ok(Some(rc as usize));
-    }
+    // SAFETY: an all-zero msghdr is valid; we point it at the caller's iovecs, which the
+    // caller guarantees are writable and unaliased for this call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+    msg.msg_iovlen = iov.len() as _;
+    // SAFETY: `msg` describes only the caller's iovecs; no control buffer or name is given.
+    nonblocking(|| unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT) })
 }
 
 /// Reads exactly `len` bytes into `ptr`, failing with `UnexpectedEof` if the peer closes first.
@@ -149,26 +135,9 @@ pub(crate) fn read_exact_raw(fd: RawFd, ptr: *mut u8, len: usize) -> io::Result<
 
 /// A read that does not block: `Ok(None)` when nothing is waiting.
 pub(crate) fn recv_nonblocking(fd: RawFd, buf: &mut [u8]) -> io::Result<Option<usize>> {
-    loop {
-        // SAFETY: `buf` is a valid, exclusively borrowed slice for the call's duration.
-        let rc = unsafe {
-            libc::recv(
-                fd,
-                buf.as_mut_ptr() as *mut libc::c_void,
-                buf.len(),
-                libc::MSG_DONTWAIT,
-            )
-        };
-        if rc < 0 {
-            let err = io::Error::last_os_error();
-            match err.kind() {
-                io::ErrorKind::Interrupted => continue,
-                io::ErrorKind::WouldBlock => return Ok(None),
-                _ => return Err(err),
-            }
-        }
-        return Ok(Some(rc as usize));
-    }
+    let (ptr, len) = (buf.as_mut_ptr(), buf.len());
+    // SAFETY: `buf` is a valid, exclusively borrowed slice for the call's duration.
+    nonblocking(|| unsafe { libc::recv(fd, ptr as *mut libc::c_void, len, libc::MSG_DONTWAIT) })
 }
 
 /// An iovec over `len` bytes at `ptr`.

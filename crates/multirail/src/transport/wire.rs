@@ -1,6 +1,8 @@
 //! The wire format: a connection hello, then fixed-size, length-checked frames. Everything is
 //! little-endian. Decoding never trusts a length it has not checked against a limit.
 
+use multirail_policy::qos::Priority;
+
 use crate::segment::PROTOCOL_VERSION;
 
 /// First bytes of every connection.
@@ -93,16 +95,16 @@ pub struct RequestHeader {
     pub addr: u64,
     /// Access key of the target buffer.
     pub key: u64,
-    /// The slice's priority (0 HIGH, 1 MEDIUM, 2 LOW), so the target serves it at a matching
-    /// CPU priority. Peers that predate it send 0.
-    pub priority: u8,
+    /// The slice's priority (on the wire 0 HIGH, 1 MEDIUM, 2 LOW), so the target serves it at a
+    /// matching CPU priority. Peers that predate it send 0.
+    pub priority: Priority,
 }
 
 impl RequestHeader {
     /// Serializes into `out`.
     pub fn encode(&self, out: &mut [u8; REQUEST_LEN]) {
         out[0] = self.op as u8;
-        out[1] = self.priority;
+        out[1] = self.priority.as_u8();
         out[2..4].fill(0);
         out[4..8].copy_from_slice(&self.len.to_le_bytes());
         out[8..16].copy_from_slice(&self.id.to_le_bytes());
@@ -122,10 +124,8 @@ impl RequestHeader {
             2 => RequestOp::Read,
             op => return Err(format!("unknown request op {op}")),
         };
-        let priority = b[1];
-        if priority > 2 {
-            return Err(format!("unknown request priority {priority}"));
-        }
+        let priority =
+            Priority::from_u8(b[1]).ok_or_else(|| format!("unknown request priority {}", b[1]))?;
         let len = u32::from_le_bytes(b[4..8].try_into().unwrap());
         if len == 0 || len > MAX_SLICE_LEN {
             return Err(format!("request length {len} outside 1..={MAX_SLICE_LEN}"));
@@ -299,7 +299,7 @@ mod tests {
             id: 1,
             addr: 2,
             key: 3,
-            priority: 2,
+            priority: Priority::Low,
         }
         .encode(&mut b);
         assert!(RequestHeader::decode(&b).is_ok());
@@ -341,7 +341,8 @@ mod tests {
 
     proptest! {
         #[test]
-        fn request_round_trip(write in any::<bool>(), len in 1..=MAX_SLICE_LEN, id in any::<u64>(), addr in any::<u64>(), key in any::<u64>(), priority in 0u8..3) {
+        fn request_round_trip(write in any::<bool>(), len in 1..=MAX_SLICE_LEN, id in any::<u64>(), addr in any::<u64>(), key in any::<u64>(), priority in 0usize..3) {
+            let priority = Priority::ALL[priority];
             let h = RequestHeader { op: if write { RequestOp::Write } else { RequestOp::Read }, len, id, addr, key, priority };
             let mut b = [0u8; REQUEST_LEN];
             h.encode(&mut b);

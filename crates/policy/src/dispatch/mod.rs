@@ -486,7 +486,7 @@ impl<T: Payload> Dispatcher<T> {
                 });
                 continue;
             }
-            self.queue.push_back(q, priority.as_u8(), now);
+            self.queue.push_back(q, priority, now);
         }
     }
 
@@ -820,7 +820,7 @@ impl<T: Payload> Dispatcher<T> {
 
     fn requeue_front(&mut self, q: Queued<T>, priority: Priority, now: u64) {
         let since = q.since_ns;
-        self.queue.push_front(q, priority.as_u8(), since, now);
+        self.queue.push_front(q, priority, since, now);
     }
 
     /// Charges `q` (with its rail chosen) to path `p` and readies it for `poll_post`.
@@ -876,9 +876,9 @@ impl<T: Payload> Dispatcher<T> {
         let mut blocked = [false; LEVELS];
         while let Some((head, level)) = self
             .queue
-            .front(|p| !blocked[p as usize] && rails.slot_admits(Priority::ALL[p as usize]))
+            .front(|p| !blocked[p.index()] && rails.slot_admits(p))
         {
-            let prio = Priority::ALL[level as usize];
+            let prio = level;
             let len = head.item.len();
             // Baseline mode chose this slice's rail without looking at load: it waits for room
             // on that rail, as plain round-robin striping does.
@@ -892,7 +892,7 @@ impl<T: Payload> Dispatcher<T> {
                     continue;
                 }
                 if self.paths[p].posted >= self.window(p, len).full {
-                    blocked[level as usize] = true;
+                    blocked[level.index()] = true;
                     continue;
                 }
                 let q = self.queue.pop(level, now).expect("head exists");
@@ -929,7 +929,7 @@ impl<T: Payload> Dispatcher<T> {
                 }
             }
             if candidates.iter().all(Vec::is_empty) {
-                blocked[level as usize] = true;
+                blocked[level.index()] = true;
                 continue;
             }
             // A run of equal slices at the head of this level, as many as the windows hold.
@@ -1003,9 +1003,9 @@ impl<T: Payload> Dispatcher<T> {
         self.scratch.tiers = tiers;
         self.scratch.allowed = allowed;
         self.expire_queue(now, rails);
-        if (0..LEVELS)
-            .any(|l| self.queue.level_len(l as u8) > 0 && !rails.slot_admits(Priority::ALL[l]))
-        {
+        if (0..LEVELS).any(|l| {
+            self.queue.level_len(Priority::ALL[l]) > 0 && !rails.slot_admits(Priority::ALL[l])
+        }) {
             rails.slot_holds_work();
         }
     }
@@ -1040,7 +1040,7 @@ impl<T: Payload> Dispatcher<T> {
             }
             self.failed.push_back(Failed {
                 item: q.item,
-                priority: Priority::ALL[level as usize],
+                priority: level,
                 verdict,
             });
         }

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use crossbeam::channel::{self, Receiver, Sender};
 
 use multirail_policy::dispatch::SliceId;
+use multirail_policy::qos::Priority;
 
 use crate::batch::Task;
 use crate::error::{Error, Result};
@@ -21,6 +22,7 @@ use crate::stats::RailCounters;
 use crate::transport::cpu_priority::{NiceTable, ThreadNice};
 use crate::transport::handshake::{self, Membership};
 use crate::transport::sockio::{self, iovec};
+use crate::transport::staging::Staging;
 use crate::transport::wire::{self, ConnKind, RequestHeader, RequestOp, ResponseHeader};
 use crate::transport::Opcode;
 
@@ -62,9 +64,8 @@ pub(crate) struct Outgoing {
     pub id: SliceId,
     /// Where the local memory lives, which ranks the rails for it.
     pub location: crate::memory::Location,
-    /// The level it travels at (0 HIGH, 1 MEDIUM, 2 LOW): its request's, or the one it was
-    /// promoted to.
-    pub priority: u8,
+    /// The level it travels at: its request's, or the one it was promoted to.
+    pub priority: Priority,
     /// Why its last connection failed, if one did: what it fails with when it cannot be
     /// retried.
     pub last_error: Option<Error>,
@@ -508,9 +509,13 @@ fn sender_loop(conn: &Arc<Conn>, rx: Receiver<Msg>) {
                 Err(_) => break,
             }
         }
-        let carrying = batch.iter().map(|s| s.priority).min().unwrap_or(0);
+        let carrying = batch
+            .iter()
+            .map(|s| s.priority)
+            .min()
+            .unwrap_or(Priority::High);
         nice.follow(carrying);
-        conn.carrying.store(carrying, Ordering::Relaxed);
+        conn.carrying.store(carrying.as_u8(), Ordering::Relaxed);
         // Keep at most the window in flight, so a slow peer backs up here and not without bound
         // in socket buffers.
         while !conn.is_dead()
@@ -582,67 +587,35 @@ fn sender_loop(conn: &Arc<Conn>, rx: Receiver<Msg>) {
 }
 
 /// Reads exactly one response header, pulling in more bytes only when no READ payload can
-/// follow, so payload bytes land in registered memory and not in this staging buffer.
-struct Staging {
-    buf: Box<[u8]>,
-    start: usize,
-    end: usize,
-}
-
-impl Staging {
-    fn available(&self) -> usize {
-        self.end - self.start
-    }
-
-    fn fill_header(
-        &mut self,
-        fd: RawFd,
-        reads_outstanding: bool,
-    ) -> std::io::Result<[u8; wire::RESPONSE_LEN]> {
-        while self.available() < wire::RESPONSE_LEN {
-            if self.start > 0 {
-                self.buf.copy_within(self.start..self.end, 0);
-                self.end -= self.start;
-                self.start = 0;
-            }
-            let want = if reads_outstanding {
-                wire::RESPONSE_LEN - self.available()
-            } else {
-                self.buf.len() - self.end
-            };
-            let n = sockio::read_raw(fd, self.buf[self.end..].as_mut_ptr(), want)?;
-            if n == 0 {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    "connection closed by peer",
-                ));
-            }
-            self.end += n;
+/// follow, so payload bytes land in registered memory and not in the staging buffer.
+fn fill_header(
+    staging: &mut Staging,
+    fd: RawFd,
+    reads_outstanding: bool,
+) -> std::io::Result<[u8; wire::RESPONSE_LEN]> {
+    while staging.available() < wire::RESPONSE_LEN {
+        let want = if reads_outstanding {
+            wire::RESPONSE_LEN - staging.available()
+        } else {
+            usize::MAX
+        };
+        if staging.read_from(fd, want)? == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "connection closed by peer",
+            ));
         }
-        let h: [u8; wire::RESPONSE_LEN] = self.buf[self.start..self.start + wire::RESPONSE_LEN]
-            .try_into()
-            .expect("length checked");
-        self.start += wire::RESPONSE_LEN;
-        Ok(h)
     }
-
-    /// Moves up to `len` already-staged bytes to `dst`; returns how many.
-    fn take_into(&mut self, dst: *mut u8, len: usize) -> usize {
-        let n = self.available().min(len);
-        // SAFETY: `dst..dst+len` is the local destination of an in-flight READ slice inside
-        // registered memory, which the submitter keeps registered until the slice completes.
-        unsafe { std::ptr::copy_nonoverlapping(self.buf[self.start..].as_ptr(), dst, n) };
-        self.start += n;
-        n
-    }
+    let h: [u8; wire::RESPONSE_LEN] = staging
+        .peek(wire::RESPONSE_LEN)
+        .try_into()
+        .expect("length checked");
+    staging.consume(wire::RESPONSE_LEN);
+    Ok(h)
 }
 
 fn reader_loop(conn: &Arc<Conn>) {
-    let mut staging = Staging {
-        buf: vec![0u8; 64 * 1024].into_boxed_slice(),
-        start: 0,
-        end: 0,
-    };
+    let mut staging = Staging::new(64 * 1024, &[]);
     let result = reap(conn, &mut staging);
     if let Err(err) = result {
         conn.kill(err);
@@ -656,12 +629,12 @@ fn reap(conn: &Arc<Conn>, staging: &mut Staging) -> Result<()> {
     let mut now = Instant::now();
     let mut nice = ThreadNice::for_this_thread(conn.settings.nice);
     loop {
-        nice.follow(conn.carrying.load(Ordering::Relaxed));
+        nice.follow(
+            Priority::from_u8(conn.carrying.load(Ordering::Relaxed)).unwrap_or(Priority::High),
+        );
         let reads = conn.reads_outstanding.load(Ordering::Acquire) > 0;
         let must_read = staging.available() < wire::RESPONSE_LEN;
-        let raw = staging
-            .fill_header(conn.fd, reads)
-            .map_err(|e| conn.io_failure("", &e))?;
+        let raw = fill_header(staging, conn.fd, reads).map_err(|e| conn.io_failure("", &e))?;
         if must_read {
             now = Instant::now();
         }
@@ -714,9 +687,11 @@ fn reap(conn: &Arc<Conn>, staging: &mut Staging) -> Result<()> {
                 }
                 let dst = slice.local as *mut u8;
                 let len = slice.len as usize;
-                let staged = staging.take_into(dst, len);
                 // SAFETY: `dst..dst+len` is this READ slice's destination in registered memory,
-                // written by nothing else until the slice completes.
+                // which the submitter keeps registered until the slice completes, and which
+                // nothing else writes meanwhile; it is not the staging buffer.
+                let staged = unsafe { staging.take_into(dst, len) };
+                // SAFETY: as above; `staged <= len`.
                 if let Err(e) =
                     sockio::read_exact_raw(conn.fd, unsafe { dst.add(staged) }, len - staged)
                 {

@@ -385,7 +385,7 @@ impl TcpPeer {
             return Ok(());
         };
         let now_ns = self.scheduler.now_ns();
-        let priority = Priority::from_u8(req.priority).unwrap_or(Priority::Low);
+        let priority = req.priority;
         {
             let mut d = self.lock();
             if d.is_silent() || d.is_closed() {
@@ -507,7 +507,7 @@ impl TcpPeer {
             };
             post.item.id = post.id;
             // A promoted slice travels, and is counted, at the level it was dealt at.
-            post.item.priority = post.priority.as_u8();
+            post.item.priority = post.priority;
             let Post {
                 id,
                 item,

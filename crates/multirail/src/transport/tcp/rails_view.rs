@@ -37,16 +37,15 @@ impl Rails<Outgoing> for EngineRails<'_> {
     }
 
     fn slot_admits(&self, priority: Priority) -> bool {
-        self.qos.slot_admits(priority.as_u8())
+        self.qos.slot_admits(priority)
     }
 
     fn rail_admits(&self, rail: RailId, priority: Priority) -> bool {
-        self.qos
-            .rail_admits(self.now, rail, self.rails, priority.as_u8())
+        self.qos.rail_admits(self.now, rail, self.rails, priority)
     }
 
     fn has_work(&self, priority: Priority) -> bool {
-        self.qos.has_work(priority.as_u8(), self.now)
+        self.qos.has_work(priority, self.now)
     }
 
     fn tiers(&mut self, item: &Outgoing, out: &mut Vec<u8>) {
@@ -76,7 +75,7 @@ impl Rails<Outgoing> for EngineRails<'_> {
     }
 
     fn dequeued(&mut self, priority: Priority, waited_ns: u64) {
-        self.qos.dequeued(priority.as_u8(), waited_ns, self.now);
+        self.qos.dequeued(priority, waited_ns, self.now);
     }
 
     fn promoted(&mut self, n: u64) {

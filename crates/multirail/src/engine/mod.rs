@@ -8,6 +8,9 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::thread;
 use std::time::{Duration, Instant};
 
+mod messages;
+
+use multirail_policy::qos::Priority;
 use multirail_policy::slicing::SlicePlan;
 
 use crate::batch::{Batch, Status};
@@ -29,16 +32,14 @@ use crate::transport::tcp::{TcpSettings, TcpTransport};
 use crate::transport::{Opcode, Prepared, Transport};
 use crate::upkeep::{TimerKey, Timers, LINK_CHECK};
 
-/// Highest priority, the default: metadata, control, latency-sensitive transfers.
-pub const PRIO_HIGH: u8 = 0;
-/// Interactive and serving traffic.
-pub const PRIO_MEDIUM: u8 = 1;
-/// Bulk and background transfers.
-pub const PRIO_LOW: u8 = 2;
+/// Highest priority, the default: metadata, control, latency-sensitive transfers (TENT's 0).
+pub const PRIO_HIGH: Priority = Priority::High;
+/// Interactive and serving traffic (TENT's 1).
+pub const PRIO_MEDIUM: Priority = Priority::Medium;
+/// Bulk and background transfers (TENT's 2).
+pub const PRIO_LOW: Priority = Priority::Low;
 
-/// Handle of an opened segment, returned by [`Engine::open_segment`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct SegmentId(pub u64);
+pub use crate::segment::SegmentId;
 
 /// Handle of a batch, returned by [`Engine::allocate_batch`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -59,7 +60,7 @@ pub struct Request {
     /// Bytes to move; at least 1.
     pub length: u64,
     /// `PRIO_HIGH` (default), `PRIO_MEDIUM` or `PRIO_LOW`.
-    pub priority: u8,
+    pub priority: Priority,
     /// Forces a transport for this request; `None` follows the engine's `transport` setting.
     pub transport: Option<TransportChoice>,
 }
@@ -432,7 +433,7 @@ impl Engine {
     }
 
     /// Checks every request, then starts them all. Nothing is started if any request is bad:
-    /// the error names the first problem (length 0, bad priority, source not registered,
+    /// the error names the first problem (length 0, source not registered,
     /// unknown segment, target outside the segment's buffers, a full batch, an unreachable
     /// peer).
     pub fn submit(&self, batch: BatchId, requests: &[Request]) -> Result<()> {
@@ -468,15 +469,6 @@ impl Engine {
     fn route(&self, r: &Request) -> Result<Routed<'_>> {
         if r.length == 0 {
             return Err(Error::invalid("length", "must be at least 1 byte"));
-        }
-        if r.priority > PRIO_LOW {
-            return Err(Error::invalid(
-                "priority",
-                format!(
-                    "{} is not PRIO_HIGH (0), PRIO_MEDIUM (1) or PRIO_LOW (2)",
-                    r.priority
-                ),
-            ));
         }
         let location = self
             .inner

@@ -1,0 +1,511 @@
+//! Engine configuration: one JSON document, TENT's keys plus multirail's own.
+//!
+//! `transports.rdma.*` carries TENT's scheduling and QoS keys unchanged so a TENT
+//! configuration file works as is; they apply to every transport that carries rails
+//! (TCP too). multirail's own keys sit beside them: `rails`, `metadata`, `workers`,
+//! `transports.tcp`, `transports.shm`, `transport`, `local_hostname`.
+//!
+//! Every problem is reported as a [`ConfigError`] naming the offending key by its full
+//! dotted path (`transports.rdma.numa_penalties[1]`, `rails[0].address`), because a
+//! message that only says "invalid value" sends the operator hunting through the file.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::IpAddr;
+use std::path::Path;
+
+use multirail_policy::dispatch;
+use serde::{Deserialize, Serialize};
+
+mod auth;
+mod rail;
+mod rdma;
+mod receive;
+mod shm;
+mod tcp;
+#[cfg(test)]
+mod tests;
+mod workers;
+
+pub use auth::*;
+pub use rail::*;
+pub use rdma::*;
+pub use receive::*;
+pub use shm::*;
+pub use tcp::*;
+pub use workers::*;
+
+/// Environment variable holding either a path to a configuration file or inline JSON.
+pub const CONF_ENV_VAR: &str = "MULTIRAIL_CONF";
+
+/// Largest accepted `workers.block_size`: bigger slices defeat spraying across rails
+/// and make a single slice hold a connection for too long.
+pub const MAX_BLOCK_SIZE: u64 = 64 * 1024 * 1024;
+
+/// Upper bound for thread and connection counts; beyond this the 2-core test hosts and
+/// most real hosts only thrash.
+const MAX_THREADS_OR_CONNECTIONS: usize = 64;
+
+/// Upper bound for `workers.wait_spin_us`: polling longer than this burns a core for requests
+/// that sleeping would serve as well.
+const MAX_WAIT_SPIN_US: u32 = 10_000;
+
+/// A configuration problem: which key is wrong and what is wrong with it.
+///
+/// `key` is the full dotted path of the offending key (`transports.tcp.timeout_ms`,
+/// `rails[1].address`). It is empty for whole-document problems (unreadable file, JSON
+/// syntax error, a document that is not an object); then `message` starts with the
+/// origin (a file path or `MULTIRAIL_CONF`) and the display is `config: <message>`.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+#[error("{}", display_config_error(.key, .message))]
+pub struct ConfigError {
+    /// Full dotted path of the offending key; empty for whole-document errors.
+    pub key: String,
+    /// What is wrong, e.g. `must be within [0, 1], got 1.5` or `unknown key`.
+    pub message: String,
+}
+
+impl ConfigError {
+    /// Build an error about one key.
+    pub fn new(key: impl Into<String>, message: impl Into<String>) -> Self {
+        ConfigError {
+            key: key.into(),
+            message: message.into(),
+        }
+    }
+}
+
+pub(crate) fn display_config_error(key: &str, message: &str) -> String {
+    if key.is_empty() {
+        format!("config: {message}")
+    } else {
+        format!("config key {key}: {message}")
+    }
+}
+
+/// Which transport carries every request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportChoice {
+    /// Shared memory when the peer is on the same host, else TCP.
+    #[default]
+    Auto,
+    /// Always TCP, even to a peer on the same host.
+    Tcp,
+    /// Always shared memory; only same-host peers are reachable.
+    Shm,
+}
+
+impl TransportChoice {
+    /// The JSON spelling of this choice (`"auto"`, `"tcp"`, `"shm"`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransportChoice::Auto => "auto",
+            TransportChoice::Tcp => "tcp",
+            TransportChoice::Shm => "shm",
+        }
+    }
+}
+
+impl fmt::Display for TransportChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The whole engine configuration. `{}` yields [`Config::default`]; any key may be left out.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Host name or address this engine puts in its segment name `host:port`; None = first
+    /// non-loopback IPv4 address of the host, else 127.0.0.1.
+    pub local_hostname: Option<String>,
+    /// Force a transport for every request: "auto" (shm on the same host, else tcp), "tcp", "shm".
+    pub transport: TransportChoice,
+    /// Slicing and worker-thread settings.
+    pub workers: WorkersConfig,
+    /// Rails (NICs) to spray over; empty = discover them from sysfs.
+    pub rails: Vec<RailConfig>,
+    /// Tier overrides: memory location (`"cpu:N"` or `"*"`) → rail name → tier (0, 1 or 2).
+    /// Rails a location does not list keep the tier NUMA distance gives them.
+    pub tiers: BTreeMap<String, BTreeMap<String, u8>>,
+    /// Where segment descriptors are published.
+    pub metadata: MetadataConfig,
+    /// Per-transport settings; `rdma` holds TENT's scheduling keys.
+    pub transports: TransportsConfig,
+    /// Who may connect: the cluster's membership token.
+    pub auth: AuthConfig,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            local_hostname: None,
+            transport: TransportChoice::Auto,
+            workers: WorkersConfig::default(),
+            rails: Vec::new(),
+            tiers: BTreeMap::new(),
+            metadata: MetadataConfig::default(),
+            transports: TransportsConfig::default(),
+            auth: AuthConfig::default(),
+        }
+    }
+}
+
+/// Kind of metadata service used to find peers' segments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MetadataKind {
+    /// Peers exchange descriptors directly; a segment name `host:port` is enough to connect.
+    #[default]
+    P2p,
+}
+
+/// Metadata service settings.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetadataConfig {
+    /// JSON key `type`; only `"p2p"` for now.
+    #[serde(rename = "type")]
+    pub kind: MetadataKind,
+}
+
+/// Per-transport settings.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TransportsConfig {
+    /// TENT's scheduling and QoS keys; they apply to every rail-carrying transport.
+    pub rdma: RdmaConfig,
+    /// TCP transport settings.
+    pub tcp: TcpConfig,
+    /// Shared-memory transport settings.
+    pub shm: ShmConfig,
+}
+
+impl Config {
+    /// Parse and validate a JSON document; `origin` names where it came from for messages ("MULTIRAIL_CONF", a path).
+    ///
+    /// Fails on a syntax error (key "", message with origin, line and column), an unknown
+    /// key, a wrong type or a negative number for an unsigned key (key = dotted path), and
+    /// on any value [`Config::validate`] rejects.
+    pub fn from_json_str(json: &str, origin: &str) -> Result<Config, ConfigError> {
+        // Parsed untyped first only to check the document's shape; see `require_objects`.
+        let doc: serde_json::Value =
+            serde_json::from_str(json).map_err(|e| serde_error(String::new(), e, origin))?;
+        require_objects(&doc, origin)?;
+        // The typed parse reads the text again rather than `doc` because `Value` silently
+        // keeps the last of duplicate keys, which must be an error.
+        let mut de = serde_json::Deserializer::from_str(json);
+        let config: Config = serde_path_to_error::deserialize(&mut de)
+            .map_err(|e| serde_error(e.path().to_string(), e.into_inner(), origin))?;
+        // Without this, `{} garbage` would be accepted.
+        de.end()
+            .map_err(|e| serde_error(String::new(), e, origin))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Read, parse and validate the file at `path`.
+    ///
+    /// Fails with key "" and a message naming the path if the file cannot be read or is
+    /// not valid JSON, otherwise as [`Config::from_json_str`].
+    pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
+        Self::from_file_with_origin(path, &path.display().to_string())
+    }
+
+    fn from_file_with_origin(path: &Path, origin: &str) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::new("", format!("{origin}: cannot read: {e}")))?;
+        Self::from_json_str(&text, origin)
+    }
+
+    /// `--config FILE` wins; else MULTIRAIL_CONF (path or inline JSON); else defaults. Always validated.
+    ///
+    /// `MULTIRAIL_CONF` is inline JSON when its first non-space character is `{`, else a
+    /// path; an empty or all-space value counts as unset so `MULTIRAIL_CONF= cmd` works.
+    /// Errors are those of [`Config::from_file`] / [`Config::from_json_str`]; for a path
+    /// taken from the variable the origin reads `PATH (from MULTIRAIL_CONF)`.
+    pub fn load(explicit_path: Option<&Path>) -> Result<Config, ConfigError> {
+        if let Some(path) = explicit_path {
+            tracing::debug!(path = %path.display(), "loading configuration from --config");
+            return Self::from_file(path);
+        }
+        match std::env::var_os(CONF_ENV_VAR) {
+            Some(value) if !value.to_string_lossy().trim().is_empty() => {
+                let is_inline = value
+                    .to_str()
+                    .is_some_and(|s| s.trim_start().starts_with('{'));
+                if is_inline {
+                    tracing::debug!("loading inline configuration from {CONF_ENV_VAR}");
+                    // is_inline implies valid UTF-8.
+                    Self::from_json_str(&value.to_string_lossy(), CONF_ENV_VAR)
+                } else {
+                    let path = Path::new(&value);
+                    tracing::debug!(path = %path.display(), "loading configuration from {CONF_ENV_VAR}");
+                    let origin = format!("{} (from {CONF_ENV_VAR})", path.display());
+                    Self::from_file_with_origin(path, &origin)
+                }
+            }
+            _ => {
+                tracing::debug!("no --config and no {CONF_ENV_VAR}: using defaults");
+                let config = Config::default();
+                config.validate()?;
+                Ok(config)
+            }
+        }
+    }
+
+    /// Check every value's range and the relations between keys.
+    ///
+    /// Returns the first problem found as a [`ConfigError`] whose key is the full dotted
+    /// path (`transports.rdma.numa_penalties[2]`, `rails[0].address`).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(host) = &self.local_hostname {
+            if host.is_empty() {
+                return Err(ConfigError::new(
+                    "local_hostname",
+                    "must not be empty (use null or leave it out to detect the address)",
+                ));
+            }
+            if host.chars().any(char::is_whitespace) {
+                return Err(ConfigError::new(
+                    "local_hostname",
+                    format!("must not contain whitespace, got {host:?}"),
+                ));
+            }
+        }
+        if self.transport == TransportChoice::Shm && !self.transports.shm.enable {
+            return Err(ConfigError::new(
+                "transport",
+                "is \"shm\" but transports.shm.enable is false",
+            ));
+        }
+        self.workers.validate("workers")?;
+        let mut seen_names = std::collections::HashSet::new();
+        for (i, rail) in self.rails.iter().enumerate() {
+            let prefix = format!("rails[{i}]");
+            rail.validate(&prefix)?;
+            // Statistics and scheduling identify rails by name.
+            if !seen_names.insert(rail.name.as_str()) {
+                return Err(ConfigError::new(
+                    format!("{prefix}.name"),
+                    format!("duplicate rail name {:?}", rail.name),
+                ));
+            }
+        }
+        for (location, rails) in &self.tiers {
+            let key = format!("tiers.{location}");
+            location
+                .parse::<crate::memory::Location>()
+                .map_err(|_| ConfigError::new(key.clone(), "is not a location (`*` or `cpu:N`)"))?;
+            for (rail, tier) in rails {
+                if rail.is_empty() {
+                    return Err(ConfigError::new(
+                        key.clone(),
+                        "rail names must not be empty",
+                    ));
+                }
+                if *tier > 2 {
+                    return Err(ConfigError::new(
+                        format!("{key}.{rail}"),
+                        format!("tier must be 0, 1 or 2, got {tier}"),
+                    ));
+                }
+            }
+        }
+        self.transports.rdma.validate("transports.rdma")?;
+        self.transports.tcp.validate("transports.tcp")?;
+        if let Some(token) = &self.auth.token {
+            check_token("auth.token", token.expose())?;
+        }
+        self.transports
+            .shm
+            .receive
+            .validate("transports.shm.receive")?;
+        Ok(())
+    }
+
+    /// The effective configuration as pretty JSON (what `multirail config show` prints); it must parse back to an equal Config,
+    /// except `auth.token`, which prints as `"<redacted>"` (and is refused as a token).
+    ///
+    /// Never fails. Non-finite floats (only possible in a Config built in code and not
+    /// validated) print as `null`, which does not parse back. Floats round-trip exactly
+    /// when written with at most 15 significant digits and a decimal exponent within
+    /// ±22 (every value a person writes); beyond that serde_json's default float parser
+    /// may land one ulp off unless its `float_roundtrip` feature is enabled.
+    pub fn to_json_pretty(&self) -> String {
+        // Serializing plain structs with string keys into a String cannot fail.
+        serde_json::to_string_pretty(self).expect("Config serializes to JSON")
+    }
+}
+
+pub(crate) fn finite(prefix: &str, name: &str, value: f64) -> Result<(), ConfigError> {
+    if value.is_finite() {
+        Ok(())
+    } else {
+        Err(ConfigError::new(
+            format!("{prefix}.{name}"),
+            format!("must be a finite number, got {value}"),
+        ))
+    }
+}
+
+pub(crate) fn positive(prefix: &str, name: &str, value: f64) -> Result<(), ConfigError> {
+    if value.is_finite() && value > 0.0 {
+        Ok(())
+    } else {
+        Err(ConfigError::new(
+            format!("{prefix}.{name}"),
+            format!("must be a finite number greater than 0, got {value}"),
+        ))
+    }
+}
+
+pub(crate) fn at_least_one(prefix: &str, name: &str, value: u64) -> Result<(), ConfigError> {
+    if value >= 1 {
+        Ok(())
+    } else {
+        Err(ConfigError::new(
+            format!("{prefix}.{name}"),
+            format!("must be at least 1, got {value}"),
+        ))
+    }
+}
+
+pub(crate) fn within_count(prefix: &str, name: &str, value: usize) -> Result<(), ConfigError> {
+    if (1..=MAX_THREADS_OR_CONNECTIONS).contains(&value) {
+        Ok(())
+    } else {
+        Err(ConfigError::new(
+            format!("{prefix}.{name}"),
+            format!("must be within [1, {MAX_THREADS_OR_CONNECTIONS}], got {value}"),
+        ))
+    }
+}
+
+/// Require JSON objects wherever a section is expected.
+///
+/// serde's derive also accepts a struct written as an array of its field values in
+/// declaration order (`"workers": [131072]`); in a config file that is never meant and
+/// would silently bind values to whichever keys happen to come first.
+pub(crate) fn require_objects(doc: &serde_json::Value, origin: &str) -> Result<(), ConfigError> {
+    const SECTIONS: &[&str] = &[
+        "workers",
+        "metadata",
+        "auth",
+        "transports",
+        "transports.rdma",
+        "transports.tcp",
+        "transports.shm",
+    ];
+    if !doc.is_object() {
+        return Err(ConfigError::new(
+            "",
+            format!(
+                "{origin}: the document must be a JSON object ({{...}}), found {}",
+                json_kind(doc)
+            ),
+        ));
+    }
+    let not_object = |key: String, v: &serde_json::Value| {
+        ConfigError::new(
+            key,
+            format!("must be a JSON object, found {}", json_kind(v)),
+        )
+    };
+    for section in SECTIONS {
+        let pointer = format!("/{}", section.replace('.', "/"));
+        if let Some(v) = doc.pointer(&pointer).filter(|v| v.is_array()) {
+            return Err(not_object(section.to_string(), v));
+        }
+    }
+    if let Some(rails) = doc.get("rails").and_then(serde_json::Value::as_array) {
+        if let Some((i, v)) = rails.iter().enumerate().find(|(_, v)| v.is_array()) {
+            return Err(not_object(format!("rails[{i}]"), v));
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
+/// Turn a serde_json error found at `path` (serde_path_to_error's rendering) into a
+/// [`ConfigError`] that names the key and says what is wrong in the file's own terms.
+pub(crate) fn serde_error(path: String, err: serde_json::Error, origin: &str) -> ConfigError {
+    use serde_json::error::Category;
+
+    let full = err.to_string();
+    // serde_json appends the position; the key path already locates data errors.
+    let bare = if err.line() == 0 {
+        full.as_str()
+    } else {
+        full.strip_suffix(&format!(" at line {} column {}", err.line(), err.column()))
+            .unwrap_or(&full)
+    };
+    match err.classify() {
+        Category::Syntax | Category::Eof | Category::Io => ConfigError::new(
+            "",
+            format!(
+                "{origin}: invalid JSON at line {}, column {}: {bare}",
+                err.line(),
+                err.column()
+            ),
+        ),
+        Category::Data => {
+            let path = if path == "." { String::new() } else { path };
+            describe_data_error(path, bare, origin)
+        }
+    }
+}
+
+pub(crate) fn describe_data_error(path: String, msg: &str, origin: &str) -> ConfigError {
+    if let Some(rest) = msg.strip_prefix("unknown field `") {
+        // serde_path_to_error already appended the unknown key itself to `path`.
+        let (name, expected) = rest.split_once('`').unwrap_or((rest, ""));
+        let mut message = String::from("unknown key");
+        let expected = expected.trim_start_matches(", ");
+        let known = expected
+            .strip_prefix("expected one of ")
+            .or_else(|| expected.strip_prefix("expected "));
+        if let Some(known) = known {
+            message.push_str("; known keys here: ");
+            message.push_str(&known.replace('`', ""));
+        }
+        // TENT's docs show bare fragments of the rdma section; say where they belong.
+        if path == name && RDMA_KEYS.contains(&name) {
+            message.push_str(&format!(
+                "; TENT's scheduling keys belong under transports.rdma (transports.rdma.{name})"
+            ));
+        }
+        return ConfigError::new(path, message);
+    }
+    if let Some(rest) = msg.strip_prefix("duplicate field `") {
+        // serde reports duplicates against the enclosing object; name the key itself.
+        let name = rest.split('`').next().unwrap_or(rest);
+        let key = if path.is_empty() {
+            name.to_string()
+        } else {
+            format!("{path}.{name}")
+        };
+        return ConfigError::new(key, "duplicate key");
+    }
+    // serde names our Rust types; the file's author thinks in JSON objects.
+    let msg = match msg.rfind("expected struct ") {
+        Some(at) => format!("{}expected a JSON object", &msg[..at]),
+        None => msg.to_string(),
+    };
+    if path.is_empty() {
+        // Whole-document problems: say where the document came from.
+        return ConfigError::new("", format!("{origin}: {msg}"));
+    }
+    ConfigError::new(path, msg)
+}

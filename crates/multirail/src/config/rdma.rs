@@ -1,0 +1,223 @@
+//! The `transports.rdma` section: TENT's scheduling and QoS keys, which apply to every
+//! transport that carries rails.
+
+use multirail_policy::qos::PromotionConfig;
+use multirail_policy::selector::SelectorConfig;
+
+use super::*;
+
+/// TENT's keys; they apply to every transport that carries rails (TCP too) so a TENT file works unchanged.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RdmaConfig {
+    /// EWMA-based rail selection (true) or round-robin within the best NUMA tier (false).
+    pub enable_smart_scheduling: bool,
+    /// Score multiplier per NUMA tier (tier 0 = local); each finite and >= 0, at least one.
+    pub numa_penalties: Vec<f64>,
+    /// EWMA weight of the old estimate, within [0, 1]: 0 = take each observation, 1 = never learn.
+    pub bandwidth_learning_rate: f64,
+    /// Lower clamp of the EWMA estimate as a fraction of theoretical bandwidth; > 0.
+    pub ewma_min_bandwidth_multiplier: f64,
+    /// Upper clamp of the EWMA estimate as a multiple of theoretical bandwidth; >= the min multiplier.
+    pub ewma_max_bandwidth_multiplier: f64,
+    /// Random jitter added to scores so ties do not always pick the same rail; >= 0.
+    pub score_jitter_range: f64,
+    /// Guards score divisions against zero; > 0.
+    pub score_epsilon: f64,
+    /// Bandwidth assumed when the NIC's is unknown or out of [min, max]; > 0.
+    pub default_bandwidth_gbps: f64,
+    /// Smallest plausible NIC bandwidth; > 0.
+    pub min_bandwidth_gbps: f64,
+    /// Largest plausible NIC bandwidth; >= `min_bandwidth_gbps`.
+    pub max_bandwidth_gbps: f64,
+    /// Filter rails by request priority.
+    pub enable_priority_filtering: bool,
+    /// Local device priority rotation interval in microseconds; >= 1.
+    pub local_rotation_interval_us: u64,
+    /// Wait after which a queued request is promoted one priority level, in microseconds; >= 1.
+    pub priority_promotion_timeout_us: u64,
+    /// How often promotion is checked, in microseconds; >= 1.
+    pub priority_promotion_check_us: u64,
+    /// Global QoS slot length in milliseconds; >= 1.
+    pub slot_rotation_interval_ms: u64,
+    /// Shared-memory name for cross-process slot coordination; "" = single-process mode.
+    pub shared_quota_shm_path: String,
+    /// Let lower priorities use a slot that the allowed priorities leave idle.
+    pub qos_work_conserving: bool,
+    /// multirail's own: promote a waiting request only when its priority level has not been
+    /// served for `priority_promotion_timeout_us` (it is starved), not merely because it waits
+    /// behind its own level's backlog (default true; false = TENT's plain timeout).
+    pub qos_promote_only_when_starved: bool,
+    /// multirail's own: busy time, in microseconds, a rail's bandwidth sample must span before
+    /// the EWMA learns from it (default 1000; 0 = every slice is a sample, as TENT does).
+    pub bandwidth_sample_min_us: u64,
+}
+
+impl Default for RdmaConfig {
+    /// TENT's defaults, from the policy crate's own (written once there).
+    fn default() -> Self {
+        let sel = SelectorConfig::default();
+        let promotion = PromotionConfig::default();
+        RdmaConfig {
+            enable_smart_scheduling: sel.enable_smart_scheduling,
+            numa_penalties: sel.numa_penalties,
+            bandwidth_learning_rate: sel.bandwidth_learning_rate,
+            ewma_min_bandwidth_multiplier: sel.ewma_min_bandwidth_multiplier,
+            ewma_max_bandwidth_multiplier: sel.ewma_max_bandwidth_multiplier,
+            score_jitter_range: sel.score_jitter_range,
+            score_epsilon: sel.score_epsilon,
+            default_bandwidth_gbps: sel.default_bandwidth_gbps,
+            min_bandwidth_gbps: sel.min_bandwidth_gbps,
+            max_bandwidth_gbps: sel.max_bandwidth_gbps,
+            enable_priority_filtering: true,
+            local_rotation_interval_us: 200,
+            priority_promotion_timeout_us: promotion.timeout_ns / 1000,
+            priority_promotion_check_us: promotion.check_ns / 1000,
+            slot_rotation_interval_ms: 2,
+            shared_quota_shm_path: String::new(),
+            qos_work_conserving: true,
+            qos_promote_only_when_starved: promotion.only_when_starved,
+            bandwidth_sample_min_us: sel.min_sample_ns / 1000,
+        }
+    }
+}
+
+/// Keys of [`RdmaConfig`]; used to point a misplaced TENT fragment at `transports.rdma`.
+pub(crate) const RDMA_KEYS: &[&str] = &[
+    "enable_smart_scheduling",
+    "numa_penalties",
+    "bandwidth_learning_rate",
+    "ewma_min_bandwidth_multiplier",
+    "ewma_max_bandwidth_multiplier",
+    "score_jitter_range",
+    "score_epsilon",
+    "default_bandwidth_gbps",
+    "min_bandwidth_gbps",
+    "max_bandwidth_gbps",
+    "enable_priority_filtering",
+    "local_rotation_interval_us",
+    "priority_promotion_timeout_us",
+    "priority_promotion_check_us",
+    "slot_rotation_interval_ms",
+    "shared_quota_shm_path",
+    "qos_work_conserving",
+    "qos_promote_only_when_starved",
+    "bandwidth_sample_min_us",
+];
+
+impl RdmaConfig {
+    /// The selector settings these keys give (`multirail_policy::selector`).
+    pub fn selector_config(&self) -> SelectorConfig {
+        SelectorConfig {
+            enable_smart_scheduling: self.enable_smart_scheduling,
+            numa_penalties: self.numa_penalties.clone(),
+            bandwidth_learning_rate: self.bandwidth_learning_rate,
+            ewma_min_bandwidth_multiplier: self.ewma_min_bandwidth_multiplier,
+            ewma_max_bandwidth_multiplier: self.ewma_max_bandwidth_multiplier,
+            score_jitter_range: self.score_jitter_range,
+            score_epsilon: self.score_epsilon,
+            default_bandwidth_gbps: self.default_bandwidth_gbps,
+            min_bandwidth_gbps: self.min_bandwidth_gbps,
+            max_bandwidth_gbps: self.max_bandwidth_gbps,
+            min_sample_ns: self.bandwidth_sample_min_us.saturating_mul(1000),
+        }
+    }
+
+    /// The promotion settings these keys give (`multirail_policy::qos`).
+    pub fn promotion(&self) -> PromotionConfig {
+        PromotionConfig {
+            timeout_ns: self.priority_promotion_timeout_us.saturating_mul(1000),
+            check_ns: self.priority_promotion_check_us.saturating_mul(1000),
+            only_when_starved: self.qos_promote_only_when_starved,
+        }
+    }
+
+    pub(crate) fn validate(&self, prefix: &str) -> Result<(), ConfigError> {
+        if self.numa_penalties.is_empty() {
+            return Err(ConfigError::new(
+                format!("{prefix}.numa_penalties"),
+                "must list at least one penalty (tier 0 = local NUMA)",
+            ));
+        }
+        for (i, &p) in self.numa_penalties.iter().enumerate() {
+            if !(p.is_finite() && p >= 0.0) {
+                return Err(ConfigError::new(
+                    format!("{prefix}.numa_penalties[{i}]"),
+                    format!("must be a finite number >= 0, got {p}"),
+                ));
+            }
+        }
+        let rate = self.bandwidth_learning_rate;
+        // The negated form also rejects NaN.
+        if !((0.0..=1.0).contains(&rate)) {
+            return Err(ConfigError::new(
+                format!("{prefix}.bandwidth_learning_rate"),
+                format!("must be within [0, 1], got {rate}"),
+            ));
+        }
+        positive(
+            prefix,
+            "ewma_min_bandwidth_multiplier",
+            self.ewma_min_bandwidth_multiplier,
+        )?;
+        finite(
+            prefix,
+            "ewma_max_bandwidth_multiplier",
+            self.ewma_max_bandwidth_multiplier,
+        )?;
+        if self.ewma_max_bandwidth_multiplier < self.ewma_min_bandwidth_multiplier {
+            return Err(ConfigError::new(
+                format!("{prefix}.ewma_max_bandwidth_multiplier"),
+                format!(
+                    "must be at least ewma_min_bandwidth_multiplier ({}), got {}",
+                    self.ewma_min_bandwidth_multiplier, self.ewma_max_bandwidth_multiplier
+                ),
+            ));
+        }
+        finite(prefix, "score_jitter_range", self.score_jitter_range)?;
+        if self.score_jitter_range < 0.0 {
+            return Err(ConfigError::new(
+                format!("{prefix}.score_jitter_range"),
+                format!("must be >= 0, got {}", self.score_jitter_range),
+            ));
+        }
+        positive(prefix, "score_epsilon", self.score_epsilon)?;
+        positive(
+            prefix,
+            "default_bandwidth_gbps",
+            self.default_bandwidth_gbps,
+        )?;
+        positive(prefix, "min_bandwidth_gbps", self.min_bandwidth_gbps)?;
+        finite(prefix, "max_bandwidth_gbps", self.max_bandwidth_gbps)?;
+        if self.min_bandwidth_gbps > self.max_bandwidth_gbps {
+            return Err(ConfigError::new(
+                format!("{prefix}.min_bandwidth_gbps"),
+                format!(
+                    "must not exceed max_bandwidth_gbps ({}), got {}",
+                    self.max_bandwidth_gbps, self.min_bandwidth_gbps
+                ),
+            ));
+        }
+        at_least_one(
+            prefix,
+            "local_rotation_interval_us",
+            self.local_rotation_interval_us,
+        )?;
+        at_least_one(
+            prefix,
+            "priority_promotion_timeout_us",
+            self.priority_promotion_timeout_us,
+        )?;
+        at_least_one(
+            prefix,
+            "priority_promotion_check_us",
+            self.priority_promotion_check_us,
+        )?;
+        at_least_one(
+            prefix,
+            "slot_rotation_interval_ms",
+            self.slot_rotation_interval_ms,
+        )?;
+        Ok(())
+    }
+}

@@ -1,0 +1,89 @@
+//! The receive path of two-sided messages (`transports.tcp.receive`, `transports.shm.receive`).
+
+use super::*;
+
+/// When a consumed receive buffer is posted again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReturnPolicy {
+    /// As soon as its message is consumed (default).
+    #[default]
+    Individual,
+    /// All together, once no posted buffer is left.
+    Bulk,
+}
+
+/// Whether a responder returns a request's buffer before or after sending its answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReturnOrder {
+    /// Return, then answer (default).
+    #[default]
+    BeforeReply,
+    /// Answer, then return.
+    AfterReply,
+}
+
+/// Receive path of two-sided messages (`transports.<tcp|shm>.receive`), the knobs of seed 003.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReceiveConfig {
+    /// Receive buffers posted per connection, or in the shared pool (default 64); 1..=1048576.
+    pub queue_depth: usize,
+    /// One pool shared by every connection of the engine (an SRQ) instead of one per connection.
+    pub shared_receive_queue: bool,
+    /// The pool is allocated and registered as this many chunks of queue_depth / chunks buffers
+    /// (default 1); must divide queue_depth.
+    pub registration_chunks: usize,
+    /// Most scatter/gather entries a receive may use (default 1); 1..=32.
+    pub max_sge: usize,
+    /// Bytes per receive buffer, the largest message (default 8192); 1..=64 MiB.
+    pub buffer_size: usize,
+    /// `individual` (default) or `bulk`.
+    pub return_policy: ReturnPolicy,
+    /// `before_reply` (default) or `after_reply`.
+    pub return_order: ReturnOrder,
+}
+
+impl Default for ReceiveConfig {
+    fn default() -> Self {
+        let d = multirail_policy::receive::ReceiveSettings::default();
+        ReceiveConfig {
+            queue_depth: d.queue_depth,
+            shared_receive_queue: d.shared_receive_queue,
+            registration_chunks: d.registration_chunks,
+            max_sge: d.max_sge,
+            buffer_size: d.buffer_size,
+            return_policy: ReturnPolicy::Individual,
+            return_order: ReturnOrder::BeforeReply,
+        }
+    }
+}
+
+impl ReceiveConfig {
+    /// The settings the receive accounting takes.
+    pub fn settings(&self) -> multirail_policy::receive::ReceiveSettings {
+        use multirail_policy::receive as r;
+        r::ReceiveSettings {
+            queue_depth: self.queue_depth,
+            shared_receive_queue: self.shared_receive_queue,
+            registration_chunks: self.registration_chunks,
+            max_sge: self.max_sge,
+            buffer_size: self.buffer_size,
+            return_policy: match self.return_policy {
+                ReturnPolicy::Individual => r::ReturnPolicy::Individual,
+                ReturnPolicy::Bulk => r::ReturnPolicy::Bulk,
+            },
+            return_order: match self.return_order {
+                ReturnOrder::BeforeReply => r::ReturnOrder::BeforeReply,
+                ReturnOrder::AfterReply => r::ReturnOrder::AfterReply,
+            },
+        }
+    }
+
+    pub(crate) fn validate(&self, prefix: &str) -> Result<(), ConfigError> {
+        self.settings()
+            .validate()
+            .map_err(|e| ConfigError::new(format!("{prefix}.{}", e.key), e.message))
+    }
+}

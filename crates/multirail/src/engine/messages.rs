@@ -1,0 +1,82 @@
+//! The engine API of two-sided messages and notifications (the machinery is `crate::messaging`).
+
+use super::*;
+use crate::messaging::{Message, Notification, Peers};
+use crate::transport::wire::MsgKind;
+
+/// Two-sided messages and notifications.
+impl Engine {
+    /// Sends `bytes` to segment `segment` (opened with `open_segment`); the peer gets them
+    /// from [`Engine::recv`], after every message this engine sent it before. Waits while the
+    /// peer has no receive buffer posted for us, up to `transports.tcp.timeout_ms`. Fails when
+    /// `bytes` exceeds the peer's receive buffers, on a timeout or a broken connection.
+    pub fn send(&self, segment: SegmentId, bytes: &[u8]) -> Result<()> {
+        self.messaging()
+            .send(self, segment, MsgKind::Message, bytes)
+    }
+
+    /// The next message from any peer, waiting (busy polling) up to `timeout` (`None`: no
+    /// limit); `Ok(None)` when none came in time.
+    pub fn recv(&self, timeout: Option<Duration>) -> Result<Option<Message>> {
+        self.messaging().recv(timeout)
+    }
+
+    /// Sends a notification to `segment`; it arrives in order with this engine's messages.
+    pub fn send_notification(&self, segment: SegmentId, msg: &str) -> Result<()> {
+        self.messaging()
+            .send(self, segment, MsgKind::Notification, msg.as_bytes())
+    }
+
+    /// Notifications received since the last call, in arrival order (per peer: send order).
+    pub fn receive_notifications(&self) -> Vec<Notification> {
+        self.messaging().notifications()
+    }
+
+    /// Submits `requests` like [`Engine::submit`] and, once every one of them completed (its
+    /// bytes are in place at the target), sends `msg` as a notification to each segment they
+    /// target, so the notification arrives after the data. A failed batch sends no
+    /// notification (its error is in the batch's status).
+    pub fn submit_with_notification(
+        &self,
+        batch: BatchId,
+        requests: &[Request],
+        msg: &str,
+    ) -> Result<()> {
+        // Hold the batch itself, not its id: a caller that waits and frees the batch at once
+        // must not make the notification disappear with it.
+        let pending = self.batch(batch)?;
+        self.submit(batch, requests)?;
+        let mut targets: Vec<SegmentId> = requests.iter().map(|r| r.target).collect();
+        targets.sort_by_key(|t| t.0);
+        targets.dedup();
+        let (engine, msg) = (self.clone(), msg.to_owned());
+        thread::Builder::new()
+            .name("mr-notify".into())
+            .spawn(move || match pending.wait(None, Duration::ZERO) {
+                Ok(()) => {
+                    for t in targets {
+                        if let Err(e) = engine.send_notification(t, &msg) {
+                            tracing::warn!(error = %e, "batch notification not sent");
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "batch failed; notification not sent"),
+            })
+            .map_err(|e| Error::io("spawning notification thread", e))?;
+        Ok(())
+    }
+}
+
+impl Peers for Engine {
+    fn local_name(&self) -> String {
+        self.name()
+    }
+
+    fn peer(&self, segment: SegmentId) -> Result<Arc<Peer>> {
+        Engine::peer(self, segment)
+    }
+
+    fn target_buffer(&self, peer: &Peer, addr: u64, len: u64) -> Result<segment::BufferDescriptor> {
+        Engine::target_buffer(self, peer, addr, len)
+    }
+}

@@ -1,0 +1,334 @@
+//! The sending side of messages: one connection per peer, credits, and sending against them.
+
+use super::*;
+
+pub(super) enum OutIo {
+    Tcp {
+        /// Partial credit frames.
+        inbox: Vec<u8>,
+    },
+    Shm {
+        ring: Ring,
+        /// Base address of each receive chunk in this process.
+        chunks: Vec<usize>,
+        per_chunk: usize,
+        buffer_size: usize,
+        /// Next completion slot.
+        tail: u64,
+        _maps: Vec<Arc<PeerMapping>>,
+    },
+}
+
+/// Our dedicated message connection to one peer.
+pub(super) struct OutConn {
+    pub(super) peer: String,
+    pub(super) stream: TcpStream,
+    pub(super) credits: Credits,
+    pub(super) max_len: usize,
+    pub(super) io: OutIo,
+}
+
+impl Messaging {
+    pub(super) fn out_conn(
+        &self,
+        engine: &dyn Peers,
+        peer: &Arc<Peer>,
+    ) -> Result<Arc<Mutex<OutConn>>> {
+        if let Some(c) = self.out.lock().expect("out poisoned").get(&peer.id) {
+            return Ok(c.clone());
+        }
+        let shm = match self.transport {
+            TransportChoice::Tcp => false,
+            TransportChoice::Shm => {
+                if !peer.same_host {
+                    return Err(Error::TransportUnavailable {
+                        transport: "shm",
+                        reason: format!("segment {} is on another host", peer.name),
+                    });
+                }
+                true
+            }
+            TransportChoice::Auto => peer.same_host && self.shm_enabled,
+        };
+        let conn = Arc::new(Mutex::new(self.connect(engine, peer, shm)?));
+        let mut out = self.out.lock().expect("out poisoned");
+        Ok(out.entry(peer.id).or_insert(conn).clone())
+    }
+
+    pub(super) fn connect(
+        &self,
+        engine: &dyn Peers,
+        peer: &Arc<Peer>,
+        shm: bool,
+    ) -> Result<OutConn> {
+        let unreachable = |e: std::io::Error| Error::SegmentUnreachable {
+            name: peer.name.clone(),
+            reason: format!("message connection: {e}"),
+        };
+        let mut stream =
+            TcpStream::connect_timeout(&peer.addr, self.connect_timeout).map_err(unreachable)?;
+        let _ = stream.set_nodelay(true);
+        handshake::client(
+            &stream,
+            ConnKind::Message,
+            &self.membership,
+            &peer.name,
+            self.connect_timeout,
+        )?;
+        stream
+            .set_read_timeout(Some(OPEN_TIMEOUT))
+            .map_err(unreachable)?;
+        let name = engine.local_name();
+        let mut open = vec![if shm { MODE_SHM } else { MODE_TCP }];
+        open.extend_from_slice(&(name.len() as u16).to_le_bytes());
+        open.extend_from_slice(name.as_bytes());
+        stream.write_all(&open).map_err(unreachable)?;
+        let p = &peer.name;
+        let mut status = [0u8; 1];
+        stream.read_exact(&mut status).map_err(unreachable)?;
+        if status[0] != 0 {
+            let mut len = [0u8; 2];
+            stream.read_exact(&mut len).map_err(unreachable)?;
+            let mut reason = vec![0u8; u16::from_le_bytes(len) as usize];
+            stream.read_exact(&mut reason).map_err(unreachable)?;
+            return Err(Error::RemoteRejected {
+                peer: p.clone(),
+                reason: String::from_utf8_lossy(&reason).into_owned(),
+            });
+        }
+        let max_len = read_words(&mut stream, 1, 4).map_err(unreachable)?[0] as usize;
+        let io = if !shm {
+            OutIo::Tcp { inbox: Vec::new() }
+        } else {
+            let v = read_words(&mut stream, 2, 4).map_err(unreachable)?;
+            let (depth, per_chunk) = (v[0] as usize, v[1] as usize);
+            let ring = read_words(&mut stream, 2, 8).map_err(unreachable)?;
+            let nchunks = read_words(&mut stream, 1, 4).map_err(unreachable)?[0] as usize;
+            if nchunks == 0 || nchunks > multirail_policy::receive::MAX_QUEUE_DEPTH {
+                return Err(protocol(p, format!("{nchunks} receive chunks")));
+            }
+            let chunk_addrs = read_words(&mut stream, nchunks, 8).map_err(unreachable)?;
+            let chunk_len = read_words(&mut stream, 1, 8).map_err(unreachable)?[0];
+            if ring[1] < Ring::bytes(depth) as u64
+                || chunk_len < (per_chunk * max_len) as u64
+                || per_chunk == 0
+            {
+                return Err(protocol(p, "message ring or chunks too small"));
+            }
+            let mut maps = Vec::new();
+            let mut map = |addr: u64, len: u64| -> Result<usize> {
+                if peer.same_process {
+                    return Ok(addr as usize);
+                }
+                let b = engine.target_buffer(peer, addr, len)?;
+                let handle = b
+                    .shm
+                    .as_ref()
+                    .ok_or_else(|| protocol(p, "receive buffers are not in shared memory"))?;
+                let m = Arc::new(PeerMapping::open(handle, b.len as usize)?);
+                let base = m.base() + (addr - b.addr) as usize;
+                maps.push(m);
+                Ok(base)
+            };
+            let ring_base = map(ring[0], ring[1])?;
+            let chunks = chunk_addrs
+                .iter()
+                .map(|&a| map(a, chunk_len))
+                .collect::<Result<Vec<_>>>()?;
+            for &c in &chunks {
+                populate(c as *mut u8, chunk_len as usize);
+            }
+            OutIo::Shm {
+                // SAFETY: `ring_base` maps at least `Ring::bytes(depth)` bytes (checked above),
+                // kept alive by `maps`.
+                ring: unsafe { Ring::new(ring_base as *mut u8, depth) },
+                chunks,
+                per_chunk,
+                buffer_size: max_len,
+                tail: 0,
+                _maps: maps,
+            }
+        };
+        stream.set_read_timeout(None).map_err(unreachable)?;
+        Ok(OutConn {
+            peer: p.clone(),
+            stream,
+            credits: Credits::default(),
+            max_len,
+            io,
+        })
+    }
+
+    pub(crate) fn send(
+        &self,
+        engine: &dyn Peers,
+        segment: SegmentId,
+        kind: MsgKind,
+        data: &[u8],
+    ) -> Result<()> {
+        let known = self
+            .out
+            .lock()
+            .expect("out poisoned")
+            .get(&segment.0)
+            .cloned();
+        let conn = match known {
+            Some(c) => c,
+            None => self.out_conn(engine, &engine.peer(segment)?)?,
+        };
+        let outcome =
+            conn.lock()
+                .expect("message connection poisoned")
+                .send(kind, data, self.timeout);
+        match &outcome {
+            Err(Error::InvalidArgument { .. }) | Ok(()) => {}
+            Err(_) => {
+                // Broken: the next send connects again.
+                let mut out = self.out.lock().expect("out poisoned");
+                if out.get(&segment.0).is_some_and(|c| Arc::ptr_eq(c, &conn)) {
+                    out.remove(&segment.0);
+                }
+            }
+        }
+        if kind == MsgKind::Message && self.after_reply_pending.load(Ordering::Relaxed) {
+            self.release_after_reply();
+        }
+        outcome
+    }
+}
+
+impl OutConn {
+    pub(super) fn send(&mut self, kind: MsgKind, data: &[u8], timeout: Duration) -> Result<()> {
+        if data.len() > self.max_len {
+            return Err(Error::invalid(
+                "bytes",
+                format!(
+                    "{} bytes exceed the receiver's {}-byte receive buffers",
+                    data.len(),
+                    self.max_len
+                ),
+            ));
+        }
+        let buf = self.credit(timeout)?;
+        match &mut self.io {
+            OutIo::Tcp { .. } => {
+                let mut h = [0u8; MSG_HEADER_LEN];
+                MsgHeader {
+                    kind,
+                    len: data.len() as u32,
+                }
+                .encode(&mut h);
+                let mut iov = [
+                    sockio::iovec(h.as_ptr(), h.len()),
+                    sockio::iovec(data.as_ptr(), data.len()),
+                ];
+                let n = if data.is_empty() { 1 } else { 2 };
+                sockio::write_all_vectored(self.stream.as_raw_fd(), &mut iov[..n]).map_err(|e| {
+                    Error::PeerDisconnected {
+                        peer: self.peer.clone(),
+                        reason: format!("sending a message: {e}"),
+                    }
+                })
+            }
+            OutIo::Shm {
+                ring,
+                chunks,
+                per_chunk,
+                buffer_size,
+                tail,
+                ..
+            } => {
+                let i = buf.0 as usize;
+                let (chunk, offset) = (i / *per_chunk, (i % *per_chunk) * *buffer_size);
+                let Some(base) = chunks.get(chunk) else {
+                    return Err(protocol(
+                        &self.peer,
+                        format!("granted buffer {i} out of range"),
+                    ));
+                };
+                if data.len() <= INLINE_MAX {
+                    ring.complete(*tail, buf, data.len(), kind as u8, Some(data));
+                } else {
+                    // SAFETY: the receiver granted us buffer `i`, inside a chunk we mapped
+                    // whole; it reads the bytes only after the completion entry below is
+                    // published.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            data.as_ptr(),
+                            (*base + offset) as *mut u8,
+                            data.len(),
+                        )
+                    };
+                    ring.complete(*tail, buf, data.len(), kind as u8, None);
+                }
+                *tail += 1;
+                Ok(())
+            }
+        }
+    }
+
+    /// One credit, waiting for the receiver to grant one if none is in hand.
+    pub(super) fn credit(&mut self, timeout: Duration) -> Result<BufferId> {
+        if let Some(b) = self.credits.take() {
+            return Ok(b);
+        }
+        // The clock is read only once the credits in hand are spent.
+        let start = Instant::now();
+        let mut idle = 0u32;
+        loop {
+            self.collect_credits()?;
+            if let Some(b) = self.credits.take() {
+                return Ok(b);
+            }
+            let waited = start.elapsed();
+            if waited >= timeout {
+                return Err(Error::Timeout {
+                    peer: self.peer.clone(),
+                    timeout_ms: timeout.as_millis() as u64,
+                });
+            }
+            idle = idle.wrapping_add(1);
+            if waited > SPIN && idle.is_multiple_of(16) {
+                back_off(waited);
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    pub(super) fn collect_credits(&mut self) -> Result<()> {
+        match &mut self.io {
+            OutIo::Tcp { inbox } => {
+                let mut b = [0u8; 256];
+                match sockio::recv_nonblocking(self.stream.as_raw_fd(), &mut b) {
+                    Ok(None) => return Ok(()),
+                    Ok(Some(0)) => {
+                        return Err(Error::PeerDisconnected {
+                            peer: self.peer.clone(),
+                            reason: "the receiver closed the message connection".into(),
+                        })
+                    }
+                    Ok(Some(n)) => inbox.extend_from_slice(&b[..n]),
+                    Err(e) => return Err(Error::io("reading credits", e)),
+                }
+                let whole = inbox.len() / MSG_HEADER_LEN * MSG_HEADER_LEN;
+                let mut granted = 0usize;
+                for f in inbox[..whole].chunks(MSG_HEADER_LEN) {
+                    let h = MsgHeader::decode(f, u32::MAX).map_err(|r| protocol(&self.peer, r))?;
+                    if h.kind != MsgKind::Credit {
+                        return Err(protocol(&self.peer, "a receiver sent a message frame"));
+                    }
+                    granted += h.len as usize;
+                }
+                inbox.drain(..whole);
+                self.credits
+                    .on_grant(std::iter::repeat_n(BufferId(0), granted));
+            }
+            OutIo::Shm { ring, .. } => {
+                let credits = &mut self.credits;
+                ring.take_grants(|id| credits.on_grant([id]));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,422 @@
+//! The `shm` transport: same-host transfers by plain copies. A target inside a buffer the peer
+//! allocated is reached through this process's mapping of the peer's memfd, so the peer does no
+//! work. Other registered memory of the peer is reached with process_vm_readv/writev.
+//!
+//! Copies run on a pool of worker threads that share one set of priority queues
+//! (multirail-policy's [`PriorityQueues`], with the engine's promotion settings): a worker
+//! always takes the oldest HIGH job, MEDIUM only when no HIGH waits and LOW only when neither
+//! does; a MEDIUM or LOW job starved longer than `priority_promotion_timeout_us` moves up a
+//! level (checked every `priority_promotion_check_us`, whenever a worker takes a job).
+//!
+//! A request is cut into contiguous runs of whole slices (see [`job_spans`]): at least one per
+//! worker, since a copy gains nothing from finer pieces and each piece costs a hand-off, and
+//! none longer than [`MAX_JOB_BYTES`] unless a single slice is; a run longer than that (one
+//! large slice: a 1 GiB write is 32 slices of 32 MiB) is copied in equal pieces of at most
+//! [`MAX_JOB_BYTES`] ("jobs", see [`job_pieces`]). Slices matter to rails, not to a copy, so a
+//! HIGH job waits for at most one 1 MiB job per worker rather than for whole bulk requests.
+//!
+//! Queue depths, waits and promotions are reported to the engine's QoS state, so its
+//! statistics and its "is bulk moving" test see shm work; the queues count jobs, not slices.
+//! They are kept apart from network traffic's: shm work reserves no rail and holds back no
+//! network bulk. No lock is held during a copy. A worker that finds the queue empty watches it briefly
+//! before sleeping on a condvar, and a poster wakes only as many sleeping workers as it queued
+//! jobs.
+
+use std::collections::HashMap;
+use std::io;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use multirail_policy::qos::{Priority, PriorityQueues, HIGH, LEVELS};
+use multirail_policy::slicing::{job_pieces, job_spans, JobSpan, SlicePlan};
+
+use crate::batch::Task;
+use crate::error::{Error, Result};
+use crate::memory::PeerMapping;
+use crate::peer::Peer;
+use crate::qos::Qos;
+use crate::segment::BufferDescriptor;
+use crate::stats::{RailCounters, TrafficStats};
+use crate::transport::{Opcode, Prepared, Transport};
+
+mod copy;
+mod workers;
+
+use copy::*;
+use workers::*;
+
+/// Largest job a request is cut into unless one slice is larger, bytes.
+///
+/// A worker copies a job whole, so a HIGH job that arrives while every worker is busy waits for
+/// at most one job per worker to finish. A 1 MiB copy takes about 100-200 µs (5-10 GB/s per
+/// core), which bounds that wait; the hand-off a job costs (a lock, maybe a wake-up) is a few
+/// µs, so 1 MiB jobs keep it to a few percent of the copy. Larger jobs would let a HIGH request
+/// wait milliseconds behind bulk, as whole requests did; much smaller ones would spend a
+/// noticeable share of a bulk copy on hand-offs.
+pub(crate) const MAX_JOB_BYTES: u64 = 1 << 20;
+
+/// A worker copies a MEDIUM or LOW job in steps of this many bytes and, between steps, gives
+/// the rest of the job back to the head of its level when work of a higher level waits: a
+/// HIGH job then waits for at most one step (about 15-25 µs) instead of a whole 1 MiB job. A
+/// step costs one relaxed load, and nothing else while no higher work waits.
+pub(crate) const PREEMPT_STEP: usize = 128 << 10;
+
+/// What the shm transport keeps about one peer.
+#[derive(Default)]
+struct ShmPeer {
+    /// Mappings of the peer's memfd buffers, by (address, key).
+    mappings: Mutex<HashMap<(u64, u64), Arc<PeerMapping>>>,
+    /// Whether the kernel lets us use process_vm_readv/writev on this peer.
+    process_vm_allowed: OnceLock<bool>,
+}
+
+/// How a worker reaches the peer's bytes.
+#[derive(Clone)]
+enum Reach {
+    /// Same process: the remote address is ours.
+    Direct,
+    /// Through our mapping of the peer's memfd; `base` corresponds to the buffer's start.
+    Mapped {
+        mapping: Arc<PeerMapping>,
+        buffer_addr: u64,
+    },
+    /// With process_vm_readv/writev into process `pid`.
+    ProcessVm { pid: i32 },
+}
+
+/// The shared-memory transport and its copy workers.
+pub(crate) struct ShmTransport {
+    shared: Arc<Shared>,
+    workers: usize,
+    /// `transports.shm.process_vm`: reach registered memory of same-host peers with
+    /// process_vm_readv/writev.
+    process_vm: bool,
+    /// Per peer (by engine id): mappings of its memfd buffers, and whether process_vm works.
+    peers: Mutex<HashMap<u64, Arc<ShmPeer>>>,
+}
+
+impl ShmTransport {
+    /// Starts `workers` copy threads that share one set of priority queues, promoting with
+    /// `qos.promotion` and reporting depths, waits and promotions to `qos`. Fails when a thread
+    /// cannot be spawned (the threads already started then exit).
+    pub(crate) fn new(
+        workers: usize,
+        process_vm: bool,
+        stats: &TrafficStats,
+        qos: Arc<Qos>,
+    ) -> Result<Self> {
+        let shared = Arc::new(Shared {
+            state: Mutex::new(QueueState {
+                jobs: PriorityQueues::new(qos.promotion),
+                reported: [0; LEVELS],
+                idle: 0,
+                woken: 0,
+                alive: workers,
+                stopped: false,
+            }),
+            ready: Condvar::new(),
+            depths: Default::default(),
+            epoch: Instant::now(),
+            qos,
+            rail: stats.rail("shm"),
+        });
+        for i in 0..workers {
+            let worker = shared.clone();
+            let spawned = thread::Builder::new()
+                .name(format!("mr-shm-{i}"))
+                .spawn(move || copy_worker(&worker));
+            if let Err(e) = spawned {
+                shared.lock().alive -= workers - i;
+                shared.stop();
+                return Err(Error::io("spawning shm worker", e));
+            }
+        }
+        Ok(ShmTransport {
+            shared,
+            workers,
+            process_vm,
+            peers: Mutex::default(),
+        })
+    }
+
+    /// What this transport keeps about peer `id`, made on first use.
+    fn peer_state(&self, id: u64) -> Arc<ShmPeer> {
+        self.peers
+            .lock()
+            .expect("shm peers poisoned")
+            .entry(id)
+            .or_default()
+            .clone()
+    }
+
+    fn reach(&self, peer: &Peer, buffer: &BufferDescriptor) -> Result<Reach> {
+        if !peer.same_host {
+            return Err(Error::TransportUnavailable {
+                transport: "shm",
+                reason: format!("segment {} is on another host", peer.name),
+            });
+        }
+        if peer.same_process {
+            return Ok(Reach::Direct);
+        }
+        let state = self.peer_state(peer.id);
+        if let Some(handle) = &buffer.shm {
+            let mut maps = state.mappings.lock().expect("peer poisoned");
+            if let Some(m) = maps.get(&(buffer.addr, buffer.key)) {
+                return Ok(Reach::Mapped {
+                    mapping: m.clone(),
+                    buffer_addr: buffer.addr,
+                });
+            }
+            let m = Arc::new(PeerMapping::open(handle, buffer.len as usize)?);
+            maps.insert((buffer.addr, buffer.key), m.clone());
+            return Ok(Reach::Mapped {
+                mapping: m,
+                buffer_addr: buffer.addr,
+            });
+        }
+        if !self.process_vm {
+            return Err(Error::TransportUnavailable {
+                transport: "shm",
+                reason: "the buffer is registered memory and transports.shm.process_vm is off"
+                    .into(),
+            });
+        }
+        let pid = peer.descriptor().pid as i32;
+        let allowed = *state
+            .process_vm_allowed
+            .get_or_init(|| probe_process_vm(pid, buffer.addr));
+        if allowed {
+            Ok(Reach::ProcessVm { pid })
+        } else {
+            Err(Error::TransportUnavailable {
+                transport: "shm",
+                reason: format!("the kernel refuses process_vm_readv on process {pid}"),
+            })
+        }
+    }
+}
+
+impl Drop for ShmTransport {
+    /// Workers finish the jobs already queued (their tasks then complete), then exit.
+    fn drop(&mut self) {
+        self.shared.stop();
+    }
+}
+
+impl Transport for ShmTransport {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    fn prepare(&self, peer: &Peer, buffer: &BufferDescriptor) -> Result<()> {
+        self.reach(peer, buffer).map(|_| ())
+    }
+
+    /// Queues the request's jobs at its priority and wakes idle workers; the jobs fail with
+    /// `TransportUnavailable` when no worker is left to run them.
+    fn post(&self, peer: &Peer, req: Prepared, plan: &SlicePlan) {
+        let reach = match self.reach(peer, &req.buffer) {
+            Ok(r) => r,
+            Err(e) => {
+                req.fail(e);
+                return;
+            }
+        };
+        let Some(slices) = req.slices(plan) else {
+            return;
+        };
+        let (jobs, spans) = job_pieces(
+            job_spans(&slices, self.workers, MAX_JOB_BYTES),
+            MAX_JOB_BYTES,
+        );
+        req.task.add_parts(jobs as u32);
+        let job = |span: JobSpan| CopyJob {
+            op: req.op,
+            local: req.local + span.offset as usize,
+            remote: req.remote + span.offset,
+            len: span.len as usize,
+            slices: span.slices,
+            reach: reach.clone(),
+            task: req.task.clone(),
+        };
+        let shared = &*self.shared;
+        let now_ns = shared.ns(Instant::now());
+        let mut st = shared.lock();
+        if st.stopped || st.alive == 0 {
+            drop(st);
+            for _ in 0..jobs {
+                shared.rail.record_error();
+                req.task.part_done(Err(stopped_error()));
+            }
+            return;
+        }
+        for span in spans {
+            st.jobs.push_back(job(span), req.priority, now_ns);
+        }
+        shared.report_depths(&mut st);
+        let wake = jobs.min(st.idle);
+        st.idle -= wake;
+        st.woken += wake;
+        drop(st);
+        // Outside the lock, so a woken worker does not block on it at once. A worker counted
+        // in `idle` was blocked in its wait before we took the lock, so each notify wakes one
+        // or finds it already awake (timed out); either way it looks at the queue, and any
+        // worker awake takes jobs until the queue is empty before it waits again.
+        for _ in 0..wake {
+            shared.ready.notify_one();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::batch::Batch;
+    use crate::config::RdmaConfig;
+    use multirail_policy::qos::{LOW, MEDIUM};
+    fn qos() -> Arc<Qos> {
+        Arc::new(Qos::new(&RdmaConfig::default(), Instant::now()).unwrap())
+    }
+
+    /// A job that copies `src` over the start of `dst` within this process.
+    fn direct_job(src: &[u8], dst: &mut [u8], task: Arc<Task>) -> CopyJob {
+        CopyJob {
+            op: Opcode::Write,
+            local: src.as_ptr() as usize,
+            remote: dst.as_mut_ptr() as u64,
+            len: src.len(),
+            slices: 1,
+            reach: Reach::Direct,
+            task,
+        }
+    }
+
+    #[test]
+    fn a_worker_takes_high_then_medium_then_low() {
+        let stats = TrafficStats::default();
+        let qos = qos();
+        let shm = ShmTransport::new(1, false, &stats, qos.clone()).unwrap();
+        let batch = Batch::new(1, 3);
+        let tasks = batch.add_tasks(3).unwrap();
+        // Each job overwrites the start of `dst`: the one run last leaves the first byte, the
+        // one before it the second. Only HIGH, then MEDIUM, then LOW leaves "LMH".
+        let (high, medium, low) = (*b"HHH", *b"MM", *b"L");
+        let mut dst = [0u8; 3];
+        {
+            // All three are queued before the worker can look: LOW first, then HIGH, MEDIUM.
+            let mut st = shm.shared.lock();
+            let now = shm.shared.ns(Instant::now());
+            for (src, prio, task) in [
+                (&low[..], LOW, &tasks[0]),
+                (&high[..], HIGH, &tasks[1]),
+                (&medium[..], MEDIUM, &tasks[2]),
+            ] {
+                let job = direct_job(src, &mut dst, task.clone());
+                st.jobs.push_back(job, prio, now);
+            }
+            shm.shared.report_depths(&mut st);
+            assert_eq!(qos.snapshot().priorities[LOW.index()].queued, 1);
+        }
+        shm.shared.ready.notify_all();
+        batch
+            .wait(Some(Duration::from_secs(30)), Duration::ZERO)
+            .unwrap();
+        assert_eq!(&dst, b"LMH");
+        let s = qos.snapshot();
+        assert!(s
+            .priorities
+            .iter()
+            .all(|p| p.dequeued == 1 && p.queued == 0));
+        let rail = stats
+            .snapshot()
+            .into_iter()
+            .find(|r| r.name == "shm")
+            .unwrap();
+        assert_eq!((rail.bytes, rail.slices), (6, 3));
+        assert_eq!(rail.priority_bytes, [3, 2, 1]);
+    }
+
+    #[test]
+    fn a_bulk_copy_yields_to_high_work_between_steps_and_still_lands_whole() {
+        let stats = TrafficStats::default();
+        let qos = qos();
+        let shm = ShmTransport::new(1, false, &stats, qos.clone()).unwrap();
+        let (bulk_batch, high_batch) = (Batch::new(1, 1), Batch::new(2, 1));
+        let bulk_task = bulk_batch.add_tasks(1).unwrap().pop().unwrap();
+        let high_task = high_batch.add_tasks(1).unwrap().pop().unwrap();
+        // One LOW job far larger than a step: hundreds of milliseconds of copying into pages
+        // touched for the first time.
+        let len = 512 << 20;
+        let src: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
+        let mut dst = vec![0u8; len];
+        let (high_src, mut high_dst) = ([9u8; 4096], [0u8; 4096]);
+        let push = |job: CopyJob, prio: Priority| {
+            let mut st = shm.shared.lock();
+            let now = shm.shared.ns(Instant::now());
+            st.jobs.push_back(job, prio, now);
+            shm.shared.report_depths(&mut st);
+            drop(st);
+            shm.shared.ready.notify_all();
+        };
+        push(direct_job(&src, &mut dst, bulk_task), LOW);
+        // Once the worker has taken the bulk job, HIGH arrives.
+        while shm.shared.queued() > 0 {
+            thread::yield_now();
+        }
+        push(direct_job(&high_src, &mut high_dst, high_task), HIGH);
+        high_batch
+            .wait(Some(Duration::from_secs(60)), Duration::ZERO)
+            .unwrap();
+        assert_eq!(high_dst, high_src);
+        assert!(
+            !bulk_batch.overall_status().is_completed(),
+            "HIGH waited for the whole bulk copy"
+        );
+        bulk_batch
+            .wait(Some(Duration::from_secs(60)), Duration::ZERO)
+            .unwrap();
+        assert!(dst == src, "the bulk copy resumed where it stopped");
+        let rail = stats
+            .snapshot()
+            .into_iter()
+            .find(|r| r.name == "shm")
+            .unwrap();
+        // Resumed work is not counted twice: every byte once, the bulk job's slice once.
+        assert_eq!(rail.bytes, (len + 4096) as u64);
+        assert_eq!(rail.slices, 2);
+        assert_eq!(rail.priority_bytes, [4096, 0, len as u64]);
+        let low = &qos.snapshot().priorities[LOW.index()];
+        assert!(low.dequeued >= 2 && low.queued == 0, "{low:?}");
+    }
+
+    #[test]
+    fn workers_exit_when_the_transport_drops_and_finish_what_was_queued() {
+        let stats = TrafficStats::default();
+        let shm = ShmTransport::new(2, false, &stats, qos()).unwrap();
+        let shared = Arc::downgrade(&shm.shared);
+        let batch = Batch::new(1, 1);
+        let task = batch.add_tasks(1).unwrap().pop().unwrap();
+        let src = vec![7u8; 1 << 16];
+        let mut dst = vec![0u8; 1 << 16];
+        {
+            let mut st = shm.shared.lock();
+            let now = shm.shared.ns(Instant::now());
+            let job = direct_job(&src, &mut dst, task);
+            st.jobs.push_back(job, LOW, now);
+        }
+        drop(shm);
+        batch
+            .wait(Some(Duration::from_secs(30)), Duration::ZERO)
+            .unwrap();
+        assert_eq!(dst, src);
+        // Each worker holds the shared state until it returns.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while shared.strong_count() > 0 {
+            assert!(Instant::now() < deadline, "workers still running");
+            thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
