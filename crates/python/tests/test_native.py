@@ -251,9 +251,11 @@ def test_request_and_submit_errors(engine, spawn_peer):
         multirail.Request(W, src, seg, -5, 1)
     with pytest.raises(TypeError):
         multirail.Request(W, "src", seg, peer.addr, 1)
+    # The request carries a typed priority, so a bad one is refused when the request is made.
+    with pytest.raises(multirail.InvalidArgumentError, match="priority"):
+        multirail.Request(W, src, seg, peer.addr, 1, priority=7)
     cases = [
         (multirail.Request(W, src, seg, peer.addr, 0), multirail.InvalidArgumentError, "length"),
-        (multirail.Request(W, src, seg, peer.addr, 1, priority=7), multirail.InvalidArgumentError, "priority"),
         (multirail.Request(W, 0x1000, seg, peer.addr, 1), multirail.SourceNotRegisteredError, "registered"),
         (multirail.Request(W, src.addr + MIB - 1, seg, peer.addr, 2), multirail.SourceNotRegisteredError, "registered"),
         (multirail.Request(W, src, seg, peer.addr + MIB, 1), multirail.TargetOutOfRangeError, "outside"),
