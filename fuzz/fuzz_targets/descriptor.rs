@@ -39,12 +39,14 @@ fn schema() -> Schema {
             numa_node: 0,
             bandwidth_gbps: 100.0,
         }],
+        rdma: vec![],
         buffers: vec![BufferDescriptor {
             addr: 0x7f00_0000_0000,
             len: 1 << 20,
             key: 0x1234_5678_9abc_def0,
             location: Location::Cpu(0),
             shm: Some(ShmHandle { pid: 4242, fd: 7 }),
+            rkeys: vec![1, 2],
         }],
     };
     let v = serde_json::to_value(&sample).expect("descriptor serializes");

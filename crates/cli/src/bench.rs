@@ -70,7 +70,8 @@ pub struct BenchArgs {
     /// How long to run (seconds, or e.g. 500ms; at least 1ms). Default: 5.
     #[arg(long, default_value = "5", value_parser = units::parse_duration)]
     duration: Duration,
-    /// Transport: auto, shm or tcp. Default: auto (shm on the same host).
+    /// Transport: auto, shm, tcp or rdma. Default: auto (shm on the same host, else rdma when
+    /// both ends have RDMA devices, else tcp).
     #[arg(long, default_value = "auto", value_parser = parse_transport)]
     transport: TransportChoice,
     /// Buffer size on each side (and of the `--local` target). Default: 1GiB with --local;
@@ -112,8 +113,9 @@ fn parse_transport(s: &str) -> Result<TransportChoice, String> {
         "auto" => Ok(TransportChoice::Auto),
         "shm" => Ok(TransportChoice::Shm),
         "tcp" => Ok(TransportChoice::Tcp),
+        "rdma" => Ok(TransportChoice::Rdma),
         _ => Err(format!(
-            "unknown transport {s:?}; expected auto, shm or tcp"
+            "unknown transport {s:?}; expected auto, shm, tcp or rdma"
         )),
     }
 }
@@ -816,6 +818,7 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         "timeline": timeline,
         "classes": class_reports,
         "qos": traffic.qos,
+        "rdma": engine.rdma_stats(),
     });
     if args.json {
         println!("{report}");

@@ -22,6 +22,7 @@ pub struct TopoArgs {
 
 pub fn run(config: Config, args: TopoArgs) -> Result<(), Failure> {
     let topo = Topology::discover(&config, args.listen)?;
+    let rdma = multirail::rdma_probe(&config);
     let mut locations = vec![Location::Any];
     locations.extend(topo.numa_nodes().into_iter().map(Location::Cpu));
     if args.json {
@@ -31,7 +32,7 @@ pub fn run(config: Config, args: TopoArgs) -> Result<(), Failure> {
             .collect();
         println!(
             "{}",
-            serde_json::json!({"rails": topo.rails, "tiers": tiers})
+            serde_json::json!({"rails": topo.rails, "tiers": tiers, "rdma": rdma})
         );
         return Ok(());
     }
@@ -72,5 +73,50 @@ pub fn run(config: Config, args: TopoArgs) -> Result<(), Failure> {
         tiers.add_row(row);
     }
     println!("{tiers}");
+    print_rdma(&rdma);
     Ok(())
+}
+
+/// The RDMA rails, or why RDMA is off.
+fn print_rdma(rdma: &multirail::RdmaProbe) {
+    if let Some(why) = &rdma.off {
+        println!("RDMA: off: {why}");
+    } else {
+        let mut t = Table::new();
+        t.load_preset(UTF8_FULL);
+        t.set_header(vec![
+            "RDMA rail",
+            "GID (index)",
+            "LID",
+            "MTU",
+            "NUMA node",
+            "scheduled as",
+        ]);
+        for r in &rdma.rails {
+            let gid = match r.ipv4() {
+                Some(ip) => format!("::ffff:{ip} ({})", r.gid_index),
+                None => format!(
+                    "{} ({})",
+                    r.gid.iter().map(|b| format!("{b:02x}")).collect::<String>(),
+                    r.gid_index
+                ),
+            };
+            t.add_row(vec![
+                r.name(),
+                gid,
+                r.lid.to_string(),
+                r.mtu.to_string(),
+                if r.numa_node < 0 {
+                    "unknown".into()
+                } else {
+                    r.numa_node.to_string()
+                },
+                format!("{} Gbps", r.bandwidth_gbps),
+            ]);
+        }
+        println!("{t}");
+    }
+    for s in &rdma.skipped {
+        println!("RDMA port not used: {s}");
+    }
 }

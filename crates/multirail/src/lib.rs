@@ -44,4 +44,5 @@ pub use multirail_policy::qos::Priority;
 pub use qos::{PriorityTraffic, QosTraffic};
 pub use server::ConnectionStats;
 pub use stats::{RailTraffic, Traffic};
+pub use transport::rdma::{probe as rdma_probe, RdmaProbe, RdmaStats};
 pub use transport::Opcode;

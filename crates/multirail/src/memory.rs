@@ -77,9 +77,27 @@ pub(crate) struct Region {
     key: u64,
     location: Location,
     backing: Backing,
+    /// Remote keys of the range on each RDMA rail, as peers must present them.
+    rkeys: Vec<u32>,
+    /// The registry's number for this region, by which the hook knows it.
+    id: u64,
+}
+
+/// What else must know of every region: the RDMA transport registers each with every device
+/// (and deregisters it when the region goes), so peers can reach it with one-sided operations.
+pub(crate) trait RegionHook: Send + Sync {
+    /// Registers `addr..addr+len` as region `id`; returns the remote key on each RDMA rail.
+    /// An error fails the allocation or registration that asked, with nothing left registered.
+    fn registered(&self, id: u64, addr: usize, len: usize) -> Result<Vec<u32>>;
+    /// Region `id` is no longer served: deregister it (once nothing in flight uses it).
+    fn unregistered(&self, id: u64);
 }
 
 impl Region {
+    /// The registry's number for this region (what the region hook knows it by).
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
     pub(crate) fn key(&self) -> u64 {
         self.key
     }
@@ -104,6 +122,7 @@ impl Region {
                 }),
                 Backing::Registered => None,
             },
+            rkeys: self.rkeys.clone(),
         }
     }
 }
@@ -209,6 +228,8 @@ fn map_shared(fd: std::os::fd::RawFd, len: usize) -> std::io::Result<*mut libc::
 #[derive(Default)]
 pub(crate) struct MemoryRegistry {
     regions: RwLock<BTreeMap<usize, Arc<Region>>>,
+    hook: std::sync::OnceLock<Arc<dyn RegionHook>>,
+    next_id: std::sync::atomic::AtomicU64,
 }
 
 fn random_key() -> u64 {
@@ -285,7 +306,7 @@ impl MemoryRegistry {
         if let Location::Cpu(n) = location {
             bind_to_node(ptr as usize, len, n);
         }
-        let region = Arc::new(Region {
+        let mut region = Region {
             addr: ptr as usize,
             len,
             key: random_key(),
@@ -293,8 +314,12 @@ impl MemoryRegistry {
             backing: Backing::Owned {
                 memfd: memfd.into_file().into(),
             },
-        });
-        self.insert(region.clone())?;
+            rkeys: Vec::new(),
+            id: 0,
+        };
+        // Dropping `region` on failure unmaps what was mapped.
+        let region = self.insert(&mut region).map(|()| Arc::new(region))?;
+        self.publish(region.clone())?;
         Ok(Buffer { region })
     }
 
@@ -314,19 +339,45 @@ impl MemoryRegistry {
             ));
         }
         check_numa_node(location)?;
-        let region = Arc::new(Region {
+        let mut region = Region {
             addr: ptr as usize,
             len,
             key: random_key(),
             location,
             backing: Backing::Registered,
-        });
-        self.insert(region.clone())?;
+            rkeys: Vec::new(),
+            id: 0,
+        };
+        self.insert(&mut region)?;
+        let region = Arc::new(region);
+        self.publish(region.clone())?;
         Ok(Buffer { region })
     }
 
-    fn insert(&self, region: Arc<Region>) -> Result<()> {
-        let mut map = self.regions.write().expect("memory registry poisoned");
+    /// Installs the hook every region is registered with from now on. Set once, before any
+    /// memory is registered (regions already served would lack their keys).
+    pub(crate) fn set_hook(&self, hook: Arc<dyn RegionHook>) {
+        let _ = self.hook.set(hook);
+    }
+
+    /// Checks that `region` overlaps nothing served and registers it with the hook, filling in
+    /// its remote keys. Does not publish it yet: that is `publish`, once it is in an `Arc`.
+    fn insert(&self, region: &mut Region) -> Result<()> {
+        Self::check_overlap(
+            &self.regions.read().expect("memory registry poisoned"),
+            region,
+        )?;
+        // Registering with devices pins pages and takes a while: not under the lock.
+        region.id = 1 + self
+            .next_id
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if let Some(hook) = self.hook.get() {
+            region.rkeys = hook.registered(region.id, region.addr, region.len)?;
+        }
+        Ok(())
+    }
+
+    fn check_overlap(map: &BTreeMap<usize, Arc<Region>>, region: &Region) -> Result<()> {
         let (start, end) = (region.addr, region.addr + region.len);
         let overlaps_before = map
             .range(..end)
@@ -338,20 +389,44 @@ impl MemoryRegistry {
                 format!("range {start:#x}+{} overlaps registered memory", region.len),
             ));
         }
-        map.insert(start, region);
+        Ok(())
+    }
+
+    /// Serves `region`. One that raced another registration of an overlapping range (both
+    /// checked before either was served) loses, and is deregistered from the hook again.
+    fn publish(&self, region: Arc<Region>) -> Result<()> {
+        let mut map = self.regions.write().expect("memory registry poisoned");
+        if let Err(e) = Self::check_overlap(&map, &region) {
+            drop(map);
+            if let Some(hook) = self.hook.get() {
+                hook.unregistered(region.id);
+            }
+            return Err(e);
+        }
+        map.insert(region.addr, region);
         Ok(())
     }
 
     /// Removes the region starting at `addr`. Memory the engine allocated is unmapped once no
-    /// buffer handle or in-flight slice holds it.
+    /// buffer handle or in-flight slice holds it; RDMA registrations go at once (slices in
+    /// flight on them keep them until they finish).
     pub(crate) fn unregister(&self, addr: u64) -> Result<()> {
-        let mut map = self.regions.write().expect("memory registry poisoned");
-        map.remove(&(addr as usize)).map(|_| ()).ok_or_else(|| {
-            Error::invalid(
+        let removed = {
+            let mut map = self.regions.write().expect("memory registry poisoned");
+            map.remove(&(addr as usize))
+        };
+        match removed {
+            Some(region) => {
+                if let Some(hook) = self.hook.get() {
+                    hook.unregistered(region.id);
+                }
+                Ok(())
+            }
+            None => Err(Error::invalid(
                 "addr",
                 format!("{addr:#x} is not the start of a registered buffer"),
-            )
-        })
+            )),
+        }
     }
 
     /// The region that holds all of `addr..addr+len`, if any.

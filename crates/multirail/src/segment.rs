@@ -30,6 +30,10 @@ pub struct BufferDescriptor {
     pub location: Location,
     /// Present for engine-allocated buffers, which same-host peers can map.
     pub shm: Option<ShmHandle>,
+    /// The buffer's remote key on each RDMA rail of the segment, in the order of
+    /// [`SegmentDescriptor::rdma`]; empty when the engine has no RDMA rail.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rkeys: Vec<u32>,
 }
 
 impl BufferDescriptor {
@@ -52,6 +56,41 @@ pub struct RailDescriptor {
     pub bandwidth_gbps: f64,
 }
 
+/// One RDMA rail (a device port) of a segment: what a peer needs to connect queue pairs to it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RdmaRailDescriptor {
+    /// Device name, e.g. `mlx5_0`.
+    pub device: String,
+    /// Port number on the device (from 1).
+    pub port: u8,
+    /// The GID queue pairs address this port by (RoCE v2 where the port has one), 16 bytes.
+    pub gid: [u8; 16],
+    /// Index of that GID in the port's table.
+    pub gid_index: u8,
+    /// The port's LID (InfiniBand; 0 on RoCE).
+    pub lid: u16,
+    /// The port's active MTU in bytes: a path takes the smaller of both ends'.
+    pub mtu: u32,
+    /// NUMA node of the device, -1 when unknown.
+    pub numa_node: i32,
+    /// Link speed used for scheduling, Gbps.
+    pub bandwidth_gbps: f64,
+}
+
+impl RdmaRailDescriptor {
+    /// The rail's name as statistics show it: `device/port`.
+    pub fn name(&self) -> String {
+        format!("{}/{}", self.device, self.port)
+    }
+
+    /// The IPv4 address an IPv4-mapped GID (RoCE v2 over IPv4) carries.
+    pub fn ipv4(&self) -> Option<std::net::Ipv4Addr> {
+        let g = &self.gid;
+        (g[..10].iter().all(|&b| b == 0) && g[10] == 0xff && g[11] == 0xff)
+            .then(|| std::net::Ipv4Addr::new(g[12], g[13], g[14], g[15]))
+    }
+}
+
 /// Everything a peer needs to move bytes to and from a segment.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SegmentDescriptor {
@@ -65,6 +104,9 @@ pub struct SegmentDescriptor {
     pub protocol_version: u16,
     /// The engine's rails.
     pub rails: Vec<RailDescriptor>,
+    /// The engine's RDMA rails; empty without RDMA.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rdma: Vec<RdmaRailDescriptor>,
     /// Buffers the engine serves, in address order.
     pub buffers: Vec<BufferDescriptor>,
 }
@@ -106,6 +148,7 @@ mod tests {
             key: 1,
             location: Location::Any,
             shm: None,
+            rkeys: Vec::new(),
         }
     }
 
@@ -117,6 +160,7 @@ mod tests {
             pid: 1,
             protocol_version: PROTOCOL_VERSION,
             rails: vec![],
+            rdma: vec![],
             buffers: vec![buf(1000, 100), buf(5000, 10)],
         };
         assert_eq!(d.find_buffer(1000, 100).unwrap().addr, 1000);

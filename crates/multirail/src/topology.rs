@@ -95,6 +95,14 @@ fn interfaces() -> Vec<Interface> {
     out
 }
 
+/// Prefix length of the subnet of the interface that holds IPv4 address `addr`, if one does.
+pub fn prefix_len_of(addr: Ipv4Addr) -> Option<u8> {
+    interfaces()
+        .into_iter()
+        .find(|f| f.address == addr)
+        .map(|f| f.prefix_len)
+}
+
 /// Name of the interface that holds `addr`, if any (loopback included).
 pub fn interface_for_address(addr: IpAddr) -> Option<String> {
     let addrs = nix::ifaddrs::getifaddrs().ok()?;
@@ -240,6 +248,10 @@ impl Topology {
         };
         for (location, names) in &config.tiers {
             for name in names.keys() {
+                // `device/port` names an RDMA rail, which the RDMA transport finds later.
+                if name.contains('/') {
+                    continue;
+                }
                 if !rails.iter().any(|r| &r.name == name) {
                     return Err(Error::Config(crate::config::ConfigError::new(
                         format!("tiers.{location}.{name}"),
@@ -260,6 +272,16 @@ impl Topology {
             distances: numa_distances(),
             overrides: config.tiers.clone(),
         })
+    }
+
+    /// A topology of RDMA rails (device ports): tiers from this host's NUMA distances and
+    /// the configured tier overrides (`tiers`), which may name RDMA rails as `device/port`.
+    pub fn for_rdma(rails: Vec<Rail>, config: &Config) -> Topology {
+        Topology {
+            rails,
+            distances: numa_distances(),
+            overrides: config.tiers.clone(),
+        }
     }
 
     /// A topology with the given rails and distance table, for tests and tools.

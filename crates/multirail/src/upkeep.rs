@@ -23,6 +23,8 @@ pub(crate) const LINK_CHECK: Duration = Duration::from_millis(50);
 pub(crate) enum TimerKey {
     /// The dispatcher of the peer with this engine id.
     Peer(u64),
+    /// The RDMA dispatcher of the peer with this engine id.
+    RdmaPeer(u64),
     /// The link check of every peer.
     Links,
 }

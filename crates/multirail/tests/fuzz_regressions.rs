@@ -143,7 +143,12 @@ fn message_header_limits() {
 #[test]
 fn hello_accepts_exactly_the_documented_hellos() {
     let nonce: [u8; NONCE_LEN] = std::array::from_fn(|i| i as u8 ^ 0x5A);
-    for kind in [ConnKind::Control, ConnKind::Data, ConnKind::Message] {
+    for kind in [
+        ConnKind::Control,
+        ConnKind::Data,
+        ConnKind::Message,
+        ConnKind::Rdma,
+    ] {
         let h = wire::encode_hello_with_nonce(kind, &nonce);
         assert_eq!(wire::decode_hello(&h), Ok(kind));
         assert_eq!(wire::hello_nonce(&h), nonce);
@@ -169,7 +174,7 @@ fn hello_accepts_exactly_the_documented_hellos() {
     );
     refused(5, 1, "version");
     refused(6, 0, "kind");
-    refused(6, 4, "kind");
+    refused(6, 5, "kind");
     refused(7, 1, "flags");
     refused(7, 0x80, "flags");
     assert!(wire::decode_hello(&[0; HELLO_LEN]).is_err());
@@ -252,6 +257,7 @@ fn descriptor() -> SegmentDescriptor {
         pid: 4242,
         protocol_version: PROTOCOL_VERSION,
         rails: vec![],
+        rdma: vec![],
         buffers: vec![
             BufferDescriptor {
                 addr: 0x1000,
@@ -259,6 +265,7 @@ fn descriptor() -> SegmentDescriptor {
                 key: 7,
                 location: Location::Cpu(0),
                 shm: None,
+                rkeys: vec![],
             },
             BufferDescriptor {
                 addr: u64::MAX - 0xFFF,
@@ -266,6 +273,7 @@ fn descriptor() -> SegmentDescriptor {
                 key: 8,
                 location: Location::Any,
                 shm: None,
+                rkeys: vec![],
             },
         ],
     }

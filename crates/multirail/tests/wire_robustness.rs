@@ -178,12 +178,14 @@ fn initiator_fails_requests_on_garbage_responses() {
         pid: 1,
         protocol_version: PROTOCOL_VERSION,
         rails: vec![],
+        rdma: vec![],
         buffers: vec![BufferDescriptor {
             addr: 0x10000,
             len: 1 << 20,
             key: 7,
             location: Location::Any,
             shm: None,
+            rkeys: vec![],
         }],
     };
     let json = serde_json::to_vec(&descriptor).unwrap();

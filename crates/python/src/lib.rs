@@ -184,8 +184,9 @@ fn parse_transport(t: Option<&str>) -> PyResult<Option<TransportChoice>> {
         Some("auto") => Ok(Some(TransportChoice::Auto)),
         Some("tcp") => Ok(Some(TransportChoice::Tcp)),
         Some("shm") => Ok(Some(TransportChoice::Shm)),
+        Some("rdma") => Ok(Some(TransportChoice::Rdma)),
         Some(other) => Err(InvalidArgumentError::new_err(format!(
-            "invalid argument `transport`: expected \"auto\", \"tcp\" or \"shm\", got {other:?}"
+            "invalid argument `transport`: expected \"auto\", \"tcp\", \"shm\" or \"rdma\", got {other:?}"
         ))),
     }
 }

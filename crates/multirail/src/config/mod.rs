@@ -94,6 +94,8 @@ pub enum TransportChoice {
     Tcp,
     /// Always shared memory; only same-host peers are reachable.
     Shm,
+    /// Always RDMA (verbs); fails when this engine or the peer has no RDMA device.
+    Rdma,
 }
 
 impl TransportChoice {
@@ -103,6 +105,7 @@ impl TransportChoice {
             TransportChoice::Auto => "auto",
             TransportChoice::Tcp => "tcp",
             TransportChoice::Shm => "shm",
+            TransportChoice::Rdma => "rdma",
         }
     }
 }

@@ -51,6 +51,37 @@ pub struct RdmaConfig {
     /// multirail's own: busy time, in microseconds, a rail's bandwidth sample must span before
     /// the EWMA learns from it (default 1000; 0 = every slice is a sample, as TENT does).
     pub bandwidth_sample_min_us: u64,
+    /// multirail's RDMA transport: use RDMA devices when there are any (default true).
+    pub enable: bool,
+    /// RDMA devices to use, as `device` or `device/port` (e.g. `["mlx5_0", "mlx5_1/1"]`);
+    /// empty = every active port (default).
+    pub devices: Vec<String>,
+    /// Connections (endpoints: a peer's queue pairs on one local/remote device pair) this
+    /// engine keeps; past it the least recently used is closed (default 256, Mooncake's
+    /// `max_ep_per_ctx`; 1..=65536).
+    pub max_endpoints: usize,
+    /// Send-queue depth of a queue pair: work requests it may have outstanding (default 256,
+    /// Mooncake's `max_wr`; 16..=32768).
+    pub max_wr: u32,
+    /// Scatter/gather entries per receive request (default 1, as RAMCloud's InfRc; 1..=16).
+    pub max_sge: u32,
+    /// Largest message sent inline (copied into the work request, no registration or DMA
+    /// read; default 400 bytes, RAMCloud's; 0..=4096).
+    pub max_inline_data: u32,
+    /// Slice work requests between two signalled ones on a queue pair: the rest complete
+    /// silently with the next signalled one (default 16; 1 = signal every slice; 1..=max_wr/2).
+    pub signal_interval: u32,
+    /// Largest path MTU to use, bytes: 256, 512, 1024, 2048 or 4096 (default 4096). A path
+    /// takes the smallest of this and both ports' active MTUs.
+    pub mtu: u32,
+    /// GID index to use on every port; -1 = choose (RoCE v2 with an IPv4 address first;
+    /// default -1).
+    pub gid_index: i32,
+    /// Local ACK timeout code: 4.096 µs × 2^N before a packet is retransmitted (default 14,
+    /// 67 ms; 1..=31).
+    pub qp_timeout: u8,
+    /// Retransmissions before a queue pair gives up and errors (default 7, the most; 0..=7).
+    pub retry_cnt: u8,
 }
 
 impl Default for RdmaConfig {
@@ -78,6 +109,17 @@ impl Default for RdmaConfig {
             qos_work_conserving: true,
             qos_promote_only_when_starved: promotion.only_when_starved,
             bandwidth_sample_min_us: sel.min_sample_ns / 1000,
+            enable: true,
+            devices: Vec::new(),
+            max_endpoints: 256,
+            max_wr: 256,
+            max_sge: 1,
+            max_inline_data: 400,
+            signal_interval: 16,
+            mtu: 4096,
+            gid_index: -1,
+            qp_timeout: 14,
+            retry_cnt: 7,
         }
     }
 }
@@ -103,6 +145,17 @@ pub(crate) const RDMA_KEYS: &[&str] = &[
     "qos_work_conserving",
     "qos_promote_only_when_starved",
     "bandwidth_sample_min_us",
+    "enable",
+    "devices",
+    "max_endpoints",
+    "max_wr",
+    "max_sge",
+    "max_inline_data",
+    "signal_interval",
+    "mtu",
+    "gid_index",
+    "qp_timeout",
+    "retry_cnt",
 ];
 
 impl RdmaConfig {
@@ -218,6 +271,52 @@ impl RdmaConfig {
             "slot_rotation_interval_ms",
             self.slot_rotation_interval_ms,
         )?;
+        let within = |key: &str, v: u64, lo: u64, hi: u64| {
+            if (lo..=hi).contains(&v) {
+                Ok(())
+            } else {
+                Err(ConfigError::new(
+                    format!("{prefix}.{key}"),
+                    format!("must be within {lo}..={hi}, got {v}"),
+                ))
+            }
+        };
+        for (i, d) in self.devices.iter().enumerate() {
+            let ok = match d.split_once('/') {
+                Some((dev, port)) => !dev.is_empty() && port.parse::<u8>().is_ok_and(|p| p >= 1),
+                None => !d.is_empty(),
+            };
+            if !ok {
+                return Err(ConfigError::new(
+                    format!("{prefix}.devices[{i}]"),
+                    format!("must be DEVICE or DEVICE/PORT (port from 1), got {d:?}"),
+                ));
+            }
+        }
+        within("max_endpoints", self.max_endpoints as u64, 1, 65536)?;
+        within("max_wr", self.max_wr.into(), 16, 32768)?;
+        within("max_sge", self.max_sge.into(), 1, 16)?;
+        within("max_inline_data", self.max_inline_data.into(), 0, 4096)?;
+        within(
+            "signal_interval",
+            self.signal_interval.into(),
+            1,
+            u64::from(self.max_wr / 2),
+        )?;
+        if ![256, 512, 1024, 2048, 4096].contains(&self.mtu) {
+            return Err(ConfigError::new(
+                format!("{prefix}.mtu"),
+                format!("must be 256, 512, 1024, 2048 or 4096, got {}", self.mtu),
+            ));
+        }
+        if !(-1..=255).contains(&self.gid_index) {
+            return Err(ConfigError::new(
+                format!("{prefix}.gid_index"),
+                format!("must be -1 (choose) or 0..=255, got {}", self.gid_index),
+            ));
+        }
+        within("qp_timeout", self.qp_timeout.into(), 1, 31)?;
+        within("retry_cnt", self.retry_cnt.into(), 0, 7)?;
         Ok(())
     }
 }

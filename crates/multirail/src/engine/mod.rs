@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 mod messages;
 
+use multirail_policy::dispatch::DispatchConfig;
 use multirail_policy::qos::Priority;
 use multirail_policy::slicing::SlicePlan;
 
@@ -27,6 +28,7 @@ use crate::stats::{Traffic, TrafficStats};
 use crate::topology;
 use crate::transport::cpu_priority::NiceTable;
 use crate::transport::handshake::Membership;
+use crate::transport::rdma::{RdmaSettings, RdmaStats, RdmaTransport};
 use crate::transport::shm::ShmTransport;
 use crate::transport::tcp::{TcpSettings, TcpTransport};
 use crate::transport::{Opcode, Prepared, Transport};
@@ -99,6 +101,7 @@ struct LocalSegment {
     name: OnceLock<String>,
     host_id: String,
     rails: Vec<RailDescriptor>,
+    rdma: Vec<segment::RdmaRailDescriptor>,
     registry: Arc<MemoryRegistry>,
 }
 
@@ -110,6 +113,7 @@ impl LocalSegment {
             pid: std::process::id(),
             protocol_version: PROTOCOL_VERSION,
             rails: self.rails.clone(),
+            rdma: self.rdma.clone(),
             buffers: self.registry.descriptors(),
         }
     }
@@ -127,6 +131,7 @@ struct Inner {
     wait_spin: Duration,
     shm: ShmTransport,
     tcp: TcpTransport,
+    rdma: Arc<RdmaTransport>,
     timers: Arc<Timers>,
     scheduler: Arc<RailScheduler>,
     qos: Arc<Qos>,
@@ -171,13 +176,6 @@ impl Engine {
         let topology = topology::Topology::discover(&config, listen.ip())?;
         let rails = topology.descriptors();
         let registry = Arc::new(MemoryRegistry::default());
-        let local = Arc::new(LocalSegment {
-            name: OnceLock::new(),
-            host_id: segment::local_host_id(),
-            rails: rails.clone(),
-            registry: registry.clone(),
-        });
-        let served = local.clone();
         let membership = match config.auth.effective_token()? {
             Some(token) => Membership::with_token(token.expose().as_bytes()),
             None => Membership::open(),
@@ -188,31 +186,6 @@ impl Engine {
             membership.clone(),
         )?);
         let tcp_cfg = &config.transports.tcp;
-        let server = Server::start(
-            listen,
-            registry,
-            Arc::new(move || {
-                serde_json::to_vec(&served.descriptor()).expect("descriptor serializes")
-            }),
-            messaging.clone(),
-            ServerSettings {
-                max_connections: tcp_cfg.max_connections,
-                max_pending: tcp_cfg.max_pending_connections.min(tcp_cfg.max_connections),
-                serve_threads: tcp_cfg.serve_threads,
-                handshake_timeout: Duration::from_millis(tcp_cfg.connect_timeout_ms),
-                keepalive: Duration::from_millis(tcp_cfg.keepalive_ms),
-                timeout: Duration::from_millis(tcp_cfg.timeout_ms),
-                membership: membership.clone(),
-                nice: NiceTable::new(tcp_cfg.bulk_thread_nice),
-            },
-        )?;
-        let name = format!(
-            "{}:{}",
-            advertised_host(&config, &listen, &rails),
-            server.local_addr().port()
-        );
-        let _ = local.name.set(name);
-
         let stats = Arc::new(TrafficStats::default());
         let settings = TcpSettings {
             connections_per_rail: tcp_cfg.connections_per_rail,
@@ -232,6 +205,58 @@ impl Engine {
         ));
         let qos = Arc::new(Qos::new(&config.transports.rdma, scheduler.epoch())?);
         let timers = Arc::new(Timers::new(scheduler.epoch()));
+        // Before any memory is registered: every region is registered with its devices.
+        let rdma = Arc::new(RdmaTransport::start(
+            &config,
+            &registry,
+            &stats,
+            &qos,
+            &timers,
+            RdmaSettings {
+                timeout: settings.timeout,
+                connect_timeout: settings.connect_timeout,
+                membership: membership.clone(),
+                dispatch: DispatchConfig {
+                    max_retries: settings.max_retries,
+                    ..settings.dispatch.clone()
+                },
+            },
+        ));
+        let local = Arc::new(LocalSegment {
+            name: OnceLock::new(),
+            host_id: segment::local_host_id(),
+            rails: rails.clone(),
+            rdma: rdma.descriptors(),
+            registry: registry.clone(),
+        });
+        let served = local.clone();
+        let server = Server::start(
+            listen,
+            registry,
+            Arc::new(move || {
+                serde_json::to_vec(&served.descriptor()).expect("descriptor serializes")
+            }),
+            messaging.clone(),
+            rdma.clone(),
+            ServerSettings {
+                max_connections: tcp_cfg.max_connections,
+                max_pending: tcp_cfg.max_pending_connections.min(tcp_cfg.max_connections),
+                serve_threads: tcp_cfg.serve_threads,
+                handshake_timeout: Duration::from_millis(tcp_cfg.connect_timeout_ms),
+                keepalive: Duration::from_millis(tcp_cfg.keepalive_ms),
+                timeout: Duration::from_millis(tcp_cfg.timeout_ms),
+                membership: membership.clone(),
+                nice: NiceTable::new(tcp_cfg.bulk_thread_nice),
+            },
+        )?;
+        let name = format!(
+            "{}:{}",
+            advertised_host(&config, &listen, &rails),
+            server.local_addr().port()
+        );
+        rdma.set_name(&name);
+        let _ = local.name.set(name);
+
         let workers = &config.workers;
         let plan = |cap| {
             SlicePlan::new(workers.block_size, cap).map_err(|e| {
@@ -257,6 +282,7 @@ impl Engine {
                 timers.clone(),
                 stats.clone(),
             ),
+            rdma,
             timers,
             qos,
             scheduler,
@@ -492,12 +518,25 @@ impl Engine {
         let transport: &dyn Transport = match choice {
             TransportChoice::Tcp => &self.inner.tcp,
             TransportChoice::Shm => &self.inner.shm,
+            TransportChoice::Rdma => &*self.inner.rdma,
             TransportChoice::Auto if peer.same_host && self.inner.config.transports.shm.enable => {
                 match self.inner.shm.prepare(&peer, &buffer) {
                     Ok(()) => &self.inner.shm,
                     Err(e) => {
                         if self.inner.fallback_logged.set(()).is_ok() {
                             tracing::warn!(peer = %peer.name, reason = %e, "shm cannot reach this buffer; using tcp");
+                        }
+                        &self.inner.tcp
+                    }
+                }
+            }
+            // Across hosts, RDMA when both ends have it; tcp when it cannot serve this one.
+            TransportChoice::Auto if self.inner.rdma.reaches(&peer) => {
+                match self.inner.rdma.prepare(&peer, &buffer) {
+                    Ok(()) => &*self.inner.rdma,
+                    Err(e) => {
+                        if self.inner.fallback_logged.set(()).is_ok() {
+                            tracing::warn!(peer = %peer.name, reason = %e, "rdma cannot reach this buffer; using tcp");
                         }
                         &self.inner.tcp
                     }
@@ -569,11 +608,14 @@ impl Engine {
     /// slices dequeued, and promotions.
     pub fn traffic_stats(&self) -> Traffic {
         let mut rails = self.inner.stats.snapshot();
-        for (i, (name, s)) in self.inner.scheduler.stats().into_iter().enumerate() {
-            if let Some(r) = rails.iter_mut().find(|r| r.name == name) {
-                r.ewma_gbps = Some(s.ewma_gbps);
-                r.inflight_bytes = s.inflight_bytes;
-                r.window_bytes = self.inner.scheduler.window(i);
+        let schedulers = std::iter::once(&self.inner.scheduler).chain(self.inner.rdma.scheduler());
+        for scheduler in schedulers {
+            for (i, (name, s)) in scheduler.stats().into_iter().enumerate() {
+                if let Some(r) = rails.iter_mut().find(|r| r.name == name) {
+                    r.ewma_gbps = Some(s.ewma_gbps);
+                    r.inflight_bytes = s.inflight_bytes;
+                    r.window_bytes = scheduler.window(i);
+                }
             }
         }
         Traffic {
@@ -632,6 +674,19 @@ impl Engine {
     pub fn shutdown(&self) {
         self.inner.server.lock().expect("server poisoned").take();
         self.inner.tcp.shutdown("engine shut down");
+        self.inner.rdma.shutdown("engine shut down");
+    }
+
+    /// Counts of the RDMA data path: `ibv_post_send` calls, work requests, signalled
+    /// completions, slices and queue pairs lost. All zero without RDMA.
+    pub fn rdma_stats(&self) -> RdmaStats {
+        self.inner.rdma.stats()
+    }
+
+    /// Why the RDMA transport is off (no libibverbs, no active port, disabled), or `None`
+    /// when it is on.
+    pub fn rdma_off_reason(&self) -> Option<String> {
+        self.inner.rdma.off_reason().map(str::to_owned)
     }
 }
 
@@ -682,8 +737,10 @@ fn spawn_upkeep(inner: Weak<Inner>) -> Option<thread::Thread> {
                 for key in &due {
                     match *key {
                         TimerKey::Peer(id) => inner.tcp.on_timer(id, now),
+                        TimerKey::RdmaPeer(id) => inner.rdma.on_timer(id, now),
                         TimerKey::Links => {
                             inner.tcp.check_links();
+                            inner.rdma.check_links();
                             inner
                                 .timers
                                 .arm(TimerKey::Links, inner.timers.ns(now + LINK_CHECK));
@@ -695,6 +752,7 @@ fn spawn_upkeep(inner: Weak<Inner>) -> Option<thread::Thread> {
                 // something waits.
                 if inner.qos.anything_queued() {
                     inner.tcp.pump_all();
+                    inner.rdma.pump_all();
                 }
             }
         });

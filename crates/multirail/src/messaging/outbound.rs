@@ -38,7 +38,8 @@ impl Messaging {
             return Ok(c.clone());
         }
         let shm = match self.transport {
-            TransportChoice::Tcp => false,
+            // Messages do not travel over verbs yet: with `rdma` chosen, tcp carries them.
+            TransportChoice::Tcp | TransportChoice::Rdma => false,
             TransportChoice::Shm => {
                 if !peer.same_host {
                     return Err(Error::TransportUnavailable {

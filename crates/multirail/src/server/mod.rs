@@ -117,6 +117,14 @@ pub(crate) trait MessageListener: Send + Sync {
     ) -> std::result::Result<(), String>;
 }
 
+/// Where the listener routes RDMA control connections (the rdma transport, which agrees queue
+/// pairs over them and keeps them while the initiator uses those).
+pub(crate) trait RdmaListener: Send + Sync {
+    /// Takes over an RDMA control connection past the handshake. Fails with the reason it
+    /// refused it (then the connection is closed).
+    fn accept(&self, stream: TcpStream, permit: ConnPermit) -> std::result::Result<(), String>;
+}
+
 /// Keeps a connection handed to messaging counted against `max_connections` until it closes.
 pub(crate) struct ConnPermit {
     open: Arc<AtomicUsize>,
@@ -175,6 +183,7 @@ struct Shared {
     registry: Arc<MemoryRegistry>,
     descriptor: DescriptorSource,
     messages: Arc<dyn MessageListener>,
+    rdma: Arc<dyn RdmaListener>,
     stopping: AtomicBool,
     /// Held open so that, out of fds with nothing to shed, one waiting client can still be
     /// accepted and closed instead of left hanging.
@@ -204,6 +213,7 @@ impl Server {
         registry: Arc<MemoryRegistry>,
         descriptor: DescriptorSource,
         messages: Arc<dyn MessageListener>,
+        rdma: Arc<dyn RdmaListener>,
         settings: ServerSettings,
     ) -> Result<Server> {
         raise_fd_limit();
@@ -247,6 +257,7 @@ impl Server {
             registry,
             descriptor,
             messages,
+            rdma,
             stopping: AtomicBool::new(false),
             spare: Mutex::new(File::open("/dev/null").ok()),
             epoch: Instant::now(),
@@ -379,7 +390,10 @@ fn serve_loop(s: &Shared) {
 enum Next {
     Wait(Wait),
     Close,
+    /// To messaging, with the opening read.
     HandOff(Vec<u8>),
+    /// To the rdma transport.
+    HandOffRdma,
 }
 
 impl Shared {
@@ -682,7 +696,8 @@ impl Shared {
         match next {
             Ok(Next::Wait(w)) => self.rearm(&e, w),
             Ok(Next::Close) => self.close(&e),
-            Ok(Next::HandOff(opening)) => self.hand_off(&e, &opening),
+            Ok(Next::HandOff(opening)) => self.hand_off(&e, Some(&opening)),
+            Ok(Next::HandOffRdma) => self.hand_off(&e, None),
             Err(reason) => {
                 tracing::warn!(peer = %e.peer, %reason, "closed connection");
                 self.close(&e);
@@ -706,6 +721,7 @@ impl Shared {
                                 ConnKind::Control => State::Control { out: Vec::new() },
                                 ConnKind::Data => State::Data(Box::new(DataConn::new(&[]))),
                                 ConnKind::Message => State::Opening { buf: Vec::new() },
+                                ConnKind::Rdma => return Ok(Next::HandOffRdma),
                             };
                             continue;
                         }
@@ -791,8 +807,9 @@ impl Shared {
         }
     }
 
-    /// Gives a message connection to messaging, which polls it from the receiver's thread.
-    fn hand_off(&self, e: &Entry, opening: &[u8]) {
+    /// Gives a message connection (with its `opening`) to messaging, which polls it from the
+    /// receiver's thread, or an RDMA control connection (no opening) to the rdma transport.
+    fn hand_off(&self, e: &Entry, opening: Option<&[u8]>) {
         if e.gone.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -804,12 +821,21 @@ impl Shared {
         let permit = ConnPermit {
             open: self.open.clone(),
         };
+        let what = if opening.is_some() {
+            "message"
+        } else {
+            "RDMA control"
+        };
         if let Err(reason) = stream.set_nonblocking(false) {
-            tracing::warn!(peer = %e.peer, %reason, "closed message connection");
+            tracing::warn!(peer = %e.peer, %reason, "closed {what} connection");
             return;
         }
-        if let Err(reason) = self.messages.accept(stream, opening, permit) {
-            tracing::warn!(peer = %e.peer, %reason, "closed message connection");
+        let accepted = match opening {
+            Some(opening) => self.messages.accept(stream, opening, permit),
+            None => self.rdma.accept(stream, permit),
+        };
+        if let Err(reason) = accepted {
+            tracing::warn!(peer = %e.peer, %reason, "closed {what} connection");
         }
     }
 }

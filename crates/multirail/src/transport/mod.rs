@@ -3,6 +3,8 @@
 
 pub(crate) mod cpu_priority;
 pub mod handshake;
+pub(crate) mod rails_view;
+pub(crate) mod rdma;
 pub(crate) mod shm;
 pub(crate) mod sockio;
 pub(crate) mod staging;

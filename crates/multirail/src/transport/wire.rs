@@ -28,6 +28,8 @@ pub enum ConnKind {
     Data = 2,
     /// Two-sided messages and notifications, one connection per sending peer.
     Message = 3,
+    /// Agreeing RDMA queue pairs; held open while the initiator uses them.
+    Rdma = 4,
 }
 
 /// Encodes the hello for a connection of `kind` with an all-zero nonce (tests and tools that do
@@ -69,6 +71,7 @@ pub fn decode_hello(b: &[u8; HELLO_LEN]) -> Result<ConnKind, String> {
         1 => Ok(ConnKind::Control),
         2 => Ok(ConnKind::Data),
         3 => Ok(ConnKind::Message),
+        4 => Ok(ConnKind::Rdma),
         k => Err(format!("unknown connection kind {k}")),
     }
 }

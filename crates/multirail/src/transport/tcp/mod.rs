@@ -18,7 +18,6 @@
 //! handshake) never runs on the upkeep thread that checks these clocks.
 
 mod conn;
-mod rails_view;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -43,9 +42,9 @@ use crate::topology;
 use crate::transport::{Prepared, Transport};
 use crate::upkeep::{TimerKey, Timers};
 
+use crate::transport::rails_view::{EngineRails, Located};
 pub(crate) use conn::{keep_alive, TcpSettings};
 use conn::{Conn, ConnOwner, ConnTarget, Outgoing};
-use rails_view::EngineRails;
 
 /// One (local rail, remote rail) pair to a peer: its connections. What may go on it, and when,
 /// is the dispatcher's.
@@ -114,6 +113,12 @@ impl Path {
         std::fs::read_to_string(format!("/sys/class/net/{iface}/operstate"))
             .map(|s| s.trim() == "down")
             .unwrap_or(false)
+    }
+}
+
+impl Located for Outgoing {
+    fn location(&self) -> crate::memory::Location {
+        self.location
     }
 }
 

@@ -4,16 +4,22 @@
 
 use std::time::Instant;
 
-use multirail_policy::dispatch::Rails;
+use multirail_policy::dispatch::{Payload, Rails};
 use multirail_policy::qos::Priority;
 use multirail_policy::selector::{RailId, SliceShape};
 
-use super::conn::Outgoing;
+use crate::memory::Location;
 use crate::qos::Qos;
 use crate::rails::RailScheduler;
 
+/// A slice whose local memory has a place, which ranks the rails for it.
+pub(crate) trait Located {
+    /// Where the slice's local memory lives.
+    fn location(&self) -> Location;
+}
+
 /// The engine's rails and QoS at `now`, for one call into a dispatcher.
-pub(super) struct EngineRails<'a> {
+pub(crate) struct EngineRails<'a> {
     scheduler: &'a RailScheduler,
     qos: &'a Qos,
     now: Instant,
@@ -21,7 +27,7 @@ pub(super) struct EngineRails<'a> {
 }
 
 impl<'a> EngineRails<'a> {
-    pub(super) fn new(scheduler: &'a RailScheduler, qos: &'a Qos, now: Instant) -> Self {
+    pub(crate) fn new(scheduler: &'a RailScheduler, qos: &'a Qos, now: Instant) -> Self {
         EngineRails {
             scheduler,
             qos,
@@ -31,7 +37,7 @@ impl<'a> EngineRails<'a> {
     }
 }
 
-impl Rails<Outgoing> for EngineRails<'_> {
+impl<T: Payload + Located> Rails<T> for EngineRails<'_> {
     fn smart(&self) -> bool {
         self.scheduler.smart()
     }
@@ -48,8 +54,8 @@ impl Rails<Outgoing> for EngineRails<'_> {
         self.qos.has_work(priority, self.now)
     }
 
-    fn tiers(&mut self, item: &Outgoing, out: &mut Vec<u8>) {
-        let tiers = self.scheduler.tiers(item.location);
+    fn tiers(&mut self, item: &T, out: &mut Vec<u8>) {
+        let tiers = self.scheduler.tiers(item.location());
         out.clear();
         out.extend_from_slice(&tiers);
     }
