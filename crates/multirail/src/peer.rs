@@ -64,6 +64,18 @@ impl Peer {
         self.descriptor.read().expect("peer poisoned").clone()
     }
 
+    /// Drops the buffer `addr..addr+len` from the cached descriptor: the segment said it no
+    /// longer serves it, so the next request there fetches the descriptor again instead of
+    /// presenting keys that are gone.
+    pub(crate) fn forget_buffer(&self, addr: u64, len: u64) {
+        let mut d = self.descriptor.write().expect("peer poisoned");
+        if d.buffers.iter().any(|b| b.addr == addr && b.len == len) {
+            let mut fresh = (**d).clone();
+            fresh.buffers.retain(|b| !(b.addr == addr && b.len == len));
+            *d = Arc::new(fresh);
+        }
+    }
+
     /// Replaces the cached descriptor with a fresh one from the same process. Returns false
     /// (and keeps the old one) if the segment is now a different process, which needs a new
     /// `Peer`.

@@ -73,9 +73,9 @@ pub(crate) trait Transport: Send + Sync {
 
     /// Gets ready to carry `buffer` of `peer` (connects, maps, probes); an error means this
     /// transport cannot serve it and another should be tried or the submit refused.
-    fn prepare(&self, peer: &Peer, buffer: &BufferDescriptor) -> Result<()>;
+    fn prepare(&self, peer: &Arc<Peer>, buffer: &BufferDescriptor) -> Result<()>;
 
     /// Posts the slices of `req` per `plan`. Every part it adds to the task reports exactly once,
     /// with success or the error that stopped it.
-    fn post(&self, peer: &Peer, req: Prepared, plan: &SlicePlan);
+    fn post(&self, peer: &Arc<Peer>, req: Prepared, plan: &SlicePlan);
 }

@@ -19,7 +19,7 @@
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use multirail_verbs::{Access, PathOptions, QpCaps, QueuePair, RemoteQp};
@@ -88,6 +88,15 @@ pub(super) struct ConnectReply {
     pub paths: Vec<PathReply>,
 }
 
+/// What the target sends on the control connection.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(super) enum TargetFrame {
+    /// The answer to the last request.
+    Reply(ConnectReply),
+    /// The target no longer serves the buffer `addr..addr+len`: its keys are gone.
+    Unregistered { addr: u64, len: u64 },
+}
+
 /// Writes one frame.
 pub(super) fn send_frame<T: Serialize>(stream: &mut TcpStream, msg: &T) -> std::io::Result<()> {
     let json = serde_json::to_vec(msg).map_err(std::io::Error::other)?;
@@ -99,6 +108,48 @@ pub(super) fn send_frame<T: Serialize>(stream: &mut TcpStream, msg: &T) -> std::
     out.extend_from_slice(&len.to_le_bytes());
     out.extend_from_slice(&json);
     stream.write_all(&out)
+}
+
+/// Reads one frame if a whole one has arrived, without waiting; `Ok(None)` when none has.
+/// Fails when the connection closed or the frame is bad.
+pub(super) fn try_recv_frame<T: for<'de> Deserialize<'de>>(
+    stream: &mut TcpStream,
+) -> std::io::Result<Option<T>> {
+    stream.set_nonblocking(true)?;
+    let mut head = [0u8; 4];
+    let whole = match stream.peek(&mut head) {
+        Ok(0) => Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            "control connection closed",
+        )),
+        Ok(n) if n < 4 => Ok(false),
+        Ok(_) => {
+            let len = u32::from_le_bytes(head);
+            if len > MAX_FRAME {
+                Ok(true) // `recv_frame` reports it.
+            } else {
+                let mut buf = vec![0u8; 4 + len as usize];
+                match stream.peek(&mut buf) {
+                    Ok(n) => Ok(n == buf.len()),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(false),
+                    Err(e) => Err(e),
+                }
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(false),
+        Err(e) => Err(e),
+    };
+    stream.set_nonblocking(false)?;
+    if !whole? {
+        return Ok(None);
+    }
+    match recv_frame(stream)? {
+        Some(f) => Ok(Some(f)),
+        None => Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            "control connection closed",
+        )),
+    }
 }
 
 /// Reads one frame; `Ok(None)` when the other end closed the connection between frames.
@@ -199,6 +250,7 @@ pub(super) fn connect_qp(
 /// initiator closes it, holding the queue pairs it made for it.
 pub(super) fn serve(
     mut stream: TcpStream,
+    writer: Arc<Mutex<TcpStream>>,
     ports: Vec<Arc<Port>>,
     config: RdmaConfig,
     io_timeout: Duration,
@@ -220,7 +272,10 @@ pub(super) fn serve(
                 break;
             }
         };
-        let _ = stream.set_write_timeout(Some(io_timeout));
+        let _ = writer
+            .lock()
+            .expect("cm writer poisoned")
+            .set_write_timeout(Some(io_timeout));
         for qp_num in &request.abandon {
             held.remove(qp_num);
         }
@@ -250,7 +305,11 @@ pub(super) fn serve(
                 }
             })
             .collect();
-        if let Err(e) = send_frame(&mut stream, &ConnectReply { paths: replies }) {
+        let sent = send_frame(
+            &mut writer.lock().expect("cm writer poisoned"),
+            &TargetFrame::Reply(ConnectReply { paths: replies }),
+        );
+        if let Err(e) = sent {
             tracing::warn!(%peer, error = %e, "closing RDMA connection: cannot answer");
             break;
         }

@@ -3,7 +3,8 @@
 //! memory registrations that let peers reach this engine's buffers through it.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::net::TcpStream;
+use std::sync::{Arc, Mutex, Weak};
 
 use multirail_verbs::{
     Access, CompletionQueue, Context, MemoryRegion, PortInfo, ProtectionDomain, Verbs,
@@ -142,6 +143,8 @@ pub(crate) fn discover(verbs: &Arc<Verbs>, config: &RdmaConfig) -> Result<Discov
 /// The registrations of one memory region, one per port.
 pub(crate) struct Registration {
     mrs: Vec<MemoryRegion>,
+    addr: usize,
+    len: usize,
 }
 
 impl Registration {
@@ -156,6 +159,9 @@ impl Registration {
 pub(crate) struct Registrations {
     ports: Vec<Arc<Port>>,
     by_id: Mutex<HashMap<u64, Arc<Registration>>>,
+    /// The write side of every open RDMA control connection a peer made to this engine: told
+    /// when a buffer stops being served, so peers drop its keys before they use them.
+    watchers: Mutex<Vec<Weak<Mutex<TcpStream>>>>,
 }
 
 impl Registrations {
@@ -163,7 +169,15 @@ impl Registrations {
         Registrations {
             ports,
             by_id: Mutex::default(),
+            watchers: Mutex::default(),
         }
+    }
+
+    /// Tells the peer on `writer` of every buffer unregistered from now on.
+    pub(crate) fn watch(&self, writer: &Arc<Mutex<TcpStream>>) {
+        let mut w = self.watchers.lock().expect("registrations poisoned");
+        w.retain(|x| x.strong_count() > 0);
+        w.push(Arc::downgrade(writer));
     }
 
     /// The registration of region `id`; `None` once it was unregistered.
@@ -204,15 +218,34 @@ impl RegionHook for Registrations {
         self.by_id
             .lock()
             .expect("registrations poisoned")
-            .insert(id, Arc::new(Registration { mrs }));
+            .insert(id, Arc::new(Registration { mrs, addr, len }));
         Ok(rkeys)
     }
 
     fn unregistered(&self, id: u64) {
         // Slices in flight hold their own `Arc`: the memory regions go when they finish.
-        self.by_id
+        let Some(gone) = self
+            .by_id
             .lock()
             .expect("registrations poisoned")
-            .remove(&id);
+            .remove(&id)
+        else {
+            return;
+        };
+        let frame = super::cm::TargetFrame::Unregistered {
+            addr: gone.addr as u64,
+            len: gone.len as u64,
+        };
+        let watchers: Vec<Arc<Mutex<TcpStream>>> = self
+            .watchers
+            .lock()
+            .expect("registrations poisoned")
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for w in watchers {
+            // A peer that cannot take a few bytes finds out from its next failed request.
+            let _ = super::cm::send_frame(&mut w.lock().expect("cm writer poisoned"), &frame);
+        }
     }
 }

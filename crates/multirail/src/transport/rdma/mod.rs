@@ -318,7 +318,7 @@ impl RdmaTransport {
 
     /// The peer's live RDMA state, made afresh when there is none or it was given up on.
     /// One thread connects at a time; others waiting meanwhile share its outcome.
-    fn connected(&self, peer: &Peer) -> Result<Arc<RdmaPeer>> {
+    fn connected(&self, peer: &Arc<Peer>) -> Result<Arc<RdmaPeer>> {
         let rt = self.runtime_or_err()?;
         let slot = self.slot(peer.id);
         let live = || {
@@ -490,11 +490,18 @@ impl RdmaTransport {
             .as_ref()
             .map_err(|why| format!("RDMA is off here: {why}"))?
             .clone();
+        let writer = Arc::new(Mutex::new(
+            stream
+                .try_clone()
+                .map_err(|e| format!("cannot share the connection: {e}"))?,
+        ));
+        rt.registrations.watch(&writer);
         std::thread::Builder::new()
             .name("mr-rdma-cm".into())
             .spawn(move || {
                 cm::serve(
                     stream,
+                    writer,
                     rt.ports.clone(),
                     rt.config.clone(),
                     rt.connect_timeout,
@@ -517,7 +524,7 @@ impl Transport for RdmaTransport {
         "rdma"
     }
 
-    fn prepare(&self, peer: &Peer, buffer: &BufferDescriptor) -> Result<()> {
+    fn prepare(&self, peer: &Arc<Peer>, buffer: &BufferDescriptor) -> Result<()> {
         self.runtime_or_err()?;
         if peer.descriptor().rdma.is_empty() {
             return Err(Error::TransportUnavailable {
@@ -537,7 +544,7 @@ impl Transport for RdmaTransport {
         self.connected(peer).map(|_| ())
     }
 
-    fn post(&self, peer: &Peer, req: Prepared, plan: &SlicePlan) {
+    fn post(&self, peer: &Arc<Peer>, req: Prepared, plan: &SlicePlan) {
         let mut req = req;
         for _ in 0..2 {
             match self.connected(peer) {

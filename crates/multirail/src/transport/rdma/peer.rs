@@ -26,7 +26,9 @@ use multirail_policy::pairing::{pair_rails, RailInfo, Reach};
 use multirail_policy::slicing::SlicePlan;
 use multirail_verbs::{PortState, QueuePair};
 
-use super::cm::{self, ConnectReply, ConnectRequest, PathReply, PathRequest, PortEnd, QpEnd};
+use super::cm::{
+    self, ConnectReply, ConnectRequest, PathReply, PathRequest, PortEnd, QpEnd, TargetFrame,
+};
 use super::devices::Port;
 use super::rc::{RcQp, RdmaSlice, Reaped};
 use super::Runtime;
@@ -76,6 +78,9 @@ impl RdmaPath {
 pub(crate) struct RdmaPeer {
     name: String,
     peer_id: u64,
+    /// The engine's record of the segment, whose cached descriptor forgets buffers the target
+    /// says it unregistered.
+    peer: Weak<Peer>,
     paths: Vec<RdmaPath>,
     dispatch: Mutex<Dispatcher<RdmaSlice>>,
     rt: Arc<Runtime>,
@@ -117,7 +122,7 @@ fn reach(local: &Port, remote: &RdmaRailDescriptor) -> Reach {
 impl RdmaPeer {
     /// Pairs local ports with the peer's RDMA rails, opens the control connection and connects
     /// every pair. Fails when the peer has no RDMA rail, or no pair connects.
-    pub(super) fn connect(peer: &Peer, rt: &Arc<Runtime>) -> Result<Arc<RdmaPeer>> {
+    pub(super) fn connect(peer: &Arc<Peer>, rt: &Arc<Runtime>) -> Result<Arc<RdmaPeer>> {
         let desc = peer.descriptor();
         let unavailable = |reason: String| Error::TransportUnavailable {
             transport: "rdma",
@@ -170,6 +175,7 @@ impl RdmaPeer {
         let me = Arc::new_cyclic(|me| RdmaPeer {
             name: peer.name.clone(),
             peer_id: peer.id,
+            peer: Arc::downgrade(peer),
             paths,
             dispatch: Mutex::new(Dispatcher::new(rt.dispatch_config(), &path_rails)),
             rt: rt.clone(),
@@ -269,13 +275,16 @@ impl RdmaPeer {
                 reason: format!("RDMA control connection: {e}"),
             };
             cm::send_frame(&mut cm, &request).map_err(lost)?;
-            match cm::recv_frame(&mut cm).map_err(lost)? {
-                Some(r) => r,
-                None => {
-                    return Err(Error::PeerDisconnected {
-                        peer: self.name.clone(),
-                        reason: "RDMA control connection closed".into(),
-                    })
+            loop {
+                match cm::recv_frame(&mut cm).map_err(lost)? {
+                    Some(TargetFrame::Reply(r)) => break r,
+                    Some(f) => self.on_frame(f),
+                    None => {
+                        return Err(Error::PeerDisconnected {
+                            peer: self.name.clone(),
+                            reason: "RDMA control connection closed".into(),
+                        })
+                    }
                 }
             }
         };
@@ -350,6 +359,41 @@ impl RdmaPeer {
             }
         }
         Ok(())
+    }
+
+    /// What the target said unprompted.
+    fn on_frame(&self, frame: TargetFrame) {
+        match frame {
+            TargetFrame::Unregistered { addr, len } => {
+                tracing::debug!(peer = %self.name, addr, len, "the target unregistered a buffer");
+                if let Some(p) = self.peer.upgrade() {
+                    p.forget_buffer(addr, len);
+                }
+            }
+            TargetFrame::Reply(_) => {
+                tracing::warn!(peer = %self.name, "an RDMA reply nobody asked for; ignored");
+            }
+        }
+    }
+
+    /// Takes in what the target sent since the last look, without waiting.
+    fn read_frames(&self) {
+        let Ok(mut cm) = self.cm.try_lock() else {
+            // A request is under way: its reader takes these in.
+            return;
+        };
+        loop {
+            match cm::try_recv_frame::<TargetFrame>(&mut cm) {
+                Ok(Some(f)) => self.on_frame(f),
+                Ok(None) => return,
+                Err(e) => {
+                    // The target closed it (it exited or shed us): its queue pairs go with it,
+                    // which the queue pairs themselves report.
+                    tracing::debug!(peer = %self.name, error = %e, "RDMA control connection lost");
+                    return;
+                }
+            }
+        }
     }
 
     /// Paths with queue pairs: what counts against `max_endpoints`.
@@ -837,6 +881,7 @@ impl RdmaPeer {
         if self.closed.load(Ordering::Acquire) || self.silent.load(Ordering::Acquire) {
             return;
         }
+        self.read_frames();
         for (p, path) in self.paths.iter().enumerate() {
             let down = path.port_down();
             if down {

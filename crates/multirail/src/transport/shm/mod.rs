@@ -211,13 +211,13 @@ impl Transport for ShmTransport {
         "shm"
     }
 
-    fn prepare(&self, peer: &Peer, buffer: &BufferDescriptor) -> Result<()> {
+    fn prepare(&self, peer: &Arc<Peer>, buffer: &BufferDescriptor) -> Result<()> {
         self.reach(peer, buffer).map(|_| ())
     }
 
     /// Queues the request's jobs at its priority and wakes idle workers; the jobs fail with
     /// `TransportUnavailable` when no worker is left to run them.
-    fn post(&self, peer: &Peer, req: Prepared, plan: &SlicePlan) {
+    fn post(&self, peer: &Arc<Peer>, req: Prepared, plan: &SlicePlan) {
         let reach = match self.reach(peer, &req.buffer) {
             Ok(r) => r,
             Err(e) => {

@@ -998,11 +998,11 @@ impl Transport for TcpTransport {
         "tcp"
     }
 
-    fn prepare(&self, peer: &Peer, _buffer: &BufferDescriptor) -> Result<()> {
+    fn prepare(&self, peer: &Arc<Peer>, _buffer: &BufferDescriptor) -> Result<()> {
         self.connected(peer).map(|_| ())
     }
 
-    fn post(&self, peer: &Peer, req: Prepared, plan: &SlicePlan) {
+    fn post(&self, peer: &Arc<Peer>, req: Prepared, plan: &SlicePlan) {
         let mut req = req;
         // The connections may be given up on between `connected` and `post` (a silent peer's
         // verdict); then once more on fresh ones.
