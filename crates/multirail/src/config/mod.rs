@@ -262,6 +262,17 @@ impl Config {
     ///
     /// Returns the first problem found as a [`ConfigError`] whose key is the full dotted
     /// path (`transports.rdma.numa_penalties[2]`, `rails[0].address`).
+    /// The dispatcher settings of RDMA rails: the workers' (`workers.*`), with the lean window
+    /// of `transports.rdma.lean_bdps` and `max_retries` retries.
+    pub fn rdma_dispatch_config(&self, max_retries: u32) -> dispatch::DispatchConfig {
+        let mut d = self.workers.dispatch_config();
+        d.max_retries = max_retries;
+        if let dispatch::ControllerKind::Bdp(bdp) = &mut d.controller {
+            bdp.lean_bdps = self.transports.rdma.lean_bdps.min(bdp.window_bdps);
+        }
+        d
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         if let Some(host) = &self.local_hostname {
             if host.is_empty() {

@@ -936,3 +936,46 @@ fn error_display_forms() {
         "config: f.json: cannot read: gone"
     );
 }
+
+#[test]
+fn rdma_transport_settings_are_checked_and_name_their_key() {
+    let key = |body: &str| parse_err(&rdma(body)).key;
+    assert_eq!(
+        key(r#""devices": ["mlx5_0/0"]"#),
+        "transports.rdma.devices[0]"
+    );
+    assert_eq!(key(r#""devices": ["", "x"]"#), "transports.rdma.devices[0]");
+    assert_eq!(
+        key(r#""max_endpoints": 0"#),
+        "transports.rdma.max_endpoints"
+    );
+    assert_eq!(key(r#""max_wr": 8"#), "transports.rdma.max_wr");
+    assert_eq!(key(r#""max_sge": 0"#), "transports.rdma.max_sge");
+    assert_eq!(
+        key(r#""max_inline_data": 5000"#),
+        "transports.rdma.max_inline_data"
+    );
+    assert_eq!(
+        key(r#""signal_interval": 200"#),
+        "transports.rdma.signal_interval"
+    );
+    assert_eq!(key(r#""mtu": 1500"#), "transports.rdma.mtu");
+    assert_eq!(key(r#""gid_index": -2"#), "transports.rdma.gid_index");
+    assert_eq!(key(r#""qp_timeout": 0"#), "transports.rdma.qp_timeout");
+    assert_eq!(key(r#""retry_cnt": 8"#), "transports.rdma.retry_cnt");
+    assert_eq!(key(r#""lean_bdps": 0"#), "transports.rdma.lean_bdps");
+    let c = parse(&rdma(r#""devices": ["rxe_a", "mlx5_1/2"], "lean_bdps": 3"#)).unwrap();
+    assert_eq!(c.transports.rdma.devices, ["rxe_a", "mlx5_1/2"]);
+    // RDMA rails take their own lean window; everything else comes from `workers`.
+    let d = c.rdma_dispatch_config(5);
+    assert_eq!(d.max_retries, 5);
+    match d.controller {
+        dispatch::ControllerKind::Bdp(b) => assert_eq!(b.lean_bdps, 3.0),
+        other => panic!("{other:?}"),
+    }
+    let tcp = c.workers.dispatch_config();
+    match tcp.controller {
+        dispatch::ControllerKind::Bdp(b) => assert_eq!(b.lean_bdps, 1.0),
+        other => panic!("{other:?}"),
+    }
+}

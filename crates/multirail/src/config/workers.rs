@@ -80,8 +80,7 @@ pub struct WindowConfig {
     /// Bandwidth-delay products of a full window (default 8; 0.5..=64). On a CPU-bound link
     /// such as loopback the smallest round trip understates what keeps the pipe full.
     pub bdps: f64,
-    /// Bandwidth-delay products bulk keeps in flight beside HIGH work, on top of the slice on
-    /// the wire (default 1; 0.1..=bdps).
+    /// Bandwidth-delay products bulk keeps in flight beside HIGH work (default 1; 0.1..=bdps).
     pub lean_bdps: f64,
     /// Most microseconds of the rail's bandwidth a window holds (default 1000; 1..=1000000),
     /// so a slow rail's queue never holds more than that for a HIGH slice to wait behind.

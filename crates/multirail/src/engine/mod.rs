@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 
 mod messages;
 
-use multirail_policy::dispatch::DispatchConfig;
 use multirail_policy::qos::Priority;
 use multirail_policy::slicing::SlicePlan;
 
@@ -216,10 +215,7 @@ impl Engine {
                 timeout: settings.timeout,
                 connect_timeout: settings.connect_timeout,
                 membership: membership.clone(),
-                dispatch: DispatchConfig {
-                    max_retries: settings.max_retries,
-                    ..settings.dispatch.clone()
-                },
+                dispatch: config.rdma_dispatch_config(settings.max_retries),
             },
         ));
         let local = Arc::new(LocalSegment {

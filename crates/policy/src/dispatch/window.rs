@@ -15,9 +15,8 @@ pub const DEFAULT_INITIAL_WINDOW: u64 = 1 << 20;
 /// 2.9 GB/s with 4, 3.7 with 8; 16 let a bulk process on the same host double another's HIGH
 /// p99).
 pub const DEFAULT_WINDOW_BDPS: f64 = 8.0;
-/// Bandwidth-delay products bulk may keep in flight on a rail while HIGH work is active, on
-/// top of the slice on the wire: what keeps the rail busy, so a HIGH slice finds almost nothing
-/// queued ahead of it.
+/// Bandwidth-delay products bulk may keep in flight on a rail while HIGH work is active: what
+/// keeps the rail busy, so a HIGH slice finds almost nothing queued ahead of it.
 pub const DEFAULT_LEAN_BDPS: f64 = 1.0;
 /// Most time's worth of a rail's bandwidth a window holds: a slow rail's queue (a shaped
 /// link's, a switch's) then never holds more than a millisecond's worth, which is what a HIGH
@@ -42,8 +41,6 @@ pub struct Window {
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct RttEstimator {
     min_fixed_ns: Option<u64>,
-    /// Highest bandwidth estimate given with a sample, bytes per second.
-    peak_bytes_per_sec: f64,
     smoothed_ns: Option<u64>,
     var_ns: u64,
     latest_ns: u64,
@@ -58,18 +55,13 @@ impl RttEstimator {
     /// Learns from a slice of `bytes` answered `rtt_ns` after it was posted on a rail whose
     /// bandwidth is estimated at `bytes_per_sec` (0 = unknown: the whole round trip counts as
     /// fixed). A zero round trip carries no information and is ignored.
-    ///
-    /// The wire time taken off is at the highest estimate given so far, not the current one: an
-    /// estimate that fell because the window held the rail back would overstate the wire time,
-    /// understate the fixed part (kept as a minimum, so for good) and shrink the window further.
     pub fn on_sample(&mut self, rtt_ns: u64, bytes: u64, bytes_per_sec: f64) {
         if rtt_ns == 0 {
             return;
         }
         self.latest_ns = rtt_ns;
-        self.peak_bytes_per_sec = self.peak_bytes_per_sec.max(bytes_per_sec);
-        let serialization_ns = if self.peak_bytes_per_sec > 0.0 {
-            (bytes as f64 * 1e9 / self.peak_bytes_per_sec) as u64
+        let serialization_ns = if bytes_per_sec > 0.0 {
+            (bytes as f64 * 1e9 / bytes_per_sec) as u64
         } else {
             0
         };
@@ -158,17 +150,9 @@ impl WindowController for BdpController {
     }
 
     /// `full` is `window_bdps` bandwidth-delay products (bandwidth × the smallest fixed round
-    /// trip), `lean` is `lean_bdps` of them plus one slice (never more than `full`), both at most
-    /// `max_queue_ns` of the bandwidth and at least one slice. The margin of `full` covers what the estimate misses on
-    /// a CPU-bound link such as loopback; the time cap keeps a slow rail's queue short.
-    ///
-    /// Why `lean` adds a slice: the fixed round trip leaves out the time a slice takes on the
-    /// wire, so what keeps a rail busy is the product plus the slice being sent. With less, the
-    /// rail idles between answers, the bandwidth measured over its busy time falls, the product
-    /// computed from that estimate shrinks, and the window with it: bulk beside HIGH collapsed
-    /// to one slice in flight, a quarter of the line rate on the simulated 8 × 400 Gbps host
-    /// (`sim/scenarios/qos-8x400.json`). With the slice added, the window that measured rate
-    /// yields carries at least that rate, so the estimate climbs back to the rail's.
+    /// trip), `lean` is `lean_bdps` of them, both at most `max_queue_ns` of the bandwidth and at
+    /// least one slice. The margin of `full` covers what the estimate misses on a CPU-bound
+    /// link such as loopback; the time cap keeps a slow rail's queue short.
     fn window(&self, rtt: &RttEstimator, bytes_per_sec: f64, slice: u64) -> Window {
         let Some(fixed) = rtt.min_fixed_ns() else {
             let w = self.initial_window.max(slice);
@@ -176,12 +160,9 @@ impl WindowController for BdpController {
         };
         let bdp = bytes_per_sec * fixed as f64 / 1e9;
         let cap = bytes_per_sec * self.max_queue_ns as f64 / 1e9;
-        let full = ((self.window_bdps * bdp).min(cap) as u64).max(slice);
         Window {
-            full,
-            lean: ((self.lean_bdps * bdp + slice as f64).min(cap) as u64)
-                .max(slice)
-                .min(full),
+            full: ((self.window_bdps * bdp).min(cap) as u64).max(slice),
+            lean: ((self.lean_bdps * bdp).min(cap) as u64).max(slice),
         }
     }
 }
@@ -251,19 +232,6 @@ mod tests {
     }
 
     #[test]
-    fn a_falling_bandwidth_estimate_does_not_shrink_the_fixed_part() {
-        let mut rtt = RttEstimator::new();
-        // 64 KiB at 50 GB/s is 1310 ns on the wire; 4 µs fixed.
-        rtt.on_sample(4_000 + 1_311, 65536, 50e9);
-        assert_eq!(rtt.min_fixed_ns(), Some(4_001));
-        // The estimate falls to 30 GB/s (a rail held back by its window measures less than it
-        // can carry): the same round trip still has the same fixed part. Subtracting the wire
-        // time at 30 GB/s would have made it 3127 ns, and the window smaller still.
-        rtt.on_sample(4_000 + 1_311, 65536, 30e9);
-        assert_eq!(rtt.min_fixed_ns(), Some(4_001));
-    }
-
-    #[test]
     fn bdp_window_starts_at_the_initial_window_then_follows_the_product() {
         let c = BdpController::default();
         let mut rtt = RttEstimator::new();
@@ -272,7 +240,7 @@ mod tests {
         rtt.on_sample(100_000, 0, 1e9);
         let w = c.window(&rtt, 1e9, 65536);
         assert_eq!(w.full, 800_000);
-        assert_eq!(w.lean, 100_000 + 65536);
+        assert_eq!(w.lean, 100_000);
         // 1 ms fixed: 8 BDPs would be 8 MB; the cap holds it to 1 ms = 1 MB.
         let mut slow = RttEstimator::new();
         slow.on_sample(1_000_000, 0, 1e9);

@@ -52,6 +52,10 @@ struct RdmaPath {
     qps: Mutex<Option<[Arc<RcQp>; QPS_PER_PATH]>>,
     /// A remake of this path is under way on its own thread.
     reconnecting: AtomicBool,
+    /// The path has carried queue pairs: when it loses them, the link check remakes them. A
+    /// pair that never connected (no route between the ports) is left unused instead of being
+    /// tried again every link check.
+    connected_once: AtomicBool,
     /// Why the path last failed to connect, for the error when no path works.
     failure: Mutex<Option<String>>,
 }
@@ -160,6 +164,7 @@ impl RdmaPeer {
                     remote: desc.rdma[r].clone(),
                     qps: Mutex::new(None),
                     reconnecting: AtomicBool::new(false),
+                    connected_once: AtomicBool::new(false),
                     failure: Mutex::new(None),
                 })
             })
@@ -340,6 +345,7 @@ impl RdmaPeer {
                     };
                     *path.qps.lock().expect("path poisoned") = Some(qps);
                     *path.failure.lock().expect("path poisoned") = None;
+                    path.connected_once.store(true, Ordering::Release);
                     self.lock().on_path(now_ns, p, QPS_PER_PATH);
                 }
                 Err(why) => {
@@ -905,8 +911,7 @@ impl RdmaPeer {
                 continue;
             }
             let missing = path.live().is_none();
-            // A path that never connected (no route) stays unused until a probe tries it.
-            let ever = path.failure.lock().expect("path poisoned").is_none();
+            let ever = path.connected_once.load(Ordering::Acquire);
             if missing && ever && self.lock().is_up(p) {
                 self.reconnect_in_background(p, false);
             }
