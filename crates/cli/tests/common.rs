@@ -5,6 +5,12 @@
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 
+/// The `multirail` binary: `MULTIRAIL_BIN` when set (the test binary runs somewhere its build
+/// tree is not, as in scripts/test-rdma's VM), else the one cargo built with the tests.
+pub fn multirail_bin() -> String {
+    std::env::var("MULTIRAIL_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_multirail").to_owned())
+}
+
 /// A `multirail target` child process, killed when dropped.
 pub struct TargetProcess {
     pub child: Child,
@@ -31,7 +37,7 @@ impl TargetProcess {
         extra: &[&str],
         configure: impl FnOnce(&mut Command),
     ) -> TargetProcess {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_multirail"));
+        let mut cmd = Command::new(multirail_bin());
         cmd.args(["target", "--listen", "127.0.0.1:0", "--size", size])
             .args(extra)
             .stdout(Stdio::piped())

@@ -378,7 +378,7 @@ fn without_rdma_topo_says_why_and_the_rdma_transport_is_a_clear_error() {
         eprintln!("skipped: this host has RDMA");
         return;
     };
-    let topo = Command::new(env!("CARGO_BIN_EXE_multirail"))
+    let topo = Command::new(common::multirail_bin())
         .arg("topo")
         .output()
         .unwrap();
@@ -386,7 +386,7 @@ fn without_rdma_topo_says_why_and_the_rdma_transport_is_a_clear_error() {
     let text = String::from_utf8_lossy(&topo.stdout);
     assert!(text.contains(&format!("RDMA: off: {why}")), "{text}");
     let target = TargetProcess::start("32MiB", None);
-    let bench = Command::new(env!("CARGO_BIN_EXE_multirail"))
+    let bench = Command::new(common::multirail_bin())
         .args([
             "bench",
             "--target",
