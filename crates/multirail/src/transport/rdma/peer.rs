@@ -227,7 +227,7 @@ impl RdmaPeer {
                 for qp in &old {
                     abandon.push(qp.remote_qp_num);
                     self.rt.poller.unroute(path.port.index, qp.qp.qp_num());
-                    self.give_back(p, qp.kill(), None, Cause::Lost);
+                    self.give_back(qp.kill(), None, Cause::Lost);
                 }
             }
             let mut qps = Vec::with_capacity(QPS_PER_PATH);
@@ -703,12 +703,12 @@ impl RdmaPeer {
         }
     }
 
-    /// Hands slices that were on path `p` back to the dispatcher.
-    fn give_back(&self, p: PathId, slices: Vec<RdmaSlice>, err: Option<&Error>, cause: Cause) {
+    /// Hands slices that were in flight back to the dispatcher (each knows its path by its id),
+    /// marked with `err` when given.
+    fn give_back(&self, slices: Vec<RdmaSlice>, err: Option<&Error>, cause: Cause) {
         if slices.is_empty() {
             return;
         }
-        let _ = p;
         self.rt.poller.posted(-(slices.len() as i64));
         let now = Instant::now();
         let mut rails = self.rails(now);
@@ -735,7 +735,7 @@ impl RdmaPeer {
                 // The other queue pair of the path shares its fate: remade together.
                 let rest = qp.kill();
                 if !rest.is_empty() {
-                    self.give_back(p, rest, Some(&err), Cause::Lost);
+                    self.give_back(rest, Some(&err), Cause::Lost);
                 }
             }
         }
@@ -752,7 +752,7 @@ impl RdmaPeer {
                 s.task.part_done(Err(err.clone()));
             }
         } else {
-            self.give_back(p, slices, Some(&err), Cause::Lost);
+            self.give_back(slices, Some(&err), Cause::Lost);
         }
         let paused = {
             let now_ns = self.rt.scheduler.now_ns();
@@ -839,11 +839,11 @@ impl RdmaPeer {
                         "peer answered nothing for the timeout: its requests fail"
                     );
                     let err = self.timeout_error();
-                    for (p, path) in self.paths.iter().enumerate() {
+                    for path in &self.paths {
                         let qps = path.qps.lock().expect("path poisoned").take();
                         for qp in qps.iter().flatten() {
                             self.rt.poller.unroute(path.port.index, qp.qp.qp_num());
-                            self.give_back(p, qp.kill(), Some(&err), Cause::Timeout);
+                            self.give_back(qp.kill(), Some(&err), Cause::Timeout);
                         }
                     }
                 }
@@ -860,7 +860,7 @@ impl RdmaPeer {
                         self.rt
                             .poller
                             .unroute(self.paths[p].port.index, qp.qp.qp_num());
-                        self.give_back(p, qp.kill(), Some(&err), Cause::Timeout);
+                        self.give_back(qp.kill(), Some(&err), Cause::Timeout);
                     }
                     self.lock().on_path(now_ns, p, 0);
                 }
@@ -900,7 +900,7 @@ impl RdmaPeer {
                     tracing::warn!(peer = %self.name, rail = %path.port.descriptor.name(), "RDMA port down: its slices go to the other rails");
                     for qp in &qps {
                         self.rt.poller.unroute(path.port.index, qp.qp.qp_num());
-                        self.give_back(p, qp.kill(), Some(&err), Cause::Lost);
+                        self.give_back(qp.kill(), Some(&err), Cause::Lost);
                     }
                     *self.last_loss.lock().expect("peer poisoned") = Some(err);
                     let now_ns = self.rt.scheduler.now_ns();
@@ -963,11 +963,11 @@ impl RdmaPeer {
             peer: self.name.clone(),
             reason: reason.to_owned(),
         };
-        for (p, path) in self.paths.iter().enumerate() {
+        for path in &self.paths {
             let qps = path.qps.lock().expect("path poisoned").take();
             for qp in qps.iter().flatten() {
                 self.rt.poller.unroute(path.port.index, qp.qp.qp_num());
-                self.give_back(p, qp.kill(), Some(&err), Cause::Lost);
+                self.give_back(qp.kill(), Some(&err), Cause::Lost);
             }
         }
         if let Ok(cm) = self.cm.lock() {
