@@ -210,9 +210,9 @@ class Request:
     ``source`` a local address or a :class:`Buffer` (its start); ``target`` a :class:`Segment`
     or its id; ``target_offset`` the remote address (a peer buffer's ``addr`` plus an offset);
     ``priority`` :data:`PRIO_HIGH` (default), :data:`PRIO_MEDIUM` or :data:`PRIO_LOW`;
-    ``transport`` ``None`` (the engine's setting), ``"auto"``, ``"tcp"`` or ``"shm"``.
-    A bad opcode or transport raises :class:`InvalidArgumentError` here; ranges, priority and
-    length are checked by :meth:`Engine.submit`.
+    ``transport`` ``None`` (the engine's setting), ``"auto"``, ``"tcp"``, ``"shm"`` or
+    ``"rdma"``. A bad opcode, priority or transport raises :class:`InvalidArgumentError` here;
+    ranges and length are checked by :meth:`Engine.submit`.
     """
 
     __slots__ = ("opcode", "source", "target", "target_offset", "length", "priority", "transport", "_native")
@@ -345,7 +345,8 @@ class Engine:
     IPv4 address of the host (else 127.0.0.1).
 
     ``transport`` overrides the configuration's ``transport`` key: ``"auto"`` (shared memory
-    to same-host peers, TCP otherwise), ``"tcp"`` or ``"shm"``.
+    to same-host peers, else RDMA when both ends have RDMA devices, else TCP), ``"tcp"``,
+    ``"shm"`` or ``"rdma"``.
 
     The engine stops serving on :meth:`close` (also at the end of a ``with`` block) or when the
     last reference goes away.
