@@ -65,9 +65,33 @@ impl TargetProcess {
         self.child.id() as i32
     }
 
+    /// Sends `sig`. For SIGSTOP, returns once every thread of the target is stopped: `kill`
+    /// returns before that, and a request posted meanwhile could still be served.
     pub fn signal(&self, sig: i32) {
         // SAFETY: sends a signal to our own child process.
         unsafe { libc::kill(self.pid(), sig) };
+        if sig == libc::SIGSTOP {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            while !self.all_threads_stopped() && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+    }
+
+    fn all_threads_stopped(&self) -> bool {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{}/task", self.pid())) else {
+            return false;
+        };
+        tasks.flatten().all(|t| {
+            // The state follows the command name in parentheses, which may hold spaces.
+            std::fs::read_to_string(t.path().join("stat"))
+                .ok()
+                .and_then(|st| {
+                    st.rsplit_once(')')
+                        .map(|(_, rest)| rest.trim_start().starts_with(['T', 't']))
+                })
+                .unwrap_or(false)
+        })
     }
 }
 
