@@ -334,9 +334,82 @@ impl ReceiveQueue {
         Ok(id)
     }
 
+    /// A message arrived on `conn` into `landed`, a buffer the hardware took from those posted
+    /// (a shared receive queue, or a queue pair's own receive queue, fills its buffers in its
+    /// own order, which is not the order of the grants). Spends one of `conn`'s credits: when
+    /// `landed` was granted to `conn`, that one; otherwise `conn`'s oldest granted buffer
+    /// takes `landed`'s place where it was posted (free, or granted to another connection), so
+    /// each posted buffer is still counted once and every sender keeps its credits. Fails
+    /// when `conn` had no credit or `landed` was not posted: the connection is broken.
+    pub fn on_arrival_posted(
+        &mut self,
+        conn: ConnId,
+        landed: BufferId,
+    ) -> Result<BufferId, ReceiveError> {
+        let state = self
+            .conns
+            .get_mut(&conn)
+            .ok_or_else(|| err("arrival", format!("unknown connection {}", conn.0)))?;
+        let no_credit = || {
+            err(
+                "arrival",
+                format!("connection {} sent without a credit", conn.0),
+            )
+        };
+        if let Some(pos) = state.granted.iter().position(|b| *b == landed) {
+            state.granted.remove(pos);
+        } else {
+            let substitute = state.granted.pop_front().ok_or_else(no_credit)?;
+            let slot = match self.free.iter().position(|b| *b == landed) {
+                Some(pos) => Some(&mut self.free[pos]),
+                None => self
+                    .conns
+                    .values_mut()
+                    .find_map(|c| c.granted.iter_mut().find(|b| **b == landed)),
+            };
+            match slot {
+                Some(slot) => *slot = substitute,
+                None => {
+                    let state = self.conns.get_mut(&conn).expect("connection just seen");
+                    state.granted.push_front(substitute);
+                    return Err(err(
+                        "arrival",
+                        format!("buffer {} filled while not posted", landed.0),
+                    ));
+                }
+            }
+        }
+        let slot = self
+            .filled
+            .get_mut(landed.0 as usize)
+            .ok_or_else(|| err("arrival", format!("buffer {} outside the queue", landed.0)))?;
+        *slot = Some(conn);
+        self.filled_count += 1;
+        Ok(landed)
+    }
+
     /// The message in `id` was consumed: post the buffer again now (`individual`) or once no
     /// posted buffer is left (`bulk`). Fails for a buffer holding no message.
     pub fn on_consumed(&mut self, id: BufferId) -> Result<(), ReceiveError> {
+        self.consume(id, |_| {})
+    }
+
+    /// [`ReceiveQueue::on_consumed`], appending to `reposted` every buffer it posts again (none,
+    /// the one consumed, or with `bulk` all of them), for a receiver that must hand them back
+    /// to hardware (a receive queue) before granting them.
+    pub fn on_consumed_into(
+        &mut self,
+        id: BufferId,
+        reposted: &mut Vec<BufferId>,
+    ) -> Result<(), ReceiveError> {
+        self.consume(id, |b| reposted.push(b))
+    }
+
+    fn consume(
+        &mut self,
+        id: BufferId,
+        mut reposted: impl FnMut(BufferId),
+    ) -> Result<(), ReceiveError> {
         if self
             .filled
             .get_mut(id.0 as usize)
@@ -348,14 +421,18 @@ impl ReceiveQueue {
         match self.settings.return_policy {
             ReturnPolicy::Individual => {
                 self.filled_count -= 1;
-                self.free.push_back(id)
+                self.free.push_back(id);
+                reposted(id);
             }
             ReturnPolicy::Bulk => {
                 self.filled_count -= 1;
                 self.held.push(id);
                 if self.posted() == 0 {
                     self.held.sort_unstable();
-                    self.free.extend(self.held.drain(..));
+                    for b in self.held.drain(..) {
+                        self.free.push_back(b);
+                        reposted(b);
+                    }
                 }
             }
         }
@@ -576,7 +653,102 @@ mod tests {
         assert_eq!(q.credits_of(ConnId(2)), 8);
     }
 
+    #[test]
+    fn a_buffer_the_hardware_picked_swaps_with_a_credit() {
+        let mut q = ReceiveQueue::new(ReceiveSettings {
+            shared_receive_queue: true,
+            ..settings(4)
+        })
+        .unwrap();
+        q.add_connection(ConnId(1)).unwrap();
+        q.add_connection(ConnId(2)).unwrap();
+        let a = q.poll_grant(false).unwrap();
+        let b = q.poll_grant(false).unwrap();
+        assert_eq!((a.conn, b.conn), (ConnId(1), ConnId(2)));
+        // Connection 1 sends first, and the queue hands it buffer 2 (granted to connection 2).
+        assert_eq!(q.on_arrival_posted(ConnId(1), BufferId(2)), Ok(BufferId(2)));
+        assert_eq!((q.credits_of(ConnId(1)), q.credits_of(ConnId(2))), (1, 2));
+        assert_eq!(q.on_arrival_posted(ConnId(1), BufferId(1)), Ok(BufferId(1)));
+        assert_eq!(
+            q.on_arrival_posted(ConnId(1), BufferId(0)).unwrap_err().key,
+            "arrival",
+            "connection 1 has no credit left"
+        );
+        assert_eq!(
+            q.on_arrival_posted(ConnId(2), BufferId(2)).unwrap_err().key,
+            "arrival",
+            "buffer 2 holds a message"
+        );
+        assert_eq!(q.credits_of(ConnId(2)), 2, "a refused arrival spends nothing");
+        let mut reposted = Vec::new();
+        q.on_consumed_into(BufferId(2), &mut reposted).unwrap();
+        assert_eq!(reposted, [BufferId(2)]);
+        assert_eq!(q.posted(), 3);
+    }
+
     proptest! {
+        /// Hardware fills posted buffers in its own order (a receive queue is FIFO in posting
+        /// order): whatever it picks, the accounting's posted buffers are exactly the
+        /// hardware's, senders never send past them, and the buffers handed back are posted
+        /// once each.
+        #[test]
+        fn accounting_follows_the_hardware(
+            n in 1usize..40,
+            bulk in any::<bool>(),
+            shuffle in any::<bool>(),
+            ops in proptest::collection::vec((0u8..4, 0u64..3, any::<u8>()), 1..400),
+        ) {
+            let mut q = ReceiveQueue::new(ReceiveSettings {
+                queue_depth: n,
+                shared_receive_queue: true,
+                return_policy: if bulk { ReturnPolicy::Bulk } else { ReturnPolicy::Individual },
+                ..Default::default()
+            }).unwrap();
+            let conns: Vec<ConnId> = (0..3).map(ConnId).collect();
+            let mut credits: BTreeMap<ConnId, usize> = BTreeMap::new();
+            for c in &conns {
+                q.add_connection(*c).unwrap();
+                credits.insert(*c, 0);
+            }
+            let mut hardware: VecDeque<BufferId> = (0..n as u32).map(BufferId).collect();
+            let mut inbox: VecDeque<BufferId> = VecDeque::new();
+            let mut reposted = Vec::new();
+            for (op, who, pick) in ops {
+                let c = conns[who as usize];
+                match op {
+                    0 => if credits[&c] > 0 {
+                        *credits.get_mut(&c).unwrap() -= 1;
+                        // A credit means a posted buffer is there to take.
+                        prop_assert!(!hardware.is_empty());
+                        let i = if shuffle { pick as usize % hardware.len() } else { 0 };
+                        let landed = hardware.remove(i).unwrap();
+                        prop_assert_eq!(q.on_arrival_posted(c, landed), Ok(landed));
+                        inbox.push_back(landed);
+                    },
+                    1 => if let Some(b) = inbox.pop_front() {
+                        reposted.clear();
+                        q.on_consumed_into(b, &mut reposted).unwrap();
+                        for r in &reposted {
+                            prop_assert!(!hardware.contains(r), "buffer {} posted twice", r.0);
+                            hardware.push_back(*r);
+                        }
+                    },
+                    _ => while let Some(g) = q.poll_grant(op == 2) {
+                        *credits.get_mut(&g.conn).unwrap() += g.buffers.len();
+                    },
+                }
+                for c in &conns {
+                    prop_assert_eq!(credits[c], q.credits_of(*c));
+                }
+                prop_assert_eq!(hardware.len(), q.posted());
+                let mut posted: Vec<u32> = q.free.iter().chain(q.conns.values().flat_map(|c| c.granted.iter())).map(|b| b.0).collect();
+                posted.sort_unstable();
+                let mut hw: Vec<u32> = hardware.iter().map(|b| b.0).collect();
+                hw.sort_unstable();
+                prop_assert_eq!(posted, hw);
+            }
+        }
+
         /// Whatever the order of sends, consumes and grants: a sender never holds more credits
         /// than buffers are posted for it, no buffer is in two places, and every buffer is
         /// accounted for (free, granted, filled or held).
