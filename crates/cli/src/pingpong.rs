@@ -26,6 +26,7 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 enum Transport {
     Shm,
     Tcp,
+    Rdma,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -64,14 +65,15 @@ pub struct PingpongArgs {
     /// Round trips before measuring. Default: 1000.
     #[arg(long, default_value_t = 1_000)]
     warmup: usize,
-    /// Transport carrying the messages. Default: shm.
+    /// Transport carrying the messages: shm, tcp, or rdma (SEND/RECV over verbs). Default: shm.
     #[arg(long, value_enum, default_value_t = Transport::Shm)]
     transport: Transport,
     /// Receive buffers per connection or in the shared pool (N). Default: the configuration's
-    /// `transports.<transport>.receive.queue_depth` (64).
+    /// `transports.<transport>.receive.queue_depth` (64; 63 for rdma, RAMCloud's).
     #[arg(long)]
     queue_depth: Option<usize>,
-    /// One receive pool shared by all connections (SRQ). Default: the configuration's (false).
+    /// One receive pool shared by all connections (SRQ). Default: the configuration's (false;
+    /// true for rdma).
     #[arg(long)]
     shared_receive_queue: Option<bool>,
     /// Registration chunks M (must divide N). Default: the configuration's (1).
@@ -112,10 +114,12 @@ impl PingpongArgs {
         config.transport = match self.transport {
             Transport::Shm => TransportChoice::Shm,
             Transport::Tcp => TransportChoice::Tcp,
+            Transport::Rdma => TransportChoice::Rdma,
         };
         for r in [
             &mut config.transports.tcp.receive,
             &mut config.transports.shm.receive,
+            &mut config.transports.rdma.receive,
         ] {
             if let Some(v) = self.queue_depth {
                 r.queue_depth = v;
@@ -152,6 +156,7 @@ impl PingpongArgs {
             match self.transport {
                 Transport::Shm => "shm",
                 Transport::Tcp => "tcp",
+                Transport::Rdma => "rdma",
             }
             .into(),
             "--size".into(),
@@ -311,6 +316,7 @@ fn client(config: Config, args: &PingpongArgs, target: &str) -> Result<(), Failu
     let receive = match args.transport {
         Transport::Shm => config.transports.shm.receive.clone(),
         Transport::Tcp => config.transports.tcp.receive.clone(),
+        Transport::Rdma => config.transports.rdma.receive.clone(),
     };
     let engine = Engine::new(config, "127.0.0.1:0")?;
     let seg = engine.open_segment(target)?;
@@ -361,6 +367,7 @@ fn client(config: Config, args: &PingpongArgs, target: &str) -> Result<(), Failu
     let transport = match args.transport {
         Transport::Shm => "shm",
         Transport::Tcp => "tcp",
+        Transport::Rdma => "rdma",
     };
     if args.json {
         let json = serde_json::json!({

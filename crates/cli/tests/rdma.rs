@@ -371,6 +371,186 @@ fn a_buffer_unregistered_at_the_target_is_refused_before_anything_is_posted() {
     assert!(same(&src, &back));
 }
 
+/// Payload of message `seq` from sender `from`: its sender and number, then bytes that
+/// depend on both; every third one is above the inline size (sent from a staging slot).
+fn message(from: u8, seq: u64) -> Vec<u8> {
+    let len = if seq.is_multiple_of(3) { 1500 } else { 48 };
+    let mut m = vec![0u8; len];
+    m[0] = from;
+    m[1..9].copy_from_slice(&seq.to_le_bytes());
+    for (i, b) in m[9..].iter_mut().enumerate() {
+        *b = (seq as usize).wrapping_mul(31).wrapping_add(i) as u8 ^ from;
+    }
+    m
+}
+
+/// `senders` engines each send `per_sender` messages to one receiver configured with
+/// `receive` (the `transports.rdma.receive` section); the receiver checks that every sender's
+/// messages arrive in order, each once, each byte as sent, and that nothing more comes.
+fn messages_arrive_fifo_exactly_once(receive: &str, senders: u8, per_sender: u64) {
+    let conf = format!(
+        r#"{{"transport": "rdma", "transports": {{"tcp": {{"timeout_ms": 60000}}, "rdma": {{"receive": {receive}}}}}}}"#
+    );
+    let receiver = initiator(&conf);
+    let name = receiver.name();
+    let started = Instant::now();
+    let threads: Vec<_> = (0..senders)
+        .map(|from| {
+            let (conf, name) = (conf.clone(), name.clone());
+            std::thread::spawn(move || {
+                let engine = initiator(&conf);
+                let seg = engine.open_segment(&name).unwrap();
+                for seq in 0..per_sender {
+                    engine.send(seg, &message(from, seq)).unwrap();
+                }
+                let stats = engine.rdma_stats();
+                assert_eq!(stats.messages_sent, per_sender, "{stats:?}");
+                // Every third message is 1500 bytes (staged); the others go inline.
+                assert_eq!(stats.messages_inline, per_sender - per_sender.div_ceil(3));
+                // Dropping the engine closes its queue pair once every message landed.
+                (engine.name(), from)
+            })
+        })
+        .collect();
+    let mut next = vec![0u64; senders as usize];
+    let mut names = vec![String::new(); senders as usize];
+    let total = u64::from(senders) * per_sender;
+    for n in 0..total {
+        let m = receiver
+            .recv(Some(Duration::from_secs(60)))
+            .unwrap()
+            .unwrap_or_else(|| panic!("message {n} of {total} did not come"));
+        let from = m.data[0];
+        let seq = u64::from_le_bytes(m.data[1..9].try_into().unwrap());
+        let expected = next[from as usize];
+        assert_eq!(seq, expected, "sender {from}: out of order or repeated");
+        assert_eq!(m.data, message(from, seq), "sender {from} message {seq}");
+        next[from as usize] += 1;
+        names[from as usize] = m.from.to_string();
+    }
+    for t in threads {
+        let (name, from) = t.join().unwrap();
+        assert_eq!(names[from as usize], name);
+    }
+    assert!(
+        receiver
+            .recv(Some(Duration::from_millis(500)))
+            .unwrap()
+            .is_none(),
+        "a message arrived twice"
+    );
+    let stats = receiver.rdma_stats();
+    assert_eq!(stats.messages_received, total, "{stats:?}");
+    eprintln!(
+        "{total} messages from {senders} senders, receive {receive}: {:.1} s ({:.0} messages/s, emulated)",
+        started.elapsed().as_secs_f64(),
+        total as f64 / started.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn a_hundred_thousand_messages_arrive_fifo_exactly_once_over_the_srq_at_depth_63_and_1() {
+    if !rdma_here() {
+        return;
+    }
+    // The defaults: a shared receive queue of 63 buffers (RAMCloud's).
+    messages_arrive_fifo_exactly_once("{}", 2, 50_000);
+    // One buffer: every message waits for the one before it to be consumed and granted again.
+    messages_arrive_fifo_exactly_once(r#"{"queue_depth": 1}"#, 2, 50_000);
+}
+
+#[test]
+fn messages_over_receive_queues_of_their_own_with_bulk_return_and_sges() {
+    if !rdma_here() {
+        return;
+    }
+    messages_arrive_fifo_exactly_once(
+        r#"{"shared_receive_queue": false, "queue_depth": 16, "registration_chunks": 4, "max_sge": 4, "return_policy": "bulk", "return_order": "after_reply"}"#,
+        2,
+        5_000,
+    );
+}
+
+#[test]
+fn notifications_and_batch_notifications_over_rdma_follow_the_data() {
+    if !rdma_here() {
+        return;
+    }
+    let a = initiator(RDMA);
+    let b = initiator(RDMA);
+    let len = 4 * MIB;
+    let dst = b.allocate(len, Location::Any).unwrap();
+    let src = a.allocate(len, Location::Any).unwrap();
+    fill(&src, 11);
+    let seg = a.open_segment(&b.name()).unwrap();
+    a.send_notification(seg, "hello").unwrap();
+    for round in 0..3 {
+        let batch = a.allocate_batch(4).unwrap();
+        let q = (len / 4) as u64;
+        let reqs: Vec<Request> = (0..4)
+            .map(|i| Request::write(src.addr() + i * q, seg, dst.addr() + i * q, q))
+            .collect();
+        a.submit_with_notification(batch, &reqs, &format!("landed {round}"))
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut got = Vec::new();
+        while got.is_empty() || (round == 0 && got.len() < 2) {
+            got.extend(b.receive_notifications());
+            assert!(Instant::now() < deadline, "no notification");
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        if round == 0 {
+            assert_eq!(got[0].msg, "hello");
+            got.remove(0);
+        }
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].msg, format!("landed {round}"));
+        assert_eq!(got[0].from, a.name());
+        assert!(
+            same(&src, &dst),
+            "data complete when the notification arrives"
+        );
+        a.wait(batch, Some(Duration::from_secs(10))).unwrap();
+        a.free_batch(batch).unwrap();
+        // SAFETY: nothing writes here until the next round's submit.
+        unsafe { dst.as_mut_slice().fill(0) };
+    }
+    let stats = b.rdma_stats();
+    assert_eq!(stats.messages_received, 4, "{stats:?}");
+    assert!(a.rdma_stats().slices > 0, "the data went over RDMA too");
+}
+
+#[test]
+fn pingpong_over_rdma() {
+    if !rdma_here() {
+        return;
+    }
+    let out = Command::new(common::multirail_bin())
+        .args([
+            "pingpong",
+            "--local",
+            "--transport",
+            "rdma",
+            "--iterations",
+            "2000",
+            "--warmup",
+            "200",
+            "--json",
+        ])
+        .env_remove("MULTIRAIL_CONF")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(v["transport"], "rdma");
+    assert_eq!(v["iterations"], 2000);
+    eprintln!(
+        "pingpong over rdma (emulated): {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
 #[test]
 fn without_rdma_topo_says_why_and_the_rdma_transport_is_a_clear_error() {
     let probe = multirail::rdma_probe(&Config::default());
@@ -405,5 +585,22 @@ fn without_rdma_topo_says_why_and_the_rdma_transport_is_a_clear_error() {
         stderr.contains("transport rdma cannot serve this request"),
         "{stderr}"
     );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    // Messages over rdma: the same clear refusal.
+    let ping = Command::new(common::multirail_bin())
+        .args([
+            "pingpong",
+            "--local",
+            "--transport",
+            "rdma",
+            "--iterations",
+            "10",
+        ])
+        .env_remove("MULTIRAIL_CONF")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&ping.stderr);
+    assert_eq!(ping.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("rdma"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
 }

@@ -157,6 +157,11 @@ impl fmt::Debug for Buffer {
 }
 
 impl Buffer {
+    /// The registry's number for its region (what the region hook knows it by).
+    pub(crate) fn region_id(&self) -> u64 {
+        self.region.id()
+    }
+
     /// Start address in this process; this is also the address peers use as `target_offset`.
     pub fn addr(&self) -> u64 {
         self.region.addr as u64

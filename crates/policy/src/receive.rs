@@ -679,7 +679,11 @@ mod tests {
             "arrival",
             "buffer 2 holds a message"
         );
-        assert_eq!(q.credits_of(ConnId(2)), 2, "a refused arrival spends nothing");
+        assert_eq!(
+            q.credits_of(ConnId(2)),
+            2,
+            "a refused arrival spends nothing"
+        );
         let mut reposted = Vec::new();
         q.on_consumed_into(BufferId(2), &mut reposted).unwrap();
         assert_eq!(reposted, [BufferId(2)]);

@@ -63,8 +63,6 @@ pub struct RdmaConfig {
     /// Send-queue depth of a queue pair: work requests it may have outstanding (default 256,
     /// Mooncake's `max_wr`; 16..=32768).
     pub max_wr: u32,
-    /// Scatter/gather entries per receive request (default 1, as RAMCloud's InfRc; 1..=16).
-    pub max_sge: u32,
     /// Largest message sent inline (copied into the work request, no registration or DMA
     /// read; default 400 bytes, RAMCloud's; 0..=4096).
     pub max_inline_data: u32,
@@ -91,6 +89,10 @@ pub struct RdmaConfig {
     /// idle between answers, the bandwidth measured over its busy time falls, and the product
     /// computed from it with it.
     pub lean_bdps: f64,
+    /// The receive path of messages over RDMA (SEND/RECV): RAMCloud's InfRc defaults, a
+    /// shared receive queue per device of 63 buffers (`MAX_SHARED_RX_QUEUE_DEPTH`), one
+    /// registration chunk, one scatter/gather entry per receive.
+    pub receive: ReceiveConfig,
 }
 
 impl Default for RdmaConfig {
@@ -122,7 +124,6 @@ impl Default for RdmaConfig {
             devices: Vec::new(),
             max_endpoints: 256,
             max_wr: 256,
-            max_sge: 1,
             max_inline_data: 400,
             signal_interval: 16,
             mtu: 4096,
@@ -130,6 +131,11 @@ impl Default for RdmaConfig {
             qp_timeout: 14,
             retry_cnt: 7,
             lean_bdps: 2.0,
+            receive: ReceiveConfig {
+                queue_depth: 63,
+                shared_receive_queue: true,
+                ..ReceiveConfig::default()
+            },
         }
     }
 }
@@ -159,7 +165,6 @@ pub(crate) const RDMA_KEYS: &[&str] = &[
     "devices",
     "max_endpoints",
     "max_wr",
-    "max_sge",
     "max_inline_data",
     "signal_interval",
     "mtu",
@@ -306,7 +311,6 @@ impl RdmaConfig {
         }
         within("max_endpoints", self.max_endpoints as u64, 1, 65536)?;
         within("max_wr", self.max_wr.into(), 16, 32768)?;
-        within("max_sge", self.max_sge.into(), 1, 16)?;
         within("max_inline_data", self.max_inline_data.into(), 0, 4096)?;
         within(
             "signal_interval",
@@ -334,6 +338,6 @@ impl RdmaConfig {
                 format!("must be within 0.1..=64, got {}", self.lean_bdps),
             ));
         }
-        Ok(())
+        self.receive.validate(&format!("{prefix}.receive"))
     }
 }

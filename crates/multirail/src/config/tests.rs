@@ -950,7 +950,14 @@ fn rdma_transport_settings_are_checked_and_name_their_key() {
         "transports.rdma.max_endpoints"
     );
     assert_eq!(key(r#""max_wr": 8"#), "transports.rdma.max_wr");
-    assert_eq!(key(r#""max_sge": 0"#), "transports.rdma.max_sge");
+    assert_eq!(
+        key(r#""receive": {"max_sge": 0}"#),
+        "transports.rdma.receive.max_sge"
+    );
+    assert_eq!(
+        key(r#""receive": {"queue_depth": 63, "registration_chunks": 2}"#),
+        "transports.rdma.receive.registration_chunks"
+    );
     assert_eq!(
         key(r#""max_inline_data": 5000"#),
         "transports.rdma.max_inline_data"
@@ -966,6 +973,10 @@ fn rdma_transport_settings_are_checked_and_name_their_key() {
     assert_eq!(key(r#""lean_bdps": 0"#), "transports.rdma.lean_bdps");
     let c = parse(&rdma(r#""devices": ["rxe_a", "mlx5_1/2"], "lean_bdps": 3"#)).unwrap();
     assert_eq!(c.transports.rdma.devices, ["rxe_a", "mlx5_1/2"]);
+    // RAMCloud's receive path: an SRQ of 63 buffers per device.
+    let r = &c.transports.rdma.receive;
+    assert_eq!((r.queue_depth, r.shared_receive_queue), (63, true));
+    assert_eq!((r.registration_chunks, r.max_sge), (1, 1));
     // RDMA rails take their own lean window; everything else comes from `workers`.
     let d = c.rdma_dispatch_config(5);
     assert_eq!(d.max_retries, 5);

@@ -179,11 +179,6 @@ impl Engine {
             Some(token) => Membership::with_token(token.expose().as_bytes()),
             None => Membership::open(),
         };
-        let messaging = Arc::new(crate::messaging::Messaging::new(
-            &config,
-            registry.clone(),
-            membership.clone(),
-        )?);
         let tcp_cfg = &config.transports.tcp;
         let stats = Arc::new(TrafficStats::default());
         let settings = TcpSettings {
@@ -218,6 +213,12 @@ impl Engine {
                 dispatch: config.rdma_dispatch_config(settings.max_retries),
             },
         ));
+        let messaging = Arc::new(crate::messaging::Messaging::new(
+            &config,
+            registry.clone(),
+            membership.clone(),
+            rdma.message_verbs(),
+        )?);
         let local = Arc::new(LocalSegment {
             name: OnceLock::new(),
             host_id: segment::local_host_id(),

@@ -18,6 +18,11 @@
 //!   sender) and the completion ring (buffer id, length, kind of each message written). Both
 //!   sides poll; the TCP connection stays open only to notice the sender leaving.
 //!
+//! * **rdma**: every message is one SEND on a reliable-connected queue pair, into a receive
+//!   buffer of the port's shared receive queue (or the queue pair's own receive queue); the
+//!   queue pair is agreed in the opening of the message connection, and credits come back
+//!   over it as on tcp (see `transport::rdma::messages`).
+//!
 //! Receiving is polled by the caller's thread (`recv`, `receive_notifications`): no thread
 //! hand-off on the receive path, which keeps round trips short.
 
@@ -38,6 +43,7 @@ use std::time::{Duration, Instant};
 use multirail_policy::receive::{
     BufferId, ConnId, Credits, ReceiveQueue, ReceiveSettings, ReturnOrder,
 };
+use multirail_verbs::{CompletionQueue, QueuePair, SharedReceiveQueue, WorkCompletion};
 
 use crate::config::{Config, TransportChoice};
 use crate::error::{Error, Result};
@@ -46,6 +52,9 @@ use crate::peer::Peer;
 use crate::segment::{BufferDescriptor, SegmentId};
 use crate::server::ConnPermit;
 use crate::transport::handshake::{self, Membership};
+use crate::transport::rdma::messages::{
+    MessageEndpoint, MessageVerbs, PostedReceives, ReceiveTarget, SendQueuePair, ENDPOINT_LEN,
+};
 use crate::transport::sockio;
 use crate::transport::wire::{self, ConnKind, MsgHeader, MsgKind, MSG_HEADER_LEN};
 use inbound::*;
@@ -73,10 +82,19 @@ pub struct Notification {
 
 const MODE_TCP: u8 = 1;
 const MODE_SHM: u8 = 2;
+const MODE_RDMA: u8 = 3;
 const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
 /// Pool keys of the shared pools; per-connection pools use the connection id (from 2).
 const SHARED_TCP: u64 = 0;
 const SHARED_SHM: u64 = 1;
+/// The shared pool of RDMA rail `r` (the buffers of its shared receive queue) is
+/// `SHARED_RDMA + r`; connection ids never get this far.
+const SHARED_RDMA: u64 = 1 << 62;
+
+/// True for the pool of a single connection, which goes with it.
+fn per_connection(key: u64) -> bool {
+    (2..SHARED_RDMA).contains(&key)
+}
 /// Spinning this long without progress makes a wait yield the CPU now and then.
 const SPIN: Duration = Duration::from_micros(200);
 /// Waiting this long without progress makes a wait sleep in short steps.
@@ -115,12 +133,17 @@ impl Hasher for IdHasher {
 
 /// Receive buffers: the accounting and the registered chunks holding the bytes.
 struct Pool {
+    /// The receive queue the buffers are posted to, for messages over RDMA. Declared first:
+    /// it goes before the chunks its receives point into.
+    hw: Option<PostedReceives>,
     queue: ReceiveQueue,
     chunks: Vec<Buffer>,
     /// Tell grants at once instead of when a sender holds half its share or less.
     eager: bool,
     /// The grant being told, reused so granting after every message allocates nothing.
     granting: Vec<BufferId>,
+    /// Buffers a consume posts again, reused likewise.
+    reposted: Vec<BufferId>,
 }
 
 impl Pool {
@@ -134,11 +157,57 @@ impl Pool {
             populate(c.as_ptr(), c.len());
         }
         Ok(Pool {
+            hw: None,
             queue,
             chunks,
             eager,
             granting: Vec::new(),
+            reposted: Vec::new(),
         })
+    }
+
+    /// Hands every buffer to the receive queue `hw`, which the pool feeds from now on.
+    fn attach(&mut self, hw: PostedReceives) -> std::result::Result<(), String> {
+        let hw = self.hw.insert(hw);
+        let (queue, chunks) = (&self.queue, &self.chunks);
+        let all =
+            (0..queue.settings().queue_depth as u32).map(|i| locate(queue, chunks, BufferId(i)));
+        // SAFETY: fresh buffers of this pool's chunks, which outlive `hw` (field order and
+        // `release`); nothing reads them before their receive completes.
+        unsafe { hw.post(all) }
+    }
+
+    /// The message in `id` was consumed: the accounting returns it (and with `bulk` maybe
+    /// more), and over RDMA they are posted to the receive queue again.
+    fn consumed(&mut self, id: BufferId) -> std::result::Result<(), String> {
+        let Some(hw) = &mut self.hw else {
+            return self.queue.on_consumed(id).map_err(|e| e.to_string());
+        };
+        self.reposted.clear();
+        self.queue
+            .on_consumed_into(id, &mut self.reposted)
+            .map_err(|e| e.to_string())?;
+        let (queue, chunks) = (&self.queue, &self.chunks);
+        let again = self.reposted.iter().map(|&b| locate(queue, chunks, b));
+        // SAFETY: consumed buffers of this pool: their messages were copied out, and the
+        // accounting posts each once.
+        unsafe { hw.post(again) }
+    }
+
+    /// Posts `id` again without telling the accounting: a receive the hardware filled for a
+    /// connection that is gone or broke, which the accounting still counts as posted.
+    fn repost_unaccounted(&mut self, id: BufferId) {
+        if id.0 as usize >= self.queue.settings().queue_depth {
+            return;
+        }
+        let (queue, chunks) = (&self.queue, &self.chunks);
+        if let Some(hw) = &mut self.hw {
+            // SAFETY: the buffer holds no message the engine keeps (it was dropped) and the
+            // accounting has it posted, so no other receive names it.
+            if let Err(e) = unsafe { hw.post([locate(queue, chunks, id)]) } {
+                tracing::error!(error = %e, "cannot post a receive buffer again");
+            }
+        }
     }
 
     fn ptr(&self, id: BufferId) -> *mut u8 {
@@ -147,14 +216,21 @@ impl Pool {
         unsafe { self.chunks[chunk].as_ptr().add(offset) }
     }
 
-    fn release(self, registry: &MemoryRegistry) {
+    fn release(mut self, registry: &MemoryRegistry) {
+        // The receive queue goes first: nothing may land in a chunk once it is unregistered.
+        self.hw = None;
         for c in &self.chunks {
             let _ = registry.unregister(c.addr());
         }
     }
 }
 
-/// The engine's messaging state.
+/// Buffer `id` of a pool as a receive names it: (id, address, chunk index).
+fn locate(queue: &ReceiveQueue, chunks: &[Buffer], id: BufferId) -> (BufferId, u64, usize) {
+    let (chunk, offset) = queue.location(id);
+    (id, chunks[chunk].addr() + offset as u64, chunk)
+}
+
 /// What sending messages needs of the engine: its own segment name, its opened peers, and
 /// their buffers. The engine implements it; messaging does not depend on the engine itself.
 pub(crate) trait Peers {
@@ -167,10 +243,14 @@ pub(crate) trait Peers {
     fn target_buffer(&self, peer: &Peer, addr: u64, len: u64) -> Result<BufferDescriptor>;
 }
 
+/// The engine's messaging state.
 pub(crate) struct Messaging {
     registry: Arc<MemoryRegistry>,
     tcp: ReceiveSettings,
     shm: ReceiveSettings,
+    rdma: ReceiveSettings,
+    /// The RDMA ports, when RDMA is on; else why it is off.
+    verbs: std::result::Result<Arc<MessageVerbs>, String>,
     transport: TransportChoice,
     shm_enabled: bool,
     timeout: Duration,
@@ -190,14 +270,17 @@ pub(crate) fn opening_len(prefix: &[u8]) -> std::result::Result<Option<usize>, S
     if prefix.len() < 3 {
         return Ok(None);
     }
-    if prefix[0] != MODE_TCP && prefix[0] != MODE_SHM {
-        return Err(format!("unknown message mode {}", prefix[0]));
-    }
+    let extra = match prefix[0] {
+        MODE_TCP | MODE_SHM => 0,
+        // The sender's queue pair.
+        MODE_RDMA => ENDPOINT_LEN,
+        m => return Err(format!("unknown message mode {m}")),
+    };
     let name_len = u16::from_le_bytes([prefix[1], prefix[2]]) as usize;
     if name_len > wire::MAX_NAME_LEN {
         return Err(format!("sender name of {name_len} bytes"));
     }
-    Ok(Some(3 + name_len))
+    Ok(Some(3 + name_len + extra))
 }
 
 fn protocol(peer: &str, reason: impl Into<String>) -> Error {
@@ -208,16 +291,21 @@ fn protocol(peer: &str, reason: impl Into<String>) -> Error {
 }
 
 impl Messaging {
+    /// Messaging for an engine of `config`; `verbs` carries messages over RDMA when it is on
+    /// (else it says why it is off).
     pub(crate) fn new(
         config: &Config,
         registry: Arc<MemoryRegistry>,
         membership: Membership,
+        verbs: std::result::Result<Arc<MessageVerbs>, String>,
     ) -> Result<Messaging> {
         let t = &config.transports;
         Ok(Messaging {
             registry,
             tcp: t.tcp.receive.settings(),
             shm: t.shm.receive.settings(),
+            rdma: t.rdma.receive.settings(),
+            verbs,
             transport: config.transport,
             shm_enabled: t.shm.enable,
             timeout: Duration::from_millis(t.tcp.timeout_ms),

@@ -7,6 +7,11 @@ pub(super) enum OutIo {
         /// Partial credit frames.
         inbox: Vec<u8>,
     },
+    Rdma {
+        /// Partial credit frames (they come back over the stream, as on tcp).
+        inbox: Vec<u8>,
+        qp: Box<SendQueuePair>,
+    },
     Shm {
         ring: Ring,
         /// Base address of each receive chunk in this process.
@@ -37,9 +42,9 @@ impl Messaging {
         if let Some(c) = self.out.lock().expect("out poisoned").get(&peer.id) {
             return Ok(c.clone());
         }
-        let shm = match self.transport {
-            // Messages do not travel over verbs yet: with `rdma` chosen, tcp carries them.
-            TransportChoice::Tcp | TransportChoice::Rdma => false,
+        let conn = match self.transport {
+            TransportChoice::Tcp => self.connect(engine, peer, MODE_TCP)?,
+            TransportChoice::Rdma => self.connect_rdma(engine, peer)?,
             TransportChoice::Shm => {
                 if !peer.same_host {
                     return Err(Error::TransportUnavailable {
@@ -47,21 +52,38 @@ impl Messaging {
                         reason: format!("segment {} is on another host", peer.name),
                     });
                 }
-                true
+                self.connect(engine, peer, MODE_SHM)?
             }
-            TransportChoice::Auto => peer.same_host && self.shm_enabled,
+            TransportChoice::Auto if peer.same_host && self.shm_enabled => {
+                self.connect(engine, peer, MODE_SHM)?
+            }
+            // Across hosts, verbs when both ends have RDMA, else (or if that fails) tcp.
+            TransportChoice::Auto if self.verbs.is_ok() && !peer.descriptor().rdma.is_empty() => {
+                match self.connect_rdma(engine, peer) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::warn!(peer = %peer.name, reason = %e, "messages cannot use rdma; using tcp");
+                        self.connect(engine, peer, MODE_TCP)?
+                    }
+                }
+            }
+            TransportChoice::Auto => self.connect(engine, peer, MODE_TCP)?,
         };
-        let conn = Arc::new(Mutex::new(self.connect(engine, peer, shm)?));
+        let conn = Arc::new(Mutex::new(conn));
         let mut out = self.out.lock().expect("out poisoned");
         Ok(out.entry(peer.id).or_insert(conn).clone())
     }
 
-    pub(super) fn connect(
+    /// Opens a message connection in `mode`, `extra` following the sender's name in the
+    /// opening; returns the stream (its read timeout set for the rest of the opening) and the
+    /// receiver's buffer size. Fails when the peer cannot be reached or refuses, with why.
+    fn open(
         &self,
         engine: &dyn Peers,
         peer: &Arc<Peer>,
-        shm: bool,
-    ) -> Result<OutConn> {
+        mode: u8,
+        extra: &[u8],
+    ) -> Result<(TcpStream, usize)> {
         let unreachable = |e: std::io::Error| Error::SegmentUnreachable {
             name: peer.name.clone(),
             reason: format!("message connection: {e}"),
@@ -80,11 +102,11 @@ impl Messaging {
             .set_read_timeout(Some(OPEN_TIMEOUT))
             .map_err(unreachable)?;
         let name = engine.local_name();
-        let mut open = vec![if shm { MODE_SHM } else { MODE_TCP }];
+        let mut open = vec![mode];
         open.extend_from_slice(&(name.len() as u16).to_le_bytes());
         open.extend_from_slice(name.as_bytes());
+        open.extend_from_slice(extra);
         stream.write_all(&open).map_err(unreachable)?;
-        let p = &peer.name;
         let mut status = [0u8; 1];
         stream.read_exact(&mut status).map_err(unreachable)?;
         if status[0] != 0 {
@@ -93,12 +115,96 @@ impl Messaging {
             let mut reason = vec![0u8; u16::from_le_bytes(len) as usize];
             stream.read_exact(&mut reason).map_err(unreachable)?;
             return Err(Error::RemoteRejected {
-                peer: p.clone(),
+                peer: peer.name.clone(),
                 reason: String::from_utf8_lossy(&reason).into_owned(),
             });
         }
         let max_len = read_words(&mut stream, 1, 4).map_err(unreachable)?[0] as usize;
-        let io = if !shm {
+        Ok((stream, max_len))
+    }
+
+    /// A message connection over RDMA: a queue pair on the first pair of rails (local port,
+    /// peer's rail) that connects, tried in the data path's pairing order. Fails when RDMA is
+    /// off at either end, or no pair connects (with each pair's reason).
+    pub(super) fn connect_rdma(&self, engine: &dyn Peers, peer: &Arc<Peer>) -> Result<OutConn> {
+        let unavailable = |reason: String| Error::TransportUnavailable {
+            transport: "rdma",
+            reason,
+        };
+        let verbs = self
+            .verbs
+            .as_ref()
+            .map_err(|why| unavailable(why.clone()))?;
+        let rails = peer.descriptor().rdma.clone();
+        if rails.is_empty() {
+            return Err(unavailable(format!(
+                "segment {} has no RDMA device",
+                peer.name
+            )));
+        }
+        let pairs = verbs.pairs(&rails);
+        if pairs.is_empty() {
+            return Err(unavailable(format!(
+                "no local RDMA port reaches a port of {}",
+                peer.name
+            )));
+        }
+        let mut failures = Vec::new();
+        for (port, rail) in pairs {
+            let (mut qp, end) = verbs.sending_qp(port, rail).map_err(unavailable)?;
+            let pair = format!("{} -> {}", qp.rail(), rails[rail].name());
+            let (mut stream, max_len) = match self.open(engine, peer, MODE_RDMA, &end.encode()) {
+                Ok(o) => o,
+                // The receiver could not connect this pair: try the next.
+                Err(Error::RemoteRejected { reason, .. }) => {
+                    failures.push(format!("{pair}: {reason}"));
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            let mut answer = [0u8; ENDPOINT_LEN];
+            let connected = stream
+                .read_exact(&mut answer)
+                .map_err(|e| format!("reading the receiver's queue pair: {e}"))
+                .and_then(|()| MessageEndpoint::decode(&answer))
+                .and_then(|remote| qp.connect(&remote))
+                .and_then(|()| stream.set_read_timeout(None).map_err(|e| e.to_string()));
+            match connected {
+                Ok(()) => {
+                    tracing::debug!(peer = %peer.name, %pair, "messages over RDMA");
+                    return Ok(OutConn {
+                        peer: peer.name.clone(),
+                        stream,
+                        credits: Credits::default(),
+                        max_len,
+                        io: OutIo::Rdma {
+                            inbox: Vec::new(),
+                            qp: Box::new(qp),
+                        },
+                    });
+                }
+                Err(e) => failures.push(format!("{pair}: {e}")),
+            }
+        }
+        Err(Error::SegmentUnreachable {
+            name: peer.name.clone(),
+            reason: format!("no RDMA path carries messages ({})", failures.join("; ")),
+        })
+    }
+
+    pub(super) fn connect(
+        &self,
+        engine: &dyn Peers,
+        peer: &Arc<Peer>,
+        mode: u8,
+    ) -> Result<OutConn> {
+        let unreachable = |e: std::io::Error| Error::SegmentUnreachable {
+            name: peer.name.clone(),
+            reason: format!("message connection: {e}"),
+        };
+        let (mut stream, max_len) = self.open(engine, peer, mode, &[])?;
+        let p = &peer.name;
+        let io = if mode != MODE_SHM {
             OutIo::Tcp { inbox: Vec::new() }
         } else {
             let v = read_words(&mut stream, 2, 4).map_err(unreachable)?;
@@ -231,6 +337,13 @@ impl OutConn {
                     }
                 })
             }
+            OutIo::Rdma { qp, .. } => {
+                qp.send(kind as u8, data, timeout)
+                    .map_err(|reason| Error::PeerDisconnected {
+                        peer: self.peer.clone(),
+                        reason,
+                    })
+            }
             OutIo::Shm {
                 ring,
                 chunks,
@@ -299,7 +412,7 @@ impl OutConn {
 
     pub(super) fn collect_credits(&mut self) -> Result<()> {
         match &mut self.io {
-            OutIo::Tcp { inbox } => {
+            OutIo::Tcp { inbox } | OutIo::Rdma { inbox, .. } => {
                 let mut b = [0u8; 256];
                 match sockio::recv_nonblocking(self.stream.as_raw_fd(), &mut b) {
                     Ok(None) => return Ok(()),

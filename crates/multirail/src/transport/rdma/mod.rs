@@ -12,6 +12,7 @@
 
 mod cm;
 mod devices;
+pub(crate) mod messages;
 mod peer;
 mod poller;
 mod rc;
@@ -70,6 +71,8 @@ pub(crate) struct Runtime {
     dispatch: DispatchConfig,
     /// Largest message every port carries (slices are cut to it).
     max_message: u32,
+    /// What messaging uses of the ports (SEND/RECV).
+    messages: Arc<messages::MessageVerbs>,
     /// This engine's segment name, for the target's logs.
     name: OnceLock<String>,
 }
@@ -101,6 +104,12 @@ pub struct RdmaStats {
     pub slices: u64,
     /// Queue pairs lost to error completions.
     pub qp_errors: u64,
+    /// Messages (and notifications) sent with SEND.
+    pub messages_sent: u64,
+    /// Of those, sent inline (at most `transports.rdma.max_inline_data` bytes).
+    pub messages_inline: u64,
+    /// Messages received from the receive queues.
+    pub messages_received: u64,
 }
 
 /// What this host offers RDMA: the ports an engine would use, and why others are left out, or
@@ -243,7 +252,13 @@ impl RdmaTransport {
             rails = %ports.iter().map(|p| p.descriptor.name()).collect::<Vec<_>>().join(", "),
             "RDMA transport on"
         );
+        let messages = Arc::new(messages::MessageVerbs::new(
+            ports.clone(),
+            registrations.clone(),
+            rdma.clone(),
+        ));
         Ok(Arc::new(Runtime {
+            messages,
             ports,
             registrations,
             registry: registry.clone(),
@@ -266,6 +281,14 @@ impl RdmaTransport {
     pub(crate) fn set_name(&self, name: &str) {
         if let Ok(rt) = &self.runtime {
             let _ = rt.name.set(name.to_owned());
+        }
+    }
+
+    /// What messaging uses to send and receive over verbs, or why RDMA is off.
+    pub(crate) fn message_verbs(&self) -> std::result::Result<Arc<messages::MessageVerbs>, String> {
+        match &self.runtime {
+            Ok(rt) => Ok(rt.messages.clone()),
+            Err(why) => Err(why.clone()),
         }
     }
 
@@ -299,6 +322,9 @@ impl RdmaTransport {
             signalled_completions: c.signalled.load(Ordering::Relaxed),
             slices: c.slices.load(Ordering::Relaxed),
             qp_errors: c.qp_errors.load(Ordering::Relaxed),
+            messages_sent: rt.messages.counters.sent.load(Ordering::Relaxed),
+            messages_inline: rt.messages.counters.inline.load(Ordering::Relaxed),
+            messages_received: rt.messages.counters.received.load(Ordering::Relaxed),
         }
     }
 

@@ -103,7 +103,7 @@ pub(crate) struct RdmaPeer {
 
 /// How local port `l` reaches remote rail `r`: on its subnet, through a router (RoCE v2
 /// routes), or on InfiniBand (no IP: one fabric).
-fn reach(local: &Port, remote: &RdmaRailDescriptor) -> Reach {
+pub(super) fn reach(local: &Port, remote: &RdmaRailDescriptor) -> Reach {
     match (local.descriptor.ipv4(), remote.ipv4()) {
         (Some(a), Some(b)) => {
             let bits = u32::from(crate::topology::prefix_len_of(a).unwrap_or(32).min(32));
