@@ -520,6 +520,90 @@ fn notifications_and_batch_notifications_over_rdma_follow_the_data() {
     assert!(a.rdma_stats().slices > 0, "the data went over RDMA too");
 }
 
+/// A `multirail pingpong --server --transport rdma` child (it answers every message), and its
+/// segment name.
+fn message_server() -> (std::process::Child, String) {
+    use std::io::BufRead;
+    let mut child = Command::new(common::multirail_bin())
+        .args([
+            "pingpong",
+            "--server",
+            "--transport",
+            "rdma",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .env_remove("MULTIRAIL_CONF")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    (child, line.trim().to_owned())
+}
+
+#[test]
+fn a_killed_message_receiver_fails_its_sender_within_the_timeout_and_another_goes_on() {
+    if !rdma_here() {
+        return;
+    }
+    let conf = r#"{"transport": "rdma", "transports": {"tcp": {"timeout_ms": 3000}}}"#;
+    let (mut doomed, doomed_name) = message_server();
+    let (mut other, other_name) = message_server();
+    let engine = initiator(conf);
+    let to_doomed = engine.open_segment(&doomed_name).unwrap();
+    let to_other = engine.open_segment(&other_name).unwrap();
+    let ping = vec![0x5au8; 128];
+    for seg in [to_doomed, to_other] {
+        engine.send(seg, &ping).unwrap();
+        let answer = engine.recv(Some(Duration::from_secs(20))).unwrap().unwrap();
+        assert_eq!(answer.data, ping);
+    }
+    doomed.kill().unwrap();
+    doomed.wait().unwrap();
+    let killed = Instant::now();
+    let err = loop {
+        match engine.send(to_doomed, &ping) {
+            Ok(()) => assert!(
+                killed.elapsed() < Duration::from_secs(3),
+                "sends to a dead receiver still succeed after {:?}",
+                killed.elapsed()
+            ),
+            Err(e) => break e,
+        }
+    };
+    let took = killed.elapsed();
+    eprintln!("send to a killed receiver failed after {took:?}: {err}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    assert!(
+        matches!(
+            err,
+            Error::PeerDisconnected { .. }
+                | Error::SegmentUnreachable { .. }
+                | Error::Timeout { .. }
+        ),
+        "{err}"
+    );
+    // Answers the doomed server sent before it died may still be queued: drop them.
+    while engine
+        .recv(Some(Duration::from_millis(200)))
+        .unwrap()
+        .is_some()
+    {}
+    for i in 0..200u32 {
+        let mut m = ping.clone();
+        m[..4].copy_from_slice(&i.to_le_bytes());
+        engine.send(to_other, &m).unwrap();
+        let answer = engine.recv(Some(Duration::from_secs(20))).unwrap().unwrap();
+        assert_eq!(answer.data, m, "round trip {i} with the live server");
+        assert_eq!(&*answer.from, other_name);
+    }
+    let _ = other.kill();
+    let _ = other.wait();
+}
+
 #[test]
 fn pingpong_over_rdma() {
     if !rdma_here() {

@@ -306,6 +306,17 @@ impl Messaging {
 
 impl OutConn {
     pub(super) fn send(&mut self, kind: MsgKind, data: &[u8], timeout: Duration) -> Result<()> {
+        let sent = self.send_inner(kind, data, timeout);
+        if let (Err(e), OutIo::Rdma { qp, .. }) = (&sent, &mut self.io) {
+            if !matches!(e, Error::InvalidArgument { .. }) {
+                // The connection is dropped after this: do not wait for sends that cannot land.
+                qp.abandon();
+            }
+        }
+        sent
+    }
+
+    fn send_inner(&mut self, kind: MsgKind, data: &[u8], timeout: Duration) -> Result<()> {
         if data.len() > self.max_len {
             return Err(Error::invalid(
                 "bytes",

@@ -360,6 +360,7 @@ impl MessageVerbs {
                 completed: 0,
                 wcs: vec![WorkCompletion::default(); 16],
                 counters: self.counters.clone(),
+                abandoned: false,
             },
             end,
         ))
@@ -473,6 +474,8 @@ pub(crate) struct SendQueuePair {
     completed: u64,
     wcs: Vec<WorkCompletion>,
     counters: Arc<MessageCounters>,
+    /// The receiver is known gone: closing does not wait for sends to land.
+    abandoned: bool,
 }
 
 impl SendQueuePair {
@@ -601,6 +604,12 @@ impl SendQueuePair {
         }
     }
 
+    /// The receiver is gone (its connection closed or broke): closing need not wait for the
+    /// sends in flight, which cannot land.
+    pub(crate) fn abandon(&mut self) {
+        self.abandoned = true;
+    }
+
     /// Waits until every message sent has reached the receiver, up to `timeout`.
     pub(crate) fn drain(&mut self, timeout: Duration) -> Result<(), String> {
         let start = Instant::now();
@@ -621,6 +630,9 @@ impl SendQueuePair {
 
 impl Drop for SendQueuePair {
     fn drop(&mut self) {
+        if self.abandoned {
+            return;
+        }
         // Destroying the queue pair drops what it has not sent yet: let it finish first.
         if let Err(e) = self.drain(Duration::from_secs(2)) {
             tracing::warn!(rail = %self.port.descriptor.name(), error = %e, "closing a message queue pair");
