@@ -172,6 +172,7 @@ pub(crate) const RDMA_KEYS: &[&str] = &[
     "qp_timeout",
     "retry_cnt",
     "lean_bdps",
+    "receive",
 ];
 
 impl RdmaConfig {
