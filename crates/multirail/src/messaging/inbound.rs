@@ -14,9 +14,10 @@ pub(super) enum InIo {
         ring_buf: Buffer,
     },
     /// Messages arrive through the queue pair into the pool's receive queue and are taken in
-    /// by polling the rail's completion queue; the stream carries credits back.
+    /// by polling the rail's completion queue; credits go back as RDMA writes through the same
+    /// queue pair. The stream only tells when the sender leaves.
     Rdma {
-        qp: Arc<QueuePair>,
+        credits: Box<CreditWriter>,
         port: usize,
     },
 }
@@ -206,16 +207,26 @@ impl Messaging {
         let id = ConnId(self.next_conn.fetch_add(1, Ordering::Relaxed));
         let made = if settings.shared_receive_queue {
             self.shared_rdma_pool(&verbs, port).and_then(|srq| {
-                let qp = verbs.receiving_qp(&remote, Some(&srq), 0, settings.max_sge as u32)?;
-                Ok((SHARED_RDMA + port as u64, Arc::new(qp), None))
+                let (qp, cq) =
+                    verbs.receiving_qp(&remote, Some(&srq), 0, settings.max_sge as u32)?;
+                Ok((SHARED_RDMA + port as u64, Arc::new(qp), cq, None))
             })
         } else {
             self.own_rdma_pool(&verbs, &remote)
-                .map(|(qp, pool)| (id.0, qp, Some(pool)))
+                .map(|(qp, cq, pool)| (id.0, qp, cq, Some(pool)))
         };
-        let (key, qp, own) = match made {
+        let (key, qp, credit_cq, own) = match made {
             Ok(m) => m,
             Err(e) => return Err(refuse(stream, e)),
+        };
+        let credits = match CreditWriter::new(qp.clone(), credit_cq, &remote) {
+            Ok(c) => c,
+            Err(e) => {
+                if let Some(p) = own {
+                    p.release(&self.registry);
+                }
+                return Err(refuse(stream, e));
+            }
         };
         let local = match verbs.connect(&qp, port, &remote) {
             Ok(l) => l,
@@ -259,7 +270,10 @@ impl Messaging {
             from,
             pool: key,
             stream,
-            io: InIo::Rdma { qp, port },
+            io: InIo::Rdma {
+                credits: Box::new(credits),
+                port,
+            },
             dead: false,
             _permit: permit,
         });
@@ -326,15 +340,16 @@ impl Messaging {
         &self,
         verbs: &Arc<MessageVerbs>,
         remote: &MessageEndpoint,
-    ) -> std::result::Result<(Arc<QueuePair>, Pool), String> {
+    ) -> std::result::Result<(Arc<QueuePair>, CompletionQueue, Pool), String> {
         let settings = self.rdma;
         let port = remote.rail as usize;
-        let qp = Arc::new(verbs.receiving_qp(
+        let (qp, credit_cq) = verbs.receiving_qp(
             remote,
             None,
             settings.queue_depth as u32,
             settings.max_sge as u32,
-        )?);
+        )?;
+        let qp = Arc::new(qp);
         let mut pool = Pool::new(&self.registry, settings, false).map_err(|e| e.to_string())?;
         let attached = verbs.lkeys(port, &pool.chunks).and_then(|lkeys| {
             let hw = PostedReceives::new(
@@ -347,7 +362,7 @@ impl Messaging {
             pool.attach(hw)
         });
         match attached {
-            Ok(()) => Ok((qp, pool)),
+            Ok(()) => Ok((qp, credit_cq, pool)),
             Err(e) => {
                 pool.release(&self.registry);
                 Err(e)
@@ -540,7 +555,13 @@ pub(super) fn grant(conns: &mut [InConn], pools: &mut Pools, key: u64) {
             continue;
         };
         match &mut c.io {
-            InIo::Tcp { .. } | InIo::Rdma { .. } => {
+            InIo::Rdma { credits, .. } => {
+                if let Err(e) = credits.grant(pool.granting.len()) {
+                    tracing::warn!(peer = %c.from, error = %e, "cannot send credits");
+                    c.dead = true;
+                }
+            }
+            InIo::Tcp { .. } => {
                 let mut h = [0u8; MSG_HEADER_LEN];
                 MsgHeader {
                     kind: MsgKind::Credit,
@@ -716,7 +737,7 @@ fn take_in_rdma(
     let shared_key = SHARED_RDMA + port as u64;
     // A connection marked dead is still found: its last messages landed before it closed.
     let conn = conns.iter_mut().find(
-        |c| matches!(&c.io, InIo::Rdma { qp, port: p } if *p == port && qp.qp_num() == qp_num),
+        |c| matches!(&c.io, InIo::Rdma { credits, port: p } if *p == port && credits.qp().qp_num() == qp_num),
     );
     let Some(c) = conn else {
         if let Some(pool) = pools.get_mut(&shared_key) {

@@ -20,8 +20,8 @@
 //!
 //! * **rdma**: every message is one SEND on a reliable-connected queue pair, into a receive
 //!   buffer of the port's shared receive queue (or the queue pair's own receive queue); the
-//!   queue pair is agreed in the opening of the message connection, and credits come back
-//!   over it as on tcp (see `transport::rdma::messages`).
+//!   queue pair is agreed in the opening of the message connection, and credits come back as
+//!   RDMA writes of the sender's credit total (see `transport::rdma::messages`).
 //!
 //! Receiving is polled by the caller's thread (`recv`, `receive_notifications`): no thread
 //! hand-off on the receive path, which keeps round trips short.
@@ -53,7 +53,8 @@ use crate::segment::{BufferDescriptor, SegmentId};
 use crate::server::ConnPermit;
 use crate::transport::handshake::{self, Membership};
 use crate::transport::rdma::messages::{
-    MessageEndpoint, MessageVerbs, PostedReceives, ReceiveTarget, SendQueuePair, ENDPOINT_LEN,
+    CreditWriter, MessageEndpoint, MessageVerbs, PostedReceives, ReceiveTarget, SendQueuePair,
+    ENDPOINT_LEN,
 };
 use crate::transport::sockio;
 use crate::transport::wire::{self, ConnKind, MsgHeader, MsgKind, MSG_HEADER_LEN};

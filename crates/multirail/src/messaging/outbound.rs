@@ -8,9 +8,11 @@ pub(super) enum OutIo {
         inbox: Vec<u8>,
     },
     Rdma {
-        /// Partial credit frames (they come back over the stream, as on tcp).
-        inbox: Vec<u8>,
         qp: Box<SendQueuePair>,
+        /// Credits taken from the receiver's total so far.
+        seen: u64,
+        /// Credit checks since the stream was last checked for the receiver leaving.
+        polls: u32,
     },
     Shm {
         ring: Ring,
@@ -178,8 +180,9 @@ impl Messaging {
                         credits: Credits::default(),
                         max_len,
                         io: OutIo::Rdma {
-                            inbox: Vec::new(),
                             qp: Box::new(qp),
+                            seen: 0,
+                            polls: 0,
                         },
                     });
                 }
@@ -423,7 +426,38 @@ impl OutConn {
 
     pub(super) fn collect_credits(&mut self) -> Result<()> {
         match &mut self.io {
-            OutIo::Tcp { inbox } | OutIo::Rdma { inbox, .. } => {
+            OutIo::Rdma { qp, seen, polls } => {
+                let total = qp.granted();
+                if total > *seen {
+                    self.credits
+                        .on_grant(std::iter::repeat_n(BufferId(0), (total - *seen) as usize));
+                    *seen = total;
+                    *polls = 0;
+                    return Ok(());
+                }
+                // Waiting: now and then, see whether the receiver left (a system call).
+                *polls += 1;
+                if *polls % 256 == 0 {
+                    let mut b = [0u8; 1];
+                    match sockio::recv_nonblocking(self.stream.as_raw_fd(), &mut b) {
+                        Ok(None) => {}
+                        Ok(Some(0)) => {
+                            return Err(Error::PeerDisconnected {
+                                peer: self.peer.clone(),
+                                reason: "the receiver closed the message connection".into(),
+                            })
+                        }
+                        Ok(Some(_)) => {
+                            return Err(protocol(
+                                &self.peer,
+                                "a receiver wrote on its RDMA message stream",
+                            ))
+                        }
+                        Err(e) => return Err(Error::io("watching the message stream", e)),
+                    }
+                }
+            }
+            OutIo::Tcp { inbox } => {
                 let mut b = [0u8; 256];
                 match sockio::recv_nonblocking(self.stream.as_raw_fd(), &mut b) {
                     Ok(None) => return Ok(()),
