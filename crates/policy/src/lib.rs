@@ -6,6 +6,7 @@
 
 pub mod dispatch;
 pub mod health;
+pub mod lanes;
 pub mod latency;
 pub mod pairing;
 pub mod qos;
@@ -13,3 +14,4 @@ pub mod receive;
 pub mod selector;
 pub mod slicing;
 pub mod timer;
+pub mod usage;

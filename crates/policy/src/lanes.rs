@@ -1,0 +1,907 @@
+//! Lane negotiation: which peers get a dedicated lane, agreed by both ends of each pair.
+//!
+//! Every peer starts on the *shared* lane (a resource all peers use, e.g. a shared receive
+//! queue). A *dedicated* lane is a resource of the pair's own (its own connection, queue pair
+//! or ring), at most [`LanesConfig::max_dedicated`] per process. A lane belongs to a pair of
+//! processes, like a UCX endpoint, so both ends must agree to open it and both must have room;
+//! either end may close it alone. [`Lanes`] is one process's side of that agreement.
+//!
+//! # Protocol
+//!
+//! Four [`LaneMsg`]s, sent over the shared lane (or any channel of the pair that keeps them in
+//! order):
+//!
+//! - `Promote { seq, score }`: the local usage tracker promoted the peer
+//!   ([`Lanes::on_promoted`]); the requester reserves one of its own slots for it first, so it
+//!   can always take the lane if the answer is yes. With no slot free it demotes its own
+//!   weakest dedicated peer if `score` beats that one's by more than `remove_thresh`, and
+//!   otherwise waits (for a back-off, or until a slot frees) without asking.
+//! - `Accept { seq }`: the receiver had room (dedicated lanes plus its own reservations below
+//!   `max_dedicated`), or the request's score beat its weakest dedicated peer's score by more
+//!   than `remove_thresh`, in which case that weakest peer was demoted first. The receiver is
+//!   dedicated from the moment it sends this; the requester from the moment it reads it.
+//! - `Deny { seq }`: no room. An explicit answer, unlike UCX, where a refused side stays marked
+//!   promoted with nothing wired. The requester stays shared and does not ask again until its
+//!   score has risen by `remove_thresh` above the denied score or `deny_backoff_ns` (plus up to
+//!   half of it again, so peers refused together do not all come back together) has passed;
+//!   then it asks by itself, for as long as its tracker wants the peer (until
+//!   [`Lanes::on_demoted`]). Equal scores are denied again each time, so nothing switches.
+//! - `Demote`: the sender is shared for this pair now. Never refused; needs no answer, because
+//!   closing needs no room.
+//!
+//! Simultaneous requests (each end has a `Promote` outstanding when the other's arrives): the
+//! request of the higher [`NodeId`] stands. The higher end ignores the lower end's `Promote`;
+//! the lower end withdraws its own request and answers the higher one's as a receiver. The slot
+//! it had reserved for its own request is free again, so that answer is always `Accept`, and
+//! both ends end dedicated.
+//!
+//! A request unanswered after `request_timeout_ns` is dropped: the requester stays shared and
+//! backs off as if denied. An answer that arrives later is *stale* (its `seq` is not the
+//! outstanding one), as is one for a request withdrawn or cancelled. A stale `Accept` means the
+//! peer went dedicated: when this end is dedicated too, nothing is to be done; when it has a
+//! newer request outstanding, that request's answer will say where the peer ends; otherwise
+//! this end answers `Demote`, which undoes it. Stale `Deny`s are ignored (the peer stayed
+//! shared).
+//!
+//! The protocol needs the engine to deliver lane messages between two live processes reliably
+//! and in the order sent. A connection that breaks must be reported to both ends with
+//! [`Lanes::on_peer_gone`], each before it delivers anything from a new connection with the
+//! same peer. Under that, and any delays (longer than the timeouts too), both
+//! ends of every pair agree on the lane whenever no lane message is in flight and neither has
+//! a request outstanding, and no process ever holds more than `max_dedicated` dedicated lanes;
+//! the property tests check both over random interleavings.
+//!
+//! # Switching
+//!
+//! Each change of a pair's lane at this end is reported once by [`Lanes::poll_switch`]. The
+//! engine performs it: it fences the old lane (waits until what was sent on it has completed)
+//! and then sends on the new one, so the pair's messages stay in order. A peer reported gone
+//! is not switched: its lanes are torn down with it.
+//!
+//! # Memory
+//!
+//! State is kept per peer only while the peer is dedicated, has a request outstanding, or is
+//! wanted by the local tracker but refused (denied, timed out or without local room) and
+//! waiting for its back-off (at most the tracker's promoted set, since [`Lanes::on_demoted`]
+//! forgets them); scores fed for other peers are ignored and their entries dropped, so memory
+//! does not grow with the number of peers ever seen.
+//!
+//! Time is nanoseconds on any monotonic clock the caller chooses. Scores are the usage
+//! tracker's, compared as plain differences (`remove_thresh` is in score units).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt;
+
+const MILLISECOND: u64 = 1_000_000;
+
+/// Most dedicated lanes a configuration may ask for; far beyond what any NIC keeps cheaply.
+pub const MAX_DEDICATED_LIMIT: usize = 1 << 16;
+
+/// A process taking part in lane negotiation; peers are named by theirs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct NodeId(pub u64);
+
+/// Which lane a pair of processes uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Lane {
+    /// The resource every peer shares.
+    #[default]
+    Shared,
+    /// A resource of this pair's own.
+    Dedicated,
+}
+
+/// A change of one pair's lane at this end, for the engine to perform.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Switch {
+    /// The peer whose lane changed.
+    pub peer: NodeId,
+    /// The lane to use from now on.
+    pub to: Lane,
+}
+
+/// A lane negotiation message: plain data, put on the wire with [`LaneMsg::encode`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LaneMsg {
+    /// Asks for a dedicated lane; `score` is the requester's usage score for the pair.
+    Promote {
+        /// Names the request; its answer carries it back.
+        seq: u64,
+        /// The requester's score for the pair (finite).
+        score: f64,
+    },
+    /// The receiver is dedicated for this pair now.
+    Accept {
+        /// The request answered.
+        seq: u64,
+    },
+    /// The receiver has no room and stays shared.
+    Deny {
+        /// The request answered.
+        seq: u64,
+    },
+    /// The sender is shared for this pair now; never refused.
+    Demote,
+}
+
+const WIRE_VERSION: u8 = 1;
+const TAG_PROMOTE: u8 = 1;
+const TAG_ACCEPT: u8 = 2;
+const TAG_DENY: u8 = 3;
+const TAG_DEMOTE: u8 = 4;
+
+impl LaneMsg {
+    /// Bytes of an encoded message: version, tag, `seq` (u64 LE), `score` (f64 LE).
+    pub const ENCODED_LEN: usize = 18;
+
+    /// The message as a fixed-size frame. Fields a message does not have are zero.
+    pub fn encode(&self) -> [u8; LaneMsg::ENCODED_LEN] {
+        let (tag, seq, score) = match *self {
+            LaneMsg::Promote { seq, score } => (TAG_PROMOTE, seq, score),
+            LaneMsg::Accept { seq } => (TAG_ACCEPT, seq, 0.0),
+            LaneMsg::Deny { seq } => (TAG_DENY, seq, 0.0),
+            LaneMsg::Demote => (TAG_DEMOTE, 0, 0.0),
+        };
+        let mut out = [0u8; LaneMsg::ENCODED_LEN];
+        out[0] = WIRE_VERSION;
+        out[1] = tag;
+        out[2..10].copy_from_slice(&seq.to_le_bytes());
+        out[10..18].copy_from_slice(&score.to_bits().to_le_bytes());
+        out
+    }
+
+    /// Reads a frame written by [`LaneMsg::encode`]. Fails with [`LanesError::Length`] unless
+    /// it is exactly [`LaneMsg::ENCODED_LEN`] bytes, [`LanesError::Version`] for another
+    /// version, [`LanesError::Tag`] for an unknown message, and [`LanesError::Field`] for a
+    /// score that is not finite or a field the message does not have that is not zero, so
+    /// every frame that decodes encodes back to the same bytes.
+    pub fn decode(bytes: &[u8]) -> Result<LaneMsg, LanesError> {
+        let bytes: &[u8; LaneMsg::ENCODED_LEN] =
+            bytes.try_into().map_err(|_| LanesError::Length {
+                expected: LaneMsg::ENCODED_LEN,
+                got: bytes.len(),
+            })?;
+        if bytes[0] != WIRE_VERSION {
+            return Err(LanesError::Version { got: bytes[0] });
+        }
+        let seq = u64::from_le_bytes(bytes[2..10].try_into().expect("8 bytes"));
+        let score_bits = u64::from_le_bytes(bytes[10..18].try_into().expect("8 bytes"));
+        let field = |field: &'static str, message: &str| LanesError::Field {
+            field,
+            message: message.to_string(),
+        };
+        let tag = bytes[1];
+        if !(TAG_PROMOTE..=TAG_DEMOTE).contains(&tag) {
+            return Err(LanesError::Tag { got: tag });
+        }
+        if tag != TAG_PROMOTE && score_bits != 0 {
+            return Err(field("score", "must be zero in a message without a score"));
+        }
+        match tag {
+            TAG_PROMOTE => {
+                let score = f64::from_bits(score_bits);
+                if !score.is_finite() {
+                    return Err(field("score", "must be finite"));
+                }
+                Ok(LaneMsg::Promote { seq, score })
+            }
+            TAG_ACCEPT => Ok(LaneMsg::Accept { seq }),
+            TAG_DENY => Ok(LaneMsg::Deny { seq }),
+            TAG_DEMOTE if seq != 0 => Err(field("seq", "must be zero in a demote")),
+            TAG_DEMOTE => Ok(LaneMsg::Demote),
+            got => Err(LanesError::Tag { got }),
+        }
+    }
+}
+
+/// A bad configuration or a frame that is not a lane message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LanesError {
+    /// A configuration value is out of range.
+    Config {
+        /// The field (`max_dedicated`, `remove_thresh`, ...).
+        field: &'static str,
+        /// What is wrong.
+        message: String,
+    },
+    /// A frame of the wrong size.
+    Length {
+        /// [`LaneMsg::ENCODED_LEN`].
+        expected: usize,
+        /// The frame's size.
+        got: usize,
+    },
+    /// A frame of another protocol version.
+    Version {
+        /// The version byte read.
+        got: u8,
+    },
+    /// A frame naming no known message.
+    Tag {
+        /// The tag byte read.
+        got: u8,
+    },
+    /// A frame with a bad field.
+    Field {
+        /// The field (`seq`, `score`).
+        field: &'static str,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+impl fmt::Display for LanesError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LanesError::Config { field, message } => write!(f, "{field}: {message}"),
+            LanesError::Length { expected, got } => {
+                write!(f, "lane message of {got} bytes, expected {expected}")
+            }
+            LanesError::Version { got } => {
+                write!(f, "lane message version {got}, expected {WIRE_VERSION}")
+            }
+            LanesError::Tag { got } => write!(f, "unknown lane message tag {got}"),
+            LanesError::Field { field, message } => {
+                write!(f, "lane message field {field}: {message}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for LanesError {}
+
+/// Limits and timings of lane negotiation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LanesConfig {
+    /// Most dedicated lanes this process holds, counting requests it has outstanding (16).
+    ///
+    /// Each dedicated lane costs a connection of its own and, under the receive module's
+    /// defaults, its own receive queue of 64 buffers of 8 KiB: 512 KiB of registered memory,
+    /// 8 MiB at 16. NICs keep connection contexts in an on-chip cache and slow down once the
+    /// connections in use outgrow it, so the bound stays small: UCX's `UCX_MAX_PRIORITY_EPS`
+    /// defaults to 20, the simulator scenario uses 15 and its benchmark 8; 16 sits in
+    /// that range. 0 disables dedicated lanes (every request is denied).
+    pub max_dedicated: usize,
+    /// How far a score must beat the weakest dedicated peer's to take its lane, and how far a
+    /// denied score must rise to ask again before the back-off ends (0.2). The margin is what
+    /// keeps peers of about equal scores from taking each other's lanes in turn.
+    pub remove_thresh: f64,
+    /// How long a denied, timed-out or evicted peer waits before asking again (1 s): several
+    /// periods of a usage tracker progressing every 100 to 250 ms, the time its decayed scores
+    /// need to move, so an earlier request would most likely be refused again. Each wait is
+    /// stretched by up to half of this, different per peer, so peers refused together do not
+    /// all come back together.
+    pub deny_backoff_ns: u64,
+    /// How long a request waits for its answer (100 ms). A live peer answers within one round
+    /// trip plus one pass of its progress loop, microseconds to a few milliseconds; only a
+    /// stalled or dying peer takes 100 ms, and then giving up frees the reserved slot.
+    pub request_timeout_ns: u64,
+}
+
+impl Default for LanesConfig {
+    fn default() -> Self {
+        LanesConfig {
+            max_dedicated: 16,
+            remove_thresh: 0.2,
+            deny_backoff_ns: 1_000 * MILLISECOND,
+            request_timeout_ns: 100 * MILLISECOND,
+        }
+    }
+}
+
+impl LanesConfig {
+    /// Checks every field; the error ([`LanesError::Config`]) names the first bad one.
+    pub fn validate(&self) -> Result<(), LanesError> {
+        let bad = |field: &'static str, message: String| Err(LanesError::Config { field, message });
+        if self.max_dedicated > MAX_DEDICATED_LIMIT {
+            return bad(
+                "max_dedicated",
+                format!(
+                    "must be at most {MAX_DEDICATED_LIMIT}, got {}",
+                    self.max_dedicated
+                ),
+            );
+        }
+        if !self.remove_thresh.is_finite() || self.remove_thresh < 0.0 {
+            return bad(
+                "remove_thresh",
+                format!(
+                    "must be finite and not negative, got {}",
+                    self.remove_thresh
+                ),
+            );
+        }
+        if self.deny_backoff_ns == 0 {
+            return bad("deny_backoff_ns", "must be at least 1, got 0".to_string());
+        }
+        if self.request_timeout_ns == 0 {
+            return bad(
+                "request_timeout_ns",
+                "must be at least 1, got 0".to_string(),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// What [`Lanes::on_promoted`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Promotion {
+    /// A `Promote` is queued for the peer.
+    Requested,
+    /// The pair is dedicated already.
+    Dedicated,
+    /// A request to the peer is outstanding already.
+    Pending,
+    /// The peer was refused (denied, timed out, or no room here) and its back-off runs; the
+    /// machine asks again by itself when the back-off ends, or at once if the score rises by
+    /// `remove_thresh` above the refused one or (for lack of local room) a slot frees.
+    Waiting,
+    /// The peer is this process itself; nothing to negotiate.
+    Ignored,
+}
+
+/// Counters for statistics; they only grow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LanesStats {
+    /// `Promote`s sent.
+    pub requests_sent: u64,
+    /// `Accept`s sent.
+    pub accepts_sent: u64,
+    /// `Accept`s received for the outstanding request.
+    pub accepts_received: u64,
+    /// `Deny`s sent.
+    pub denials_sent: u64,
+    /// `Deny`s received for the outstanding request.
+    pub denials_received: u64,
+    /// `Demote`s sent (local demotions, evictions and undoing stale accepts).
+    pub demotes_sent: u64,
+    /// `Demote`s received while dedicated.
+    pub demotes_received: u64,
+    /// Dedicated peers demoted here to make room for a stronger one.
+    pub evictions: u64,
+    /// Requests dropped unanswered.
+    pub timeouts: u64,
+    /// Simultaneous requests settled by the node-id tie-break (counted at both ends).
+    pub collisions: u64,
+    /// Stale `Accept`s answered with `Demote`.
+    pub undone: u64,
+    /// Lane changes to dedicated.
+    pub promotions: u64,
+    /// Lane changes to shared (not counting peers gone).
+    pub demotions: u64,
+    /// Switch events emitted: `promotions + demotions`.
+    pub switches: u64,
+    /// Dedicated lanes freed because their peer went away.
+    pub peers_gone: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Request {
+    seq: u64,
+    score: f64,
+    deadline: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Backoff {
+    /// The score refused; a rise of `remove_thresh` above it ends the wait early.
+    score: f64,
+    until: u64,
+    /// The peer refused (or did not answer); false when only local room was missing.
+    remote: bool,
+}
+
+/// What this end knows about one peer. An entry exists only while `lane` is dedicated,
+/// `request` is outstanding, or the tracker wants the peer (`wanted`) and `backoff` runs.
+#[derive(Debug, Clone)]
+struct Peer {
+    lane: Lane,
+    /// The local usage tracker has the peer promoted.
+    wanted: bool,
+    /// The local view of the pair's score (from the tracker, else the peer's request).
+    score: f64,
+    request: Option<Request>,
+    backoff: Option<Backoff>,
+}
+
+impl Peer {
+    fn new(score: f64) -> Self {
+        Peer {
+            lane: Lane::Shared,
+            wanted: false,
+            score,
+            request: None,
+            backoff: None,
+        }
+    }
+
+    fn next_deadline(&self) -> Option<u64> {
+        let r = self.request.map(|r| r.deadline);
+        let b = self.backoff.map(|b| b.until);
+        match (r, b) {
+            (Some(r), Some(b)) => Some(r.min(b)),
+            (r, b) => r.or(b),
+        }
+    }
+}
+
+/// Scores from outside may be anything; keep them finite so they survive the wire and every
+/// comparison means something.
+fn finite(score: f64) -> f64 {
+    if score.is_nan() {
+        0.0
+    } else {
+        score.clamp(-f64::MAX, f64::MAX)
+    }
+}
+
+/// SplitMix64: spreads back-offs without a random generator, the same for the same inputs.
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// One process's side of lane negotiation with all its peers.
+#[derive(Debug, Clone)]
+pub struct Lanes {
+    node: NodeId,
+    config: LanesConfig,
+    peers: BTreeMap<NodeId, Peer>,
+    /// Peers whose lane is dedicated.
+    dedicated: usize,
+    /// Requests outstanding: slots promised to peers that may accept.
+    reserved: usize,
+    /// Request numbers; also salts the back-off spread.
+    next_seq: u64,
+    transmits: VecDeque<(NodeId, LaneMsg)>,
+    switches: VecDeque<Switch>,
+    stats: LanesStats,
+}
+
+impl Lanes {
+    /// A process with every peer on the shared lane. Fails on a bad configuration, naming the
+    /// field ([`LanesError::Config`]).
+    pub fn new(node: NodeId, config: LanesConfig) -> Result<Self, LanesError> {
+        config.validate()?;
+        Ok(Lanes {
+            node,
+            config,
+            peers: BTreeMap::new(),
+            dedicated: 0,
+            reserved: 0,
+            next_seq: 1,
+            transmits: VecDeque::new(),
+            switches: VecDeque::new(),
+            stats: LanesStats::default(),
+        })
+    }
+
+    /// This process's id.
+    pub fn node(&self) -> NodeId {
+        self.node
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &LanesConfig {
+        &self.config
+    }
+
+    /// The lane this end uses for `peer` (shared for any peer it keeps no state for).
+    pub fn lane(&self, peer: NodeId) -> Lane {
+        self.peers.get(&peer).map_or(Lane::Shared, |p| p.lane)
+    }
+
+    /// How many peers are on a dedicated lane; never above `max_dedicated`.
+    pub fn dedicated(&self) -> usize {
+        self.dedicated
+    }
+
+    /// How many requests are outstanding.
+    pub fn pending_requests(&self) -> usize {
+        self.reserved
+    }
+
+    /// True when a request to `peer` is outstanding.
+    pub fn is_pending(&self, peer: NodeId) -> bool {
+        self.peers.get(&peer).is_some_and(|p| p.request.is_some())
+    }
+
+    /// How many peers this end keeps state for (dedicated, requested, or waiting to ask again).
+    pub fn tracked_peers(&self) -> usize {
+        self.peers.len()
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> &LanesStats {
+        &self.stats
+    }
+
+    /// The local usage tracker promoted `peer` with `score` (or, called again every progress
+    /// period, still ranks it promoted). Asks the peer for a dedicated lane when it is shared,
+    /// nothing is outstanding and no back-off holds it, and when this end has room or `score`
+    /// beats its weakest dedicated peer's by more than `remove_thresh` (that peer is demoted
+    /// first). Returns what it did; it never fails.
+    pub fn on_promoted(&mut self, now: u64, peer: NodeId, score: f64) -> Promotion {
+        if peer == self.node {
+            return Promotion::Ignored;
+        }
+        let score = finite(score);
+        let thresh = self.config.remove_thresh;
+        let p = self.peers.entry(peer).or_insert_with(|| Peer::new(score));
+        p.wanted = true;
+        p.score = score;
+        if p.lane == Lane::Dedicated {
+            return Promotion::Dedicated;
+        }
+        if p.request.is_some() {
+            return Promotion::Pending;
+        }
+        if let Some(b) = p.backoff {
+            if score < b.score + thresh {
+                return Promotion::Waiting;
+            }
+            p.backoff = None;
+        }
+        self.try_request(now, peer)
+    }
+
+    /// The local usage tracker demoted `peer`. A dedicated pair is demoted (`Demote` sent,
+    /// switch to shared); an outstanding request is cancelled, and should the peer accept it
+    /// anyway, its `Accept` is answered with `Demote`. A waiting peer is forgotten.
+    pub fn on_demoted(&mut self, now: u64, peer: NodeId) {
+        let Some(p) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        p.wanted = false;
+        if p.lane == Lane::Dedicated {
+            self.demote(now, peer);
+        } else if p.request.take().is_some() {
+            self.reserved -= 1;
+        }
+        self.tidy(now, peer);
+        self.use_room(now);
+    }
+
+    /// The local tracker's current score for `peer`. Kept only for peers this end tracks: it
+    /// decides which dedicated peer is weakest, and a waiting peer whose score rose by
+    /// `remove_thresh` above the refused one asks again at once.
+    pub fn on_score(&mut self, now: u64, peer: NodeId, score: f64) {
+        let score = finite(score);
+        let thresh = self.config.remove_thresh;
+        let Some(p) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        p.score = score;
+        if let Some(b) = p.backoff {
+            if p.wanted
+                && p.lane == Lane::Shared
+                && p.request.is_none()
+                && score >= b.score + thresh
+            {
+                p.backoff = None;
+                self.try_request(now, peer);
+            }
+        }
+    }
+
+    /// A lane message from `from`. Never fails: a message that no longer fits the state is
+    /// stale and handled as the module documentation says.
+    pub fn on_message(&mut self, now: u64, from: NodeId, msg: LaneMsg) {
+        if from == self.node {
+            return;
+        }
+        match msg {
+            LaneMsg::Promote { seq, score } => self.on_promote(now, from, seq, finite(score)),
+            LaneMsg::Accept { seq } => self.on_accept(from, seq),
+            LaneMsg::Deny { seq } => self.on_deny(now, from, seq),
+            LaneMsg::Demote => self.on_demote(now, from),
+        }
+        self.use_room(now);
+    }
+
+    /// `peer` is gone (dead, or its connection broke; a broken connection must be reported at
+    /// both ends). Its dedicated lane and reservation are freed at once, without a switch
+    /// event, and anything still queued for it (messages, switches) is dropped. A peer that
+    /// comes back starts shared.
+    pub fn on_peer_gone(&mut self, now: u64, peer: NodeId) {
+        if let Some(p) = self.peers.remove(&peer) {
+            if p.lane == Lane::Dedicated {
+                self.dedicated -= 1;
+                self.stats.peers_gone += 1;
+            }
+            if p.request.is_some() {
+                self.reserved -= 1;
+            }
+        }
+        self.transmits.retain(|(to, _)| *to != peer);
+        self.switches.retain(|s| s.peer != peer);
+        self.use_room(now);
+    }
+
+    /// When [`Lanes::on_timeout`] has work: the earliest request deadline or back-off end.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        self.peers.values().filter_map(Peer::next_deadline).min()
+    }
+
+    /// Drops requests unanswered past their deadline (the peer backs off as if denied) and
+    /// asks again for wanted peers whose back-off is over.
+    pub fn on_timeout(&mut self, now: u64) {
+        let due: Vec<NodeId> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| p.next_deadline().is_some_and(|t| t <= now))
+            .map(|(id, _)| *id)
+            .collect();
+        for peer in due {
+            let Some(p) = self.peers.get_mut(&peer) else {
+                continue;
+            };
+            if let Some(r) = p.request.filter(|r| r.deadline <= now) {
+                p.request = None;
+                self.reserved -= 1;
+                self.stats.timeouts += 1;
+                self.back_off(now, peer, r.score, true);
+            } else if p.backoff.is_some_and(|b| b.until <= now) {
+                p.backoff = None;
+                if p.wanted && p.lane == Lane::Shared && p.request.is_none() {
+                    self.try_request(now, peer);
+                }
+                self.tidy(now, peer);
+            }
+        }
+        self.use_room(now);
+    }
+
+    /// The next lane message to send, and to whom.
+    pub fn poll_transmit(&mut self) -> Option<(NodeId, LaneMsg)> {
+        self.transmits.pop_front()
+    }
+
+    /// The next lane change to perform, in the order they happened; one per change.
+    pub fn poll_switch(&mut self) -> Option<Switch> {
+        self.switches.pop_front()
+    }
+
+    fn send(&mut self, to: NodeId, msg: LaneMsg) {
+        match msg {
+            LaneMsg::Promote { .. } => self.stats.requests_sent += 1,
+            LaneMsg::Accept { .. } => self.stats.accepts_sent += 1,
+            LaneMsg::Deny { .. } => self.stats.denials_sent += 1,
+            LaneMsg::Demote => self.stats.demotes_sent += 1,
+        }
+        self.transmits.push_back((to, msg));
+    }
+
+    /// Changes the lane of a tracked peer, keeping the count and reporting the switch.
+    fn set_lane(&mut self, peer: NodeId, to: Lane) {
+        let p = self
+            .peers
+            .get_mut(&peer)
+            .expect("lane set on a tracked peer");
+        if p.lane == to {
+            return;
+        }
+        p.lane = to;
+        match to {
+            Lane::Dedicated => {
+                self.dedicated += 1;
+                self.stats.promotions += 1;
+            }
+            Lane::Shared => {
+                self.dedicated -= 1;
+                self.stats.demotions += 1;
+            }
+        }
+        self.stats.switches += 1;
+        self.switches.push_back(Switch { peer, to });
+    }
+
+    /// A free slot: dedicated lanes plus outstanding requests below the bound, so every
+    /// outstanding request can be taken up if accepted.
+    fn has_room(&self) -> bool {
+        self.dedicated + self.reserved < self.config.max_dedicated
+    }
+
+    /// Frees a slot for a peer with `score` by demoting the weakest dedicated peer, if `score`
+    /// beats it by more than `remove_thresh`. Returns true when it did.
+    fn evict_for(&mut self, now: u64, score: f64) -> bool {
+        let weakest = self
+            .peers
+            .iter()
+            .filter(|(_, p)| p.lane == Lane::Dedicated)
+            .min_by(|a, b| a.1.score.total_cmp(&b.1.score).then(a.0.cmp(b.0)))
+            .map(|(id, p)| (*id, p.score));
+        match weakest {
+            Some((victim, weakest)) if score > weakest + self.config.remove_thresh => {
+                self.stats.evictions += 1;
+                self.demote(now, victim);
+                self.tidy(now, victim);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Demotes a dedicated peer from this end: `Demote`, switch to shared. A peer the tracker
+    /// still wants (an eviction) waits out a back-off before asking again.
+    fn demote(&mut self, now: u64, peer: NodeId) {
+        self.send(peer, LaneMsg::Demote);
+        self.set_lane(peer, Lane::Shared);
+        let p = &self.peers[&peer];
+        if p.wanted {
+            let score = p.score;
+            self.back_off(now, peer, score, true);
+        }
+    }
+
+    /// Starts a back-off for a wanted shared peer: it asks again at its end, or earlier when
+    /// its score rises by `remove_thresh` above `score`.
+    fn back_off(&mut self, now: u64, peer: NodeId, score: f64, remote: bool) {
+        let base = self.config.deny_backoff_ns;
+        let spread = mix(self.node.0 ^ peer.0.rotate_left(32) ^ self.next_seq) % (base / 2 + 1);
+        self.next_seq += 1;
+        let p = self
+            .peers
+            .get_mut(&peer)
+            .expect("back-off of a tracked peer");
+        p.backoff = Some(Backoff {
+            score,
+            until: now.saturating_add(base).saturating_add(spread),
+            remote,
+        });
+        self.tidy(now, peer);
+    }
+
+    /// Asks a wanted shared peer with nothing outstanding for a dedicated lane, if this end
+    /// has room or can make it; otherwise waits.
+    fn try_request(&mut self, now: u64, peer: NodeId) -> Promotion {
+        let score = self.peers[&peer].score;
+        if !self.has_room() && !self.evict_for(now, score) {
+            self.back_off(now, peer, score, false);
+            return Promotion::Waiting;
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let deadline = now.saturating_add(self.config.request_timeout_ns);
+        let p = self
+            .peers
+            .get_mut(&peer)
+            .expect("request to a tracked peer");
+        p.backoff = None;
+        p.request = Some(Request {
+            seq,
+            score,
+            deadline,
+        });
+        self.reserved += 1;
+        self.send(peer, LaneMsg::Promote { seq, score });
+        Promotion::Requested
+    }
+
+    /// Slots freed here go to peers that were waiting only for local room, strongest first.
+    fn use_room(&mut self, now: u64) {
+        while self.has_room() {
+            let next = self
+                .peers
+                .iter()
+                .filter(|(_, p)| p.backoff.is_some_and(|b| !b.remote) && p.request.is_none())
+                .max_by(|a, b| a.1.score.total_cmp(&b.1.score).then(b.0.cmp(a.0)))
+                .map(|(id, _)| *id);
+            let Some(peer) = next else {
+                return;
+            };
+            self.peers.get_mut(&peer).expect("just seen").backoff = None;
+            self.try_request(now, peer);
+        }
+    }
+
+    /// Drops the entry of a peer nothing is kept for any more; gives a wanted shared peer
+    /// with neither a request nor a back-off a back-off, so it is not forgotten.
+    fn tidy(&mut self, now: u64, peer: NodeId) {
+        let Some(p) = self.peers.get(&peer) else {
+            return;
+        };
+        if p.lane == Lane::Dedicated || p.request.is_some() {
+            return;
+        }
+        if !p.wanted {
+            self.peers.remove(&peer);
+        } else if p.backoff.is_none() {
+            let score = p.score;
+            self.back_off(now, peer, score, true);
+        }
+    }
+
+    fn on_promote(&mut self, now: u64, from: NodeId, seq: u64, score: f64) {
+        if let Some(p) = self.peers.get_mut(&from) {
+            if p.lane == Lane::Dedicated {
+                // The peer thinks the pair shared while this end does not: a stale view that
+                // the peer's own messages have not corrected yet. Dedicated needs no new room.
+                self.send(from, LaneMsg::Accept { seq });
+                return;
+            }
+            if p.request.is_some() {
+                self.stats.collisions += 1;
+                if self.node > from {
+                    // Our request stands; the peer withdraws its own when ours arrives.
+                    return;
+                }
+                // Withdraw ours: its reserved slot is the room that accepts theirs.
+                p.request = None;
+                self.reserved -= 1;
+            }
+        }
+        if !self.has_room() && !self.evict_for(now, score) {
+            self.send(from, LaneMsg::Deny { seq });
+            self.tidy(now, from);
+            return;
+        }
+        let p = self.peers.entry(from).or_insert_with(|| Peer::new(score));
+        p.backoff = None;
+        self.set_lane(from, Lane::Dedicated);
+        self.send(from, LaneMsg::Accept { seq });
+    }
+
+    fn on_accept(&mut self, from: NodeId, seq: u64) {
+        let p = self.peers.get_mut(&from);
+        match p {
+            Some(p) if p.request.is_some_and(|r| r.seq == seq) => {
+                p.request = None;
+                p.backoff = None;
+                self.reserved -= 1;
+                self.stats.accepts_received += 1;
+                self.set_lane(from, Lane::Dedicated);
+            }
+            // Stale, and both ends are dedicated: nothing to do.
+            Some(p) if p.lane == Lane::Dedicated => {}
+            // Stale; the newer request's answer will say where the peer ends.
+            Some(p) if p.request.is_some() => {}
+            // Stale (timed out or cancelled) while shared here: undo the peer's switch.
+            _ => {
+                self.stats.undone += 1;
+                self.send(from, LaneMsg::Demote);
+            }
+        }
+    }
+
+    fn on_deny(&mut self, now: u64, from: NodeId, seq: u64) {
+        let Some(p) = self.peers.get_mut(&from) else {
+            return;
+        };
+        let Some(r) = p.request.filter(|r| r.seq == seq) else {
+            // Stale: the peer stayed shared, which any newer exchange will also show.
+            return;
+        };
+        p.request = None;
+        self.reserved -= 1;
+        self.stats.denials_received += 1;
+        self.back_off(now, from, r.score, true);
+    }
+
+    fn on_demote(&mut self, now: u64, from: NodeId) {
+        let Some(p) = self.peers.get(&from) else {
+            return;
+        };
+        if p.lane != Lane::Dedicated {
+            // Shared already (a demote crossing ours, or undoing an accept we never took).
+            return;
+        }
+        self.stats.demotes_received += 1;
+        self.set_lane(from, Lane::Shared);
+        let p = &self.peers[&from];
+        if p.wanted {
+            // Evicted (or the peer cooled) while this end still wants it: ask again later.
+            let score = p.score;
+            self.back_off(now, from, score, true);
+        } else {
+            self.tidy(now, from);
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "lanes/tests.rs"]
+mod tests;
