@@ -175,3 +175,115 @@ fn every_bad_receive_setting_is_a_usage_error() {
     let out = multirail(&["pingpong", "--local", "--size", "0"], None);
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// A child process killed when dropped (also when a test panics).
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// An echo server in a child process (`multirail pingpong --server`) over `transport`, and its
+/// segment name.
+fn echo_server(transport: &str) -> (Killed, String) {
+    use std::io::BufRead;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_multirail"))
+        .args([
+            "pingpong",
+            "--server",
+            "--transport",
+            transport,
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .env_remove("MULTIRAIL_CONF")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the echo server");
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    (Killed(child), line.trim().to_owned())
+}
+
+/// A million messages to another process, the lane switched every thousand (shared to
+/// dedicated and back): the server echoes each as it receives it, and the echoes come back
+/// in order, each once: nothing sent before a switch was overtaken, lost or repeated by what
+/// was sent after it.
+fn a_million_messages_through_a_thousand_lane_switches(transport: &str) {
+    use multirail::{Config, Engine, Lane};
+    use std::time::{Duration, Instant};
+    const N: u64 = 1_000_000;
+    const EVERY: u64 = 1_000;
+    let (_server, name) = echo_server(transport);
+    let conf = format!(r#"{{"transport": "{transport}"}}"#);
+    let engine = Engine::new(Config::from_json_str(&conf, "test").unwrap(), "127.0.0.1:0").unwrap();
+    let seg = engine.open_segment(&name).unwrap();
+    let started = Instant::now();
+    let receiver = {
+        let engine = engine.clone();
+        std::thread::spawn(move || {
+            for i in 0..N {
+                let m = engine
+                    .recv(Some(Duration::from_secs(30)))
+                    .unwrap()
+                    .unwrap_or_else(|| panic!("echo {i} of {N} did not come"));
+                let got = u64::from_le_bytes(m.data[..8].try_into().unwrap());
+                if got != i {
+                    let mut more = vec![got];
+                    while let Ok(Some(m)) = engine.recv(Some(Duration::from_secs(2))) {
+                        more.push(u64::from_le_bytes(m.data[..8].try_into().unwrap()));
+                        if more.len() > 30 {
+                            break;
+                        }
+                    }
+                    panic!("expected {i}, then got {more:?}");
+                }
+                assert_eq!(m.data[8..], [(i % 251) as u8; 8]);
+            }
+            assert!(
+                engine
+                    .recv(Some(Duration::from_millis(300)))
+                    .unwrap()
+                    .is_none(),
+                "an echo came twice"
+            );
+        })
+    };
+    let mut switches = 0;
+    for i in 0..N {
+        if i > 0 && i % EVERY == 0 {
+            let to = if (i / EVERY) % 2 == 1 {
+                Lane::Dedicated
+            } else {
+                Lane::Shared
+            };
+            engine.switch_lane(seg, to).unwrap();
+            assert_eq!(engine.lane(seg).unwrap(), to);
+            switches += 1;
+        }
+        let mut m = [(i % 251) as u8; 16];
+        m[..8].copy_from_slice(&i.to_le_bytes());
+        engine.send(seg, &m).unwrap();
+    }
+    receiver.join().unwrap();
+    eprintln!(
+        "{N} messages over {transport} with {switches} lane switches, echoed in order: {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(switches, N / EVERY - 1);
+}
+
+#[test]
+fn a_million_messages_through_a_thousand_lane_switches_tcp() {
+    a_million_messages_through_a_thousand_lane_switches("tcp");
+}
+
+#[test]
+fn a_million_messages_through_a_thousand_lane_switches_shm() {
+    a_million_messages_through_a_thousand_lane_switches("shm");
+}

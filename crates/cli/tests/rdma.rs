@@ -472,6 +472,53 @@ fn messages_over_receive_queues_of_their_own_with_bulk_return_and_sges() {
 }
 
 #[test]
+fn lane_switches_between_the_srq_and_a_queue_of_its_own_keep_order() {
+    if !rdma_here() {
+        return;
+    }
+    let receiver = initiator(RDMA);
+    let sender = initiator(RDMA);
+    let seg = sender.open_segment(&receiver.name()).unwrap();
+    const N: u64 = 20_000;
+    let r = std::thread::spawn(move || {
+        for i in 0..N {
+            let m = receiver
+                .recv(Some(Duration::from_secs(60)))
+                .unwrap()
+                .unwrap_or_else(|| panic!("message {i} did not come"));
+            assert_eq!(
+                m.data,
+                message(0, i),
+                "message {i}: out of order, lost or repeated"
+            );
+        }
+        assert!(receiver
+            .recv(Some(Duration::from_millis(300)))
+            .unwrap()
+            .is_none());
+        receiver.rdma_stats()
+    });
+    for i in 0..N {
+        if i > 0 && i % 1_000 == 0 {
+            let to = if (i / 1_000) % 2 == 1 {
+                multirail::Lane::Dedicated
+            } else {
+                multirail::Lane::Shared
+            };
+            sender.switch_lane(seg, to).unwrap();
+            assert_eq!(sender.lane(seg).unwrap(), to);
+        }
+        sender.send(seg, &message(0, i)).unwrap();
+    }
+    let stats = r.join().unwrap();
+    assert_eq!(
+        stats.messages_received,
+        N + N / 1_000 - 1,
+        "messages and fences: {stats:?}"
+    );
+}
+
+#[test]
 fn notifications_and_batch_notifications_over_rdma_follow_the_data() {
     if !rdma_here() {
         return;

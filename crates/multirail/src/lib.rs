@@ -39,7 +39,7 @@ pub use config::{Config, ConfigError, TransportChoice};
 pub use engine::{BatchId, Engine, Request, SegmentId, PRIO_HIGH, PRIO_LOW, PRIO_MEDIUM};
 pub use error::{Error, Result};
 pub use memory::{Buffer, Location};
-pub use messaging::{Message, Notification};
+pub use messaging::{Lane, Message, Notification};
 pub use multirail_policy::qos::Priority;
 pub use qos::{PriorityTraffic, QosTraffic};
 pub use server::ConnectionStats;

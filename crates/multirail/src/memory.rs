@@ -162,6 +162,12 @@ impl Buffer {
         self.region.id()
     }
 
+    /// How another process on this host maps it (memory the engine allocated); `None` for
+    /// caller memory registered in place.
+    pub(crate) fn shm_handle(&self) -> Option<crate::segment::ShmHandle> {
+        self.region.descriptor().shm
+    }
+
     /// Start address in this process; this is also the address peers use as `target_offset`.
     pub fn addr(&self) -> u64 {
         self.region.addr as u64

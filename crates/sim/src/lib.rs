@@ -3,7 +3,12 @@
 //! health) in virtual time over modelled NICs, links that fail, recover or change rate, and
 //! workloads, from scenario files. It depends on the policy crate, never on the engine: what it
 //! shows at cluster scale is what the engine's own decisions do.
+//!
+//! A lanes scenario ([`scenario::LanesScenario`], simulated in [`lanes`]) models processes
+//! instead of rails: each drives its own `UsageTracker` and `Lanes` machine, and they negotiate
+//! dedicated lanes over a modelled network.
 
+pub mod lanes;
 pub mod model;
 pub mod report;
 pub mod scenario;

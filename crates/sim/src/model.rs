@@ -182,8 +182,11 @@ struct Class {
 }
 
 /// Runs one scenario run to its end and reports what happened. Fails only on a scenario the
-/// parser should have refused.
+/// parser should have refused. A lanes scenario runs in [`crate::lanes`].
 pub fn simulate(run: &Run) -> Result<Report, ScenarioError> {
+    if let Some(lanes) = &run.lanes {
+        return crate::lanes::simulate(run, lanes);
+    }
     Sim::new(run)?.run()
 }
 
@@ -746,6 +749,7 @@ impl<'a> Sim<'a> {
             adaptation,
             timeline,
             nic_numa: self.nics.iter().map(|n| n.numa_node).collect(),
+            lanes: None,
         }
     }
 }

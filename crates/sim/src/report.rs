@@ -132,7 +132,284 @@ impl Adaptation {
     }
 }
 
-/// The report of one run.
+/// What the lane machines did in one window of simulated time, summed over every process.
+/// Every exchange counts once at each end where it counts: a pair going dedicated is two
+/// promotions (and two switches), one at each end.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct LanesSample {
+    /// End of the window, ms.
+    pub t_ms: u64,
+    /// `Promote`s sent.
+    pub requests: u64,
+    /// `Accept`s sent.
+    pub accepts: u64,
+    /// `Deny`s sent.
+    pub denials: u64,
+    /// `Demote`s sent.
+    pub demotes: u64,
+    /// Dedicated peers demoted to make room for a stronger request.
+    pub evictions: u64,
+    /// Requests dropped unanswered.
+    pub timeouts: u64,
+    /// Lane changes to dedicated.
+    pub promotions: u64,
+    /// Lane changes to shared.
+    pub demotions: u64,
+    /// `promotions + demotions`.
+    pub switches: u64,
+    /// Promotions by the usage trackers (`UsageEvent::Promoted`).
+    pub tracker_promotions: u64,
+    /// Demotions by the usage trackers.
+    pub tracker_demotions: u64,
+    /// Dedicated lanes held at the end of the window, summed over the processes (twice the
+    /// dedicated pairs when both ends agree).
+    pub dedicated: u64,
+    /// Most dedicated lanes one process held during the window.
+    pub max_dedicated: u64,
+}
+
+/// `Lanes::stats()` summed over every process.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct LanesTotals {
+    /// `Promote`s sent.
+    pub requests_sent: u64,
+    /// `Accept`s sent.
+    pub accepts_sent: u64,
+    /// `Accept`s received for the outstanding request.
+    pub accepts_received: u64,
+    /// `Deny`s sent.
+    pub denials_sent: u64,
+    /// `Deny`s received for the outstanding request.
+    pub denials_received: u64,
+    /// `Demote`s sent.
+    pub demotes_sent: u64,
+    /// `Demote`s received while dedicated.
+    pub demotes_received: u64,
+    /// Dedicated peers demoted to make room for a stronger one.
+    pub evictions: u64,
+    /// Requests dropped unanswered.
+    pub timeouts: u64,
+    /// Simultaneous requests settled by the node-id tie-break (counted at both ends).
+    pub collisions: u64,
+    /// Stale `Accept`s answered with `Demote`.
+    pub undone: u64,
+    /// Lane changes to dedicated.
+    pub promotions: u64,
+    /// Lane changes to shared.
+    pub demotions: u64,
+    /// `promotions + demotions`.
+    pub switches: u64,
+    /// Dedicated lanes freed because their peer went away.
+    pub peers_gone: u64,
+}
+
+impl LanesTotals {
+    /// Adds one process's counters.
+    pub fn add(&mut self, s: &multirail_policy::lanes::LanesStats) {
+        self.requests_sent += s.requests_sent;
+        self.accepts_sent += s.accepts_sent;
+        self.accepts_received += s.accepts_received;
+        self.denials_sent += s.denials_sent;
+        self.denials_received += s.denials_received;
+        self.demotes_sent += s.demotes_sent;
+        self.demotes_received += s.demotes_received;
+        self.evictions += s.evictions;
+        self.timeouts += s.timeouts;
+        self.collisions += s.collisions;
+        self.undone += s.undone;
+        self.promotions += s.promotions;
+        self.demotions += s.demotions;
+        self.switches += s.switches;
+        self.peers_gone += s.peers_gone;
+    }
+}
+
+/// One mbw_mr receiver at the end of the run.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReceiverReport {
+    /// Its process id.
+    pub node: u64,
+    /// The hot senders that send to it.
+    pub hot: Vec<u64>,
+    /// The peers it holds a dedicated lane with at the end, ascending.
+    pub dedicated: Vec<u64>,
+    /// How many of `dedicated` are its hot senders.
+    pub hot_dedicated: usize,
+    /// How many of `dedicated` are not.
+    pub cold_dedicated: usize,
+    /// First time every one of its hot senders held a dedicated lane with it, ms.
+    pub all_hot_at_ms: Option<f64>,
+    /// When its dedicated set last changed, ms (`None`: never).
+    pub last_switch_ms: Option<f64>,
+    /// Since when its dedicated set has been exactly its hot senders, ms (`None` if it is
+    /// not at the end).
+    pub hot_set_since_ms: Option<f64>,
+}
+
+/// How many dedicated lanes the processes hold at the end.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct DedicatedSpread {
+    /// Fewest of one process.
+    pub min: usize,
+    /// Mean.
+    pub mean: f64,
+    /// Most of one process.
+    pub max: usize,
+}
+
+/// The report of a lanes scenario.
+#[derive(Debug, Clone, Serialize)]
+pub struct LanesReport {
+    /// `mbw_mr` or `alltoall`.
+    pub workload: String,
+    /// Processes.
+    pub peers: usize,
+    /// The bound on dedicated lanes per process.
+    pub max_dedicated: usize,
+    /// Whose score a process keeps for peers it accepted.
+    pub receiver_view: String,
+    /// Application messages sent.
+    pub messages: u64,
+    /// Sends reported to the trackers (`on_sample` calls).
+    pub samples: u64,
+    /// Tracker progress runs, all processes.
+    pub progress_runs: u64,
+    /// Lane messages delivered.
+    pub lane_messages: u64,
+    /// Lane messages still in flight at the end.
+    pub lane_messages_in_flight: u64,
+    /// Promotions by the usage trackers.
+    pub tracker_promotions: u64,
+    /// Demotions by the usage trackers.
+    pub tracker_demotions: u64,
+    /// `Lanes::stats()` summed over every process.
+    pub totals: LanesTotals,
+    /// Per window of `sample_ms`.
+    pub timeline: Vec<LanesSample>,
+    /// Lane changes after half the simulated time, all processes.
+    pub switches_second_half: u64,
+    /// Last lane change anywhere, ms.
+    pub last_switch_ms: Option<f64>,
+    /// Most dedicated lanes any process held at any time.
+    pub max_dedicated_seen: usize,
+    /// Pairs dedicated at both ends at the end.
+    pub dedicated_pairs: usize,
+    /// Lanes dedicated at one end only at the end (a message still in flight, or a fault).
+    pub one_sided: usize,
+    /// Dedicated lanes per process at the end.
+    pub dedicated_per_process: DedicatedSpread,
+    /// mbw_mr: each receiver's view at the end.
+    pub receivers: Vec<ReceiverReport>,
+}
+
+impl LanesReport {
+    /// The human table: the counters in windows (at most about 25 rows), the totals, who is
+    /// dedicated at the end.
+    pub fn table(&self, out: &mut String) {
+        let ms = |v: Option<f64>| v.map_or("never".to_owned(), |t| format!("{t:.1} ms"));
+        let _ = writeln!(
+            out,
+            "  {} over {} processes, at most {} dedicated lanes each, receiver view {}: {} messages, {} sampled, {} tracker progress runs, {} lane messages ({} in flight at the end)",
+            self.workload,
+            self.peers,
+            self.max_dedicated,
+            self.receiver_view,
+            self.messages,
+            self.samples,
+            self.progress_runs,
+            self.lane_messages,
+            self.lane_messages_in_flight,
+        );
+        let per_row = self.timeline.len().div_ceil(25).max(1);
+        let _ = writeln!(
+            out,
+            "  {:>10} {:>9} {:>8} {:>8} {:>8} {:>9} {:>8} {:>10} {:>10} {:>9} {:>10} {:>10} {:>9}",
+            "until ms",
+            "requests",
+            "accepts",
+            "denials",
+            "demotes",
+            "evictions",
+            "timeouts",
+            "promotions",
+            "demotions",
+            "switches",
+            "trk promo",
+            "trk demo",
+            "dedicated"
+        );
+        for rows in self.timeline.chunks(per_row) {
+            let sum = |f: fn(&LanesSample) -> u64| rows.iter().map(f).sum::<u64>();
+            let last = rows.last().expect("chunks are not empty");
+            let _ = writeln!(
+                out,
+                "  {:>10} {:>9} {:>8} {:>8} {:>8} {:>9} {:>8} {:>10} {:>10} {:>9} {:>10} {:>10} {:>9}",
+                last.t_ms,
+                sum(|s| s.requests),
+                sum(|s| s.accepts),
+                sum(|s| s.denials),
+                sum(|s| s.demotes),
+                sum(|s| s.evictions),
+                sum(|s| s.timeouts),
+                sum(|s| s.promotions),
+                sum(|s| s.demotions),
+                sum(|s| s.switches),
+                sum(|s| s.tracker_promotions),
+                sum(|s| s.tracker_demotions),
+                last.dedicated,
+            );
+        }
+        let t = &self.totals;
+        let _ = writeln!(
+            out,
+            "  totals: requests {} accepts {}/{} (sent/received) denials {}/{} demotes {}/{} evictions {} timeouts {} collisions {} undone {} promotions {} demotions {} switches {}",
+            t.requests_sent,
+            t.accepts_sent,
+            t.accepts_received,
+            t.denials_sent,
+            t.denials_received,
+            t.demotes_sent,
+            t.demotes_received,
+            t.evictions,
+            t.timeouts,
+            t.collisions,
+            t.undone,
+            t.promotions,
+            t.demotions,
+            t.switches,
+        );
+        let d = &self.dedicated_per_process;
+        let _ = writeln!(
+            out,
+            "  at the end: {} dedicated pairs, {} one-sided; per process min {} mean {:.2} max {}; most ever held by one process {}; last switch {}; switches in the second half {}",
+            self.dedicated_pairs,
+            self.one_sided,
+            d.min,
+            d.mean,
+            d.max,
+            self.max_dedicated_seen,
+            ms(self.last_switch_ms),
+            self.switches_second_half,
+        );
+        for r in &self.receivers {
+            let _ = writeln!(
+                out,
+                "  receiver {}: dedicated {:?} ({} hot of {}, {} cold); all hot dedicated at {}; exactly the hot set since {}; last switch {}",
+                r.node,
+                r.dedicated,
+                r.hot_dedicated,
+                r.hot.len(),
+                r.cold_dedicated,
+                ms(r.all_hot_at_ms),
+                ms(r.hot_set_since_ms),
+                ms(r.last_switch_ms),
+            );
+        }
+    }
+}
+
+/// The report of one run. A lanes run fills `lanes` and leaves the rail figures empty, but for
+/// `gb_per_s`, which is then the payload rate of its application messages.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
     /// Scenario/run name.
@@ -169,12 +446,24 @@ pub struct Report {
     pub timeline: Vec<Sample>,
     /// NUMA node of each rail.
     pub nic_numa: Vec<i32>,
+    /// What the lane machines did, for a lanes scenario.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lanes: Option<LanesReport>,
 }
 
 impl Report {
     /// The human table.
     pub fn table(&self) -> String {
         let mut out = String::new();
+        if let Some(lanes) = &self.lanes {
+            let _ = writeln!(
+                out,
+                "{} (lanes): {} ms simulated, {:.0} ms wall",
+                self.name, self.simulated_ms, self.wall_ms
+            );
+            lanes.table(&mut out);
+            return out;
+        }
         let _ = writeln!(
             out,
             "{} ({} mode): {:.3} GB/s = {:.3} x line rate {:.3} GB/s over {} ms simulated ({} slices, {:.0} ms wall)",
@@ -255,7 +544,62 @@ pub fn register_font() -> Result<(), String> {
     .clone()
 }
 
-/// Draws throughput per rail over time, one panel per report, into a PNG at `path`. Fails with
+/// Draws a lanes report's counters per window: requests, denials and switches.
+fn plot_lanes<DB: plotters::prelude::DrawingBackend>(
+    name: &str,
+    lanes: &LanesReport,
+    area: &plotters::prelude::DrawingArea<DB, plotters::coord::Shift>,
+) -> Result<(), String> {
+    use plotters::prelude::*;
+    let t = &lanes.timeline;
+    let max_t = t.last().map_or(1, |s| s.t_ms) as f64;
+    type Counter = fn(&LanesSample) -> u64;
+    let series: [(&str, Counter); 3] = [
+        ("requests", |s| s.requests),
+        ("denials", |s| s.denials),
+        ("switches", |s| s.switches),
+    ];
+    let max_y = t
+        .iter()
+        .flat_map(|s| series.iter().map(move |(_, f)| f(s)))
+        .max()
+        .unwrap_or(0)
+        .max(1) as f64
+        * 1.1;
+    let mut chart = ChartBuilder::on(area)
+        .caption(name, ("sans-serif", 18))
+        .margin(10)
+        .x_label_area_size(30)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0f64..max_t, 0f64..max_y)
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        .x_desc("simulated ms")
+        .y_desc("per window, all processes")
+        .draw()
+        .map_err(|e| e.to_string())?;
+    for (i, (label, f)) in series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(LineSeries::new(
+                t.iter().map(|s| (s.t_ms as f64, f(s) as f64)),
+                color,
+            ))
+            .map_err(|e| e.to_string())?
+            .label(*label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], color));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| e.to_string())
+}
+
+/// Draws throughput per rail over time (for a lanes report: requests, denials and switches per
+/// window), one panel per report, into a PNG at `path`. Fails with
 /// the drawing backend's message, or when no font is found.
 pub fn plot(reports: &[Report], path: &std::path::Path) -> Result<(), String> {
     use plotters::prelude::*;
@@ -265,6 +609,10 @@ pub fn plot(reports: &[Report], path: &std::path::Path) -> Result<(), String> {
     root.fill(&WHITE).map_err(|e| e.to_string())?;
     let panels = root.split_evenly((reports.len().max(1), 1));
     for (report, area) in reports.iter().zip(panels.iter()) {
+        if let Some(lanes) = &report.lanes {
+            plot_lanes(&report.name, lanes, area)?;
+            continue;
+        }
         let max_t = report.timeline.last().map_or(1, |s| s.t_ms) as f64;
         let max_y = report
             .timeline

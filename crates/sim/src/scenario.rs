@@ -1,5 +1,6 @@
 //! Scenario files: the modelled host (rails), the policy settings, the workloads, the link
-//! events, and the runs to compare.
+//! events, and the runs to compare; or, for a lanes scenario ([`LanesScenario`], key `lanes`),
+//! the processes, their traffic and the usage-tracker and lane-negotiation settings.
 //!
 //! A file is one JSON document. `runs` lists variants of it: each run is a partial scenario
 //! deep-merged into the base (so `{"name": "round-robin", "policy": {"enable_smart_scheduling":
@@ -14,11 +15,13 @@ use multirail_policy::dispatch::{
     DEFAULT_MIN_BULK_CHUNK,
 };
 use multirail_policy::health::HealthConfig;
+use multirail_policy::lanes::{LanesConfig, LanesError};
 use multirail_policy::qos::{Priority, PromotionConfig};
 use multirail_policy::selector::SelectorConfig;
 use multirail_policy::slicing::{
     SlicePlan, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_SLICES, DEFAULT_MAX_SLICES_WRITE,
 };
+use multirail_policy::usage::UsageConfig;
 
 /// A scenario error: the key (dotted path) and what is wrong with it.
 #[derive(Debug, Clone, PartialEq)]
@@ -65,16 +68,23 @@ pub struct Run {
     /// Seed of the selector's jitter and of Poisson arrivals.
     #[serde(default = "default_seed")]
     pub seed: u64,
-    /// The initiator's NICs; the target reaches each (one path per rail).
+    /// The initiator's NICs; the target reaches each (one path per rail). Required unless the
+    /// scenario is a lanes scenario, which has none.
+    #[serde(default)]
     pub rails: Vec<Rail>,
     /// Policy settings.
     #[serde(default)]
     pub policy: Policy,
-    /// Who submits what.
+    /// Who submits what. Required unless the scenario is a lanes scenario, which has none.
+    #[serde(default)]
     pub workloads: Vec<Workload>,
     /// Link changes during the run.
     #[serde(default)]
     pub events: Vec<LinkEvent>,
+    /// A lanes scenario instead of rails and workloads: processes negotiating dedicated
+    /// lanes ([`LanesScenario`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lanes: Option<LanesScenario>,
     /// Variants to run (only in the file's base document).
     #[serde(default, skip_serializing)]
     pub runs: Vec<Value>,
@@ -390,6 +400,353 @@ pub struct LinkEvent {
     pub gbps: f64,
 }
 
+/// What the processes of a lanes scenario send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LanesWorkload {
+    /// UCX's improved osu_mbw_mr: `hot` processes send continuously to a receiver (at
+    /// `hot_rate_per_sec`), every other sender one message every `cold_interval_ms`; the
+    /// receiver answers every `reply_every`-th message of each sender, as osu_mbw_mr answers
+    /// each window. Processes `0..receivers` receive, the next `hot` are the hot senders, the
+    /// rest the cold ones; sender `i` (counted from the first hot one) sends to receiver
+    /// `i % receivers`.
+    MbwMr,
+    /// osu_alltoall: every process sends `rate_per_sec` messages a second, spread evenly over
+    /// every other process.
+    Alltoall,
+}
+
+/// In what order an alltoall process sends to its peers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SendOrder {
+    /// One message to each peer in turn, `i + 1`, `i + 2`, ... (osu_alltoall's pairwise
+    /// exchange), every process starting at the same step.
+    RoundRobin,
+    /// Each message to a peer drawn at random: the same shares with sampling noise on top.
+    Random,
+}
+
+/// Which view of a pair's score a process keeps for the peers it did not ask for itself (it
+/// accepted their request), the view that decides whom it evicts when a stronger request comes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReceiverView {
+    /// The score the requester sent (what `Lanes` keeps when nobody feeds it another). Its own
+    /// tracker's scores are fed (`on_score`) only for the peers the tracker has promoted.
+    Request,
+    /// Its own tracker's score, fed with `on_score` at every progress for every dedicated peer
+    /// (0 for a peer the tracker does not track).
+    Own,
+    /// UCX's way: a request's score floors the receiver's tracker score for the requester
+    /// (`set_min_score`), so the receiver's tracker may promote it too; the floored score is
+    /// fed with `on_score` at every progress for every dedicated peer it tracks.
+    MinScore,
+}
+
+/// A lanes scenario: `peers` processes, each driving its own `UsageTracker` (sampled on its
+/// send path: `should_sample`, then `on_sample`, which runs `progress` as the tracker's
+/// settings say) and its own `Lanes` machine, exchanging lane messages with a modelled one-way
+/// latency. Defaults are the policy crate's, except `usage.switch_interval_us` (the policy's
+/// default is off).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LanesScenario {
+    /// Processes (at least 2).
+    pub peers: usize,
+    /// `mbw_mr` or `alltoall`.
+    pub workload: LanesWorkload,
+    /// mbw_mr: hot senders.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hot: Option<usize>,
+    /// mbw_mr: receivers (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub receivers: Option<usize>,
+    /// mbw_mr: messages a second of each hot sender (default 1,000,000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hot_rate_per_sec: Option<f64>,
+    /// mbw_mr: gap between two messages of a cold sender, ms (default 100).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cold_interval_ms: Option<f64>,
+    /// mbw_mr: the receiver answers every this-many-th message of a sender (default 64,
+    /// osu_mbw_mr's window); 0: it sends nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reply_every: Option<u64>,
+    /// alltoall: messages a second of each process, over all its peers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_per_sec: Option<f64>,
+    /// alltoall: `round_robin` (default) or `random`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub order: Option<SendOrder>,
+    /// Bytes of an application message (default 128); counts the payload rate only.
+    #[serde(default = "default_message_size")]
+    pub message_size: u64,
+    /// One-way latency of a lane message, microseconds (default 2).
+    #[serde(default = "default_latency_us")]
+    pub latency_us: f64,
+    /// Each lane message's latency is `latency_us` plus or minus up to this, uniformly,
+    /// microseconds (default 0.5); messages of a pair still arrive in the order sent.
+    #[serde(default = "default_jitter_us")]
+    pub jitter_us: f64,
+    /// Sends are simulated in batches, one per process per tick of this many microseconds
+    /// (default 1000); each send of a batch still goes through `should_sample`.
+    #[serde(default = "default_tick_us")]
+    pub tick_us: u64,
+    /// Whose score a process keeps for peers it accepted (default `request`).
+    #[serde(default = "default_receiver_view")]
+    pub receiver_view: ReceiverView,
+    /// `LanesConfig::max_dedicated`.
+    #[serde(default = "default_max_dedicated")]
+    pub max_dedicated: usize,
+    /// `LanesConfig::remove_thresh`.
+    #[serde(default = "default_lanes_remove_thresh")]
+    pub remove_thresh: f64,
+    /// `LanesConfig::deny_backoff_ns`, in ms.
+    #[serde(default = "default_deny_backoff_ms")]
+    pub deny_backoff_ms: u64,
+    /// `LanesConfig::request_timeout_ns`, in ms.
+    #[serde(default = "default_request_timeout_ms")]
+    pub request_timeout_ms: u64,
+    /// The usage tracker's settings.
+    #[serde(default)]
+    pub usage: UsageKeys,
+}
+
+fn default_message_size() -> u64 {
+    128
+}
+
+fn default_jitter_us() -> f64 {
+    0.5
+}
+
+fn default_tick_us() -> u64 {
+    1000
+}
+
+fn default_receiver_view() -> ReceiverView {
+    ReceiverView::Request
+}
+
+fn default_max_dedicated() -> usize {
+    LanesConfig::default().max_dedicated
+}
+
+fn default_lanes_remove_thresh() -> f64 {
+    LanesConfig::default().remove_thresh
+}
+
+fn default_deny_backoff_ms() -> u64 {
+    LanesConfig::default().deny_backoff_ns / 1_000_000
+}
+
+fn default_request_timeout_ms() -> u64 {
+    LanesConfig::default().request_timeout_ns / 1_000_000
+}
+
+/// The usage tracker's settings (`UsageConfig`), by its field names.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct UsageKeys {
+    /// `UsageConfig::promote_capacity`.
+    pub promote_capacity: usize,
+    /// `UsageConfig::promote_thresh`.
+    pub promote_thresh: usize,
+    /// `UsageConfig::remove_thresh`.
+    pub remove_thresh: f64,
+    /// `UsageConfig::decay_multiplier`.
+    pub decay_multiplier: f64,
+    /// `UsageConfig::decay_adder`.
+    pub decay_adder: f64,
+    /// `UsageConfig::switch_interval_ns`, in µs (default 10,000: with the default
+    /// `progress_factor` a busy process progresses every 100 ms; the policy's default is off).
+    pub switch_interval_us: u64,
+    /// `UsageConfig::progress_factor`.
+    pub progress_factor: u32,
+    /// `UsageConfig::sample_period`.
+    pub sample_period: u32,
+}
+
+impl Default for UsageKeys {
+    fn default() -> Self {
+        let c = UsageConfig::default();
+        UsageKeys {
+            promote_capacity: c.promote_capacity,
+            promote_thresh: c.promote_thresh,
+            remove_thresh: c.remove_thresh,
+            decay_multiplier: c.decay_multiplier,
+            decay_adder: c.decay_adder,
+            switch_interval_us: 10_000,
+            progress_factor: c.progress_factor,
+            sample_period: c.sample_period,
+        }
+    }
+}
+
+/// Most processes a lanes scenario may model.
+pub const MAX_LANES_PEERS: usize = 100_000;
+
+impl LanesScenario {
+    /// The usage tracker's settings.
+    pub fn usage_config(&self) -> UsageConfig {
+        let u = &self.usage;
+        UsageConfig {
+            promote_capacity: u.promote_capacity,
+            promote_thresh: u.promote_thresh,
+            remove_thresh: u.remove_thresh,
+            decay_multiplier: u.decay_multiplier,
+            decay_adder: u.decay_adder,
+            switch_interval_ns: Some(u.switch_interval_us.saturating_mul(1000)),
+            progress_factor: u.progress_factor,
+            sample_period: u.sample_period,
+        }
+    }
+
+    /// The lane negotiation settings.
+    pub fn lanes_config(&self) -> LanesConfig {
+        LanesConfig {
+            max_dedicated: self.max_dedicated,
+            remove_thresh: self.remove_thresh,
+            deny_backoff_ns: self.deny_backoff_ms.saturating_mul(1_000_000),
+            request_timeout_ns: self.request_timeout_ms.saturating_mul(1_000_000),
+        }
+    }
+
+    /// mbw_mr: receivers.
+    pub fn receivers(&self) -> usize {
+        self.receivers.unwrap_or(1)
+    }
+
+    /// mbw_mr: hot senders.
+    pub fn hot(&self) -> usize {
+        self.hot.unwrap_or(0)
+    }
+
+    /// mbw_mr: messages a second of a hot sender.
+    pub fn hot_rate(&self) -> f64 {
+        self.hot_rate_per_sec.unwrap_or(1e6)
+    }
+
+    /// mbw_mr: messages a second of a cold sender.
+    pub fn cold_rate(&self) -> f64 {
+        1000.0 / self.cold_interval_ms.unwrap_or(100.0)
+    }
+
+    /// mbw_mr: the receiver answers every this-many-th message.
+    pub fn reply_every(&self) -> u64 {
+        self.reply_every.unwrap_or(64)
+    }
+
+    /// Checks the keys; the error names the key relative to `lanes`.
+    fn validate(&self) -> Result<(), ScenarioError> {
+        if !(2..=MAX_LANES_PEERS).contains(&self.peers) {
+            return Err(bad(
+                "peers",
+                format!("must be within [2, {MAX_LANES_PEERS}], got {}", self.peers),
+            ));
+        }
+        let only = |key: &str, set: bool, workload: &str| {
+            if set {
+                Err(bad(
+                    key,
+                    format!("only for the {workload} workload: leave it out"),
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        match self.workload {
+            LanesWorkload::MbwMr => {
+                only("rate_per_sec", self.rate_per_sec.is_some(), "alltoall")?;
+                only("order", self.order.is_some(), "alltoall")?;
+                let Some(hot) = self.hot else {
+                    return Err(bad("hot", "the mbw_mr workload needs it"));
+                };
+                let receivers = self.receivers();
+                if receivers == 0 {
+                    return Err(bad("receivers", "must be at least 1"));
+                }
+                if receivers + hot > self.peers {
+                    return Err(bad(
+                        "hot",
+                        format!(
+                            "{hot} hot senders and {receivers} receivers do not fit in {} peers",
+                            self.peers
+                        ),
+                    ));
+                }
+                if receivers == self.peers {
+                    return Err(bad("receivers", "leaves no sender"));
+                }
+                if !positive(self.hot_rate()) {
+                    return Err(bad("hot_rate_per_sec", "must be > 0"));
+                }
+                if !self.cold_interval_ms.is_none_or(positive) {
+                    return Err(bad("cold_interval_ms", "must be > 0"));
+                }
+            }
+            LanesWorkload::Alltoall => {
+                only("hot", self.hot.is_some(), "mbw_mr")?;
+                only("receivers", self.receivers.is_some(), "mbw_mr")?;
+                only(
+                    "hot_rate_per_sec",
+                    self.hot_rate_per_sec.is_some(),
+                    "mbw_mr",
+                )?;
+                only(
+                    "cold_interval_ms",
+                    self.cold_interval_ms.is_some(),
+                    "mbw_mr",
+                )?;
+                only("reply_every", self.reply_every.is_some(), "mbw_mr")?;
+                match self.rate_per_sec {
+                    None => return Err(bad("rate_per_sec", "the alltoall workload needs it")),
+                    Some(r) if !positive(r) => {
+                        return Err(bad("rate_per_sec", format!("must be > 0, got {r}")))
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+        if self.message_size == 0 {
+            return Err(bad("message_size", "must be at least 1"));
+        }
+        if !(self.latency_us >= 0.0 && self.latency_us.is_finite()) {
+            return Err(bad("latency_us", "must be >= 0"));
+        }
+        if !(self.jitter_us >= 0.0 && self.jitter_us <= self.latency_us) {
+            return Err(bad(
+                "jitter_us",
+                format!(
+                    "must be within [0, latency_us = {}], got {}",
+                    self.latency_us, self.jitter_us
+                ),
+            ));
+        }
+        if self.tick_us == 0 {
+            return Err(bad("tick_us", "must be at least 1"));
+        }
+        self.lanes_config().validate().map_err(|e| match e {
+            LanesError::Config { field, message } => {
+                let key = match field {
+                    "deny_backoff_ns" => "deny_backoff_ms",
+                    "request_timeout_ns" => "request_timeout_ms",
+                    f => f,
+                };
+                bad(key, message)
+            }
+            other => bad("", other.to_string()),
+        })?;
+        if self.usage.switch_interval_us == 0 {
+            return Err(bad("usage.switch_interval_us", "must be at least 1"));
+        }
+        self.usage_config()
+            .validate()
+            .map_err(|e| bad(format!("usage.{}", e.key), e.message))?;
+        Ok(())
+    }
+}
+
 impl Run {
     fn validate(&self) -> Result<(), ScenarioError> {
         if self.duration_ms == 0 {
@@ -397,6 +754,27 @@ impl Run {
         }
         if self.sample_ms == 0 {
             return Err(bad("sample_ms", "must be at least 1"));
+        }
+        if let Some(lanes) = &self.lanes {
+            let not_here = |key: &str| {
+                bad(
+                    key,
+                    "a lanes scenario models processes, not rails: leave this key out",
+                )
+            };
+            if !self.rails.is_empty() {
+                return Err(not_here("rails"));
+            }
+            if !self.workloads.is_empty() {
+                return Err(not_here("workloads"));
+            }
+            if !self.events.is_empty() {
+                return Err(not_here("events"));
+            }
+            return lanes.validate().map_err(|e| ScenarioError {
+                key: format!("lanes.{}", e.key),
+                ..e
+            });
         }
         if self.rails.is_empty() {
             return Err(bad("rails", "needs at least one rail"));
@@ -510,6 +888,12 @@ fn merge(base: &mut Value, patch: &Value) {
 }
 
 fn parse(doc: Value, prefix: &str) -> Result<Run, ScenarioError> {
+    if doc.get("lanes").is_some_and(|l| !l.is_null()) && doc.get("policy").is_some() {
+        return Err(bad(
+            format!("{prefix}policy"),
+            "a lanes scenario takes its settings under lanes: leave this key out",
+        ));
+    }
     let run: Run = serde_path_to_error::deserialize(doc).map_err(|e| {
         let path = e.path().to_string();
         let key = if path == "." { String::new() } else { path };
@@ -595,5 +979,150 @@ mod tests {
             "runs[0].policy.window_controller"
         );
         assert_eq!(parse_runs("{").unwrap_err().key, "");
+    }
+
+    const LANES: &str = r#"{"name": "l", "duration_ms": 100,
+        "lanes": {"peers": 20, "workload": "mbw_mr", "hot": 3, "max_dedicated": 4}}"#;
+
+    const ALLTOALL: &str = r#"{"name": "a", "duration_ms": 100,
+        "lanes": {"peers": 20, "workload": "alltoall", "rate_per_sec": 4000}}"#;
+
+    #[test]
+    fn a_lanes_scenario_parses_with_the_policy_defaults() {
+        let runs = parse_runs(LANES).unwrap();
+        let l = runs[0].lanes.as_ref().unwrap();
+        assert_eq!(l.workload, LanesWorkload::MbwMr);
+        assert!(runs[0].rails.is_empty() && runs[0].workloads.is_empty());
+        let lanes = l.lanes_config();
+        assert_eq!(lanes.max_dedicated, 4);
+        assert_eq!(lanes.remove_thresh, LanesConfig::default().remove_thresh);
+        assert_eq!(
+            lanes.deny_backoff_ns,
+            LanesConfig::default().deny_backoff_ns
+        );
+        let usage = l.usage_config();
+        let ucx = UsageConfig::default();
+        assert_eq!(
+            (
+                usage.promote_capacity,
+                usage.promote_thresh,
+                usage.sample_period
+            ),
+            (ucx.promote_capacity, ucx.promote_thresh, ucx.sample_period)
+        );
+        assert_eq!(usage.switch_interval_ns, Some(10_000_000));
+        assert_eq!((l.receivers(), l.hot(), l.reply_every()), (1, 3, 64));
+        assert_eq!(l.receiver_view, ReceiverView::Request);
+        let a = parse_runs(ALLTOALL).unwrap();
+        assert_eq!(
+            a[0].lanes.as_ref().unwrap().workload,
+            LanesWorkload::Alltoall
+        );
+    }
+
+    #[test]
+    fn bad_lanes_keys_are_named() {
+        let key = |doc: &str| parse_runs(doc).unwrap_err().key;
+        let with =
+            |doc: &str, extra: &str| doc.replacen("\"peers\"", &format!("{extra}, \"peers\""), 1);
+        // Unknown keys, at both levels.
+        let e = parse_runs(&with(LANES, r#""hott": 3"#)).unwrap_err();
+        assert!(
+            e.key.starts_with("lanes") && e.message.contains("hott"),
+            "{e}"
+        );
+        assert_eq!(
+            key(&with(LANES, r#""usage": {"decay": 0.5}"#)),
+            "lanes.usage.decay"
+        );
+        assert_eq!(key(&LANES.replace("mbw_mr", "mbw")), "lanes.workload");
+        assert_eq!(
+            key(&with(LANES, r#""receiver_view": "theirs""#)),
+            "lanes.receiver_view"
+        );
+        // Values out of range.
+        assert_eq!(
+            key(&LANES.replace("\"peers\": 20", "\"peers\": 1")),
+            "lanes.peers"
+        );
+        assert_eq!(
+            key(&LANES.replace("\"hot\": 3", "\"hot\": 20")),
+            "lanes.hot"
+        );
+        assert_eq!(key(&LANES.replace(", \"hot\": 3", "")), "lanes.hot");
+        assert_eq!(key(&with(LANES, r#""receivers": 0"#)), "lanes.receivers");
+        assert_eq!(
+            key(&with(LANES, r#""hot_rate_per_sec": 0"#)),
+            "lanes.hot_rate_per_sec"
+        );
+        assert_eq!(
+            key(&with(LANES, r#""cold_interval_ms": -1"#)),
+            "lanes.cold_interval_ms"
+        );
+        assert_eq!(key(&with(LANES, r#""jitter_us": 3"#)), "lanes.jitter_us");
+        assert_eq!(key(&with(LANES, r#""tick_us": 0"#)), "lanes.tick_us");
+        assert_eq!(
+            key(&with(LANES, r#""message_size": 0"#)),
+            "lanes.message_size"
+        );
+        assert_eq!(
+            key(&LANES.replace("\"max_dedicated\": 4", "\"max_dedicated\": 100000")),
+            "lanes.max_dedicated"
+        );
+        assert_eq!(
+            key(&with(LANES, r#""remove_thresh": -1"#)),
+            "lanes.remove_thresh"
+        );
+        assert_eq!(
+            key(&with(LANES, r#""deny_backoff_ms": 0"#)),
+            "lanes.deny_backoff_ms"
+        );
+        assert_eq!(
+            key(&with(LANES, r#""request_timeout_ms": 0"#)),
+            "lanes.request_timeout_ms"
+        );
+        assert_eq!(
+            key(&with(LANES, r#""usage": {"promote_thresh": 30}"#)),
+            "lanes.usage.promote_thresh"
+        );
+        assert_eq!(
+            key(&with(LANES, r#""usage": {"decay_adder": 2}"#)),
+            "lanes.usage.decay_adder"
+        );
+        assert_eq!(
+            key(&with(LANES, r#""usage": {"switch_interval_us": 0}"#)),
+            "lanes.usage.switch_interval_us"
+        );
+        // Keys of the other workload.
+        assert_eq!(
+            key(&with(LANES, r#""rate_per_sec": 5"#)),
+            "lanes.rate_per_sec"
+        );
+        assert_eq!(key(&with(LANES, r#""order": "random""#)), "lanes.order");
+        assert_eq!(key(&with(ALLTOALL, r#""hot": 2"#)), "lanes.hot");
+        assert_eq!(
+            key(&with(ALLTOALL, r#""reply_every": 2"#)),
+            "lanes.reply_every"
+        );
+        assert_eq!(
+            key(&ALLTOALL.replace(", \"rate_per_sec\": 4000", "")),
+            "lanes.rate_per_sec"
+        );
+        assert_eq!(key(&ALLTOALL.replace("4000", "0")), "lanes.rate_per_sec");
+        // Keys of a rails scenario.
+        let rails = LANES.replace(
+            "\"lanes\"",
+            r#""rails": [{"name": "r0", "gbps": 100}], "lanes""#,
+        );
+        assert_eq!(key(&rails), "rails");
+        let policy = LANES.replace("\"lanes\"", r#""policy": {}, "lanes""#);
+        assert_eq!(key(&policy), "policy");
+        // In a run.
+        let doc = LANES.strip_suffix('}').unwrap().to_owned()
+            + r#", "runs": [{"name": "x", "lanes": {"peers": 0}}]}"#;
+        assert_eq!(key(&doc), "runs[0].lanes.peers");
+        // Without lanes, rails and workloads are required as before.
+        let e = parse_runs(r#"{"name": "x", "duration_ms": 10}"#).unwrap_err();
+        assert_eq!(e.key, "rails");
     }
 }

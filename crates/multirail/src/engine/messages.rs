@@ -1,7 +1,7 @@
 //! The engine API of two-sided messages and notifications (the machinery is `crate::messaging`).
 
 use super::*;
-use crate::messaging::{Message, Notification, Peers};
+use crate::messaging::{Lane, Message, Notification, Peers};
 use crate::transport::wire::MsgKind;
 
 /// Two-sided messages and notifications.
@@ -30,6 +30,28 @@ impl Engine {
     /// Notifications received since the last call, in arrival order (per peer: send order).
     pub fn receive_notifications(&self) -> Vec<Notification> {
         self.messaging().notifications()
+    }
+
+    /// Moves the messages this engine sends to `segment` onto `lane`. A dedicated lane has
+    /// receive buffers of its own at the peer (on rdma, a queue pair with its own receive
+    /// queue); the shared lane takes the peer's configured receive path (on rdma, the shared
+    /// receive queue). A fence closes the old lane: the peer delivers everything sent before
+    /// the switch first, so order holds and nothing is lost or repeated. Fails when `segment`
+    /// is not open or the new lane cannot be connected (the next send then tries again).
+    pub fn switch_lane(&self, segment: SegmentId, lane: Lane) -> Result<()> {
+        self.messaging().switch_lane(self, segment, lane)
+    }
+
+    /// The lane messages to `segment` take (shared until switched). Fails when `segment` is
+    /// not open.
+    pub fn lane(&self, segment: SegmentId) -> Result<Lane> {
+        let peer = Engine::peer(self, segment)?;
+        Ok(self.messaging().lane(peer.id))
+    }
+
+    /// For each peer sending messages to this engine, by segment name, the lane it uses.
+    pub fn incoming_lanes(&self) -> Vec<(String, Lane)> {
+        self.messaging().incoming_lanes()
     }
 
     /// Submits `requests` like [`Engine::submit`] and, once every one of them completed (its
@@ -74,9 +96,5 @@ impl Peers for Engine {
 
     fn peer(&self, segment: SegmentId) -> Result<Arc<Peer>> {
         Engine::peer(self, segment)
-    }
-
-    fn target_buffer(&self, peer: &Peer, addr: u64, len: u64) -> Result<segment::BufferDescriptor> {
-        Engine::target_buffer(self, peer, addr, len)
     }
 }

@@ -30,6 +30,14 @@ pub(super) struct InConn {
     pub(super) stream: TcpStream,
     pub(super) io: InIo,
     pub(super) dead: bool,
+    /// The sender's lane this connection is, and its place among the sender's connections.
+    pub(super) lane: Lane,
+    pub(super) epoch: u32,
+    /// The sender sent this lane's fence: nothing more comes on it.
+    pub(super) fenced: bool,
+    /// An earlier lane of the same sender is still open: what arrives here waits in
+    /// `Delivered::held` until that lane's fence (or end).
+    pub(super) held_back: bool,
     /// Counts the connection against the port's `max_connections` until it is dropped.
     pub(super) _permit: ConnPermit,
 }
@@ -41,12 +49,65 @@ pub(super) struct Ready {
     pub(super) len: usize,
 }
 
+/// What arrived: messages and notifications to hand out, and what waits for an earlier lane.
+#[derive(Default)]
+pub(super) struct Delivered {
+    pub(super) ready: VecDeque<Ready>,
+    pub(super) notifications: VecDeque<Notification>,
+    /// Arrived on a lane whose predecessor has not ended yet, in arrival order.
+    pub(super) held: VecDeque<Held>,
+}
+
+/// A message or notification held back, with the connection it came on.
+pub(super) struct Held {
+    conn: ConnId,
+    item: HeldItem,
+}
+
+enum HeldItem {
+    Message(Ready),
+    Notification(Notification),
+}
+
+impl Delivered {
+    fn count(&self) -> usize {
+        self.ready.len() + self.notifications.len() + self.held.len()
+    }
+
+    /// Hands out what connection `conn` had held back, in arrival order.
+    fn release(&mut self, conn: ConnId) {
+        let mut kept = VecDeque::with_capacity(self.held.len());
+        for h in self.held.drain(..) {
+            if h.conn != conn {
+                kept.push_back(h);
+                continue;
+            }
+            match h.item {
+                HeldItem::Message(r) => self.ready.push_back(r),
+                HeldItem::Notification(n) => self.notifications.push_back(n),
+            }
+        }
+        self.held = kept;
+    }
+
+    fn uses_pool(&self, key: u64) -> bool {
+        self.ready.iter().any(|r| r.pool == key)
+            || self
+                .held
+                .iter()
+                .any(|h| matches!(&h.item, HeldItem::Message(r) if r.pool == key))
+    }
+}
+
 #[derive(Default)]
 pub(super) struct Rx {
     pub(super) conns: Vec<InConn>,
     pub(super) pools: Pools,
-    pub(super) ready: VecDeque<Ready>,
-    pub(super) notifications: VecDeque<Notification>,
+    pub(super) delivered: Delivered,
+    /// A connection was fenced, ended or added since the lanes were last settled.
+    pub(super) lanes_dirty: bool,
+    /// Pools of connections that are gone, kept until their last message is consumed.
+    pub(super) orphans: Vec<u64>,
     /// Consumed buffers to return after the next reply (`return_order: after_reply`).
     pub(super) after_reply: Vec<(u64, BufferId)>,
     /// Pools that took in messages during a poll (kept to avoid allocating per poll).
@@ -72,24 +133,24 @@ impl Messaging {
             return Err("incomplete message opening".into());
         }
         let mode = opening[0];
+        let name_end = 3 + u16::from_le_bytes([opening[1], opening[2]]) as usize;
+        let from: Arc<str> = String::from_utf8(opening[3..name_end].to_vec())
+            .map_err(|_| "sender name is not UTF-8".to_string())?
+            .into();
+        let lane = parse_lane(&opening[name_end..])?;
         let shm = match mode {
             MODE_TCP => false,
             MODE_SHM => true,
             MODE_RDMA => {
-                let name_end = opening.len() - ENDPOINT_LEN;
-                let from: Arc<str> = String::from_utf8(opening[3..name_end].to_vec())
-                    .map_err(|_| "sender name is not UTF-8".to_string())?
-                    .into();
-                return self.accept_rdma(stream, from, &opening[name_end..], permit);
+                let endpoint = &opening[name_end + LANE_LEN..];
+                return self.accept_rdma(stream, from, lane, endpoint, permit);
             }
             m => return Err(format!("unknown message mode {m}")),
         };
-        let from: Arc<str> = String::from_utf8(opening[3..].to_vec())
-            .map_err(|_| "sender name is not UTF-8".to_string())?
-            .into();
         let settings = if shm { self.shm } else { self.tcp };
         let id = ConnId(self.next_conn.fetch_add(1, Ordering::Relaxed));
-        let key = match (settings.shared_receive_queue, shm) {
+        // A dedicated lane has buffers of its own; a shared one takes the configured path.
+        let key = match (settings.shared_receive_queue && lane.0 == Lane::Shared, shm) {
             (true, false) => SHARED_TCP,
             (true, true) => SHARED_SHM,
             (false, _) => id.0,
@@ -158,6 +219,23 @@ impl Messaging {
                     reply.extend_from_slice(&c.addr().to_le_bytes());
                 }
                 reply.extend_from_slice(&(settings.chunk_bytes() as u64).to_le_bytes());
+                // How to map them, from the memory itself: a descriptor the sender cached may
+                // name a buffer freed since, whose address (and descriptor number) was reused.
+                let handles: Option<Vec<_>> = std::iter::once(&ring_buf)
+                    .chain(pool.chunks.iter())
+                    .map(Buffer::shm_handle)
+                    .collect();
+                let Some(handles) = handles else {
+                    drop(rx);
+                    return Err(refuse(
+                        stream,
+                        "receive buffers are not in shared memory".into(),
+                    ));
+                };
+                reply.extend_from_slice(&handles[0].pid.to_le_bytes());
+                for h in &handles {
+                    reply.extend_from_slice(&(h.fd as u32).to_le_bytes());
+                }
                 InIo::Shm {
                     // SAFETY: a fresh zeroed mapping of `Ring::bytes(depth)` bytes, kept alive
                     // by `ring_buf` beside it.
@@ -169,13 +247,17 @@ impl Messaging {
         stream
             .write_all(&reply)
             .map_err(|e| format!("answering message opening: {e}"))?;
-        rx.conns.push(InConn {
+        rx.add_conn(InConn {
             id,
             from,
             pool: key,
             stream,
             io,
             dead: false,
+            lane: lane.0,
+            epoch: lane.1,
+            fenced: false,
+            held_back: false,
             _permit: permit,
         });
         let Rx { conns, pools, .. } = &mut *rx;
@@ -191,6 +273,7 @@ impl Messaging {
         &self,
         stream: TcpStream,
         from: Arc<str>,
+        lane: (Lane, u32),
         endpoint: &[u8],
         permit: ConnPermit,
     ) -> std::result::Result<(), String> {
@@ -205,7 +288,9 @@ impl Messaging {
         let port = remote.rail as usize;
         let settings = self.rdma;
         let id = ConnId(self.next_conn.fetch_add(1, Ordering::Relaxed));
-        let made = if settings.shared_receive_queue {
+        // A dedicated lane has a receive queue of its own; a shared one takes the port's
+        // shared receive queue unless the configuration says otherwise.
+        let made = if settings.shared_receive_queue && lane.0 == Lane::Shared {
             self.shared_rdma_pool(&verbs, port).and_then(|srq| {
                 let (qp, cq) =
                     verbs.receiving_qp(&remote, Some(&srq), 0, settings.max_sge as u32)?;
@@ -265,7 +350,7 @@ impl Messaging {
         if rx.wcs.is_empty() {
             rx.wcs = vec![WorkCompletion::default(); 32];
         }
-        rx.conns.push(InConn {
+        rx.add_conn(InConn {
             id,
             from,
             pool: key,
@@ -275,6 +360,10 @@ impl Messaging {
                 port,
             },
             dead: false,
+            lane: lane.0,
+            epoch: lane.1,
+            fenced: false,
+            held_back: false,
             _permit: permit,
         });
         let Rx { conns, pools, .. } = &mut *rx;
@@ -375,24 +464,27 @@ impl Messaging {
         let Rx {
             conns,
             pools,
-            ready,
-            notifications,
+            delivered,
             touched,
             liveness_due,
             rdma_cqs,
             wcs,
+            lanes_dirty,
             ..
         } = rx;
         let liveness = std::mem::take(liveness_due);
         touched.clear();
         for c in conns.iter_mut().filter(|c| !c.dead) {
             let pool = pools.get_mut(&c.pool).expect("connection's pool");
-            let before = ready.len() + notifications.len();
-            if let Err(reason) = receive(c, pool, ready, notifications, liveness) {
+            let before = delivered.count();
+            if let Err(reason) = receive(c, pool, delivered, liveness) {
                 tracing::warn!(peer = %c.from, %reason, "closed message connection");
                 c.dead = true;
             }
-            if c.dead || ready.len() + notifications.len() != before {
+            if c.dead || c.fenced {
+                *lanes_dirty = true;
+            }
+            if c.dead || delivered.count() != before {
                 touched.push(c.pool);
             }
         }
@@ -408,7 +500,9 @@ impl Messaging {
                     }
                 };
                 for wc in &wcs[..n] {
-                    take_in_rdma(*port, wc, conns, pools, ready, notifications, touched);
+                    if take_in_rdma(*port, wc, conns, pools, delivered, touched) {
+                        *lanes_dirty = true;
+                    }
                 }
                 if let (Ok(v), true) = (&self.verbs, n > 0) {
                     let landed = wcs[..n].iter().filter(|w| w.is_success()).count();
@@ -421,7 +515,10 @@ impl Messaging {
                 }
             }
         }
-        if conns.iter().any(|c| c.dead) {
+        if std::mem::take(&mut rx.lanes_dirty) {
+            rx.settle_lanes();
+        }
+        if rx.conns.iter().any(|c| c.dead && !c.held_back) {
             self.reap(rx);
         }
         let Rx {
@@ -440,7 +537,8 @@ impl Messaging {
     pub(super) fn reap(&self, rx: &mut Rx) {
         let mut i = 0;
         while i < rx.conns.len() {
-            if !rx.conns[i].dead {
+            // A lane held back keeps its connection until what it delivered is handed out.
+            if !rx.conns[i].dead || rx.conns[i].held_back {
                 i += 1;
                 continue;
             }
@@ -454,13 +552,25 @@ impl Messaging {
             if let Some(p) = rx.pools.get_mut(&key) {
                 p.queue.remove_connection(id);
             }
-            let in_use =
-                rx.ready.iter().any(|r| r.pool == key) || rx.after_reply.iter().any(|r| r.0 == key);
-            if per_connection(key) && !in_use {
-                if let Some(p) = rx.pools.remove(&key) {
-                    p.release(&self.registry);
-                }
+            if per_connection(key) {
+                self.release_if_unused(rx, key);
             }
+        }
+    }
+
+    /// Releases the pool of a connection that is gone once no message in it waits, else
+    /// keeps it as an orphan until then.
+    fn release_if_unused(&self, rx: &mut Rx, key: u64) {
+        let in_use = rx.delivered.uses_pool(key) || rx.after_reply.iter().any(|r| r.0 == key);
+        if in_use {
+            if !rx.orphans.contains(&key) {
+                rx.orphans.push(key);
+            }
+            return;
+        }
+        rx.orphans.retain(|k| *k != key);
+        if let Some(p) = rx.pools.remove(&key) {
+            p.release(&self.registry);
         }
     }
 
@@ -469,6 +579,10 @@ impl Messaging {
             if let Err(e) = p.consumed(buf) {
                 tracing::error!(error = %e, "receive accounting");
             }
+        }
+        if !rx.orphans.is_empty() && rx.orphans.contains(&pool) {
+            self.release_if_unused(rx, pool);
+            return;
         }
         let Rx { conns, pools, .. } = rx;
         grant(conns, pools, pool);
@@ -485,7 +599,7 @@ impl Messaging {
     }
 
     pub(super) fn take_ready(&self, rx: &mut Rx) -> Option<Message> {
-        let r = rx.ready.pop_front()?;
+        let r = rx.delivered.ready.pop_front()?;
         let pool = rx.pools.get(&r.pool).expect("pool of a ready message");
         // SAFETY: the buffer holds `len <= buffer_size` bytes of a message no sender may
         // overwrite until we post it again below.
@@ -537,11 +651,30 @@ impl Messaging {
         }
     }
 
+    /// The lane each sender's current connection to us is on, by sender name (its latest
+    /// lane while a switch is under way).
+    pub(crate) fn incoming_lanes(&self) -> Vec<(String, Lane)> {
+        let rx = self.rx.lock().expect("rx poisoned");
+        let mut latest: HashMap<&str, (u32, Lane)> = HashMap::new();
+        for c in rx.conns.iter().filter(|c| !c.dead) {
+            let e = latest.entry(&c.from).or_insert((c.epoch, c.lane));
+            if c.epoch >= e.0 {
+                *e = (c.epoch, c.lane);
+            }
+        }
+        let mut out: Vec<(String, Lane)> = latest
+            .into_iter()
+            .map(|(k, (_, l))| (k.to_owned(), l))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
     pub(crate) fn notifications(&self) -> Vec<Notification> {
         let mut rx = self.rx.lock().expect("rx poisoned");
         rx.liveness_due = true;
         self.poll(&mut rx);
-        rx.notifications.drain(..).collect()
+        rx.delivered.notifications.drain(..).collect()
     }
 }
 
@@ -551,7 +684,8 @@ pub(super) fn grant(conns: &mut [InConn], pools: &mut Pools, key: u64) {
         return;
     };
     while let Some(to) = pool.queue.poll_grant_into(pool.eager, &mut pool.granting) {
-        let Some(c) = conns.iter_mut().find(|c| c.id == to) else {
+        // A fenced lane takes no more credits: its sender is closing it.
+        let Some(c) = conns.iter_mut().find(|c| c.id == to && !c.fenced) else {
             continue;
         };
         match &mut c.io {
@@ -582,12 +716,25 @@ pub(super) fn grant(conns: &mut [InConn], pools: &mut Pools, key: u64) {
 pub(super) fn receive(
     c: &mut InConn,
     pool: &mut Pool,
-    ready: &mut VecDeque<Ready>,
-    notifications: &mut VecDeque<Notification>,
+    delivered: &mut Delivered,
     liveness: bool,
+) -> std::result::Result<(), String> {
+    let fenced = std::cell::Cell::new(c.fenced);
+    let taken = receive_io(c, pool, delivered, liveness, &fenced);
+    c.fenced = fenced.get();
+    taken
+}
+
+fn receive_io(
+    c: &mut InConn,
+    pool: &mut Pool,
+    delivered: &mut Delivered,
+    liveness: bool,
+    fenced: &std::cell::Cell<bool>,
 ) -> std::result::Result<(), String> {
     let max_len = pool.queue.settings().buffer_size as u32;
     let (id, key) = (c.id, c.pool);
+    let hold = c.held_back.then_some(id);
     let from = &c.from;
     let mut deliver = |pool: &mut Pool,
                        kind: MsgKind,
@@ -604,7 +751,11 @@ pub(super) fn receive(
             // until it is consumed.
             unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), pool.ptr(buf), len) };
         }
-        take_in(from, key, pool, kind, buf, len, ready, notifications)
+        if fenced.get() {
+            return Err("a message after the lane's fence".into());
+        }
+        fenced.set(take_in(from, key, pool, kind, buf, len, hold, delivered)?);
+        Ok(())
     };
     match &mut c.io {
         InIo::Tcp {
@@ -653,6 +804,7 @@ pub(super) fn receive(
                 let kind = match kind {
                     1 => MsgKind::Message,
                     2 => MsgKind::Notification,
+                    4 => MsgKind::Fence,
                     k => return Err(format!("unknown message kind {k}")),
                 };
                 if len > max_len as usize {
@@ -660,12 +812,25 @@ pub(super) fn receive(
                 }
                 deliver(pool, kind, Some(buf), inline, len)
             })?;
-            // Only while waiting: a syscall every so many polls would show up as a periodic
-            // pattern in the round trips (pingpong found one every ~4096 polls).
-            if liveness {
+            // Only while waiting (or after a fence): a syscall every so many polls would show
+            // up as a periodic pattern in the round trips (pingpong found one every ~4096).
+            if liveness || fenced.get() {
                 let mut b = [0u8; 1];
                 if let Ok(Some(0)) = sockio::recv_nonblocking(c.stream.as_raw_fd(), &mut b) {
-                    // Gone; whatever it wrote before closing was taken in above.
+                    // Gone. What it wrote before closing may have landed after the pass
+                    // above: take it in now, then the connection ends.
+                    ring.completions(|buf, len, kind, inline| {
+                        let kind = match kind {
+                            1 => MsgKind::Message,
+                            2 => MsgKind::Notification,
+                            4 => MsgKind::Fence,
+                            k => return Err(format!("unknown message kind {k}")),
+                        };
+                        if len > max_len as usize {
+                            return Err(format!("message of {len} bytes above {max_len}"));
+                        }
+                        deliver(pool, kind, Some(buf), inline, len)
+                    })?;
                     c.dead = true;
                 }
             }
@@ -688,7 +853,9 @@ pub(super) fn receive(
 }
 
 /// A message of `len` bytes is in buffer `buf` of `pool`: a notification is taken out and the
-/// buffer returned at once; a message waits for `recv`.
+/// buffer returned at once; a message waits for `recv`; both wait in `held` instead when the
+/// lane is held back (`hold` names its connection). A fence's buffer is returned at once;
+/// returns true for a fence.
 #[allow(clippy::too_many_arguments)]
 fn take_in(
     from: &Arc<str>,
@@ -697,25 +864,83 @@ fn take_in(
     kind: MsgKind,
     buf: BufferId,
     len: usize,
-    ready: &mut VecDeque<Ready>,
-    notifications: &mut VecDeque<Notification>,
-) -> std::result::Result<(), String> {
-    if kind == MsgKind::Notification {
-        // SAFETY: the buffer holds the message's `len` bytes until it is consumed below.
-        let bytes = unsafe { std::slice::from_raw_parts(pool.ptr(buf), len) };
-        notifications.push_back(Notification {
-            from: from.to_string(),
-            msg: String::from_utf8_lossy(bytes).into_owned(),
-        });
-        pool.consumed(buf)
-    } else {
-        ready.push_back(Ready {
+    hold: Option<ConnId>,
+    out: &mut Delivered,
+) -> std::result::Result<bool, String> {
+    let item = match kind {
+        MsgKind::Fence => {
+            pool.consumed(buf)?;
+            return Ok(true);
+        }
+        MsgKind::Notification => {
+            // SAFETY: the buffer holds the message's `len` bytes until it is consumed below.
+            let bytes = unsafe { std::slice::from_raw_parts(pool.ptr(buf), len) };
+            let n = Notification {
+                from: from.to_string(),
+                msg: String::from_utf8_lossy(bytes).into_owned(),
+            };
+            pool.consumed(buf)?;
+            HeldItem::Notification(n)
+        }
+        MsgKind::Message => HeldItem::Message(Ready {
             from: from.clone(),
             pool: key,
             buf,
             len,
+        }),
+        MsgKind::Credit => return Err("a sender sent credits".into()),
+    };
+    match (hold, item) {
+        (Some(conn), item) => out.held.push_back(Held { conn, item }),
+        (None, HeldItem::Message(r)) => out.ready.push_back(r),
+        (None, HeldItem::Notification(n)) => out.notifications.push_back(n),
+    }
+    Ok(false)
+}
+
+impl Rx {
+    /// Adds an accepted connection, held back while an earlier lane of its sender is open or
+    /// still holds back what it carried.
+    fn add_conn(&mut self, mut c: InConn) {
+        c.held_back = self.conns.iter().any(|o| {
+            o.from == c.from && o.epoch < c.epoch && (o.held_back || !(o.fenced || o.dead))
         });
-        Ok(())
+        self.conns.push(c);
+    }
+
+    /// After fences and ends: a sender's lane is delivered once every earlier lane of it has
+    /// ended (fenced, or closed with everything it carried taken in); what it held back is
+    /// handed out then, before anything that arrives later. A fenced lane that is delivered
+    /// is done and closes.
+    fn settle_lanes(&mut self) {
+        let mut order: Vec<usize> = (0..self.conns.len()).collect();
+        order.sort_by(|&a, &b| {
+            let (x, y) = (&self.conns[a], &self.conns[b]);
+            x.from.cmp(&y.from).then(x.epoch.cmp(&y.epoch))
+        });
+        // The sender whose open lane blocks its later ones (the name, shared by reference).
+        let mut blocked: Option<Arc<str>> = None;
+        let mut released = Vec::new();
+        for &i in &order {
+            let c = &mut self.conns[i];
+            if blocked.as_ref().is_some_and(|b| *b != c.from) {
+                blocked = None;
+            }
+            let hold = blocked.is_some();
+            if c.held_back && !hold {
+                released.push(c.id);
+            }
+            c.held_back = hold;
+            if !hold && c.fenced {
+                c.dead = true;
+            }
+            if !(c.fenced || c.dead) && blocked.is_none() {
+                blocked = Some(c.from.clone());
+            }
+        }
+        for id in released {
+            self.delivered.release(id);
+        }
     }
 }
 
@@ -728,10 +953,9 @@ fn take_in_rdma(
     wc: &WorkCompletion,
     conns: &mut [InConn],
     pools: &mut Pools,
-    ready: &mut VecDeque<Ready>,
-    notifications: &mut VecDeque<Notification>,
+    delivered: &mut Delivered,
     touched: &mut Vec<u64>,
-) {
+) -> bool {
     let buf = BufferId(u32::try_from(wc.wr_id()).unwrap_or(u32::MAX));
     let qp_num = wc.qp_num();
     let shared_key = SHARED_RDMA + port as u64;
@@ -743,10 +967,10 @@ fn take_in_rdma(
         if let Some(pool) = pools.get_mut(&shared_key) {
             pool.repost_unaccounted(buf);
         }
-        return;
+        return false;
     };
     let Some(pool) = pools.get_mut(&c.pool) else {
-        return;
+        return false;
     };
     touched.push(c.pool);
     let max_len = pool.queue.settings().buffer_size;
@@ -762,6 +986,7 @@ fn take_in_rdma(
             _ if len > max_len => Err(format!("message of {len} bytes above {max_len}")),
             Some(1) => Ok((MsgKind::Message, len)),
             Some(2) => Ok((MsgKind::Notification, len)),
+            Some(4) => Ok((MsgKind::Fence, len)),
             Some(k) => Err(format!("unknown message kind {k}")),
             None => Err("a message without its kind".into()),
         }
@@ -772,18 +997,18 @@ fn take_in_rdma(
             .map(|landed| (kind, landed, len))
             .map_err(|e| e.to_string())
     });
+    let hold = c.held_back.then_some(c.id);
     let failed = match accounted {
-        Ok((kind, landed, len)) => take_in(
-            &c.from,
-            c.pool,
-            pool,
-            kind,
-            landed,
-            len,
-            ready,
-            notifications,
-        )
-        .err(),
+        Ok(_) if c.fenced => Some("a message after the lane's fence".to_owned()),
+        Ok((kind, landed, len)) => {
+            match take_in(&c.from, c.pool, pool, kind, landed, len, hold, delivered) {
+                Ok(fence) => {
+                    c.fenced |= fence;
+                    None
+                }
+                Err(e) => Some(e),
+            }
+        }
         Err(reason) => {
             // A queue of the connection's own is in error and goes with it; a shared one
             // takes the buffer back.
@@ -799,6 +1024,7 @@ fn take_in_rdma(
             c.dead = true;
         }
     }
+    c.dead || c.fenced
 }
 
 /// Refuses a message connection, telling the sender why; returns the reason.

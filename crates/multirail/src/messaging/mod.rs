@@ -40,6 +40,7 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
+pub use multirail_policy::lanes::Lane;
 use multirail_policy::receive::{
     BufferId, ConnId, Credits, ReceiveQueue, ReceiveSettings, ReturnOrder,
 };
@@ -49,7 +50,7 @@ use crate::config::{Config, TransportChoice};
 use crate::error::{Error, Result};
 use crate::memory::{Buffer, Location, MemoryRegistry, PeerMapping};
 use crate::peer::Peer;
-use crate::segment::{BufferDescriptor, SegmentId};
+use crate::segment::SegmentId;
 use crate::server::ConnPermit;
 use crate::transport::handshake::{self, Membership};
 use crate::transport::rdma::messages::{
@@ -61,6 +62,31 @@ use crate::transport::wire::{self, ConnKind, MsgHeader, MsgKind, MSG_HEADER_LEN}
 use inbound::*;
 use outbound::*;
 use ring::{Ring, INLINE_MAX};
+
+/// How the opening names a lane.
+fn lane_code(lane: Lane) -> u8 {
+    match lane {
+        Lane::Shared => 0,
+        Lane::Dedicated => 1,
+    }
+}
+
+/// The lane and epoch in an opening's `tail` (what follows the sender's name). Fails on an
+/// unknown lane.
+fn parse_lane(tail: &[u8]) -> std::result::Result<(Lane, u32), String> {
+    if tail.len() < LANE_LEN {
+        return Err("incomplete message opening".into());
+    }
+    let lane = match tail[0] {
+        0 => Lane::Shared,
+        1 => Lane::Dedicated,
+        l => return Err(format!("unknown lane {l}")),
+    };
+    Ok((
+        lane,
+        u32::from_le_bytes(tail[1..5].try_into().expect("4 bytes")),
+    ))
+}
 
 /// A message received with [`crate::Engine::recv`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -239,9 +265,6 @@ pub(crate) trait Peers {
     fn local_name(&self) -> String;
     /// The peer opened as `segment`. Fails when no such segment is open.
     fn peer(&self, segment: SegmentId) -> Result<Arc<Peer>>;
-    /// The buffer of `peer` holding `addr..addr+len`, refetching its descriptor once if the
-    /// cached one lacks it. Fails when the peer has no such buffer.
-    fn target_buffer(&self, peer: &Peer, addr: u64, len: u64) -> Result<BufferDescriptor>;
 }
 
 /// The engine's messaging state.
@@ -261,12 +284,21 @@ pub(crate) struct Messaging {
     /// Whether `Rx::after_reply` holds buffers (read without taking the lock on every send).
     after_reply_pending: AtomicBool,
     out: Mutex<HashMap<u64, Arc<Mutex<OutConn>>, BuildHasherDefault<IdHasher>>>,
+    /// Per peer: the lane its messages take and the epoch of the next connection to it.
+    lanes: Mutex<HashMap<u64, PeerLane, BuildHasherDefault<IdHasher>>>,
+    /// Streams of fenced tcp lanes, read until the receiver closes its end (see
+    /// `Messaging::retire`), with when to give up on them.
+    retiring: Mutex<Vec<(TcpStream, Instant)>>,
+    retiring_any: AtomicBool,
     next_conn: AtomicU64,
 }
 
-/// Length of a message connection's opening (mode u8, name length u16, name) once its first
-/// three bytes are in `prefix`; `None` before that. Fails on a name longer than
-/// [`wire::MAX_NAME_LEN`] or an unknown mode.
+/// Bytes of an opening after the sender's name: its lane (u8) and the lane's epoch (u32).
+const LANE_LEN: usize = 5;
+
+/// Length of a message connection's opening (mode u8, name length u16, name, lane u8, epoch
+/// u32, and for rdma the sender's queue pair) once its first three bytes are in `prefix`;
+/// `None` before that. Fails on a name longer than [`wire::MAX_NAME_LEN`] or an unknown mode.
 pub(crate) fn opening_len(prefix: &[u8]) -> std::result::Result<Option<usize>, String> {
     if prefix.len() < 3 {
         return Ok(None);
@@ -281,7 +313,7 @@ pub(crate) fn opening_len(prefix: &[u8]) -> std::result::Result<Option<usize>, S
     if name_len > wire::MAX_NAME_LEN {
         return Err(format!("sender name of {name_len} bytes"));
     }
-    Ok(Some(3 + name_len + extra))
+    Ok(Some(3 + name_len + LANE_LEN + extra))
 }
 
 fn protocol(peer: &str, reason: impl Into<String>) -> Error {
@@ -315,6 +347,9 @@ impl Messaging {
             rx: Mutex::default(),
             after_reply_pending: AtomicBool::new(false),
             out: Mutex::default(),
+            lanes: Mutex::default(),
+            retiring: Mutex::default(),
+            retiring_any: AtomicBool::new(false),
             next_conn: AtomicU64::new(2),
         })
     }

@@ -26,13 +26,25 @@ pub(super) enum OutIo {
     },
 }
 
-/// Our dedicated message connection to one peer.
+/// Our message connection to one peer: the lane its messages take now.
 pub(super) struct OutConn {
     pub(super) peer: String,
     pub(super) stream: TcpStream,
     pub(super) credits: Credits,
     pub(super) max_len: usize,
     pub(super) io: OutIo,
+    pub(super) lane: Lane,
+    /// Set once the connection's fence was sent: a sender that was waiting for it must take
+    /// the peer's current connection instead.
+    pub(super) retired: bool,
+}
+
+/// The lane messages to one peer take, and the epoch of the next connection made to it (the
+/// receiver delivers a connection's messages after those of every earlier epoch).
+#[derive(Default)]
+pub(super) struct PeerLane {
+    lane: Lane,
+    next_epoch: u32,
 }
 
 impl Messaging {
@@ -44,9 +56,82 @@ impl Messaging {
         if let Some(c) = self.out.lock().expect("out poisoned").get(&peer.id) {
             return Ok(c.clone());
         }
-        let conn = match self.transport {
-            TransportChoice::Tcp => self.connect(engine, peer, MODE_TCP)?,
-            TransportChoice::Rdma => self.connect_rdma(engine, peer)?,
+        let lane = self.next_lane(peer.id, None);
+        let conn = Arc::new(Mutex::new(self.connect_lane(engine, peer, lane)?));
+        let mut out = self.out.lock().expect("out poisoned");
+        Ok(out.entry(peer.id).or_insert(conn).clone())
+    }
+
+    /// The lane for the next connection to peer `id` (switched to `to` when given), and that
+    /// connection's epoch.
+    fn next_lane(&self, id: u64, to: Option<Lane>) -> (Lane, u32) {
+        let mut lanes = self.lanes.lock().expect("lanes poisoned");
+        let l = lanes.entry(id).or_default();
+        if let Some(to) = to {
+            l.lane = to;
+        }
+        let epoch = l.next_epoch;
+        l.next_epoch = l.next_epoch.wrapping_add(1);
+        (l.lane, epoch)
+    }
+
+    /// The lane messages to peer `id` take (shared until switched).
+    pub(crate) fn lane(&self, id: u64) -> Lane {
+        self.lanes
+            .lock()
+            .expect("lanes poisoned")
+            .get(&id)
+            .map_or(Lane::Shared, |l| l.lane)
+    }
+
+    /// After a tcp lane's fence: closing the socket while credit frames the receiver sent
+    /// before it saw the fence sit unread would reset the connection, and a reset discards
+    /// what the receiver has not read yet (the last messages and the fence). So the sender
+    /// half-closes (the receiver reads everything, then the end) and keeps reading the
+    /// stream until the receiver closes its end, here and in later sends, for up to the
+    /// message timeout.
+    fn retire(&self, conn: &OutConn) {
+        if !matches!(conn.io, OutIo::Tcp { .. }) {
+            return;
+        }
+        let _ = conn.stream.shutdown(std::net::Shutdown::Write);
+        if let Ok(s) = conn.stream.try_clone() {
+            let _ = s.set_nonblocking(true);
+            let give_up = Instant::now() + self.timeout;
+            self.retiring
+                .lock()
+                .expect("retiring poisoned")
+                .push((s, give_up));
+            self.retiring_any.store(true, Ordering::Release);
+        }
+    }
+
+    /// Reads what fenced tcp lanes received, dropping each once its receiver closed it (or
+    /// its time is up).
+    fn drain_retiring(&self) {
+        let mut r = self.retiring.lock().expect("retiring poisoned");
+        let now = Instant::now();
+        let mut scratch = [0u8; 256];
+        r.retain(|(s, give_up)| loop {
+            match sockio::recv_nonblocking(s.as_raw_fd(), &mut scratch) {
+                Ok(Some(n)) if n > 0 => continue,
+                Ok(None) => break now < *give_up,
+                _ => break false,
+            }
+        });
+        self.retiring_any.store(!r.is_empty(), Ordering::Release);
+    }
+
+    /// A connection to `peer` on `lane` over the transport the configuration picks.
+    fn connect_lane(
+        &self,
+        engine: &dyn Peers,
+        peer: &Arc<Peer>,
+        l: (Lane, u32),
+    ) -> Result<OutConn> {
+        match self.transport {
+            TransportChoice::Tcp => self.connect(engine, peer, MODE_TCP, l),
+            TransportChoice::Rdma => self.connect_rdma(engine, peer, l),
             TransportChoice::Shm => {
                 if !peer.same_host {
                     return Err(Error::TransportUnavailable {
@@ -54,26 +139,80 @@ impl Messaging {
                         reason: format!("segment {} is on another host", peer.name),
                     });
                 }
-                self.connect(engine, peer, MODE_SHM)?
+                self.connect(engine, peer, MODE_SHM, l)
             }
             TransportChoice::Auto if peer.same_host && self.shm_enabled => {
-                self.connect(engine, peer, MODE_SHM)?
+                self.connect(engine, peer, MODE_SHM, l)
             }
             // Across hosts, verbs when both ends have RDMA, else (or if that fails) tcp.
             TransportChoice::Auto if self.verbs.is_ok() && !peer.descriptor().rdma.is_empty() => {
-                match self.connect_rdma(engine, peer) {
-                    Ok(c) => c,
+                match self.connect_rdma(engine, peer, l) {
+                    Ok(c) => Ok(c),
                     Err(e) => {
                         tracing::warn!(peer = %peer.name, reason = %e, "messages cannot use rdma; using tcp");
-                        self.connect(engine, peer, MODE_TCP)?
+                        self.connect(engine, peer, MODE_TCP, l)
                     }
                 }
             }
-            TransportChoice::Auto => self.connect(engine, peer, MODE_TCP)?,
-        };
-        let conn = Arc::new(Mutex::new(conn));
-        let mut out = self.out.lock().expect("out poisoned");
-        Ok(out.entry(peer.id).or_insert(conn).clone())
+            TransportChoice::Auto => self.connect(engine, peer, MODE_TCP, l),
+        }
+    }
+
+    /// Moves messages to `segment` onto `lane`: a fence ends the current connection and the
+    /// next message goes on a fresh one of that lane; the receiver delivers everything sent
+    /// before the fence first. Nothing to do when the peer is on `lane` already. Fails when
+    /// the new connection cannot be made (the next send then makes one on `lane`).
+    pub(crate) fn switch_lane(
+        &self,
+        engine: &dyn Peers,
+        segment: SegmentId,
+        lane: Lane,
+    ) -> Result<()> {
+        let peer = engine.peer(segment)?;
+        loop {
+            let current = self
+                .out
+                .lock()
+                .expect("out poisoned")
+                .get(&peer.id)
+                .cloned();
+            let Some(old) = current else {
+                // Not connected: the next connection takes the lane.
+                let mut lanes = self.lanes.lock().expect("lanes poisoned");
+                lanes.entry(peer.id).or_default().lane = lane;
+                return Ok(());
+            };
+            let mut g = old.lock().expect("message connection poisoned");
+            if g.retired {
+                // Another switch got here first: apply ours to what it made.
+                continue;
+            }
+            if g.lane == lane {
+                return Ok(());
+            }
+            // The fence takes a credit like a message; on a connection that cannot take it
+            // (broken), the receiver counts the connection's end as its fence.
+            match g.send(MsgKind::Fence, &[], self.timeout) {
+                Ok(()) => self.retire(&g),
+                Err(e) => {
+                    tracing::debug!(peer = %peer.name, error = %e, "no fence on a broken lane")
+                }
+            }
+            g.retired = true;
+            let next = self.next_lane(peer.id, Some(lane));
+            let fresh = self.connect_lane(engine, &peer, next);
+            let mut out = self.out.lock().expect("out poisoned");
+            return match fresh {
+                Ok(c) => {
+                    out.insert(peer.id, Arc::new(Mutex::new(c)));
+                    Ok(())
+                }
+                Err(e) => {
+                    out.remove(&peer.id);
+                    Err(e)
+                }
+            };
+        }
     }
 
     /// Opens a message connection in `mode`, `extra` following the sender's name in the
@@ -84,6 +223,7 @@ impl Messaging {
         engine: &dyn Peers,
         peer: &Arc<Peer>,
         mode: u8,
+        (lane, epoch): (Lane, u32),
         extra: &[u8],
     ) -> Result<(TcpStream, usize)> {
         let unreachable = |e: std::io::Error| Error::SegmentUnreachable {
@@ -107,6 +247,8 @@ impl Messaging {
         let mut open = vec![mode];
         open.extend_from_slice(&(name.len() as u16).to_le_bytes());
         open.extend_from_slice(name.as_bytes());
+        open.push(lane_code(lane));
+        open.extend_from_slice(&epoch.to_le_bytes());
         open.extend_from_slice(extra);
         stream.write_all(&open).map_err(unreachable)?;
         let mut status = [0u8; 1];
@@ -128,7 +270,12 @@ impl Messaging {
     /// A message connection over RDMA: a queue pair on the first pair of rails (local port,
     /// peer's rail) that connects, tried in the data path's pairing order. Fails when RDMA is
     /// off at either end, or no pair connects (with each pair's reason).
-    pub(super) fn connect_rdma(&self, engine: &dyn Peers, peer: &Arc<Peer>) -> Result<OutConn> {
+    pub(super) fn connect_rdma(
+        &self,
+        engine: &dyn Peers,
+        peer: &Arc<Peer>,
+        lane: (Lane, u32),
+    ) -> Result<OutConn> {
         let unavailable = |reason: String| Error::TransportUnavailable {
             transport: "rdma",
             reason,
@@ -155,15 +302,16 @@ impl Messaging {
         for (port, rail) in pairs {
             let (mut qp, end) = verbs.sending_qp(port, rail).map_err(unavailable)?;
             let pair = format!("{} -> {}", qp.rail(), rails[rail].name());
-            let (mut stream, max_len) = match self.open(engine, peer, MODE_RDMA, &end.encode()) {
-                Ok(o) => o,
-                // The receiver could not connect this pair: try the next.
-                Err(Error::RemoteRejected { reason, .. }) => {
-                    failures.push(format!("{pair}: {reason}"));
-                    continue;
-                }
-                Err(e) => return Err(e),
-            };
+            let (mut stream, max_len) =
+                match self.open(engine, peer, MODE_RDMA, lane, &end.encode()) {
+                    Ok(o) => o,
+                    // The receiver could not connect this pair: try the next.
+                    Err(Error::RemoteRejected { reason, .. }) => {
+                        failures.push(format!("{pair}: {reason}"));
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                };
             let mut answer = [0u8; ENDPOINT_LEN];
             let connected = stream
                 .read_exact(&mut answer)
@@ -184,6 +332,8 @@ impl Messaging {
                             seen: 0,
                             polls: 0,
                         },
+                        lane: lane.0,
+                        retired: false,
                     });
                 }
                 Err(e) => failures.push(format!("{pair}: {e}")),
@@ -200,12 +350,13 @@ impl Messaging {
         engine: &dyn Peers,
         peer: &Arc<Peer>,
         mode: u8,
+        lane: (Lane, u32),
     ) -> Result<OutConn> {
         let unreachable = |e: std::io::Error| Error::SegmentUnreachable {
             name: peer.name.clone(),
             reason: format!("message connection: {e}"),
         };
-        let (mut stream, max_len) = self.open(engine, peer, mode, &[])?;
+        let (mut stream, max_len) = self.open(engine, peer, mode, lane, &[])?;
         let p = &peer.name;
         let io = if mode != MODE_SHM {
             OutIo::Tcp { inbox: Vec::new() }
@@ -225,25 +376,28 @@ impl Messaging {
             {
                 return Err(protocol(p, "message ring or chunks too small"));
             }
+            // The memfds of the ring and the chunks, as the receiver holds them now.
+            let pid = read_words(&mut stream, 1, 4).map_err(unreachable)?[0] as u32;
+            let fds = read_words(&mut stream, nchunks + 1, 4).map_err(unreachable)?;
             let mut maps = Vec::new();
-            let mut map = |addr: u64, len: u64| -> Result<usize> {
+            let mut map = |addr: u64, len: u64, fd: u64| -> Result<usize> {
                 if peer.same_process {
                     return Ok(addr as usize);
                 }
-                let b = engine.target_buffer(peer, addr, len)?;
-                let handle = b
-                    .shm
-                    .as_ref()
-                    .ok_or_else(|| protocol(p, "receive buffers are not in shared memory"))?;
-                let m = Arc::new(PeerMapping::open(handle, b.len as usize)?);
-                let base = m.base() + (addr - b.addr) as usize;
+                let handle = crate::segment::ShmHandle {
+                    pid,
+                    fd: fd as u32 as i32,
+                };
+                let m = Arc::new(PeerMapping::open(&handle, len as usize)?);
+                let base = m.base();
                 maps.push(m);
                 Ok(base)
             };
-            let ring_base = map(ring[0], ring[1])?;
+            let ring_base = map(ring[0], ring[1], fds[0])?;
             let chunks = chunk_addrs
                 .iter()
-                .map(|&a| map(a, chunk_len))
+                .zip(&fds[1..])
+                .map(|(&a, &fd)| map(a, chunk_len, fd))
                 .collect::<Result<Vec<_>>>()?;
             for &c in &chunks {
                 populate(c as *mut u8, chunk_len as usize);
@@ -266,6 +420,8 @@ impl Messaging {
             credits: Credits::default(),
             max_len,
             io,
+            lane: lane.0,
+            retired: false,
         })
     }
 
@@ -276,20 +432,38 @@ impl Messaging {
         kind: MsgKind,
         data: &[u8],
     ) -> Result<()> {
+        if self.retiring_any.load(Ordering::Acquire) {
+            self.drain_retiring();
+        }
         let known = self
             .out
             .lock()
             .expect("out poisoned")
             .get(&segment.0)
             .cloned();
-        let conn = match known {
+        let mut conn = match known {
             Some(c) => c,
             None => self.out_conn(engine, &engine.peer(segment)?)?,
         };
-        let outcome =
-            conn.lock()
-                .expect("message connection poisoned")
-                .send(kind, data, self.timeout);
+        let outcome = loop {
+            let mut g = conn.lock().expect("message connection poisoned");
+            if !g.retired {
+                break g.send(kind, data, self.timeout);
+            }
+            // A lane switch fenced this connection while we waited for it: its successor
+            // carries the message, after everything the fence covers.
+            drop(g);
+            let current = self
+                .out
+                .lock()
+                .expect("out poisoned")
+                .get(&segment.0)
+                .cloned();
+            conn = match current {
+                Some(c) => c,
+                None => self.out_conn(engine, &engine.peer(segment)?)?,
+            };
+        };
         match &outcome {
             Err(Error::InvalidArgument { .. }) | Ok(()) => {}
             Err(_) => {

@@ -232,6 +232,9 @@ pub enum MsgKind {
     Notification = 2,
     /// Receiver to sender: `len` more receive buffers are posted for you (credits).
     Credit = 3,
+    /// Sender to receiver, no payload: the last frame of a lane the sender leaves; what it
+    /// sends on its next lane is delivered after everything before this.
+    Fence = 4,
 }
 
 /// A message-connection frame header.
@@ -262,6 +265,7 @@ impl MsgHeader {
             1 => MsgKind::Message,
             2 => MsgKind::Notification,
             3 => MsgKind::Credit,
+            4 => MsgKind::Fence,
             k => return Err(format!("unknown message kind {k}")),
         };
         if kind != MsgKind::Credit && len > max_len {
