@@ -379,3 +379,51 @@ fn batch_notification_survives_an_immediate_free() {
     want.sort();
     assert_eq!(got, want, "every notification arrives once");
 }
+
+/// What the receiver sees of a sender's lanes: shared at first, dedicated after a switch (with
+/// notifications in order across it), nothing once the sender is gone; a switch to the lane
+/// already in use changes nothing, and one for a segment never opened is an error.
+fn lanes_seen_by_the_receiver(transport: &str) {
+    use multirail::Lane;
+    let (a, b) = pair(transport, "{}");
+    let seg = a.open_segment(&b.name()).unwrap();
+    assert_eq!(a.lane(seg).unwrap(), Lane::Shared);
+    a.send(seg, b"on the shared lane").unwrap();
+    let m = b.recv(Some(Duration::from_secs(5))).unwrap().unwrap();
+    assert_eq!(m.data, b"on the shared lane");
+    assert_eq!(b.incoming_lanes(), vec![(a.name(), Lane::Shared)]);
+    a.switch_lane(seg, Lane::Shared).unwrap();
+    a.send_notification(seg, "before").unwrap();
+    a.switch_lane(seg, Lane::Dedicated).unwrap();
+    a.send_notification(seg, "after").unwrap();
+    a.send(seg, b"on a lane of its own").unwrap();
+    let m = b.recv(Some(Duration::from_secs(5))).unwrap().unwrap();
+    assert_eq!(m.data, b"on a lane of its own");
+    let notes: Vec<String> = b
+        .receive_notifications()
+        .into_iter()
+        .map(|n| n.msg)
+        .collect();
+    assert_eq!(notes, ["before", "after"]);
+    assert_eq!(a.lane(seg).unwrap(), Lane::Dedicated);
+    assert_eq!(b.incoming_lanes(), vec![(a.name(), Lane::Dedicated)]);
+    let unknown = multirail::SegmentId(u64::MAX);
+    assert!(a.switch_lane(unknown, Lane::Dedicated).is_err());
+    // The sender goes: its dedicated lane goes with it.
+    drop(a);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !b.incoming_lanes().is_empty() {
+        assert!(Instant::now() < deadline, "{:?}", b.incoming_lanes());
+        let _ = b.recv(Some(Duration::from_millis(50)));
+    }
+}
+
+#[test]
+fn lanes_seen_by_the_receiver_tcp() {
+    lanes_seen_by_the_receiver("tcp");
+}
+
+#[test]
+fn lanes_seen_by_the_receiver_shm() {
+    lanes_seen_by_the_receiver("shm");
+}
