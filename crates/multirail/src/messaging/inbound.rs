@@ -800,18 +800,11 @@ fn receive_io(
             }
         }
         InIo::Shm { ring, .. } => {
-            ring.completions(|buf, len, kind, inline| {
-                let kind = match kind {
-                    1 => MsgKind::Message,
-                    2 => MsgKind::Notification,
-                    4 => MsgKind::Fence,
-                    k => return Err(format!("unknown message kind {k}")),
-                };
-                if len > max_len as usize {
-                    return Err(format!("message of {len} bytes above {max_len}"));
-                }
+            let mut take = |buf, len, kind: u8, inline: Option<&[u8]>| {
+                let kind = arrived_kind(kind.into(), len, max_len as usize)?;
                 deliver(pool, kind, Some(buf), inline, len)
-            })?;
+            };
+            ring.completions(&mut take)?;
             // Only while waiting (or after a fence): a syscall every so many polls would show
             // up as a periodic pattern in the round trips (pingpong found one every ~4096).
             if liveness || fenced.get() {
@@ -819,18 +812,7 @@ fn receive_io(
                 if let Ok(Some(0)) = sockio::recv_nonblocking(c.stream.as_raw_fd(), &mut b) {
                     // Gone. What it wrote before closing may have landed after the pass
                     // above: take it in now, then the connection ends.
-                    ring.completions(|buf, len, kind, inline| {
-                        let kind = match kind {
-                            1 => MsgKind::Message,
-                            2 => MsgKind::Notification,
-                            4 => MsgKind::Fence,
-                            k => return Err(format!("unknown message kind {k}")),
-                        };
-                        if len > max_len as usize {
-                            return Err(format!("message of {len} bytes above {max_len}"));
-                        }
-                        deliver(pool, kind, Some(buf), inline, len)
-                    })?;
+                    ring.completions(&mut take)?;
                     c.dead = true;
                 }
             }
@@ -850,6 +832,21 @@ fn receive_io(
         }
     }
     Ok(())
+}
+
+/// The kind of a message that arrived with kind code `code` (a ring entry's or an RDMA
+/// immediate: the values of [`MsgKind`]) and `len` bytes. Fails on a code a sender may not
+/// send or a length above the receive buffers.
+fn arrived_kind(code: u32, len: usize, max_len: usize) -> std::result::Result<MsgKind, String> {
+    if len > max_len {
+        return Err(format!("message of {len} bytes above {max_len}"));
+    }
+    match code {
+        1 => Ok(MsgKind::Message),
+        2 => Ok(MsgKind::Notification),
+        4 => Ok(MsgKind::Fence),
+        k => Err(format!("unknown message kind {k}")),
+    }
 }
 
 /// A message of `len` bytes is in buffer `buf` of `pool`: a notification is taken out and the
@@ -983,11 +980,7 @@ fn take_in_rdma(
     } else {
         let len = wc.byte_len() as usize;
         match wc.imm_data() {
-            _ if len > max_len => Err(format!("message of {len} bytes above {max_len}")),
-            Some(1) => Ok((MsgKind::Message, len)),
-            Some(2) => Ok((MsgKind::Notification, len)),
-            Some(4) => Ok((MsgKind::Fence, len)),
-            Some(k) => Err(format!("unknown message kind {k}")),
+            Some(code) => arrived_kind(code, len, max_len).map(|kind| (kind, len)),
             None => Err("a message without its kind".into()),
         }
     };
