@@ -343,6 +343,7 @@ pub enum Promotion {
 
 /// Counters for statistics; they only grow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct LanesStats {
     /// `Promote`s sent.
     pub requests_sent: u64,
@@ -374,6 +375,27 @@ pub struct LanesStats {
     pub switches: u64,
     /// Dedicated lanes freed because their peer went away.
     pub peers_gone: u64,
+}
+
+impl LanesStats {
+    /// Adds `other`'s counters to these (totals over several processes).
+    pub fn add(&mut self, other: &LanesStats) {
+        self.requests_sent += other.requests_sent;
+        self.accepts_sent += other.accepts_sent;
+        self.accepts_received += other.accepts_received;
+        self.denials_sent += other.denials_sent;
+        self.denials_received += other.denials_received;
+        self.demotes_sent += other.demotes_sent;
+        self.demotes_received += other.demotes_received;
+        self.evictions += other.evictions;
+        self.timeouts += other.timeouts;
+        self.collisions += other.collisions;
+        self.undone += other.undone;
+        self.promotions += other.promotions;
+        self.demotions += other.demotions;
+        self.switches += other.switches;
+        self.peers_gone += other.peers_gone;
+    }
 }
 
 #[derive(Debug, Clone, Copy)]

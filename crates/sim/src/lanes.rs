@@ -26,12 +26,10 @@ use std::collections::{BinaryHeap, HashMap};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use multirail_policy::lanes::{Lane, LaneMsg, Lanes, NodeId};
+use multirail_policy::lanes::{Lane, LaneMsg, Lanes, LanesStats, NodeId};
 use multirail_policy::usage::{UsageEvent, UsageTracker};
 
-use crate::report::{
-    DedicatedSpread, LanesReport, LanesSample, LanesTotals, ReceiverReport, Report,
-};
+use crate::report::{DedicatedSpread, LanesReport, LanesSample, ReceiverReport, Report};
 use crate::scenario::{LanesScenario, LanesWorkload, ReceiverView, Run, ScenarioError, SendOrder};
 
 /// Whom a process's messages go to.
@@ -109,7 +107,7 @@ struct Sim<'a> {
     all_hot_at: Vec<Option<u64>>,
     timeline: Vec<LanesSample>,
     /// Summed counters at the end of the previous window.
-    prev: LanesTotals,
+    prev: LanesStats,
     prev_tracker: (u64, u64),
     /// Reused buffer of peer ids.
     scratch: Vec<u64>,
@@ -219,7 +217,7 @@ impl<'a> Sim<'a> {
             hot_of,
             all_hot_at: vec![None; receivers],
             timeline: Vec::new(),
-            prev: LanesTotals::default(),
+            prev: LanesStats::default(),
             prev_tracker: (0, 0),
             scratch: Vec::new(),
         })
@@ -448,8 +446,8 @@ impl<'a> Sim<'a> {
         }
     }
 
-    fn totals(&self) -> LanesTotals {
-        let mut t = LanesTotals::default();
+    fn totals(&self) -> LanesStats {
+        let mut t = LanesStats::default();
         for p in &self.procs {
             t.add(p.lanes.stats());
         }

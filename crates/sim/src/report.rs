@@ -5,6 +5,7 @@
 use std::fmt::Write;
 
 use hdrhistogram::Histogram;
+use multirail_policy::lanes::LanesStats;
 use serde::Serialize;
 
 use crate::scenario::{LinkEvent, Run};
@@ -168,62 +169,6 @@ pub struct LanesSample {
     pub max_dedicated: u64,
 }
 
-/// `Lanes::stats()` summed over every process.
-#[derive(Debug, Clone, Copy, Default, Serialize)]
-pub struct LanesTotals {
-    /// `Promote`s sent.
-    pub requests_sent: u64,
-    /// `Accept`s sent.
-    pub accepts_sent: u64,
-    /// `Accept`s received for the outstanding request.
-    pub accepts_received: u64,
-    /// `Deny`s sent.
-    pub denials_sent: u64,
-    /// `Deny`s received for the outstanding request.
-    pub denials_received: u64,
-    /// `Demote`s sent.
-    pub demotes_sent: u64,
-    /// `Demote`s received while dedicated.
-    pub demotes_received: u64,
-    /// Dedicated peers demoted to make room for a stronger one.
-    pub evictions: u64,
-    /// Requests dropped unanswered.
-    pub timeouts: u64,
-    /// Simultaneous requests settled by the node-id tie-break (counted at both ends).
-    pub collisions: u64,
-    /// Stale `Accept`s answered with `Demote`.
-    pub undone: u64,
-    /// Lane changes to dedicated.
-    pub promotions: u64,
-    /// Lane changes to shared.
-    pub demotions: u64,
-    /// `promotions + demotions`.
-    pub switches: u64,
-    /// Dedicated lanes freed because their peer went away.
-    pub peers_gone: u64,
-}
-
-impl LanesTotals {
-    /// Adds one process's counters.
-    pub fn add(&mut self, s: &multirail_policy::lanes::LanesStats) {
-        self.requests_sent += s.requests_sent;
-        self.accepts_sent += s.accepts_sent;
-        self.accepts_received += s.accepts_received;
-        self.denials_sent += s.denials_sent;
-        self.denials_received += s.denials_received;
-        self.demotes_sent += s.demotes_sent;
-        self.demotes_received += s.demotes_received;
-        self.evictions += s.evictions;
-        self.timeouts += s.timeouts;
-        self.collisions += s.collisions;
-        self.undone += s.undone;
-        self.promotions += s.promotions;
-        self.demotions += s.demotions;
-        self.switches += s.switches;
-        self.peers_gone += s.peers_gone;
-    }
-}
-
 /// One mbw_mr receiver at the end of the run.
 #[derive(Debug, Clone, Serialize)]
 pub struct ReceiverReport {
@@ -283,7 +228,7 @@ pub struct LanesReport {
     /// Demotions by the usage trackers.
     pub tracker_demotions: u64,
     /// `Lanes::stats()` summed over every process.
-    pub totals: LanesTotals,
+    pub totals: LanesStats,
     /// Per window of `sample_ms`.
     pub timeline: Vec<LanesSample>,
     /// Lane changes after half the simulated time, all processes.

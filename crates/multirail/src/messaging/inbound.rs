@@ -42,6 +42,32 @@ pub(super) struct InConn {
     pub(super) _permit: ConnPermit,
 }
 
+impl InConn {
+    fn new(
+        id: ConnId,
+        from: Arc<str>,
+        pool: u64,
+        stream: TcpStream,
+        io: InIo,
+        (lane, epoch): (Lane, u32),
+        permit: ConnPermit,
+    ) -> InConn {
+        InConn {
+            id,
+            from,
+            pool,
+            stream,
+            io,
+            dead: false,
+            lane,
+            epoch,
+            fenced: false,
+            held_back: false,
+            _permit: permit,
+        }
+    }
+}
+
 pub(super) struct Ready {
     pub(super) from: Arc<str>,
     pub(super) pool: u64,
@@ -125,7 +151,7 @@ impl Messaging {
     /// (mode, name length, name; see [`opening_len`]) on one of its threads.
     pub(crate) fn accept(
         &self,
-        mut stream: TcpStream,
+        stream: TcpStream,
         opening: &[u8],
         permit: ConnPermit,
     ) -> std::result::Result<(), String> {
@@ -195,13 +221,6 @@ impl Messaging {
                 mine.release(&self.registry);
             }
         }
-        let pool = rx.pools.get_mut(&key).expect("pool present");
-        if let Err(e) = pool.queue.add_connection(id) {
-            drop(rx);
-            return Err(refuse(stream, e.to_string()));
-        }
-        let mut reply = vec![0u8];
-        reply.extend_from_slice(&(settings.buffer_size as u32).to_le_bytes());
         let io = match ring_buf {
             None => InIo::Tcp {
                 staging: vec![0u8; (64 << 10).max(2 * (MSG_HEADER_LEN + settings.buffer_size))]
@@ -209,7 +228,17 @@ impl Messaging {
                 start: 0,
                 end: 0,
             },
-            Some(ring_buf) => {
+            Some(ring_buf) => InIo::Shm {
+                // SAFETY: a fresh zeroed mapping of `Ring::bytes(depth)` bytes, kept alive by
+                // `ring_buf` beside it.
+                ring: unsafe { Ring::new(ring_buf.as_ptr(), settings.queue_depth) },
+                ring_buf,
+            },
+        };
+        let conn = InConn::new(id, from, key, stream, io, lane, permit);
+        self.admit(rx, conn, |pool, io| {
+            let mut reply = Vec::new();
+            if let InIo::Shm { ring_buf, .. } = io {
                 reply.extend_from_slice(&(settings.queue_depth as u32).to_le_bytes());
                 reply.extend_from_slice(&(settings.buffers_per_chunk() as u32).to_le_bytes());
                 reply.extend_from_slice(&ring_buf.addr().to_le_bytes());
@@ -221,45 +250,56 @@ impl Messaging {
                 reply.extend_from_slice(&(settings.chunk_bytes() as u64).to_le_bytes());
                 // How to map them, from the memory itself: a descriptor the sender cached may
                 // name a buffer freed since, whose address (and descriptor number) was reused.
-                let handles: Option<Vec<_>> = std::iter::once(&ring_buf)
+                let handles = std::iter::once(ring_buf)
                     .chain(pool.chunks.iter())
                     .map(Buffer::shm_handle)
-                    .collect();
-                let Some(handles) = handles else {
-                    drop(rx);
-                    return Err(refuse(
-                        stream,
-                        "receive buffers are not in shared memory".into(),
-                    ));
-                };
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or("receive buffers are not in shared memory")?;
                 reply.extend_from_slice(&handles[0].pid.to_le_bytes());
                 for h in &handles {
                     reply.extend_from_slice(&(h.fd as u32).to_le_bytes());
                 }
-                InIo::Shm {
-                    // SAFETY: a fresh zeroed mapping of `Ring::bytes(depth)` bytes, kept alive
-                    // by `ring_buf` beside it.
-                    ring: unsafe { Ring::new(ring_buf.as_ptr(), settings.queue_depth) },
-                    ring_buf,
+            }
+            Ok(reply)
+        })
+    }
+
+    /// Adds connection `conn` to its pool and to the connections polled, after answering the
+    /// opening with success, the receive buffer size and what `details` adds; then grants the
+    /// sender its first credits. Refuses the connection, telling the sender why, when its pool
+    /// takes no more connections or `details` fails.
+    fn admit(
+        &self,
+        mut rx: std::sync::MutexGuard<'_, Rx>,
+        conn: InConn,
+        details: impl FnOnce(&Pool, &InIo) -> std::result::Result<Vec<u8>, String>,
+    ) -> std::result::Result<(), String> {
+        let key = conn.pool;
+        let pool = rx.pools.get_mut(&key).expect("pool present");
+        let answer = pool
+            .queue
+            .add_connection(conn.id)
+            .map_err(|e| e.to_string())
+            .and_then(|()| details(pool, &conn.io));
+        let sent = answer.and_then(|answer| {
+            let mut reply = vec![0u8];
+            reply.extend_from_slice(&(pool.queue.settings().buffer_size as u32).to_le_bytes());
+            reply.extend_from_slice(&answer);
+            (&conn.stream)
+                .write_all(&reply)
+                .map_err(|e| format!("answering message opening: {e}"))
+        });
+        if let Err(e) = sent {
+            pool.queue.remove_connection(conn.id);
+            if per_connection(key) {
+                if let Some(p) = rx.pools.remove(&key) {
+                    p.release(&self.registry);
                 }
             }
-        };
-        stream
-            .write_all(&reply)
-            .map_err(|e| format!("answering message opening: {e}"))?;
-        rx.add_conn(InConn {
-            id,
-            from,
-            pool: key,
-            stream,
-            io,
-            dead: false,
-            lane: lane.0,
-            epoch: lane.1,
-            fenced: false,
-            held_back: false,
-            _permit: permit,
-        });
+            drop(rx);
+            return Err(refuse(conn.stream, e));
+        }
+        rx.add_conn(conn);
         let Rx { conns, pools, .. } = &mut *rx;
         grant(conns, pools, key);
         Ok(())
@@ -333,42 +373,18 @@ impl Messaging {
         if let Some(p) = own {
             rx.pools.insert(key, p);
         }
-        let pool = rx.pools.get_mut(&key).expect("pool present");
-        if let Err(e) = pool.queue.add_connection(id) {
-            drop(rx);
-            return Err(refuse(stream, e.to_string()));
-        }
-        let mut reply = vec![0u8];
-        reply.extend_from_slice(&(settings.buffer_size as u32).to_le_bytes());
-        reply.extend_from_slice(&local.encode());
-        (&stream)
-            .write_all(&reply)
-            .map_err(|e| format!("answering message opening: {e}"))?;
         if !rx.rdma_cqs.iter().any(|(p, _)| *p == port) {
             rx.rdma_cqs.push((port, cq));
         }
         if rx.wcs.is_empty() {
             rx.wcs = vec![WorkCompletion::default(); 32];
         }
-        rx.add_conn(InConn {
-            id,
-            from,
-            pool: key,
-            stream,
-            io: InIo::Rdma {
-                credits: Box::new(credits),
-                port,
-            },
-            dead: false,
-            lane: lane.0,
-            epoch: lane.1,
-            fenced: false,
-            held_back: false,
-            _permit: permit,
-        });
-        let Rx { conns, pools, .. } = &mut *rx;
-        grant(conns, pools, key);
-        Ok(())
+        let io = InIo::Rdma {
+            credits: Box::new(credits),
+            port,
+        };
+        let conn = InConn::new(id, from, key, stream, io, lane, permit);
+        self.admit(rx, conn, |_, _| Ok(local.encode().to_vec()))
     }
 
     /// The shared receive queue of RDMA rail `port`, made with its pool on first use.

@@ -222,28 +222,27 @@ impl MessageVerbs {
     pub(crate) fn reserve(&self, port: usize, n: usize) -> Result<(), String> {
         let cq = self.recv_cq(port)?;
         let cap = cq.depth() as usize;
-        let posted = &self.posted[port];
-        let mut now = posted.load(Ordering::Relaxed);
-        loop {
-            if now + n > cap {
-                return Err(format!(
+        self.posted[port]
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |now| {
+                (now + n <= cap).then_some(now + n)
+            })
+            .map(|_| ())
+            .map_err(|now| {
+                format!(
                     "{now} receive buffers are posted on {} and its completion queue holds \
                      {cap}: lower transports.rdma.receive.queue_depth or set \
                      shared_receive_queue",
                     self.port_name(port)
-                ));
-            }
-            match posted.compare_exchange(now, now + n, Ordering::Relaxed, Ordering::Relaxed) {
-                Ok(_) => return Ok(()),
-                Err(seen) => now = seen,
-            }
-        }
+                )
+            })
     }
 
     /// Forgets `n` receive buffers of `port` (their queue is gone).
     pub(crate) fn unreserve(&self, port: usize, n: usize) {
         if let Some(p) = self.posted.get(port) {
-            p.fetch_sub(n.min(p.load(Ordering::Relaxed)), Ordering::Relaxed);
+            let _ = p.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |now| {
+                Some(now.saturating_sub(n))
+            });
         }
     }
 
