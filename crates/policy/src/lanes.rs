@@ -8,14 +8,17 @@
 //!
 //! # Protocol
 //!
-//! Four [`LaneMsg`]s, sent over the shared lane (or any channel of the pair that keeps them in
+//! Five [`LaneMsg`]s, sent over the shared lane (or any channel of the pair that keeps them in
 //! order):
 //!
 //! - `Promote { seq, score }`: the local usage tracker promoted the peer
-//!   ([`Lanes::on_promoted`]); the requester reserves one of its own slots for it first, so it
-//!   can always take the lane if the answer is yes. With no slot free it demotes its own
-//!   weakest dedicated peer if `score` beats that one's by more than `remove_thresh`, and
-//!   otherwise waits (for a back-off, or until a slot frees) without asking.
+//!   ([`Lanes::on_promoted`]) and its score has reached [`LanesConfig::min_score`], the *floor*
+//!   (a promoted peer below it is only recorded as wanted, and asked for as soon as
+//!   [`Lanes::on_score`] brings it to the floor); the requester reserves one of its own slots
+//!   for it first, so it can always take the lane if the answer is yes. With no slot free it
+//!   demotes its own weakest dedicated peer if `score` beats that one's by more than
+//!   `remove_thresh`, and otherwise waits (for a back-off, or until a slot frees) without
+//!   asking.
 //! - `Accept { seq }`: the receiver had room (dedicated lanes plus its own reservations below
 //!   `max_dedicated`), or the request's score beat its weakest dedicated peer's score by more
 //!   than `remove_thresh`, in which case that weakest peer was demoted first. The receiver is
@@ -25,9 +28,31 @@
 //!   score has risen by `remove_thresh` above the denied score or `deny_backoff_ns` (plus up to
 //!   half of it again, so peers refused together do not all come back together) has passed;
 //!   then it asks by itself, for as long as its tracker wants the peer (until
-//!   [`Lanes::on_demoted`]). Equal scores are denied again each time, so nothing switches.
+//!   [`Lanes::on_demoted`]) and its score is at the floor. Equal scores are denied again each
+//!   time, so nothing switches.
+//! - `Score { score }`: the requester's fresh score for a pair it asked for and holds. A
+//!   requester's tracker keeps scoring the pair after the `Accept`; it sends `Score` whenever its
+//!   score has moved by `remove_thresh / 2` or more from the last one it told the peer (in its
+//!   `Promote` or an earlier `Score`), so the receiver's view is never more than half a margin
+//!   off. The receiver keeps it as its remote view of the pair. Without it the receiver would
+//!   compare a newcomer's fresh score with the score of a request accepted long ago (a hot peer
+//!   asks as soon as it reaches the floor, well before its score reaches 1), and evict busy
+//!   peers for newcomers that are not busier. A `Score` for a pair not dedicated at the
+//!   receiver is stale and ignored.
 //! - `Demote`: the sender is shared for this pair now. Never refused; needs no answer, because
 //!   closing needs no room.
+//!
+//! Wherever an end compares scores (its weakest dedicated peer, a request's score against it),
+//! a peer's score is the larger of the local tracker's (fed by [`Lanes::on_promoted`] and
+//! [`Lanes::on_score`], if it tracks the peer) and the remote view (the peer's `Promote` or
+//! latest `Score`): each end's tracker sees only the traffic it sends, and the pair deserves a
+//! lane as much as its busier direction does.
+//!
+//! *Cooling.* A dedicated peer the local tracker still wants but whose local score has fallen
+//! below `min_score - remove_thresh` is demoted from this end (`Demote`, counted in
+//! [`LanesStats::cooled`]). It stays wanted and asks again, with no back-off, once its score is
+//! back at the floor. The gap of `remove_thresh` below the floor is hysteresis: a score
+//! wandering around the floor does not open and close the lane at every progress.
 //!
 //! Simultaneous requests (each end has a `Promote` outstanding when the other's arrives): the
 //! request of the higher [`NodeId`] stands. The higher end ignores the lower end's `Promote`;
@@ -61,10 +86,10 @@
 //! # Memory
 //!
 //! State is kept per peer only while the peer is dedicated, has a request outstanding, or is
-//! wanted by the local tracker but refused (denied, timed out or without local room) and
-//! waiting for its back-off (at most the tracker's promoted set, since [`Lanes::on_demoted`]
-//! forgets them); scores fed for other peers are ignored and their entries dropped, so memory
-//! does not grow with the number of peers ever seen.
+//! wanted by the local tracker (below the floor, or refused, timed out or without local room
+//! and waiting for its back-off): at most the tracker's promoted set, since
+//! [`Lanes::on_demoted`] forgets them. Scores fed for other peers are ignored and their entries
+//! dropped, so memory does not grow with the number of peers ever seen.
 //!
 //! Time is nanoseconds on any monotonic clock the caller chooses. Scores are the usage
 //! tracker's, compared as plain differences (`remove_thresh` is in score units).
@@ -122,6 +147,12 @@ pub enum LaneMsg {
     },
     /// The sender is shared for this pair now; never refused.
     Demote,
+    /// The requester's current score for a dedicated pair it asked for, sent when it has moved
+    /// by `remove_thresh / 2` or more from the last score it told the peer.
+    Score {
+        /// The requester's score for the pair (finite).
+        score: f64,
+    },
 }
 
 const WIRE_VERSION: u8 = 1;
@@ -129,9 +160,11 @@ const TAG_PROMOTE: u8 = 1;
 const TAG_ACCEPT: u8 = 2;
 const TAG_DENY: u8 = 3;
 const TAG_DEMOTE: u8 = 4;
+const TAG_SCORE: u8 = 5;
 
 impl LaneMsg {
-    /// Bytes of an encoded message: version, tag, `seq` (u64 LE), `score` (f64 LE).
+    /// Bytes of an encoded message: version, tag, `seq` (u64 LE), `score` (f64 LE). Tags:
+    /// `Promote` 1, `Accept` 2, `Deny` 3, `Demote` 4, `Score` 5.
     pub const ENCODED_LEN: usize = 18;
 
     /// The message as a fixed-size frame. Fields a message does not have are zero.
@@ -141,6 +174,7 @@ impl LaneMsg {
             LaneMsg::Accept { seq } => (TAG_ACCEPT, seq, 0.0),
             LaneMsg::Deny { seq } => (TAG_DENY, seq, 0.0),
             LaneMsg::Demote => (TAG_DEMOTE, 0, 0.0),
+            LaneMsg::Score { score } => (TAG_SCORE, 0, score),
         };
         let mut out = [0u8; LaneMsg::ENCODED_LEN];
         out[0] = WIRE_VERSION;
@@ -171,24 +205,25 @@ impl LaneMsg {
             message: message.to_string(),
         };
         let tag = bytes[1];
-        if !(TAG_PROMOTE..=TAG_DEMOTE).contains(&tag) {
+        if !(TAG_PROMOTE..=TAG_SCORE).contains(&tag) {
             return Err(LanesError::Tag { got: tag });
         }
-        if tag != TAG_PROMOTE && score_bits != 0 {
+        let has_score = tag == TAG_PROMOTE || tag == TAG_SCORE;
+        if !has_score && score_bits != 0 {
             return Err(field("score", "must be zero in a message without a score"));
         }
+        let score = f64::from_bits(score_bits);
+        if has_score && !score.is_finite() {
+            return Err(field("score", "must be finite"));
+        }
         match tag {
-            TAG_PROMOTE => {
-                let score = f64::from_bits(score_bits);
-                if !score.is_finite() {
-                    return Err(field("score", "must be finite"));
-                }
-                Ok(LaneMsg::Promote { seq, score })
-            }
+            TAG_PROMOTE => Ok(LaneMsg::Promote { seq, score }),
             TAG_ACCEPT => Ok(LaneMsg::Accept { seq }),
             TAG_DENY => Ok(LaneMsg::Deny { seq }),
             TAG_DEMOTE if seq != 0 => Err(field("seq", "must be zero in a demote")),
             TAG_DEMOTE => Ok(LaneMsg::Demote),
+            TAG_SCORE if seq != 0 => Err(field("seq", "must be zero in a score")),
+            TAG_SCORE => Ok(LaneMsg::Score { score }),
             got => Err(LanesError::Tag { got }),
         }
     }
@@ -266,6 +301,20 @@ pub struct LanesConfig {
     /// denied score must rise to ask again before the back-off ends (0.2). The margin is what
     /// keeps peers of about equal scores from taking each other's lanes in turn.
     pub remove_thresh: f64,
+    /// The floor: the least local score, in `[0, 1]`, at which a wanted peer is asked for a
+    /// dedicated lane (0.5). A usage tracker promotes a key the first time it sees it, with
+    /// score `c`, and a sender with a single destination keeps that destination ranked first
+    /// however seldom it sends, so a promotion alone says little. Under UCX's decay
+    /// (`m = 0.8`, `c = 0.2`) a key touched in `k` progress rounds in a row scores
+    /// `1 - 0.8^k`: 0.2, 0.36, 0.49, 0.59, ... so 0.5 is reached after about three rounds in a
+    /// row, while a key touched now and then never gets there: touched in every third round
+    /// its score peaks at 0.41 at most (`0.2 / (1 - 0.8^3)`); every other round, at 0.56, only
+    /// after many rounds of it. Half of the converged score of a key touched every round (1)
+    /// is also the middle of the range, leaving `remove_thresh` (0.2) of hysteresis below it
+    /// and a margin's worth of room above it for the eviction rule. A dedicated peer that the
+    /// tracker wants but whose score falls below `min_score - remove_thresh` is demoted again
+    /// (cooling). 0 asks at every promotion, as before this floor existed.
+    pub min_score: f64,
     /// How long a denied, timed-out or evicted peer waits before asking again (1 s): several
     /// periods of a usage tracker progressing every 100 to 250 ms, the time its decayed scores
     /// need to move, so an earlier request would most likely be refused again. Each wait is
@@ -283,6 +332,7 @@ impl Default for LanesConfig {
         LanesConfig {
             max_dedicated: 16,
             remove_thresh: 0.2,
+            min_score: 0.5,
             deny_backoff_ns: 1_000 * MILLISECOND,
             request_timeout_ns: 100 * MILLISECOND,
         }
@@ -311,6 +361,12 @@ impl LanesConfig {
                 ),
             );
         }
+        if !(0.0..=1.0).contains(&self.min_score) {
+            return bad(
+                "min_score",
+                format!("must be finite and within [0, 1], got {}", self.min_score),
+            );
+        }
         if self.deny_backoff_ns == 0 {
             return bad("deny_backoff_ns", "must be at least 1, got 0".to_string());
         }
@@ -337,6 +393,11 @@ pub enum Promotion {
     /// machine asks again by itself when the back-off ends, or at once if the score rises by
     /// `remove_thresh` above the refused one or (for lack of local room) a slot frees.
     Waiting,
+    /// The score is below [`LanesConfig::min_score`]: the peer is recorded as wanted but not
+    /// asked for (no request, no back-off); [`Lanes::on_score`] asks as soon as the score
+    /// reaches the floor. Also returned for a dedicated peer that cooled (its score fell below
+    /// `min_score - remove_thresh`) and was demoted here.
+    BelowFloor,
     /// The peer is this process itself; nothing to negotiate.
     Ignored,
 }
@@ -361,6 +422,13 @@ pub struct LanesStats {
     pub demotes_received: u64,
     /// Dedicated peers demoted here to make room for a stronger one.
     pub evictions: u64,
+    /// Dedicated peers demoted here because the local tracker's score for them fell below
+    /// `min_score - remove_thresh` (also counted in `demotions`).
+    pub cooled: u64,
+    /// `Score`s sent.
+    pub scores_sent: u64,
+    /// `Score`s received for a pair dedicated here (stale ones are not counted).
+    pub scores_received: u64,
     /// Requests dropped unanswered.
     pub timeouts: u64,
     /// Simultaneous requests settled by the node-id tie-break (counted at both ends).
@@ -388,6 +456,9 @@ impl LanesStats {
         self.demotes_sent += other.demotes_sent;
         self.demotes_received += other.demotes_received;
         self.evictions += other.evictions;
+        self.cooled += other.cooled;
+        self.scores_sent += other.scores_sent;
+        self.scores_received += other.scores_received;
         self.timeouts += other.timeouts;
         self.collisions += other.collisions;
         self.undone += other.undone;
@@ -415,27 +486,50 @@ struct Backoff {
 }
 
 /// What this end knows about one peer. An entry exists only while `lane` is dedicated,
-/// `request` is outstanding, or the tracker wants the peer (`wanted`) and `backoff` runs.
+/// `request` is outstanding, or the tracker wants the peer (`wanted`).
 #[derive(Debug, Clone)]
 struct Peer {
     lane: Lane,
     /// The local usage tracker has the peer promoted.
     wanted: bool,
-    /// The local view of the pair's score (from the tracker, else the peer's request).
-    score: f64,
+    /// The local tracker's latest score for the peer, if it was fed one.
+    local: Option<f64>,
+    /// The peer's score for the pair, from its `Promote` or latest `Score`.
+    remote: Option<f64>,
+    /// This end asked for the dedicated lane it holds (its request was accepted), so it keeps
+    /// the peer told of its score.
+    asked: bool,
+    /// The last score this end told the peer (in its `Promote` or a `Score`).
+    told: f64,
     request: Option<Request>,
     backoff: Option<Backoff>,
 }
 
 impl Peer {
-    fn new(score: f64) -> Self {
+    fn new() -> Self {
         Peer {
             lane: Lane::Shared,
             wanted: false,
-            score,
+            local: None,
+            remote: None,
+            asked: false,
+            told: 0.0,
             request: None,
             backoff: None,
         }
+    }
+
+    /// The pair's score wherever scores are compared: the larger of the two ends' views.
+    fn score(&self) -> f64 {
+        match (self.local, self.remote) {
+            (Some(l), Some(r)) => l.max(r),
+            (l, r) => l.or(r).unwrap_or(0.0),
+        }
+    }
+
+    /// The local tracker's score, what this end asks with.
+    fn local_score(&self) -> f64 {
+        self.local.unwrap_or(0.0)
     }
 
     fn next_deadline(&self) -> Option<u64> {
@@ -542,24 +636,37 @@ impl Lanes {
     }
 
     /// The local usage tracker promoted `peer` with `score` (or, called again every progress
-    /// period, still ranks it promoted). Asks the peer for a dedicated lane when it is shared,
-    /// nothing is outstanding and no back-off holds it, and when this end has room or `score`
-    /// beats its weakest dedicated peer's by more than `remove_thresh` (that peer is demoted
-    /// first). Returns what it did; it never fails.
+    /// period, still ranks it promoted). Records the peer as wanted; below
+    /// [`LanesConfig::min_score`] that is all ([`Promotion::BelowFloor`]: [`Lanes::on_score`]
+    /// asks once the score reaches the floor). At or above it, asks the peer for a dedicated
+    /// lane when it is shared, nothing is outstanding and no back-off holds it, and when this
+    /// end has room or `score` beats its weakest dedicated peer's by more than `remove_thresh`
+    /// (that peer is demoted first). For a dedicated peer the score is handled as
+    /// [`Lanes::on_score`] does (it may be told to the peer, or cool the pair). Returns what it
+    /// did; it never fails.
     pub fn on_promoted(&mut self, now: u64, peer: NodeId, score: f64) -> Promotion {
         if peer == self.node {
             return Promotion::Ignored;
         }
         let score = finite(score);
         let thresh = self.config.remove_thresh;
-        let p = self.peers.entry(peer).or_insert_with(|| Peer::new(score));
+        let p = self.peers.entry(peer).or_insert_with(Peer::new);
         p.wanted = true;
-        p.score = score;
+        p.local = Some(score);
         if p.lane == Lane::Dedicated {
+            if self.dedicated_score(now, peer, score) {
+                self.use_room(now);
+                return Promotion::BelowFloor;
+            }
             return Promotion::Dedicated;
         }
         if p.request.is_some() {
             return Promotion::Pending;
+        }
+        if score < self.config.min_score {
+            // Not busy enough yet; a back-off that runs keeps running (its end asks only if the
+            // score is at the floor by then).
+            return Promotion::BelowFloor;
         }
         if let Some(b) = p.backoff {
             if score < b.score + thresh {
@@ -587,25 +694,40 @@ impl Lanes {
         self.use_room(now);
     }
 
-    /// The local tracker's current score for `peer`. Kept only for peers this end tracks: it
-    /// decides which dedicated peer is weakest, and a waiting peer whose score rose by
-    /// `remove_thresh` above the refused one asks again at once.
+    /// The local tracker's current score for `peer`, fed every progress period. Kept only for
+    /// peers this end tracks: it counts in deciding which dedicated peer is weakest. A wanted
+    /// shared peer with nothing outstanding asks at once when the score reaches
+    /// [`LanesConfig::min_score`] with no back-off running, or when it rose by
+    /// `remove_thresh` above the refused one while its back-off runs. For a dedicated peer
+    /// that this end asked for, a score that moved by `remove_thresh / 2` or more from the last
+    /// one told is sent in a `Score`; a wanted dedicated peer whose score fell below
+    /// `min_score - remove_thresh` is demoted (cooled) and asks again at the floor.
     pub fn on_score(&mut self, now: u64, peer: NodeId, score: f64) {
         let score = finite(score);
         let thresh = self.config.remove_thresh;
+        let floor = self.config.min_score;
         let Some(p) = self.peers.get_mut(&peer) else {
             return;
         };
-        p.score = score;
-        if let Some(b) = p.backoff {
-            if p.wanted
-                && p.lane == Lane::Shared
-                && p.request.is_none()
-                && score >= b.score + thresh
-            {
+        p.local = Some(score);
+        if p.lane == Lane::Dedicated {
+            if self.dedicated_score(now, peer, score) {
+                self.use_room(now);
+            }
+            return;
+        }
+        if !p.wanted || p.request.is_some() || score < floor {
+            return;
+        }
+        match p.backoff {
+            None => {
+                self.try_request(now, peer);
+            }
+            Some(b) if score >= b.score + thresh => {
                 p.backoff = None;
                 self.try_request(now, peer);
             }
+            Some(_) => {}
         }
     }
 
@@ -620,6 +742,7 @@ impl Lanes {
             LaneMsg::Accept { seq } => self.on_accept(from, seq),
             LaneMsg::Deny { seq } => self.on_deny(now, from, seq),
             LaneMsg::Demote => self.on_demote(now, from),
+            LaneMsg::Score { score } => self.on_remote_score(from, finite(score)),
         }
         self.use_room(now);
     }
@@ -649,7 +772,7 @@ impl Lanes {
     }
 
     /// Drops requests unanswered past their deadline (the peer backs off as if denied) and
-    /// asks again for wanted peers whose back-off is over.
+    /// asks again for wanted peers whose back-off is over, if their score is at the floor.
     pub fn on_timeout(&mut self, now: u64) {
         let due: Vec<NodeId> = self
             .peers
@@ -668,7 +791,11 @@ impl Lanes {
                 self.back_off(now, peer, r.score, true);
             } else if p.backoff.is_some_and(|b| b.until <= now) {
                 p.backoff = None;
-                if p.wanted && p.lane == Lane::Shared && p.request.is_none() {
+                if p.wanted
+                    && p.lane == Lane::Shared
+                    && p.request.is_none()
+                    && p.local_score() >= self.config.min_score
+                {
                     self.try_request(now, peer);
                 }
                 self.tidy(now, peer);
@@ -693,11 +820,13 @@ impl Lanes {
             LaneMsg::Accept { .. } => self.stats.accepts_sent += 1,
             LaneMsg::Deny { .. } => self.stats.denials_sent += 1,
             LaneMsg::Demote => self.stats.demotes_sent += 1,
+            LaneMsg::Score { .. } => self.stats.scores_sent += 1,
         }
         self.transmits.push_back((to, msg));
     }
 
-    /// Changes the lane of a tracked peer, keeping the count and reporting the switch.
+    /// Changes the lane of a tracked peer, keeping the count and reporting the switch. A peer
+    /// going shared forgets the pair's remote view and who asked: both belong to the lane.
     fn set_lane(&mut self, peer: NodeId, to: Lane) {
         let p = self
             .peers
@@ -713,6 +842,8 @@ impl Lanes {
                 self.stats.promotions += 1;
             }
             Lane::Shared => {
+                p.remote = None;
+                p.asked = false;
                 self.dedicated -= 1;
                 self.stats.demotions += 1;
             }
@@ -727,15 +858,16 @@ impl Lanes {
         self.dedicated + self.reserved < self.config.max_dedicated
     }
 
-    /// Frees a slot for a peer with `score` by demoting the weakest dedicated peer, if `score`
-    /// beats it by more than `remove_thresh`. Returns true when it did.
+    /// Frees a slot for a peer with `score` by demoting the weakest dedicated peer (by the
+    /// larger of both ends' views of its score), if `score` beats it by more than
+    /// `remove_thresh`. Returns true when it did.
     fn evict_for(&mut self, now: u64, score: f64) -> bool {
         let weakest = self
             .peers
             .iter()
             .filter(|(_, p)| p.lane == Lane::Dedicated)
-            .min_by(|a, b| a.1.score.total_cmp(&b.1.score).then(a.0.cmp(b.0)))
-            .map(|(id, p)| (*id, p.score));
+            .map(|(id, p)| (*id, p.score()))
+            .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
         match weakest {
             Some((victim, weakest)) if score > weakest + self.config.remove_thresh => {
                 self.stats.evictions += 1;
@@ -754,9 +886,33 @@ impl Lanes {
         self.set_lane(peer, Lane::Shared);
         let p = &self.peers[&peer];
         if p.wanted {
-            let score = p.score;
+            let score = p.local_score();
             self.back_off(now, peer, score, true);
         }
+    }
+
+    /// The local tracker's `score` for a dedicated `peer`: cools a wanted peer whose score
+    /// fell below `min_score - remove_thresh` (it stays wanted, with no back-off, and asks
+    /// again at the floor); otherwise, when this end asked for the lane, tells the peer a
+    /// score that moved by `remove_thresh / 2` or more since the last one told. Returns true
+    /// when it cooled the pair.
+    fn dedicated_score(&mut self, now: u64, peer: NodeId, score: f64) -> bool {
+        let thresh = self.config.remove_thresh;
+        let p = self.peers.get_mut(&peer).expect("score of a tracked peer");
+        if p.wanted && score < self.config.min_score - thresh {
+            self.stats.cooled += 1;
+            self.send(peer, LaneMsg::Demote);
+            self.set_lane(peer, Lane::Shared);
+            self.tidy(now, peer);
+            return true;
+        }
+        // Half a margin: the peer's view is never off by enough to let a newcomer that is
+        // not busier beat it, and a score that settled sends nothing more.
+        if p.asked && score != p.told && (score - p.told).abs() >= thresh / 2.0 {
+            p.told = score;
+            self.send(peer, LaneMsg::Score { score });
+        }
+        false
     }
 
     /// Starts a back-off for a wanted shared peer: it asks again at its end, or earlier when
@@ -778,9 +934,9 @@ impl Lanes {
     }
 
     /// Asks a wanted shared peer with nothing outstanding for a dedicated lane, if this end
-    /// has room or can make it; otherwise waits.
+    /// has room or can make it; otherwise waits. Callers check the floor.
     fn try_request(&mut self, now: u64, peer: NodeId) -> Promotion {
-        let score = self.peers[&peer].score;
+        let score = self.peers[&peer].local_score();
         if !self.has_room() && !self.evict_for(now, score) {
             self.back_off(now, peer, score, false);
             return Promotion::Waiting;
@@ -798,19 +954,30 @@ impl Lanes {
             score,
             deadline,
         });
+        p.told = score;
         self.reserved += 1;
         self.send(peer, LaneMsg::Promote { seq, score });
         Promotion::Requested
     }
 
-    /// Slots freed here go to peers that were waiting only for local room, strongest first.
+    /// Slots freed here go to peers that were waiting only for local room and are still at
+    /// the floor, strongest first.
     fn use_room(&mut self, now: u64) {
+        let floor = self.config.min_score;
         while self.has_room() {
             let next = self
                 .peers
                 .iter()
-                .filter(|(_, p)| p.backoff.is_some_and(|b| !b.remote) && p.request.is_none())
-                .max_by(|a, b| a.1.score.total_cmp(&b.1.score).then(b.0.cmp(a.0)))
+                .filter(|(_, p)| {
+                    p.backoff.is_some_and(|b| !b.remote)
+                        && p.request.is_none()
+                        && p.local_score() >= floor
+                })
+                .max_by(|a, b| {
+                    a.1.local_score()
+                        .total_cmp(&b.1.local_score())
+                        .then(b.0.cmp(a.0))
+                })
                 .map(|(id, _)| *id);
             let Some(peer) = next else {
                 return;
@@ -820,8 +987,9 @@ impl Lanes {
         }
     }
 
-    /// Drops the entry of a peer nothing is kept for any more; gives a wanted shared peer
-    /// with neither a request nor a back-off a back-off, so it is not forgotten.
+    /// Drops the entry of a peer nothing is kept for any more. A wanted shared peer with
+    /// neither a request nor a back-off is kept: at the floor it gets a back-off (so it asks
+    /// again by itself), below it waits for [`Lanes::on_score`] to bring it there.
     fn tidy(&mut self, now: u64, peer: NodeId) {
         let Some(p) = self.peers.get(&peer) else {
             return;
@@ -831,17 +999,25 @@ impl Lanes {
         }
         if !p.wanted {
             self.peers.remove(&peer);
-        } else if p.backoff.is_none() {
-            let score = p.score;
+        } else if p.backoff.is_none() && p.local_score() >= self.config.min_score {
+            let score = p.local_score();
             self.back_off(now, peer, score, true);
         }
     }
 
     fn on_promote(&mut self, now: u64, from: NodeId, seq: u64, score: f64) {
+        // The challenger's score: its own, or this end's tracker's if that is higher.
+        let mut challenger = score;
         if let Some(p) = self.peers.get_mut(&from) {
+            if let Some(local) = p.local {
+                challenger = challenger.max(local);
+            }
             if p.lane == Lane::Dedicated {
                 // The peer thinks the pair shared while this end does not: a stale view that
                 // the peer's own messages have not corrected yet. Dedicated needs no new room.
+                // The peer asked now, so its score is the fresh remote view.
+                p.remote = Some(score);
+                p.asked = false;
                 self.send(from, LaneMsg::Accept { seq });
                 return;
             }
@@ -856,14 +1032,17 @@ impl Lanes {
                 self.reserved -= 1;
             }
         }
-        if !self.has_room() && !self.evict_for(now, score) {
+        if !self.has_room() && !self.evict_for(now, challenger) {
             self.send(from, LaneMsg::Deny { seq });
             self.tidy(now, from);
             return;
         }
-        let p = self.peers.entry(from).or_insert_with(|| Peer::new(score));
+        let p = self.peers.entry(from).or_insert_with(Peer::new);
         p.backoff = None;
         self.set_lane(from, Lane::Dedicated);
+        let p = self.peers.get_mut(&from).expect("just set");
+        p.remote = Some(score);
+        p.asked = false;
         self.send(from, LaneMsg::Accept { seq });
     }
 
@@ -876,6 +1055,8 @@ impl Lanes {
                 self.reserved -= 1;
                 self.stats.accepts_received += 1;
                 self.set_lane(from, Lane::Dedicated);
+                // This end asked: it keeps the peer told of its score from now on.
+                self.peers.get_mut(&from).expect("just set").asked = true;
             }
             // Stale, and both ends are dedicated: nothing to do.
             Some(p) if p.lane == Lane::Dedicated => {}
@@ -916,10 +1097,21 @@ impl Lanes {
         let p = &self.peers[&from];
         if p.wanted {
             // Evicted (or the peer cooled) while this end still wants it: ask again later.
-            let score = p.score;
+            let score = p.local_score();
             self.back_off(now, from, score, true);
         } else {
             self.tidy(now, from);
+        }
+    }
+
+    /// A `Score` from the requester of a dedicated pair: the remote view from now on. Stale
+    /// (the pair is not dedicated here) it is ignored; the next request carries a fresh one.
+    fn on_remote_score(&mut self, from: NodeId, score: f64) {
+        if let Some(p) = self.peers.get_mut(&from) {
+            if p.lane == Lane::Dedicated {
+                p.remote = Some(score);
+                self.stats.scores_received += 1;
+            }
         }
     }
 }

@@ -585,6 +585,62 @@ impl NativeEngine {
         Ok(out)
     }
 
+    /// Lanes of small messages: `{"dynamic", "max_dedicated", "receive_bytes",
+    /// "outgoing": [{peer, lane, score, promotions, demotions, denials}], "incoming": [...],
+    /// "requesting": {counter: n}, "granting": {counter: n}}`; `lane` is "shared" or
+    /// "dedicated", `score` None when untracked.
+    fn lanes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let r = self.engine.lanes();
+        let peers = |list: &[multirail::PeerLaneReport]| -> PyResult<Bound<'py, PyList>> {
+            let out = PyList::empty(py);
+            for p in list {
+                let d = PyDict::new(py);
+                d.set_item("peer", &p.peer)?;
+                let lane = match p.lane {
+                    multirail::Lane::Shared => "shared",
+                    multirail::Lane::Dedicated => "dedicated",
+                };
+                d.set_item("lane", lane)?;
+                d.set_item("score", p.score)?;
+                d.set_item("promotions", p.promotions)?;
+                d.set_item("demotions", p.demotions)?;
+                d.set_item("denials", p.denials)?;
+                out.append(d)?;
+            }
+            Ok(out)
+        };
+        let counters = |s: &multirail::LanesStats| -> PyResult<Bound<'py, PyDict>> {
+            let d = PyDict::new(py);
+            for (k, v) in [
+                ("requests_sent", s.requests_sent),
+                ("accepts_sent", s.accepts_sent),
+                ("accepts_received", s.accepts_received),
+                ("denials_sent", s.denials_sent),
+                ("denials_received", s.denials_received),
+                ("demotes_sent", s.demotes_sent),
+                ("demotes_received", s.demotes_received),
+                ("evictions", s.evictions),
+                ("timeouts", s.timeouts),
+                ("promotions", s.promotions),
+                ("demotions", s.demotions),
+                ("switches", s.switches),
+                ("peers_gone", s.peers_gone),
+            ] {
+                d.set_item(k, v)?;
+            }
+            Ok(d)
+        };
+        let out = PyDict::new(py);
+        out.set_item("dynamic", r.dynamic)?;
+        out.set_item("max_dedicated", r.max_dedicated)?;
+        out.set_item("receive_bytes", r.receive_bytes)?;
+        out.set_item("outgoing", peers(&r.outgoing)?)?;
+        out.set_item("incoming", peers(&r.incoming)?)?;
+        out.set_item("requesting", counters(&r.requesting)?)?;
+        out.set_item("granting", counters(&r.granting)?)?;
+        Ok(out)
+    }
+
     /// Sends `msg` to opened segment `id` as a notification (GIL released).
     fn send_notification(&self, py: Python<'_>, id: u64, msg: &str) -> PyResult<()> {
         let engine = self.engine.clone();

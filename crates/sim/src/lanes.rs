@@ -1,6 +1,13 @@
 //! The simulation of a lanes scenario: `peers` processes, each driving its own real
-//! [`UsageTracker`] and its own real [`Lanes`] machine in virtual time, as the engine's glue
-//! would.
+//! [`UsageTracker`] and two real [`Lanes`] machines in virtual time, as the engine's glue does.
+//!
+//! Lanes are *directed*, as in the engine: the lane from `a` to `b` carries what `a` sends to
+//! `b`. Each process runs a *requesting* machine, which asks for lanes for the peers its
+//! send-side tracker promotes (and sends `Promote`, `Demote`, `Score`), and a *granting*
+//! machine, which answers the requests of the peers sending to it (`Accept`, `Deny`, and
+//! `Demote` when it evicts). Each holds at most `max_dedicated` lanes. A lane `a -> b` is
+//! dedicated at `a`'s requesting machine and at `b`'s granting machine; the two directions of
+//! a pair are negotiated independently.
 //!
 //! - **Send path.** Every process sends application messages at its workload's rate, simulated
 //!   in batches: once per tick (`tick_us`) a process sends the messages due in that tick, and
@@ -9,16 +16,16 @@
 //!   round at most once per `switch_interval` and runs `progress` every `progress_factor`-th
 //!   round. Each process starts at a random phase of its rate, so cold senders do not all send
 //!   in the same tick.
-//! - **Glue.** After a progress, the tracker's events feed the lane machine (`Promoted` to
-//!   [`Lanes::on_promoted`], `Demoted` to [`Lanes::on_demoted`]), then the score of every
-//!   promoted peer is fed with [`Lanes::on_score`]. The receiver side of a pair (a peer this
-//!   process accepted without promoting it itself) is scored by the scenario's
-//!   [`ReceiverView`].
+//! - **Glue.** After a progress, the tracker's events feed the requesting machine (`Promoted`
+//!   to [`Lanes::on_promoted`], `Demoted` to [`Lanes::on_demoted`]), then the tracker's score of
+//!   every peer the machine keeps (promoted or dedicated) is fed with [`Lanes::on_score`]. The
+//!   granting machine hears the requesters' scores (`Promote`, `Score`) and, as the scenario's
+//!   [`ReceiverView`] says, its own tracker's score for the peers it granted a lane.
 //! - **Network.** Lane messages go through [`LaneMsg::encode`] / [`LaneMsg::decode`] and arrive
-//!   after `latency_us ± jitter_us`, in the order sent between each pair (the protocol needs
-//!   that), reliably. Timers ([`Lanes::poll_timeout`]) run at their deadlines.
+//!   after `latency_us ± jitter_us`, in the order sent between each pair of machines (the
+//!   protocol needs that), reliably. Timers ([`Lanes::poll_timeout`]) run at their deadlines.
 //!
-//! Counters come from [`Lanes::stats`], summed over the processes per `sample_ms` window.
+//! Counters come from [`Lanes::stats`], summed over every machine per `sample_ms` window.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -44,30 +51,62 @@ enum Dests {
     Weighted(Vec<(f64, u64)>),
 }
 
-/// One process.
-struct Proc {
-    tracker: UsageTracker<u64>,
+/// Which of a process's two lane machines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+enum Role {
+    /// Asks for lanes for what the process sends.
+    Request = 0,
+    /// Grants lanes for what the process receives.
+    Grant = 1,
+}
+
+impl Role {
+    /// The machine at the other end of a lane this one negotiates.
+    fn other(self) -> Role {
+        match self {
+            Role::Request => Role::Grant,
+            Role::Grant => Role::Request,
+        }
+    }
+}
+
+/// One lane machine and what the simulator mirrors of it.
+struct Machine {
     lanes: Lanes,
-    /// Messages sent per tick (fractional; `acc` carries the rest).
-    per_tick: f64,
-    acc: f64,
-    dests: Dests,
     timer_at: Option<u64>,
-    /// The peers this end holds a dedicated lane with (mirrors the switches).
+    /// The peers it holds a dedicated lane with (mirrors the switches).
     dedicated: Vec<u64>,
     last_switch: Option<u64>,
 }
 
+/// One process.
+struct Proc {
+    tracker: UsageTracker<u64>,
+    /// Indexed by [`Role`].
+    machines: [Machine; 2],
+    /// Messages sent per tick (fractional; `acc` carries the rest).
+    per_tick: f64,
+    acc: f64,
+    dests: Dests,
+}
+
+impl Proc {
+    fn machine(&mut self, role: Role) -> &mut Machine {
+        &mut self.machines[role as usize]
+    }
+}
+
 #[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Ev {
-    /// A lane message arrives.
+    /// A lane message arrives at machine `role` of process `to`.
     Deliver {
         from: u32,
         to: u32,
+        role: Role,
         frame: [u8; LaneMsg::ENCODED_LEN],
     },
-    /// A process's lane timer (if still the armed one).
-    Timer { node: u32, at: u64 },
+    /// A machine's lane timer (if still the armed one).
+    Timer { node: u32, role: Role, at: u64 },
     /// Every process sends its batch.
     Tick,
     /// End of a report window.
@@ -86,8 +125,22 @@ struct Counters {
     switches_second_half: u64,
     last_switch: Option<u64>,
     max_dedicated_seen: usize,
-    /// Most dedicated lanes of one process in the current window.
+    /// Most dedicated lanes of one machine in the current window.
     window_max: usize,
+}
+
+/// What the simulator watches at an mbw_mr receiver's granting machine.
+#[derive(Default, Clone)]
+struct Watch {
+    /// Its hot senders.
+    hot: Vec<u64>,
+    /// When all of them were first dedicated.
+    all_hot_at: Option<u64>,
+    /// First time a cold sender held a lane with it.
+    cold_first_at: Option<u64>,
+    cold_granted: u64,
+    /// Lanes of hot senders lost after `all_hot_at`.
+    hot_lost: u64,
 }
 
 struct Sim<'a> {
@@ -99,12 +152,12 @@ struct Sim<'a> {
     now: u64,
     end: u64,
     rng: SmallRng,
-    /// Latest arrival time per (from, to): keeps each pair's messages in order under jitter.
-    last_arrival: HashMap<u64, u64>,
+    /// Latest arrival time per (from, to, receiving machine): keeps each pair of machines'
+    /// messages in order under jitter.
+    last_arrival: HashMap<(u32, u32, Role), u64>,
     c: Counters,
-    /// Per receiver (mbw_mr): its hot senders, and when all of them were first dedicated.
-    hot_of: Vec<Vec<u64>>,
-    all_hot_at: Vec<Option<u64>>,
+    /// Per receiver (mbw_mr).
+    watch: Vec<Watch>,
     timeline: Vec<LanesSample>,
     /// Summed counters at the end of the previous window.
     prev: LanesStats,
@@ -187,22 +240,33 @@ impl<'a> Sim<'a> {
         }
         let usage = sc.usage_config();
         let lanes = sc.lanes_config();
+        let machine = |i: usize| -> Result<Machine, ScenarioError> {
+            Ok(Machine {
+                lanes: Lanes::new(NodeId(i as u64), lanes)
+                    .map_err(|e| config_error("max_dedicated", e.to_string()))?,
+                timer_at: None,
+                dedicated: Vec::new(),
+                last_switch: None,
+            })
+        };
         let mut procs = Vec::with_capacity(n);
         for (i, (rate, dests)) in plan.into_iter().enumerate() {
             procs.push(Proc {
                 tracker: UsageTracker::new(usage)
                     .map_err(|e| config_error(&format!("usage.{}", e.key), e.message))?,
-                lanes: Lanes::new(NodeId(i as u64), lanes)
-                    .map_err(|e| config_error("max_dedicated", e.to_string()))?,
+                machines: [machine(i)?, machine(i)?],
                 per_tick: rate * tick_s,
                 acc: rng.gen::<f64>(),
                 dests,
-                timer_at: None,
-                dedicated: Vec::new(),
-                last_switch: None,
             });
         }
-        let receivers = hot_of.len();
+        let watch = hot_of
+            .into_iter()
+            .map(|hot| Watch {
+                hot,
+                ..Watch::default()
+            })
+            .collect();
         Ok(Sim {
             run,
             sc,
@@ -214,8 +278,7 @@ impl<'a> Sim<'a> {
             rng,
             last_arrival: HashMap::new(),
             c: Counters::default(),
-            hot_of,
-            all_hot_at: vec![None; receivers],
+            watch,
             timeline: Vec::new(),
             prev: LanesStats::default(),
             prev_tracker: (0, 0),
@@ -248,21 +311,27 @@ impl<'a> Sim<'a> {
                         self.at(t + tick, Ev::Tick);
                     }
                 }
-                Ev::Deliver { from, to, frame } => {
+                Ev::Deliver {
+                    from,
+                    to,
+                    role,
+                    frame,
+                } => {
                     let msg = LaneMsg::decode(&frame).map_err(|e| ScenarioError {
                         key: String::new(),
                         message: format!("lane message {from} -> {to} does not decode: {e}"),
                     })?;
-                    self.deliver(from as usize, to as usize, msg);
+                    self.deliver(from as usize, to as usize, role, msg);
                 }
-                Ev::Timer { node, at } => {
+                Ev::Timer { node, role, at } => {
                     let i = node as usize;
-                    if self.procs[i].timer_at != Some(at) {
+                    let m = self.procs[i].machine(role);
+                    if m.timer_at != Some(at) {
                         continue;
                     }
-                    self.procs[i].timer_at = None;
-                    self.procs[i].lanes.on_timeout(t);
-                    self.flush(i);
+                    m.timer_at = None;
+                    m.lanes.on_timeout(t);
+                    self.flush(i, role);
                 }
                 Ev::Window => {
                     self.window();
@@ -321,135 +390,159 @@ impl<'a> Sim<'a> {
         }
     }
 
-    /// Feeds the tracker's decisions to the lane machine.
+    /// Feeds the tracker's decisions to the requesting machine.
     fn drain_tracker(&mut self, i: usize) {
         let now = self.now;
         let p = &mut self.procs[i];
+        let lanes = &mut p.machines[Role::Request as usize].lanes;
         while let Some(e) = p.tracker.poll_event() {
             match e {
                 UsageEvent::Promoted { key, score } => {
                     self.c.tracker_promotions += 1;
-                    p.lanes.on_promoted(now, NodeId(key), score);
+                    lanes.on_promoted(now, NodeId(key), score);
                 }
                 UsageEvent::Demoted { key } => {
                     self.c.tracker_demotions += 1;
-                    p.lanes.on_demoted(now, NodeId(key));
+                    lanes.on_demoted(now, NodeId(key));
                 }
             }
         }
     }
 
-    /// After a progress: events, then the current scores of the promoted peers, and of the
-    /// accepted ones as the receiver view says.
+    /// After a progress: events, then the current scores of the peers the requesting machine
+    /// keeps (promoted or dedicated), and, as the receiver view says, of the peers the
+    /// granting machine granted.
     fn after_progress(&mut self, i: usize) {
         let now = self.now;
         self.drain_tracker(i);
         let p = &mut self.procs[i];
         self.scratch.clear();
         self.scratch.extend(p.tracker.promoted());
+        let [req, grant] = &mut p.machines;
+        for &d in &req.dedicated {
+            if !p.tracker.is_promoted(d) {
+                self.scratch.push(d);
+            }
+        }
         for &k in &self.scratch {
             if let Some(s) = p.tracker.score(k) {
-                p.lanes.on_score(now, NodeId(k), s);
+                req.lanes.on_score(now, NodeId(k), s);
             }
         }
-        let view = self.sc.receiver_view;
-        if view != ReceiverView::Request {
-            for &d in &p.dedicated {
-                if p.tracker.is_promoted(d) {
-                    continue;
-                }
-                match (view, p.tracker.score(d)) {
-                    (_, Some(s)) => p.lanes.on_score(now, NodeId(d), s),
-                    (ReceiverView::Own, None) => p.lanes.on_score(now, NodeId(d), 0.0),
-                    _ => {}
+        if self.sc.receiver_view != ReceiverView::Request {
+            for &d in &grant.dedicated {
+                if let Some(s) = p.tracker.score(d) {
+                    grant.lanes.on_score(now, NodeId(d), s);
                 }
             }
         }
-        self.flush(i);
+        self.flush(i, Role::Request);
+        self.flush(i, Role::Grant);
     }
 
-    fn deliver(&mut self, from: usize, to: usize, msg: LaneMsg) {
+    fn deliver(&mut self, from: usize, to: usize, role: Role, msg: LaneMsg) {
         let now = self.now;
         self.c.lane_messages += 1;
         self.procs[to]
+            .machine(role)
             .lanes
             .on_message(now, NodeId(from as u64), msg);
-        if let (ReceiverView::MinScore, LaneMsg::Promote { score, .. }) =
+        if let (ReceiverView::MinScore, LaneMsg::Promote { score, .. } | LaneMsg::Score { score }) =
             (self.sc.receiver_view, msg)
         {
-            // UCX: the remote side's view floors the local score of the pair.
+            // UCX: the remote side's view floors the local score of the pair; the receiver's
+            // tracker may promote the sender, and its requesting machine ask for the way back.
             let _ = self.procs[to].tracker.set_min_score(from as u64, score);
             self.drain_tracker(to);
+            self.flush(to, Role::Request);
         }
-        self.flush(to);
+        self.flush(to, role);
     }
 
-    /// Sends what the lane machine of `i` queued, records its switches, arms its timer.
-    fn flush(&mut self, i: usize) {
+    /// Sends what machine `role` of `i` queued, records its switches, arms its timer.
+    fn flush(&mut self, i: usize, role: Role) {
         let now = self.now;
         let half = self.end / 2;
-        while let Some((to, msg)) = self.procs[i].lanes.poll_transmit() {
+        while let Some((to, msg)) = self.procs[i].machine(role).lanes.poll_transmit() {
             let jitter = self.sc.jitter_us;
             let delay_us = if jitter > 0.0 {
                 self.sc.latency_us + self.rng.gen_range(-jitter..=jitter)
             } else {
                 self.sc.latency_us
             };
-            let pair = ((i as u64) << 32) | to.0;
+            let (from, to) = (i as u32, to.0 as u32);
+            let dest = role.other();
             let mut t = now + (delay_us.max(0.0) * 1000.0) as u64;
-            let last = self.last_arrival.entry(pair).or_insert(0);
+            let last = self.last_arrival.entry((from, to, dest)).or_insert(0);
             t = t.max(*last);
             *last = t;
             self.at(
                 t,
                 Ev::Deliver {
-                    from: i as u32,
-                    to: to.0 as u32,
+                    from,
+                    to,
+                    role: dest,
                     frame: msg.encode(),
                 },
             );
         }
-        let p = &mut self.procs[i];
-        let mut switched = false;
-        while let Some(s) = p.lanes.poll_switch() {
-            switched = true;
+        let m = self.procs[i].machine(role);
+        let watch = match role {
+            Role::Grant => self.watch.get_mut(i),
+            Role::Request => None,
+        };
+        let mut watch = watch;
+        while let Some(s) = m.lanes.poll_switch() {
+            let peer = s.peer.0;
             match s.to {
-                Lane::Dedicated => p.dedicated.push(s.peer.0),
-                Lane::Shared => p.dedicated.retain(|&d| d != s.peer.0),
+                Lane::Dedicated => m.dedicated.push(peer),
+                Lane::Shared => m.dedicated.retain(|&d| d != peer),
             }
-            p.last_switch = Some(now);
+            m.last_switch = Some(now);
             self.c.last_switch = Some(now);
             if now > half {
                 self.c.switches_second_half += 1;
             }
-        }
-        let held = p.lanes.dedicated();
-        debug_assert_eq!(held, p.dedicated.len());
-        self.c.window_max = self.c.window_max.max(held);
-        self.c.max_dedicated_seen = self.c.max_dedicated_seen.max(held);
-        if switched && i < self.hot_of.len() && self.all_hot_at[i].is_none() {
-            let hot = &self.hot_of[i];
-            if hot.iter().all(|h| p.dedicated.contains(h)) {
-                self.all_hot_at[i] = Some(now);
+            if let Some(w) = watch.as_deref_mut() {
+                let hot = w.hot.contains(&peer);
+                match s.to {
+                    Lane::Dedicated if !hot => {
+                        w.cold_granted += 1;
+                        w.cold_first_at.get_or_insert(now);
+                    }
+                    Lane::Shared if hot && w.all_hot_at.is_some() => w.hot_lost += 1,
+                    _ => {}
+                }
+                if w.all_hot_at.is_none() && w.hot.iter().all(|h| m.dedicated.contains(h)) {
+                    w.all_hot_at = Some(now);
+                }
             }
         }
-        let arm = match p.lanes.poll_timeout() {
-            Some(at) if p.timer_at.is_none_or(|t| at < t) => {
-                p.timer_at = Some(at);
+        let held = m.lanes.dedicated();
+        debug_assert_eq!(held, m.dedicated.len());
+        self.c.window_max = self.c.window_max.max(held);
+        self.c.max_dedicated_seen = self.c.max_dedicated_seen.max(held);
+        let arm = match m.lanes.poll_timeout() {
+            Some(at) if m.timer_at.is_none_or(|t| at < t) => {
+                m.timer_at = Some(at);
                 Some(at)
             }
             _ => None,
         };
         if let Some(at) = arm {
             let node = i as u32;
-            self.at(at.max(now), Ev::Timer { node, at });
+            self.at(at.max(now), Ev::Timer { node, role, at });
         }
+    }
+
+    fn machines(&self) -> impl Iterator<Item = &Machine> + '_ {
+        self.procs.iter().flat_map(|p| p.machines.iter())
     }
 
     fn totals(&self) -> LanesStats {
         let mut t = LanesStats::default();
-        for p in &self.procs {
-            t.add(p.lanes.stats());
+        for m in self.machines() {
+            t.add(m.lanes.stats());
         }
         t
     }
@@ -458,7 +551,7 @@ impl<'a> Sim<'a> {
     fn window(&mut self) {
         let t = self.totals();
         let p = self.prev;
-        let dedicated: u64 = self.procs.iter().map(|p| p.lanes.dedicated() as u64).sum();
+        let dedicated: u64 = self.machines().map(|m| m.lanes.dedicated() as u64).sum();
         self.timeline.push(LanesSample {
             t_ms: self.now.div_ceil(1_000_000),
             requests: t.requests_sent - p.requests_sent,
@@ -467,6 +560,8 @@ impl<'a> Sim<'a> {
             demotes: t.demotes_sent - p.demotes_sent,
             evictions: t.evictions - p.evictions,
             timeouts: t.timeouts - p.timeouts,
+            cooled: t.cooled - p.cooled,
+            scores: t.scores_sent - p.scores_sent,
             promotions: t.promotions - p.promotions,
             demotions: t.demotions - p.demotions,
             switches: t.switches - p.switches,
@@ -478,9 +573,8 @@ impl<'a> Sim<'a> {
         self.prev = t;
         self.prev_tracker = (self.c.tracker_promotions, self.c.tracker_demotions);
         self.c.window_max = self
-            .procs
-            .iter()
-            .map(|p| p.lanes.dedicated())
+            .machines()
+            .map(|m| m.lanes.dedicated())
             .max()
             .unwrap_or(0);
     }
@@ -488,32 +582,41 @@ impl<'a> Sim<'a> {
     fn report(&self, wall: std::time::Duration) -> Report {
         let ms = |t: u64| t as f64 / 1e6;
         let n = self.procs.len();
+        // A lane i -> d is dedicated at i's requesting machine and d's granting machine.
         let mut pairs = 0;
         let mut one_sided = 0;
         for (i, p) in self.procs.iter().enumerate() {
-            for &d in &p.dedicated {
-                if self.procs[d as usize].lanes.lane(NodeId(i as u64)) == Lane::Dedicated {
-                    if (i as u64) < d {
-                        pairs += 1;
+            for role in [Role::Request, Role::Grant] {
+                for &d in &p.machines[role as usize].dedicated {
+                    let other = &self.procs[d as usize].machines[role.other() as usize];
+                    if other.lanes.lane(NodeId(i as u64)) == Lane::Dedicated {
+                        if role == Role::Request {
+                            pairs += 1;
+                        }
+                    } else {
+                        one_sided += 1;
                     }
-                } else {
-                    one_sided += 1;
                 }
             }
         }
-        let counts: Vec<usize> = self.procs.iter().map(|p| p.dedicated.len()).collect();
+        let counts: Vec<usize> = self
+            .procs
+            .iter()
+            .map(|p| p.machines.iter().map(|m| m.dedicated.len()).sum())
+            .collect();
         let spread = DedicatedSpread {
             min: counts.iter().copied().min().unwrap_or(0),
             mean: counts.iter().sum::<usize>() as f64 / n as f64,
             max: counts.iter().copied().max().unwrap_or(0),
         };
         let receivers = self
-            .hot_of
+            .watch
             .iter()
             .enumerate()
-            .map(|(r, hot)| {
-                let p = &self.procs[r];
-                let mut dedicated = p.dedicated.clone();
+            .map(|(r, w)| {
+                let m = &self.procs[r].machines[Role::Grant as usize];
+                let hot = &w.hot;
+                let mut dedicated = m.dedicated.clone();
                 dedicated.sort_unstable();
                 let hot_dedicated = dedicated.iter().filter(|d| hot.contains(d)).count();
                 let exactly = hot_dedicated == hot.len() && dedicated.len() == hot.len();
@@ -523,9 +626,12 @@ impl<'a> Sim<'a> {
                     cold_dedicated: dedicated.len() - hot_dedicated,
                     hot_dedicated,
                     dedicated,
-                    all_hot_at_ms: self.all_hot_at[r].map(ms),
-                    last_switch_ms: p.last_switch.map(ms),
-                    hot_set_since_ms: exactly.then(|| p.last_switch.map_or(0.0, ms)),
+                    all_hot_at_ms: w.all_hot_at.map(ms),
+                    last_switch_ms: m.last_switch.map(ms),
+                    hot_set_since_ms: exactly.then(|| m.last_switch.map_or(0.0, ms)),
+                    cold_first_at_ms: w.cold_first_at.map(ms),
+                    cold_granted: w.cold_granted,
+                    hot_lost: w.hot_lost,
                 }
             })
             .collect();
@@ -611,8 +717,10 @@ mod tests {
         assert_eq!(rx.hot, vec![1, 2, 3]);
         assert_eq!(rx.dedicated, vec![1, 2, 3], "{}", r.table());
         assert!(rx.hot_set_since_ms.unwrap() < 500.0, "{}", r.table());
-        assert_eq!(l.dedicated_pairs, 3);
+        // Three lanes into the receiver and, for its answers, three out of it.
+        assert_eq!(l.dedicated_pairs, 6);
         assert_eq!(l.one_sided, 0);
+        assert_eq!((rx.cold_granted, rx.hot_lost), (0, 0));
         assert!(l.max_dedicated_seen <= 4);
         // The timeline accounts for every switch, and the report names the run.
         let switches: u64 = l.timeline.iter().map(|s| s.switches).sum();
@@ -649,10 +757,11 @@ mod tests {
     #[test]
     fn no_process_ever_holds_more_than_max_dedicated() {
         for order in ["round_robin", "random"] {
+            // Without the floor every promoted peer asks, so far more lanes are wanted than fit.
             let doc = format!(
                 r#"{{"name": "a", "duration_ms": 5000, "sample_ms": 100,
                 "lanes": {{"peers": 30, "workload": "alltoall", "rate_per_sec": 4000,
-                          "order": "{order}", "max_dedicated": 2}}}}"#
+                          "order": "{order}", "max_dedicated": 2, "min_score": 0}}}}"#
             );
             let r = run(&doc);
             let l = r.lanes.unwrap();

@@ -5,7 +5,8 @@
 //! shows at cluster scale is what the engine's own decisions do.
 //!
 //! A lanes scenario ([`scenario::LanesScenario`], simulated in [`lanes`]) models processes
-//! instead of rails: each drives its own `UsageTracker` and `Lanes` machine, and they negotiate
+//! instead of rails: each drives its own `UsageTracker` and two `Lanes` machines (one asking
+//! for lanes for what it sends, one granting lanes for what it receives), and they negotiate
 //! dedicated lanes over a modelled network.
 
 pub mod lanes;

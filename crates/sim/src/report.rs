@@ -152,6 +152,10 @@ pub struct LanesSample {
     pub evictions: u64,
     /// Requests dropped unanswered.
     pub timeouts: u64,
+    /// Dedicated peers demoted because their requester's score cooled.
+    pub cooled: u64,
+    /// `Score`s sent.
+    pub scores: u64,
     /// Lane changes to dedicated.
     pub promotions: u64,
     /// Lane changes to shared.
@@ -162,10 +166,10 @@ pub struct LanesSample {
     pub tracker_promotions: u64,
     /// Demotions by the usage trackers.
     pub tracker_demotions: u64,
-    /// Dedicated lanes held at the end of the window, summed over the processes (twice the
-    /// dedicated pairs when both ends agree).
+    /// Dedicated lanes held at the end of the window, summed over every lane machine (twice
+    /// the dedicated lanes when both ends agree).
     pub dedicated: u64,
-    /// Most dedicated lanes one process held during the window.
+    /// Most dedicated lanes one lane machine held during the window.
     pub max_dedicated: u64,
 }
 
@@ -189,6 +193,12 @@ pub struct ReceiverReport {
     /// Since when its dedicated set has been exactly its hot senders, ms (`None` if it is
     /// not at the end).
     pub hot_set_since_ms: Option<f64>,
+    /// First time a cold sender held a dedicated lane with it, ms (`None`: never).
+    pub cold_first_at_ms: Option<f64>,
+    /// Lanes it granted to cold senders over the run.
+    pub cold_granted: u64,
+    /// Lanes its hot senders lost (evicted or demoted) after all of them first held one.
+    pub hot_lost: u64,
 }
 
 /// How many dedicated lanes the processes hold at the end.
@@ -209,7 +219,8 @@ pub struct LanesReport {
     pub workload: String,
     /// Processes.
     pub peers: usize,
-    /// The bound on dedicated lanes per process.
+    /// The bound on dedicated lanes per lane machine (each process has a requesting and a
+    /// granting one).
     pub max_dedicated: usize,
     /// Whose score a process keeps for peers it accepted.
     pub receiver_view: String,
@@ -235,9 +246,11 @@ pub struct LanesReport {
     pub switches_second_half: u64,
     /// Last lane change anywhere, ms.
     pub last_switch_ms: Option<f64>,
-    /// Most dedicated lanes any process held at any time.
+    /// Most dedicated lanes one lane machine (a process's requesting or granting one) held at
+    /// any time.
     pub max_dedicated_seen: usize,
-    /// Pairs dedicated at both ends at the end.
+    /// Lanes (one per direction of a pair: sender to receiver) dedicated at both ends at the
+    /// end.
     pub dedicated_pairs: usize,
     /// Lanes dedicated at one end only at the end (a message still in flight, or a fault).
     pub one_sided: usize,
@@ -268,7 +281,7 @@ impl LanesReport {
         let per_row = self.timeline.len().div_ceil(25).max(1);
         let _ = writeln!(
             out,
-            "  {:>10} {:>9} {:>8} {:>8} {:>8} {:>9} {:>8} {:>10} {:>10} {:>9} {:>10} {:>10} {:>9}",
+            "  {:>10} {:>9} {:>8} {:>8} {:>8} {:>9} {:>8} {:>7} {:>7} {:>10} {:>10} {:>9} {:>10} {:>10} {:>9}",
             "until ms",
             "requests",
             "accepts",
@@ -276,6 +289,8 @@ impl LanesReport {
             "demotes",
             "evictions",
             "timeouts",
+            "cooled",
+            "scores",
             "promotions",
             "demotions",
             "switches",
@@ -288,7 +303,7 @@ impl LanesReport {
             let last = rows.last().expect("chunks are not empty");
             let _ = writeln!(
                 out,
-                "  {:>10} {:>9} {:>8} {:>8} {:>8} {:>9} {:>8} {:>10} {:>10} {:>9} {:>10} {:>10} {:>9}",
+                "  {:>10} {:>9} {:>8} {:>8} {:>8} {:>9} {:>8} {:>7} {:>7} {:>10} {:>10} {:>9} {:>10} {:>10} {:>9}",
                 last.t_ms,
                 sum(|s| s.requests),
                 sum(|s| s.accepts),
@@ -296,6 +311,8 @@ impl LanesReport {
                 sum(|s| s.demotes),
                 sum(|s| s.evictions),
                 sum(|s| s.timeouts),
+                sum(|s| s.cooled),
+                sum(|s| s.scores),
                 sum(|s| s.promotions),
                 sum(|s| s.demotions),
                 sum(|s| s.switches),
@@ -307,7 +324,7 @@ impl LanesReport {
         let t = &self.totals;
         let _ = writeln!(
             out,
-            "  totals: requests {} accepts {}/{} (sent/received) denials {}/{} demotes {}/{} evictions {} timeouts {} collisions {} undone {} promotions {} demotions {} switches {}",
+            "  totals: requests {} accepts {}/{} (sent/received) denials {}/{} demotes {}/{} evictions {} cooled {} scores {}/{} timeouts {} collisions {} undone {} promotions {} demotions {} switches {}",
             t.requests_sent,
             t.accepts_sent,
             t.accepts_received,
@@ -316,6 +333,9 @@ impl LanesReport {
             t.demotes_sent,
             t.demotes_received,
             t.evictions,
+            t.cooled,
+            t.scores_sent,
+            t.scores_received,
             t.timeouts,
             t.collisions,
             t.undone,
@@ -339,7 +359,7 @@ impl LanesReport {
         for r in &self.receivers {
             let _ = writeln!(
                 out,
-                "  receiver {}: dedicated {:?} ({} hot of {}, {} cold); all hot dedicated at {}; exactly the hot set since {}; last switch {}",
+                "  receiver {}: dedicated {:?} ({} hot of {}, {} cold); all hot dedicated at {}; exactly the hot set since {}; last switch {}; hot lanes lost since {}; {} lanes granted to cold senders, the first at {}",
                 r.node,
                 r.dedicated,
                 r.hot_dedicated,
@@ -348,6 +368,9 @@ impl LanesReport {
                 ms(r.all_hot_at_ms),
                 ms(r.hot_set_since_ms),
                 ms(r.last_switch_ms),
+                r.hot_lost,
+                r.cold_granted,
+                ms(r.cold_first_at_ms),
             );
         }
     }

@@ -427,26 +427,29 @@ pub enum SendOrder {
     Random,
 }
 
-/// Which view of a pair's score a process keeps for the peers it did not ask for itself (it
-/// accepted their request), the view that decides whom it evicts when a stronger request comes.
+/// What a process's *granting* lane machine (the one that answers requests for lanes into the
+/// process) knows of a pair's score besides the requester's own (its `Promote`, then its
+/// `Score`s), the view that decides whom it evicts when a stronger request comes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ReceiverView {
-    /// The score the requester sent (what `Lanes` keeps when nobody feeds it another). Its own
-    /// tracker's scores are fed (`on_score`) only for the peers the tracker has promoted.
+    /// Nothing else: only the requester's scores.
     Request,
-    /// Its own tracker's score, fed with `on_score` at every progress for every dedicated peer
-    /// (0 for a peer the tracker does not track).
+    /// Also its own send-side tracker's score for the peer (the traffic it sends back), fed
+    /// with `on_score` at every progress for every peer it granted a lane that the tracker
+    /// tracks; `Lanes` compares the larger of the two.
     Own,
-    /// UCX's way: a request's score floors the receiver's tracker score for the requester
-    /// (`set_min_score`), so the receiver's tracker may promote it too; the floored score is
-    /// fed with `on_score` at every progress for every dedicated peer it tracks.
+    /// UCX's way: a request's (and a `Score`'s) score floors the receiver's tracker score for
+    /// the requester (`set_min_score`), so the receiver's tracker may promote it too, and its
+    /// requesting machine ask for the lane back; the floored score is fed to the granting
+    /// machine as in `own`.
     MinScore,
 }
 
 /// A lanes scenario: `peers` processes, each driving its own `UsageTracker` (sampled on its
 /// send path: `should_sample`, then `on_sample`, which runs `progress` as the tracker's
-/// settings say) and its own `Lanes` machine, exchanging lane messages with a modelled one-way
+/// settings say) and two `Lanes` machines, one asking for lanes for what it sends and one
+/// granting lanes for what it receives, exchanging lane messages with a modelled one-way
 /// latency. Defaults are the policy crate's, except `usage.switch_interval_us` (the policy's
 /// default is off).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -501,6 +504,9 @@ pub struct LanesScenario {
     /// `LanesConfig::remove_thresh`.
     #[serde(default = "default_lanes_remove_thresh")]
     pub remove_thresh: f64,
+    /// `LanesConfig::min_score`: the least score at which a process asks for a lane.
+    #[serde(default = "default_lanes_min_score")]
+    pub min_score: f64,
     /// `LanesConfig::deny_backoff_ns`, in ms.
     #[serde(default = "default_deny_backoff_ms")]
     pub deny_backoff_ms: u64,
@@ -534,6 +540,10 @@ fn default_max_dedicated() -> usize {
 
 fn default_lanes_remove_thresh() -> f64 {
     LanesConfig::default().remove_thresh
+}
+
+fn default_lanes_min_score() -> f64 {
+    LanesConfig::default().min_score
 }
 
 fn default_deny_backoff_ms() -> u64 {
@@ -607,6 +617,7 @@ impl LanesScenario {
         LanesConfig {
             max_dedicated: self.max_dedicated,
             remove_thresh: self.remove_thresh,
+            min_score: self.min_score,
             deny_backoff_ns: self.deny_backoff_ms.saturating_mul(1_000_000),
             request_timeout_ns: self.request_timeout_ms.saturating_mul(1_000_000),
         }
@@ -996,6 +1007,7 @@ mod tests {
         let lanes = l.lanes_config();
         assert_eq!(lanes.max_dedicated, 4);
         assert_eq!(lanes.remove_thresh, LanesConfig::default().remove_thresh);
+        assert_eq!(lanes.min_score, LanesConfig::default().min_score);
         assert_eq!(
             lanes.deny_backoff_ns,
             LanesConfig::default().deny_backoff_ns
@@ -1073,6 +1085,7 @@ mod tests {
             key(&with(LANES, r#""remove_thresh": -1"#)),
             "lanes.remove_thresh"
         );
+        assert_eq!(key(&with(LANES, r#""min_score": 1.5"#)), "lanes.min_score");
         assert_eq!(
             key(&with(LANES, r#""deny_backoff_ms": 0"#)),
             "lanes.deny_backoff_ms"

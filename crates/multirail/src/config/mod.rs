@@ -18,6 +18,7 @@ use multirail_policy::dispatch;
 use serde::{Deserialize, Serialize};
 
 mod auth;
+mod lanes;
 mod rail;
 mod rdma;
 mod receive;
@@ -28,6 +29,7 @@ mod tests;
 mod workers;
 
 pub use auth::*;
+pub use lanes::*;
 pub use rail::*;
 pub use rdma::*;
 pub use receive::*;
@@ -138,6 +140,8 @@ pub struct Config {
     pub transports: TransportsConfig,
     /// Who may connect: the cluster's membership token.
     pub auth: AuthConfig,
+    /// Dynamic lanes for small messages: dedicated lanes for the busiest peers.
+    pub lanes: DynamicLanesConfig,
 }
 
 impl Default for Config {
@@ -151,6 +155,7 @@ impl Default for Config {
             metadata: MetadataConfig::default(),
             transports: TransportsConfig::default(),
             auth: AuthConfig::default(),
+            lanes: DynamicLanesConfig::default(),
         }
     }
 }
@@ -336,6 +341,7 @@ impl Config {
             .shm
             .receive
             .validate("transports.shm.receive")?;
+        self.lanes.validate("lanes")?;
         Ok(())
     }
 
@@ -407,6 +413,7 @@ pub(crate) fn require_objects(doc: &serde_json::Value, origin: &str) -> Result<(
         "workers",
         "metadata",
         "auth",
+        "lanes",
         "transports",
         "transports.rdma",
         "transports.tcp",

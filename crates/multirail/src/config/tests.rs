@@ -990,3 +990,51 @@ fn rdma_transport_settings_are_checked_and_name_their_key() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn lanes_keys_are_checked_and_named() {
+    let c =
+        Config::from_json_str(r#"{"lanes": {"max_dedicated": 4, "dynamic": false}}"#, "t").unwrap();
+    assert_eq!(c.lanes.max_dedicated, 4);
+    assert!(!c.lanes.dynamic);
+    assert_eq!(c.lanes.negotiation().max_dedicated, 4);
+    assert_eq!(c.lanes.usage().switch_interval_ns, Some(1_000_000));
+    for (json, key) in [
+        (
+            r#"{"lanes": {"max_dedicated": 100000}}"#,
+            "lanes.max_dedicated",
+        ),
+        (r#"{"lanes": {"min_score": 1.5}}"#, "lanes.min_score"),
+        (r#"{"lanes": {"remove_thresh": -1}}"#, "lanes.remove_thresh"),
+        (
+            r#"{"lanes": {"switch_interval_us": 0}}"#,
+            "lanes.switch_interval_us",
+        ),
+        (
+            r#"{"lanes": {"progress_factor": 0}}"#,
+            "lanes.progress_factor",
+        ),
+        (r#"{"lanes": {"sample_period": 0}}"#, "lanes.sample_period"),
+        (
+            r#"{"lanes": {"promote_thresh": 30}}"#,
+            "lanes.promote_thresh",
+        ),
+        (
+            r#"{"lanes": {"decay_multiplier": 2}}"#,
+            "lanes.decay_multiplier",
+        ),
+        (
+            r#"{"lanes": {"deny_backoff_ms": 0}}"#,
+            "lanes.deny_backoff_ms",
+        ),
+        (
+            r#"{"lanes": {"request_timeout_ms": 0}}"#,
+            "lanes.request_timeout_ms",
+        ),
+        (r#"{"lanes": {"bogus": 1}}"#, "lanes.bogus"),
+        (r#"{"lanes": [1]}"#, "lanes"),
+    ] {
+        let e = Config::from_json_str(json, "t").unwrap_err();
+        assert_eq!(e.key, key, "{json}: {e}");
+    }
+}

@@ -1,7 +1,7 @@
 //! The engine API of two-sided messages and notifications (the machinery is `crate::messaging`).
 
 use super::*;
-use crate::messaging::{Lane, Message, Notification, Peers};
+use crate::messaging::{Lane, LanesReport, Message, Notification, Peers};
 use crate::transport::wire::MsgKind;
 
 /// Two-sided messages and notifications.
@@ -47,6 +47,18 @@ impl Engine {
     pub fn lane(&self, segment: SegmentId) -> Result<Lane> {
         let peer = Engine::peer(self, segment)?;
         Ok(self.messaging().lane(peer.id))
+    }
+
+    /// This engine's lanes: for each peer it sends to and each peer sending to it, the lane,
+    /// the usage score (outgoing), and how often the lane was promoted, demoted and denied;
+    /// and the counters of both negotiations (`lanes.*` configures them). Never fails.
+    pub fn lanes(&self) -> LanesReport {
+        let names = |id: u64| {
+            Engine::peer(self, SegmentId(id))
+                .ok()
+                .map(|p| p.name.clone())
+        };
+        self.messaging().lanes_report(&names)
     }
 
     /// For each peer sending messages to this engine, by segment name, the lane it uses.
@@ -96,5 +108,25 @@ impl Peers for Engine {
 
     fn peer(&self, segment: SegmentId) -> Result<Arc<Peer>> {
         Engine::peer(self, segment)
+    }
+}
+
+/// The thread that drives dynamic lanes (`crate::messaging` dynamic module): every tick it
+/// reads receivers' answers, scores peers and negotiates, and performs lane switches. Runs
+/// until the engine is dropped; logs and gives up dynamic lanes when it cannot be spawned.
+pub(super) fn spawn_lanes_driver(inner: Weak<Inner>) {
+    let spawned = thread::Builder::new()
+        .name("mr-lanes".into())
+        .spawn(move || loop {
+            let tick = {
+                let Some(inner) = inner.upgrade() else { return };
+                let engine = Engine { inner };
+                engine.messaging().drive_lanes(&engine);
+                engine.messaging().lanes_tick()
+            };
+            thread::sleep(tick);
+        });
+    if let Err(e) = spawned {
+        tracing::error!(error = %e, "cannot spawn the lanes thread: lanes stay as they are");
     }
 }

@@ -304,6 +304,9 @@ impl Engine {
             inner.qos.set_upkeep_thread(t.clone());
             inner.timers.set_thread(t);
         }
+        if inner.config.lanes.dynamic {
+            messages::spawn_lanes_driver(Arc::downgrade(&inner));
+        }
         Ok(Engine { inner })
     }
 

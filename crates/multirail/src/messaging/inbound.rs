@@ -82,6 +82,8 @@ pub(super) struct Delivered {
     pub(super) notifications: VecDeque<Notification>,
     /// Arrived on a lane whose predecessor has not ended yet, in arrival order.
     pub(super) held: VecDeque<Held>,
+    /// Lane messages for the granting negotiation, with their sender, in order.
+    pub(super) lanes: VecDeque<(Arc<str>, LaneMsg)>,
 }
 
 /// A message or notification held back, with the connection it came on.
@@ -93,11 +95,12 @@ pub(super) struct Held {
 enum HeldItem {
     Message(Ready),
     Notification(Notification),
+    Lane(Arc<str>, LaneMsg),
 }
 
 impl Delivered {
     fn count(&self) -> usize {
-        self.ready.len() + self.notifications.len() + self.held.len()
+        self.ready.len() + self.notifications.len() + self.held.len() + self.lanes.len()
     }
 
     /// Hands out what connection `conn` had held back, in arrival order.
@@ -111,6 +114,7 @@ impl Delivered {
             match h.item {
                 HeldItem::Message(r) => self.ready.push_back(r),
                 HeldItem::Notification(n) => self.notifications.push_back(n),
+                HeldItem::Lane(from, m) => self.lanes.push_back((from, m)),
             }
         }
         self.held = kept;
@@ -175,8 +179,14 @@ impl Messaging {
         };
         let settings = if shm { self.shm } else { self.tcp };
         let id = ConnId(self.next_conn.fetch_add(1, Ordering::Relaxed));
-        // A dedicated lane has buffers of its own; a shared one takes the configured path.
-        let key = match (settings.shared_receive_queue && lane.0 == Lane::Shared, shm) {
+        // A dedicated lane has buffers of its own; a shared one takes the shared pool under
+        // dynamic lanes, else the configured path.
+        let shared = self.shared_pool_for(lane.0, &settings);
+        let settings = ReceiveSettings {
+            shared_receive_queue: shared,
+            ..settings
+        };
+        let key = match (shared, shm) {
             (true, false) => SHARED_TCP,
             (true, true) => SHARED_SHM,
             (false, _) => id.0,
@@ -329,8 +339,8 @@ impl Messaging {
         let settings = self.rdma;
         let id = ConnId(self.next_conn.fetch_add(1, Ordering::Relaxed));
         // A dedicated lane has a receive queue of its own; a shared one takes the port's
-        // shared receive queue unless the configuration says otherwise.
-        let made = if settings.shared_receive_queue && lane.0 == Lane::Shared {
+        // shared receive queue under dynamic lanes or when the configuration says so.
+        let made = if self.shared_pool_for(lane.0, &settings) {
             self.shared_rdma_pool(&verbs, port).and_then(|srq| {
                 let (qp, cq) =
                     verbs.receiving_qp(&remote, Some(&srq), 0, settings.max_sge as u32)?;
@@ -409,7 +419,10 @@ impl Messaging {
             return Ok(srq);
         }
         // Made outside the lock; one made twice by a race is dropped again.
-        let settings = self.rdma;
+        let settings = ReceiveSettings {
+            shared_receive_queue: true,
+            ..self.rdma
+        };
         let mut pool = Pool::new(&self.registry, settings, false).map_err(|e| e.to_string())?;
         let made = verbs.shared_receive_queue(port, &settings).and_then(|srq| {
             let lkeys = verbs.lkeys(port, &pool.chunks)?;
@@ -534,6 +547,9 @@ impl Messaging {
         if std::mem::take(&mut rx.lanes_dirty) {
             rx.settle_lanes();
         }
+        if !rx.delivered.lanes.is_empty() {
+            self.answer_lanes(rx);
+        }
         if rx.conns.iter().any(|c| c.dead && !c.held_back) {
             self.reap(rx);
         }
@@ -549,8 +565,16 @@ impl Messaging {
         }
     }
 
+    /// Whether a connection on `lane` takes its buffers from the shared pool: a shared lane
+    /// does under dynamic lanes (that is what makes it cheap), otherwise when
+    /// `shared_receive_queue` says so; a dedicated lane never does.
+    fn shared_pool_for(&self, lane: Lane, settings: &ReceiveSettings) -> bool {
+        lane == Lane::Shared && (settings.shared_receive_queue || self.dynamic.enabled())
+    }
+
     /// Drops dead connections and per-connection pools nothing refers to any more.
     pub(super) fn reap(&self, rx: &mut Rx) {
+        let mut ended: Vec<Arc<str>> = Vec::new();
         let mut i = 0;
         while i < rx.conns.len() {
             // A lane held back keeps its connection until what it delivered is handed out.
@@ -559,6 +583,9 @@ impl Messaging {
                 continue;
             }
             let c = rx.conns.swap_remove(i);
+            if !c.fenced && !ended.contains(&c.from) {
+                ended.push(c.from.clone());
+            }
             let (key, id) = (c.pool, c.id);
             if let InIo::Shm { ring_buf, .. } = &c.io {
                 let _ = self.registry.unregister(ring_buf.addr());
@@ -571,6 +598,9 @@ impl Messaging {
             if per_connection(key) {
                 self.release_if_unused(rx, key);
             }
+        }
+        if !ended.is_empty() {
+            self.senders_gone(rx, &ended);
         }
     }
 
@@ -861,6 +891,7 @@ fn arrived_kind(code: u32, len: usize, max_len: usize) -> std::result::Result<Ms
         1 => Ok(MsgKind::Message),
         2 => Ok(MsgKind::Notification),
         4 => Ok(MsgKind::Fence),
+        5 => Ok(MsgKind::Lane),
         k => Err(format!("unknown message kind {k}")),
     }
 }
@@ -901,12 +932,20 @@ fn take_in(
             buf,
             len,
         }),
+        MsgKind::Lane => {
+            // SAFETY: the buffer holds the message's `len` bytes until it is consumed below.
+            let bytes = unsafe { std::slice::from_raw_parts(pool.ptr(buf), len) };
+            let m = LaneMsg::decode(bytes);
+            pool.consumed(buf)?;
+            HeldItem::Lane(from.clone(), m.map_err(|e| format!("lane message: {e}"))?)
+        }
         MsgKind::Credit => return Err("a sender sent credits".into()),
     };
     match (hold, item) {
         (Some(conn), item) => out.held.push_back(Held { conn, item }),
         (None, HeldItem::Message(r)) => out.ready.push_back(r),
         (None, HeldItem::Notification(n)) => out.notifications.push_back(n),
+        (None, HeldItem::Lane(from, m)) => out.lanes.push_back((from, m)),
     }
     Ok(false)
 }

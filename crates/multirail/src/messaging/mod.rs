@@ -26,9 +26,12 @@
 //! Receiving is polled by the caller's thread (`recv`, `receive_notifications`): no thread
 //! hand-off on the receive path, which keeps round trips short.
 
+mod dynamic;
 mod inbound;
 mod outbound;
 mod ring;
+
+pub use dynamic::{LanesReport, PeerLane as PeerLaneReport};
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -41,6 +44,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 pub use multirail_policy::lanes::Lane;
+use multirail_policy::lanes::LaneMsg;
 use multirail_policy::receive::{
     BufferId, ConnId, Credits, ReceiveQueue, ReceiveSettings, ReturnOrder,
 };
@@ -59,6 +63,7 @@ use crate::transport::rdma::messages::{
 };
 use crate::transport::sockio;
 use crate::transport::wire::{self, ConnKind, MsgHeader, MsgKind, MSG_HEADER_LEN};
+use dynamic::{parse_back, Dynamic, Retiring};
 use inbound::*;
 use outbound::*;
 use ring::{Ring, INLINE_MAX};
@@ -286,11 +291,14 @@ pub(crate) struct Messaging {
     out: Mutex<HashMap<u64, Arc<Mutex<OutConn>>, BuildHasherDefault<IdHasher>>>,
     /// Per peer: the lane its messages take and the epoch of the next connection to it.
     lanes: Mutex<HashMap<u64, PeerLane, BuildHasherDefault<IdHasher>>>,
-    /// Streams of fenced tcp lanes, read until the receiver closes its end (see
-    /// `Messaging::retire`), with when to give up on them.
-    retiring: Mutex<Vec<(TcpStream, Instant)>>,
+    /// Streams of fenced lanes, read until the receiver closes its end (see
+    /// `Messaging::retire`).
+    retiring: Mutex<Vec<Retiring>>,
+    /// Some retiring stream is still open.
     retiring_any: AtomicBool,
     next_conn: AtomicU64,
+    /// Dynamic lanes: the usage tracker and both negotiations.
+    dynamic: Dynamic,
 }
 
 /// Bytes of an opening after the sender's name: its lane (u8) and the lane's epoch (u32).
@@ -351,6 +359,7 @@ impl Messaging {
             retiring: Mutex::default(),
             retiring_any: AtomicBool::new(false),
             next_conn: AtomicU64::new(2),
+            dynamic: Dynamic::new(&config.lanes)?,
         })
     }
 }

@@ -3,10 +3,7 @@
 use super::*;
 
 pub(super) enum OutIo {
-    Tcp {
-        /// Partial credit frames.
-        inbox: Vec<u8>,
-    },
+    Tcp,
     Rdma {
         qp: Box<SendQueuePair>,
         /// Credits taken from the receiver's total so far.
@@ -37,13 +34,17 @@ pub(super) struct OutConn {
     /// Set once the connection's fence was sent: a sender that was waiting for it must take
     /// the peer's current connection instead.
     pub(super) retired: bool,
+    /// What the receiver wrote back and is not a whole frame yet.
+    pub(super) reverse: Vec<u8>,
+    /// Lane messages the receiver wrote back, for the lanes driver.
+    pub(super) lanes_in: Vec<LaneMsg>,
 }
 
 /// The lane messages to one peer take, and the epoch of the next connection made to it (the
 /// receiver delivers a connection's messages after those of every earlier epoch).
 #[derive(Default)]
 pub(super) struct PeerLane {
-    lane: Lane,
+    pub(super) lane: Lane,
     next_epoch: u32,
 }
 
@@ -84,42 +85,65 @@ impl Messaging {
             .map_or(Lane::Shared, |l| l.lane)
     }
 
-    /// After a tcp lane's fence: closing the socket while credit frames the receiver sent
+    /// After a lane's fence. On tcp, closing the socket while credit frames the receiver sent
     /// before it saw the fence sit unread would reset the connection, and a reset discards
     /// what the receiver has not read yet (the last messages and the fence). So the sender
     /// half-closes (the receiver reads everything, then the end) and keeps reading the
     /// stream until the receiver closes its end, here and in later sends, for up to the
-    /// message timeout.
-    fn retire(&self, conn: &OutConn) {
-        if !matches!(conn.io, OutIo::Tcp { .. }) {
+    /// message timeout. Under dynamic lanes every transport's stream is read so, since the
+    /// receiver may have answered a lane request on it before it saw the fence.
+    fn retire(&self, conn: &OutConn, peer: u64) {
+        let tcp = matches!(conn.io, OutIo::Tcp);
+        if !tcp && !self.dynamic.enabled() {
             return;
         }
-        let _ = conn.stream.shutdown(std::net::Shutdown::Write);
+        if tcp {
+            let _ = conn.stream.shutdown(std::net::Shutdown::Write);
+        }
         if let Ok(s) = conn.stream.try_clone() {
             let _ = s.set_nonblocking(true);
-            let give_up = Instant::now() + self.timeout;
             self.retiring
                 .lock()
                 .expect("retiring poisoned")
-                .push((s, give_up));
+                .push(Retiring {
+                    peer,
+                    stream: s,
+                    give_up: Instant::now() + self.timeout,
+                    partial: conn.reverse.clone(),
+                    lanes: conn.lanes_in.clone(),
+                    open: true,
+                });
             self.retiring_any.store(true, Ordering::Release);
         }
     }
 
-    /// Reads what fenced tcp lanes received, dropping each once its receiver closed it (or
-    /// its time is up).
-    fn drain_retiring(&self) {
+    /// Reads what fenced lanes received, closing each once its receiver closed it (or its
+    /// time is up); lane messages read wait for the lanes driver.
+    pub(super) fn drain_retiring(&self) {
         let mut r = self.retiring.lock().expect("retiring poisoned");
         let now = Instant::now();
         let mut scratch = [0u8; 256];
-        r.retain(|(s, give_up)| loop {
-            match sockio::recv_nonblocking(s.as_raw_fd(), &mut scratch) {
-                Ok(Some(n)) if n > 0 => continue,
-                Ok(None) => break now < *give_up,
-                _ => break false,
+        let keep_lanes = self.dynamic.enabled();
+        for e in r.iter_mut().filter(|e| e.open) {
+            e.open = loop {
+                match sockio::recv_nonblocking(e.stream.as_raw_fd(), &mut scratch) {
+                    Ok(Some(n)) if n > 0 => e.partial.extend_from_slice(&scratch[..n]),
+                    Ok(None) => break now < e.give_up,
+                    _ => break false,
+                }
+            };
+            if let Err(err) = parse_back("", &mut e.partial, true, &mut e.lanes) {
+                tracing::debug!(error = %err, "bad frame on a fenced lane");
+                e.partial.clear();
+                e.open = false;
             }
-        });
-        self.retiring_any.store(!r.is_empty(), Ordering::Release);
+            if !keep_lanes {
+                e.lanes.clear();
+            }
+        }
+        r.retain(|e| e.open || !e.lanes.is_empty());
+        self.retiring_any
+            .store(r.iter().any(|e| e.open), Ordering::Release);
     }
 
     /// A connection to `peer` on `lane` over the transport the configuration picks.
@@ -193,7 +217,7 @@ impl Messaging {
             // The fence takes a credit like a message; on a connection that cannot take it
             // (broken), the receiver counts the connection's end as its fence.
             match g.send(MsgKind::Fence, &[], self.timeout) {
-                Ok(()) => self.retire(&g),
+                Ok(()) => self.retire(&g, peer.id),
                 Err(e) => {
                     tracing::debug!(peer = %peer.name, error = %e, "no fence on a broken lane")
                 }
@@ -334,6 +358,8 @@ impl Messaging {
                         },
                         lane: lane.0,
                         retired: false,
+                        reverse: Vec::new(),
+                        lanes_in: Vec::new(),
                     });
                 }
                 Err(e) => failures.push(format!("{pair}: {e}")),
@@ -359,7 +385,7 @@ impl Messaging {
         let (mut stream, max_len) = self.open(engine, peer, mode, lane, &[])?;
         let p = &peer.name;
         let io = if mode != MODE_SHM {
-            OutIo::Tcp { inbox: Vec::new() }
+            OutIo::Tcp
         } else {
             let v = read_words(&mut stream, 2, 4).map_err(unreachable)?;
             let (depth, per_chunk) = (v[0] as usize, v[1] as usize);
@@ -422,6 +448,8 @@ impl Messaging {
             io,
             lane: lane.0,
             retired: false,
+            reverse: Vec::new(),
+            lanes_in: Vec::new(),
         })
     }
 
@@ -471,8 +499,14 @@ impl Messaging {
                 let mut out = self.out.lock().expect("out poisoned");
                 if out.get(&segment.0).is_some_and(|c| Arc::ptr_eq(c, &conn)) {
                     out.remove(&segment.0);
+                    drop(out);
+                    self.reset_lane(segment.0);
+                    self.dynamic.outgoing_gone(segment.0);
                 }
             }
+        }
+        if outcome.is_ok() && kind != MsgKind::Lane {
+            self.dynamic.on_send(segment.0);
         }
         if kind == MsgKind::Message && self.after_reply_pending.load(Ordering::Relaxed) {
             self.release_after_reply();
@@ -506,7 +540,7 @@ impl OutConn {
         }
         let buf = self.credit(timeout)?;
         match &mut self.io {
-            OutIo::Tcp { .. } => {
+            OutIo::Tcp => {
                 let mut h = [0u8; MSG_HEADER_LEN];
                 MsgHeader {
                     kind,
@@ -598,6 +632,29 @@ impl OutConn {
         }
     }
 
+    /// Reads what the receiver wrote back on the stream, without waiting: credits (tcp) and
+    /// lane messages (into `lanes_in`). Fails when the receiver closed the stream or wrote a
+    /// frame it may not.
+    pub(super) fn read_back(&mut self) -> Result<()> {
+        let mut b = [0u8; 256];
+        match sockio::recv_nonblocking(self.stream.as_raw_fd(), &mut b) {
+            Ok(None) => return Ok(()),
+            Ok(Some(0)) => {
+                return Err(Error::PeerDisconnected {
+                    peer: self.peer.clone(),
+                    reason: "the receiver closed the message connection".into(),
+                })
+            }
+            Ok(Some(n)) => self.reverse.extend_from_slice(&b[..n]),
+            Err(e) => return Err(Error::io("reading the message stream", e)),
+        }
+        let tcp = matches!(self.io, OutIo::Tcp);
+        let granted = parse_back(&self.peer, &mut self.reverse, tcp, &mut self.lanes_in)?;
+        self.credits
+            .on_grant(std::iter::repeat_n(BufferId(0), granted));
+        Ok(())
+    }
+
     pub(super) fn collect_credits(&mut self) -> Result<()> {
         match &mut self.io {
             OutIo::Rdma { qp, seen, polls } => {
@@ -609,54 +666,14 @@ impl OutConn {
                     *polls = 0;
                     return Ok(());
                 }
-                // Waiting: now and then, see whether the receiver left (a system call).
+                // Waiting: now and then, see whether the receiver left or answered a lane
+                // request (a system call).
                 *polls += 1;
                 if *polls % 256 == 0 {
-                    let mut b = [0u8; 1];
-                    match sockio::recv_nonblocking(self.stream.as_raw_fd(), &mut b) {
-                        Ok(None) => {}
-                        Ok(Some(0)) => {
-                            return Err(Error::PeerDisconnected {
-                                peer: self.peer.clone(),
-                                reason: "the receiver closed the message connection".into(),
-                            })
-                        }
-                        Ok(Some(_)) => {
-                            return Err(protocol(
-                                &self.peer,
-                                "a receiver wrote on its RDMA message stream",
-                            ))
-                        }
-                        Err(e) => return Err(Error::io("watching the message stream", e)),
-                    }
+                    self.read_back()?;
                 }
             }
-            OutIo::Tcp { inbox } => {
-                let mut b = [0u8; 256];
-                match sockio::recv_nonblocking(self.stream.as_raw_fd(), &mut b) {
-                    Ok(None) => return Ok(()),
-                    Ok(Some(0)) => {
-                        return Err(Error::PeerDisconnected {
-                            peer: self.peer.clone(),
-                            reason: "the receiver closed the message connection".into(),
-                        })
-                    }
-                    Ok(Some(n)) => inbox.extend_from_slice(&b[..n]),
-                    Err(e) => return Err(Error::io("reading credits", e)),
-                }
-                let whole = inbox.len() / MSG_HEADER_LEN * MSG_HEADER_LEN;
-                let mut granted = 0usize;
-                for f in inbox[..whole].chunks(MSG_HEADER_LEN) {
-                    let h = MsgHeader::decode(f, u32::MAX).map_err(|r| protocol(&self.peer, r))?;
-                    if h.kind != MsgKind::Credit {
-                        return Err(protocol(&self.peer, "a receiver sent a message frame"));
-                    }
-                    granted += h.len as usize;
-                }
-                inbox.drain(..whole);
-                self.credits
-                    .on_grant(std::iter::repeat_n(BufferId(0), granted));
-            }
+            OutIo::Tcp => self.read_back()?,
             OutIo::Shm { ring, .. } => {
                 let credits = &mut self.credits;
                 ring.take_grants(|id| credits.on_grant([id]));

@@ -235,6 +235,11 @@ pub enum MsgKind {
     /// Sender to receiver, no payload: the last frame of a lane the sender leaves; what it
     /// sends on its next lane is delivered after everything before this.
     Fence = 4,
+    /// Either way, 18 bytes of a lane negotiation message
+    /// ([`multirail_policy::lanes::LaneMsg`]): in band from sender to receiver (requests,
+    /// scores, demotions), on the stream back from receiver to sender (answers, evictions).
+    /// The engine takes them in itself; the application never sees one.
+    Lane = 5,
 }
 
 /// A message-connection frame header.
@@ -266,6 +271,7 @@ impl MsgHeader {
             2 => MsgKind::Notification,
             3 => MsgKind::Credit,
             4 => MsgKind::Fence,
+            5 => MsgKind::Lane,
             k => return Err(format!("unknown message kind {k}")),
         };
         if kind != MsgKind::Credit && len > max_len {

@@ -272,6 +272,23 @@ fn default_config_is_valid_and_bad_fields_are_named() {
             "remove_thresh"
         );
     }
+    for bad in [f64::NAN, -0.1, 1.1, f64::INFINITY] {
+        assert_eq!(
+            field(LanesConfig {
+                min_score: bad,
+                ..d
+            }),
+            "min_score"
+        );
+    }
+    for good in [0.0, 1.0] {
+        LanesConfig {
+            min_score: good,
+            ..d
+        }
+        .validate()
+        .unwrap();
+    }
     assert_eq!(
         field(LanesConfig {
             deny_backoff_ns: 0,
@@ -607,6 +624,208 @@ fn state_stays_bounded_by_dedicated_pending_and_waiting_peers() {
     assert_eq!(a.poll_timeout(), None);
 }
 
+#[test]
+fn score_frames_round_trip_and_bad_ones_are_rejected() {
+    let msg = LaneMsg::Score { score: 0.75 };
+    let bytes = msg.encode();
+    assert_eq!(bytes.len(), LaneMsg::ENCODED_LEN);
+    assert_eq!((bytes[0], bytes[1]), (1, 5), "version 1, tag 5");
+    assert_eq!(&bytes[2..10], &[0; 8], "no seq");
+    assert_eq!(LaneMsg::decode(&bytes), Ok(msg));
+    for bad in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+        let mut f = bytes;
+        f[10..18].copy_from_slice(&bad.to_bits().to_le_bytes());
+        assert!(matches!(
+            LaneMsg::decode(&f),
+            Err(LanesError::Field { field: "score", .. })
+        ));
+    }
+    let mut f = bytes;
+    f[5] = 1;
+    assert!(matches!(
+        LaneMsg::decode(&f),
+        Err(LanesError::Field { field: "seq", .. })
+    ));
+}
+
+/// The score of a key touched in `k` progress rounds in a row under UCX's decay.
+fn ucx_score(k: i32) -> f64 {
+    1.0 - 0.8f64.powi(k)
+}
+
+#[test]
+fn below_the_floor_nothing_is_asked_until_the_score_reaches_it() {
+    let mut net = Net::new(2, config(4));
+    let mut rng = StdRng::seed_from_u64(21);
+    let peer = Net::id(1);
+    // Promoted at first touch (0.2), then scored every progress: 0.36, 0.49 stay below 0.5.
+    assert_eq!(net.promote(0, 1, ucx_score(1)), Promotion::BelowFloor);
+    assert_eq!(net.promote(0, 1, ucx_score(1)), Promotion::BelowFloor);
+    for k in 2..=3 {
+        net.score(0, 1, ucx_score(k));
+        assert!(net.busy_links().is_empty(), "asked at {}", ucx_score(k));
+    }
+    let a = net.node(0);
+    assert_eq!(a.tracked_peers(), 1, "kept as wanted");
+    assert_eq!(a.pending_requests(), 0);
+    assert_eq!(a.poll_timeout(), None, "no back-off");
+    assert_eq!(a.stats().requests_sent, 0);
+    // The fourth round in a row reaches the floor: asked at once, with that score.
+    net.score(0, 1, ucx_score(4));
+    assert!(net.node(0).is_pending(peer));
+    assert_eq!(
+        net.links[&(0, 1)].front(),
+        Some(&LaneMsg::Promote {
+            seq: 1,
+            score: ucx_score(4)
+        })
+    );
+    net.deliver_all(&mut rng);
+    assert!(net.quiet());
+    net.assert_agreement();
+    assert_eq!(net.node(0).lane(peer), Lane::Dedicated);
+    // A promotion at or above the floor asks straight away, as before.
+    assert_eq!(net.promote(1, 0, 0.5), Promotion::Dedicated);
+    let mut net = Net::new(2, config(4));
+    assert_eq!(net.promote(0, 1, 0.5), Promotion::Requested);
+    // A peer the tracker demotes below the floor is forgotten.
+    let mut net = Net::new(2, config(4));
+    net.promote(0, 1, 0.2);
+    net.demote(0, 1);
+    assert_eq!(net.node(0).tracked_peers(), 0);
+    net.score(0, 1, 0.9);
+    assert!(net.busy_links().is_empty(), "not wanted any more");
+}
+
+#[test]
+fn a_cooled_peer_is_demoted_and_asks_again_at_the_floor() {
+    let mut net = Net::new(3, config(1));
+    let mut rng = StdRng::seed_from_u64(22);
+    let (a, r, other) = (0, 1, 2);
+    let rid = Net::id(r);
+    net.promote(a, r, 1.0);
+    net.deliver_all(&mut rng);
+    assert_eq!(net.node(a).lane(rid), Lane::Dedicated);
+    // Below the floor but within the hysteresis (0.3 and above): stays.
+    net.score(a, r, 0.45);
+    net.score(a, r, 0.3);
+    net.deliver_all(&mut rng);
+    assert_eq!(net.node(a).lane(rid), Lane::Dedicated);
+    assert_eq!(net.node(a).stats().cooled, 0);
+    // Below min_score - remove_thresh: demoted from this end, no back-off.
+    net.score(a, r, 0.29);
+    assert_eq!(net.node(a).lane(rid), Lane::Shared);
+    net.deliver_all(&mut rng);
+    assert!(net.quiet());
+    net.assert_agreement();
+    let st = net.node(a).stats();
+    assert_eq!((st.cooled, st.demotions, st.demotes_sent), (1, 1, 1));
+    assert_eq!(st.evictions, 0);
+    assert_eq!(net.node(a).tracked_peers(), 1, "still wanted");
+    assert_eq!(net.node(a).poll_timeout(), None, "no back-off");
+    assert_eq!(net.node(r).dedicated(), 0, "the receiver's slot is free");
+    // The freed slot is the receiver's to give; a below-floor score does not ask.
+    net.score(a, r, 0.45);
+    assert!(net.busy_links().is_empty());
+    // Back at the floor: asks at once and gets the lane again.
+    net.score(a, r, 0.5);
+    assert!(net.node(a).is_pending(rid));
+    net.deliver_all(&mut rng);
+    assert_eq!(net.node(a).lane(rid), Lane::Dedicated);
+    net.assert_agreement();
+    // Feeding the cooled score through on_promoted cools too, and says so.
+    assert_eq!(net.promote(a, r, 0.1), Promotion::BelowFloor);
+    net.deliver_all(&mut rng);
+    assert_eq!(net.node(r).lane(Net::id(a)), Lane::Shared);
+    assert_eq!(net.node(a).stats().cooled, 2);
+    // A receiving end never cools the peers it accepted (its tracker does not want them).
+    net.promote(other, r, 1.0);
+    net.deliver_all(&mut rng);
+    net.score(r, other, 0.0);
+    assert_eq!(net.node(r).lane(Net::id(other)), Lane::Dedicated);
+    assert_eq!(net.node(r).stats().cooled, 0);
+}
+
+/// A requester that holds a lane keeps the receiver told of its score; the receiver compares
+/// a newcomer with that, not with the score the lane was asked for with.
+#[test]
+fn score_messages_refresh_the_granting_ends_view() {
+    // Receiver `r` grants one lane; `a` holds it, asked for at 0.5; newcomer `b`.
+    let setup = || {
+        let mut net = Net::new(3, config(1));
+        let mut rng = StdRng::seed_from_u64(23);
+        assert_eq!(net.promote(0, 2, 0.5), Promotion::Requested);
+        net.deliver_all(&mut rng);
+        assert_eq!(net.node(2).lane(Net::id(0)), Lane::Dedicated);
+        (net, rng)
+    };
+    let (a, b, r) = (0, 1, 2);
+    let newcomer = |net: &mut Net, rng: &mut StdRng, score: f64| {
+        net.promote(b, r, score);
+        net.deliver_all(rng);
+        assert!(net.quiet());
+        net.assert_agreement();
+        net.node(b).lane(Net::id(r))
+    };
+    // A move below half a margin (0.1) is not told.
+    let (mut net, mut rng) = setup();
+    net.score(a, r, 0.55);
+    assert!(net.busy_links().is_empty());
+    // Reported 1.0 since: a newcomer at 0.7, or even 0.75, is denied.
+    net.score(a, r, 1.0);
+    assert_eq!(
+        net.links[&(a, r)].front(),
+        Some(&LaneMsg::Score { score: 1.0 })
+    );
+    net.deliver_all(&mut rng);
+    assert_eq!(net.node(r).stats().scores_received, 1);
+    assert_eq!(newcomer(&mut net, &mut rng, 0.7), Lane::Shared);
+    assert_eq!(newcomer(&mut net, &mut rng, 0.75), Lane::Shared);
+    assert_eq!(net.node(a).lane(Net::id(r)), Lane::Dedicated);
+    assert_eq!(net.node(r).stats().evictions, 0);
+    // Without a Score the receiver still holds the 0.5 of the request, and 0.75 evicts it.
+    let (mut net, mut rng) = setup();
+    assert_eq!(newcomer(&mut net, &mut rng, 0.75), Lane::Dedicated);
+    assert_eq!(net.node(a).lane(Net::id(r)), Lane::Shared);
+    // Reported 0.3 since (not cooled: 0.3 is not below 0.5 - 0.2): 0.7 evicts it.
+    let (mut net, mut rng) = setup();
+    net.score(a, r, 0.3);
+    net.deliver_all(&mut rng);
+    assert_eq!(net.node(a).stats().cooled, 0);
+    assert_eq!(newcomer(&mut net, &mut rng, 0.7), Lane::Dedicated);
+    assert_eq!(net.node(a).lane(Net::id(r)), Lane::Shared);
+    assert_eq!(net.node(r).stats().evictions, 1);
+    // The receiving end's own tracker counts too: it scores `a` at 1.0 (its own traffic to
+    // `a`), so `a`'s reported 0.3 does not make it the weaker one.
+    let (mut net, mut rng) = setup();
+    net.score(a, r, 0.3);
+    net.score(r, a, 1.0);
+    net.deliver_all(&mut rng);
+    assert_eq!(newcomer(&mut net, &mut rng, 0.7), Lane::Shared);
+    assert_eq!(net.node(a).lane(Net::id(r)), Lane::Dedicated);
+    // A Score for a pair not dedicated at the receiver is stale: ignored.
+    let (mut net, _) = setup();
+    net.node_mut(r)
+        .on_message(0, Net::id(b), LaneMsg::Score { score: 5.0 });
+    net.pump(r);
+    assert_eq!(net.node(r).stats().scores_received, 0);
+    assert_eq!(net.node(r).lane(Net::id(b)), Lane::Shared);
+    assert_eq!(net.node(r).tracked_peers(), 1);
+    // So does the receiver's tracker's score for the challenger: `r` scores `b` at 0.45 (below
+    // its floor, so it does not ask itself); `b` asks with 0.2, `a` holds the lane at 0.1.
+    let accept_a_then_b = |local_b: Option<f64>| {
+        let mut r = Lanes::new(NodeId(9), config(1)).unwrap();
+        r.on_message(0, NodeId(1), LaneMsg::Promote { seq: 1, score: 0.1 });
+        if let Some(s) = local_b {
+            assert_eq!(r.on_promoted(0, NodeId(2), s), Promotion::BelowFloor);
+        }
+        r.on_message(0, NodeId(2), LaneMsg::Promote { seq: 1, score: 0.2 });
+        (r.lane(NodeId(1)), r.lane(NodeId(2)))
+    };
+    assert_eq!(accept_a_then_b(None), (Lane::Dedicated, Lane::Shared));
+    assert_eq!(accept_a_then_b(Some(0.45)), (Lane::Shared, Lane::Dedicated));
+}
+
 /// Equal traffic everywhere, more peers than lanes: every node promotes its neighbours with
 /// the same score (plus measurement noise well under the margin) every progress period. Lanes
 /// form during a warm-up and then nothing switches any more.
@@ -690,7 +909,10 @@ enum Step {
     Reset(usize, usize),
 }
 
-const SCORES: [f64; 5] = [0.5, 1.0, 1.1, 1.3, 2.0];
+/// Scores below the cooling line (0.3), between it and the floor (0.5), at and above it: the
+/// steps cross the floor and cool dedicated peers, and a score moving by 0.1 or more sends a
+/// `Score`.
+const SCORES: [f64; 9] = [0.1, 0.25, 0.4, 0.5, 0.7, 1.0, 1.1, 1.3, 2.0];
 
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
@@ -701,7 +923,7 @@ fn step() -> impl Strategy<Value = Step> {
         6 => (any::<usize>(), any::<usize>(), 0..SCORES.len())
             .prop_map(|(a, b, s)| Step::Promote(a, b, s)),
         2 => (any::<usize>(), any::<usize>()).prop_map(|(a, b)| Step::Demote(a, b)),
-        2 => (any::<usize>(), any::<usize>(), 0..SCORES.len())
+        4 => (any::<usize>(), any::<usize>(), 0..SCORES.len())
             .prop_map(|(a, b, s)| Step::Score(a, b, s)),
         1 => any::<usize>().prop_map(Step::Kill),
         1 => any::<usize>().prop_map(Step::Revive),
@@ -712,7 +934,7 @@ fn step() -> impl Strategy<Value = Step> {
 /// Runs the steps, checking at every quiet moment that every pair agrees (switch accounting,
 /// the bound and counts are checked by `Net::pump` after every call), then lets the network
 /// settle and checks again.
-fn run_consensus(n: usize, max: usize, steps: &[Step], seed: u64) {
+fn run_consensus(n: usize, max: usize, steps: &[Step], seed: u64) -> LanesStats {
     let cfg = LanesConfig {
         max_dedicated: max,
         ..LanesConfig::default()
@@ -777,6 +999,36 @@ fn run_consensus(n: usize, max: usize, steps: &[Step], seed: u64) {
         net.assert_agreement();
         net.advance(2 * cfg.deny_backoff_ns);
     }
+    let mut total = LanesStats::default();
+    for node in net.nodes.iter().flatten() {
+        total.add(node.stats());
+    }
+    total
+}
+
+/// The property test's steps do reach what this change added: `Score` messages taken up by
+/// the receiving end, cooled pairs, promotions below the floor. Checked over plain random
+/// step lists, so a change to the strategy that stops exercising them fails here.
+#[test]
+fn random_steps_exercise_scores_cooling_and_the_floor() {
+    let mut rng = StdRng::seed_from_u64(42);
+    let mut total = LanesStats::default();
+    use proptest::strategy::ValueTree;
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    for seed in 0..200u64 {
+        let steps: Vec<Step> = (0..200)
+            .map(|_| step().new_tree(&mut runner).unwrap().current())
+            .collect();
+        let n = rng.gen_range(2..6);
+        let max = rng.gen_range(1..4);
+        total.add(&run_consensus(n, max, &steps, seed));
+    }
+    assert!(
+        total.scores_sent > 0 && total.scores_received > 0,
+        "{total:?}"
+    );
+    assert!(total.cooled > 0, "{total:?}");
+    assert!(total.promotions > 0 && total.evictions > 0, "{total:?}");
 }
 
 proptest! {
@@ -794,7 +1046,7 @@ proptest! {
 
     #[test]
     fn encode_decode_round_trip(
-        tag in 0u8..4,
+        tag in 0u8..5,
         seq in any::<u64>(),
         score in proptest::num::f64::NORMAL | proptest::num::f64::ZERO | proptest::num::f64::SUBNORMAL,
     ) {
@@ -802,16 +1054,20 @@ proptest! {
             0 => LaneMsg::Promote { seq, score },
             1 => LaneMsg::Accept { seq },
             2 => LaneMsg::Deny { seq },
-            _ => LaneMsg::Demote,
+            3 => LaneMsg::Demote,
+            _ => LaneMsg::Score { score },
         };
         let bytes = msg.encode();
         prop_assert_eq!(bytes.len(), LaneMsg::ENCODED_LEN);
         let back = LaneMsg::decode(&bytes).unwrap();
         prop_assert_eq!(back.encode(), bytes);
-        if let (LaneMsg::Promote { score: a, .. }, LaneMsg::Promote { score: b, .. }) = (msg, back) {
-            prop_assert_eq!(a.to_bits(), b.to_bits());
-        } else {
-            prop_assert_eq!(back, msg);
+        match (msg, back) {
+            (LaneMsg::Promote { score: a, .. }, LaneMsg::Promote { score: b, .. })
+            | (LaneMsg::Score { score: a }, LaneMsg::Score { score: b }) => {
+                prop_assert_eq!(a.to_bits(), b.to_bits());
+                prop_assert_eq!(back.encode(), msg.encode());
+            }
+            _ => prop_assert_eq!(back, msg),
         }
     }
 
@@ -848,7 +1104,7 @@ fn bad_frames_are_rejected() {
     };
     assert_eq!(with(0, 0), Err(LanesError::Version { got: 0 }));
     assert_eq!(with(0, 2), Err(LanesError::Version { got: 2 }));
-    for tag in [0u8, 5, 255] {
+    for tag in [0u8, 6, 255] {
         assert_eq!(with(1, tag), Err(LanesError::Tag { got: tag }));
     }
     for bad in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
@@ -879,7 +1135,11 @@ fn bad_frames_are_rejected() {
 
 #[test]
 fn messages_from_itself_and_non_finite_scores_are_harmless() {
-    let mut a = Lanes::new(NodeId(1), config(2)).unwrap();
+    let floor_off = LanesConfig {
+        min_score: 0.0,
+        ..config(2)
+    };
+    let mut a = Lanes::new(NodeId(1), floor_off).unwrap();
     assert_eq!(a.on_promoted(0, NodeId(1), 1.0), Promotion::Ignored);
     a.on_message(0, NodeId(1), LaneMsg::Promote { seq: 1, score: 1.0 });
     assert_eq!(a.poll_transmit(), None);
@@ -894,4 +1154,18 @@ fn messages_from_itself_and_non_finite_scores_are_harmless() {
     a.on_promoted(0, NodeId(3), f64::INFINITY);
     let (_, msg) = a.poll_transmit().unwrap();
     LaneMsg::decode(&msg.encode()).unwrap();
+    // A non-finite Score is kept finite too, and never a reason to panic.
+    a.on_message(0, NodeId(2), LaneMsg::Accept { seq: 1 });
+    a.on_score(0, NodeId(2), f64::INFINITY);
+    let (_, msg) = a.poll_transmit().unwrap();
+    assert!(
+        matches!(msg, LaneMsg::Score { score } if score.is_finite()),
+        "{msg:?}"
+    );
+    LaneMsg::decode(&msg.encode()).unwrap();
+    a.on_message(0, NodeId(3), LaneMsg::Score { score: f64::NAN });
+    // With the default floor a NaN score (read as 0) is below it: nothing is asked.
+    let mut b = Lanes::new(NodeId(1), config(2)).unwrap();
+    assert_eq!(b.on_promoted(0, NodeId(2), f64::NAN), Promotion::BelowFloor);
+    assert_eq!(b.poll_transmit(), None);
 }

@@ -479,6 +479,15 @@ class Engine:
         (``global_slot`` is ``None`` unless ``shared_quota_shm_path`` is set)."""
         return self._native.qos_stats()
 
+    def lanes(self) -> Dict[str, Any]:
+        """Lanes of small messages (``lanes.*`` in the configuration): ``{"dynamic": bool,
+        "max_dedicated": n, "receive_bytes": n, "outgoing": [...], "incoming": [...],
+        "requesting": {...}, "granting": {...}}``. Each peer entry has ``peer`` (segment name),
+        ``lane`` (``"shared"`` or ``"dedicated"``), ``score`` (this engine's usage score,
+        outgoing only, else ``None``), ``promotions``, ``demotions`` and ``denials``;
+        ``requesting`` and ``granting`` count the negotiation's messages and switches."""
+        return self._native.lanes()
+
     def notify(self, segment: Union[Segment, int], msg: str) -> None:
         """Sends ``msg`` to an opened segment as a notification; it arrives in order with this
         engine's other messages to that peer. Raises :class:`PeerDisconnectedError`,

@@ -193,6 +193,10 @@ class Engine:
     def qos_stats(self) -> Dict[str, Any]:
         """Priority queues: {"priorities": {"high"|"medium"|"low": {queued, dequeued, wait_p50_us,
         wait_p99_us}}, "promotions": n, "global_slot": slot or None}."""
+    def lanes(self) -> Dict[str, Any]:
+        """Lanes of small messages: {"dynamic", "max_dedicated", "receive_bytes", "outgoing":
+        [{peer, lane, score, promotions, demotions, denials}], "incoming": [...], "requesting":
+        {...}, "granting": {...}}."""
     def close(self) -> None:
         """Stops serving and releases the engine; later calls raise Error."""
     def __enter__(self) -> "Engine": ...

@@ -1,0 +1,219 @@
+//! Dynamic lanes between engines: the busiest senders negotiate dedicated lanes with the
+//! receiver within its `lanes.max_dedicated`, the rest are denied explicitly and lose nothing,
+//! and a sender that dies while dedicated frees its lane for another.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use multirail::{Config, Engine, Lane, LanesReport};
+
+/// Every send is sampled, so a sender counts as hot at one message per millisecond, and the
+/// test's senders can sleep between messages instead of taking the two cores.
+fn config(transport: &str, max_dedicated: usize) -> Config {
+    let json = format!(
+        r#"{{"transport": "{transport}",
+            "lanes": {{"max_dedicated": {max_dedicated}, "sample_period": 1}}}}"#
+    );
+    Config::from_json_str(&json, "test").expect("valid config")
+}
+
+/// A sender sending numbered messages to `to` every 200 µs until told to stop; returns how
+/// many it sent.
+fn hot_sender(
+    engine: Engine,
+    to: &str,
+    stop: Arc<AtomicBool>,
+) -> thread::JoinHandle<(Engine, u64)> {
+    let seg = engine.open_segment(to).expect("open the receiver");
+    thread::spawn(move || {
+        let mut n = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            engine.send(seg, &n.to_le_bytes()).expect("send");
+            n += 1;
+            thread::sleep(Duration::from_micros(200));
+        }
+        (engine, n)
+    })
+}
+
+/// Receives until `stop`, checking every sender's messages arrive in order, each once;
+/// returns how many came from each sender.
+fn receiver(engine: Engine, stop: Arc<AtomicBool>) -> thread::JoinHandle<HashMap<String, u64>> {
+    thread::spawn(move || {
+        let mut next: HashMap<String, u64> = HashMap::new();
+        loop {
+            match engine.recv(Some(Duration::from_millis(20))).expect("recv") {
+                Some(m) => {
+                    let n = u64::from_le_bytes(m.data[..8].try_into().unwrap());
+                    let expected = next.entry(m.from.to_string()).or_insert(0);
+                    assert_eq!(n, *expected, "message from {} out of order", m.from);
+                    *expected += 1;
+                }
+                None if stop.load(Ordering::Relaxed) => return next,
+                None => {}
+            }
+        }
+    })
+}
+
+fn dedicated_incoming(r: &LanesReport) -> usize {
+    r.incoming
+        .iter()
+        .filter(|p| p.lane == Lane::Dedicated)
+        .count()
+}
+
+fn wait_for(what: &str, within: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn eight_hot_senders_share_four_lanes(transport: &str) {
+    let rx = Engine::new(config(transport, 4), "127.0.0.1:0").unwrap();
+    let stop_rx = Arc::new(AtomicBool::new(false));
+    let receiving = receiver(rx.clone(), stop_rx.clone());
+    let stop = Arc::new(AtomicBool::new(false));
+    let senders: Vec<_> = (0..8)
+        .map(|_| {
+            let e = Engine::new(config(transport, 16), "127.0.0.1:0").unwrap();
+            (e.clone(), hot_sender(e, &rx.name(), stop.clone()))
+        })
+        .collect();
+    // Every sender is either dedicated or was denied explicitly.
+    wait_for(
+        "every sender dedicated or denied",
+        Duration::from_secs(20),
+        || {
+            senders.iter().all(|(e, _)| {
+                let r = e.lanes();
+                r.outgoing.iter().any(|p| p.lane == Lane::Dedicated)
+                    || r.requesting.denials_received > 0
+            })
+        },
+    );
+    wait_for("four dedicated lanes", Duration::from_secs(20), || {
+        dedicated_incoming(&rx.lanes()) == 4
+    });
+    // Scores have settled (all equally hot): the lanes stay where they are, and the denied
+    // senders ask again at most once per back-off (1 s, stretched by up to half).
+    let asked: Vec<u64> = senders
+        .iter()
+        .map(|(e, _)| e.lanes().requesting.requests_sent)
+        .collect();
+    let settled = rx.lanes().granting;
+    thread::sleep(Duration::from_millis(2500));
+    let report = rx.lanes();
+    assert_eq!(dedicated_incoming(&report), 4, "{report:#?}");
+    assert_eq!(
+        report.granting.accepts_sent, settled.accepts_sent,
+        "{report:#?}"
+    );
+    assert_eq!(report.granting.evictions, settled.evictions, "{report:#?}");
+    let mut dedicated = 0;
+    for ((e, _), before) in senders.iter().zip(&asked) {
+        let r = e.lanes();
+        assert_eq!(r.requesting.timeouts, 0, "{r:#?}");
+        if r.outgoing[0].lane == Lane::Dedicated {
+            dedicated += 1;
+        } else {
+            assert!(r.requesting.denials_received > 0, "{r:#?}");
+            assert!(r.outgoing[0].denials > 0, "{r:#?}");
+            let again = r.requesting.requests_sent - before;
+            assert!(again <= 3, "asked {again} times in 2.5 s: {r:#?}");
+        }
+    }
+    assert_eq!(dedicated, 4);
+    assert!(report.granting.denials_sent >= 4, "{report:#?}");
+    // Nothing lost: every message sent arrived, in order (checked by the receiver).
+    stop.store(true, Ordering::Relaxed);
+    let sent: Vec<(String, u64)> = senders
+        .into_iter()
+        .map(|(_, h)| {
+            let (e, n) = h.join().unwrap();
+            (e.name(), n)
+        })
+        .collect();
+    thread::sleep(Duration::from_millis(200));
+    stop_rx.store(true, Ordering::Relaxed);
+    let got = receiving.join().unwrap();
+    for (name, n) in sent {
+        assert_eq!(got.get(&name).copied().unwrap_or(0), n, "from {name}");
+    }
+}
+
+#[test]
+fn eight_hot_senders_share_four_lanes_shm() {
+    eight_hot_senders_share_four_lanes("shm");
+}
+
+#[test]
+fn eight_hot_senders_share_four_lanes_tcp() {
+    eight_hot_senders_share_four_lanes("tcp");
+}
+
+/// A receiver with room for one dedicated lane: the first hot sender takes it, the second is
+/// denied; the first dies (its engine goes without fencing its lane), and the second gets the
+/// lane once its back-off ends.
+fn a_sender_dying_while_dedicated_frees_its_lane(transport: &str) {
+    let rx = Engine::new(config(transport, 1), "127.0.0.1:0").unwrap();
+    let stop_rx = Arc::new(AtomicBool::new(false));
+    let receiving = receiver(rx.clone(), stop_rx.clone());
+    let stop_first = Arc::new(AtomicBool::new(false));
+    let first = Engine::new(config(transport, 16), "127.0.0.1:0").unwrap();
+    let first_name = first.name();
+    let first_sending = hot_sender(first.clone(), &rx.name(), stop_first.clone());
+    wait_for(
+        "the first sender dedicated",
+        Duration::from_secs(20),
+        || {
+            first
+                .lanes()
+                .outgoing
+                .iter()
+                .any(|p| p.lane == Lane::Dedicated)
+        },
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let second = Engine::new(config(transport, 16), "127.0.0.1:0").unwrap();
+    let second_sending = hot_sender(second.clone(), &rx.name(), stop.clone());
+    wait_for("the second sender denied", Duration::from_secs(20), || {
+        second.lanes().requesting.denials_received > 0
+    });
+    assert_eq!(second.lanes().outgoing[0].lane, Lane::Shared);
+    stop_first.store(true, Ordering::Relaxed);
+    let (engine, _) = first_sending.join().unwrap();
+    drop(engine);
+    drop(first);
+    wait_for(
+        "the second sender dedicated",
+        Duration::from_secs(20),
+        || second.lanes().outgoing[0].lane == Lane::Dedicated,
+    );
+    let report = rx.lanes();
+    assert_eq!(report.granting.peers_gone, 1, "{report:#?}");
+    assert!(
+        report.incoming.iter().all(|p| p.peer != first_name),
+        "{report:#?}"
+    );
+    assert_eq!(dedicated_incoming(&report), 1, "{report:#?}");
+    stop.store(true, Ordering::Relaxed);
+    second_sending.join().unwrap();
+    stop_rx.store(true, Ordering::Relaxed);
+    receiving.join().unwrap();
+}
+
+#[test]
+fn a_sender_dying_while_dedicated_frees_its_lane_shm() {
+    a_sender_dying_while_dedicated_frees_its_lane("shm");
+}
+
+#[test]
+fn a_sender_dying_while_dedicated_frees_its_lane_tcp() {
+    a_sender_dying_while_dedicated_frees_its_lane("tcp");
+}
