@@ -38,6 +38,9 @@ pub(super) struct InConn {
     /// An earlier lane of the same sender is still open: what arrives here waits in
     /// `Delivered::held` until that lane's fence (or end).
     pub(super) held_back: bool,
+    /// A tcp connection on the shared lane, read when the receive poll's epoll set says it
+    /// is readable rather than tried on every poll.
+    pub(super) watched: bool,
     /// Counts the connection against the port's `max_connections` until it is dropped.
     pub(super) _permit: ConnPermit,
 }
@@ -63,6 +66,7 @@ impl InConn {
             epoch,
             fenced: false,
             held_back: false,
+            watched: false,
             _permit: permit,
         }
     }
@@ -148,6 +152,25 @@ pub(super) struct Rx {
     pub(super) rdma_cqs: Vec<(usize, CompletionQueue)>,
     /// Completions polled at once (kept to avoid allocating per poll).
     pub(super) wcs: Vec<WorkCompletion>,
+    /// Under dynamic lanes: the shared lane's tcp connections, asked once per poll which are
+    /// readable, so a poll costs one system call for all of them instead of one each.
+    pub(super) shared_tcp: Option<SharedTcp>,
+}
+
+/// The epoll set of the shared lane's tcp connections and its event buffer.
+pub(super) struct SharedTcp {
+    epoll: Epoll,
+    events: Vec<EpollEvent>,
+}
+
+impl SharedTcp {
+    /// An empty set. Fails when the kernel refuses an epoll instance.
+    pub(super) fn new() -> std::io::Result<SharedTcp> {
+        Ok(SharedTcp {
+            epoll: Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?,
+            events: vec![EpollEvent::empty(); 64],
+        })
+    }
 }
 
 impl Messaging {
@@ -499,11 +522,12 @@ impl Messaging {
             rdma_cqs,
             wcs,
             lanes_dirty,
+            shared_tcp,
             ..
         } = rx;
         let liveness = std::mem::take(liveness_due);
         touched.clear();
-        for c in conns.iter_mut().filter(|c| !c.dead) {
+        let mut take = |c: &mut InConn| {
             let pool = pools.get_mut(&c.pool).expect("connection's pool");
             let before = delivered.count();
             if let Err(reason) = receive(c, pool, delivered, liveness) {
@@ -515,6 +539,24 @@ impl Messaging {
             }
             if c.dead || delivered.count() != before {
                 touched.push(c.pool);
+            }
+        };
+        for c in conns.iter_mut().filter(|c| !c.dead && !c.watched) {
+            take(c);
+        }
+        if let Some(set) = shared_tcp {
+            let n = match set.epoll.wait(&mut set.events, EpollTimeout::ZERO) {
+                Ok(n) => n,
+                Err(e) => {
+                    tracing::error!(error = %e, "polling the shared lane");
+                    0
+                }
+            };
+            for ev in &set.events[..n] {
+                let id = ev.data();
+                if let Some(c) = conns.iter_mut().find(|c| c.id.0 == id && !c.dead) {
+                    take(c);
+                }
             }
         }
         // After the connections: a sender that closed waited for its last messages to land, so
@@ -583,6 +625,9 @@ impl Messaging {
                 continue;
             }
             let c = rx.conns.swap_remove(i);
+            if let (true, Some(set)) = (c.watched, &rx.shared_tcp) {
+                let _ = set.epoll.delete(&c.stream);
+            }
             if !c.fenced && !ended.contains(&c.from) {
                 ended.push(c.from.clone());
             }
@@ -957,6 +1002,14 @@ impl Rx {
         c.held_back = self.conns.iter().any(|o| {
             o.from == c.from && o.epoch < c.epoch && (o.held_back || !(o.fenced || o.dead))
         });
+        if let (Some(set), InIo::Tcp { .. }, Lane::Shared) = (&self.shared_tcp, &c.io, c.lane) {
+            // Level-triggered: a connection with bytes left after a poll is reported again.
+            let ev = EpollEvent::new(EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP, c.id.0);
+            match set.epoll.add(&c.stream, ev) {
+                Ok(()) => c.watched = true,
+                Err(e) => tracing::debug!(error = %e, "shared lane polled directly"),
+            }
+        }
         self.conns.push(c);
     }
 

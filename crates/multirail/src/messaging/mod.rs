@@ -49,6 +49,7 @@ use multirail_policy::receive::{
     BufferId, ConnId, Credits, ReceiveQueue, ReceiveSettings, ReturnOrder,
 };
 use multirail_verbs::{CompletionQueue, QueuePair, SharedReceiveQueue, WorkCompletion};
+use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 
 use crate::config::{Config, TransportChoice};
 use crate::error::{Error, Result};
@@ -352,7 +353,15 @@ impl Messaging {
             timeout: Duration::from_millis(t.tcp.timeout_ms),
             connect_timeout: Duration::from_millis(t.tcp.connect_timeout_ms),
             membership,
-            rx: Mutex::default(),
+            rx: Mutex::new(Rx {
+                // Under dynamic lanes the shared lane is the one many peers use.
+                shared_tcp: if config.lanes.dynamic {
+                    Some(SharedTcp::new().map_err(|e| Error::io("creating an epoll set", e))?)
+                } else {
+                    None
+                },
+                ..Rx::default()
+            }),
             after_reply_pending: AtomicBool::new(false),
             out: Mutex::default(),
             lanes: Mutex::default(),
