@@ -1,6 +1,7 @@
 //! `multirail`: serve a segment, benchmark transfers against one, show the configuration.
 
 mod bench;
+mod lanes_bench;
 mod membench;
 mod pingpong;
 mod sim;
@@ -41,6 +42,10 @@ enum Command {
     Topo(topo::TopoArgs),
     /// Small-message round-trip latency (the seed's ping-pong), with periodic-pattern report.
     Pingpong(pingpong::PingpongArgs),
+    /// Dynamic lanes under many peers and one receiver: hot peers' message rate and one-way
+    /// latency, which peers end dedicated, receive memory and lane switches (--local: the
+    /// receiver is a child process, the senders engines of this process).
+    LanesBench(lanes_bench::LanesBenchArgs),
     /// Measure single-thread memcpy bandwidth walking two buffers block by block.
     Membench(membench::MembenchArgs),
     /// Simulate a scenario (modelled NICs, links, workloads) with the engine's own policy in
@@ -106,6 +111,7 @@ fn main() -> ExitCode {
         Command::Membench(args) => membench::run(args),
         Command::Sim(args) => sim::run(args),
         Command::Pingpong(args) => pingpong::run(config, cli.config.as_deref(), args),
+        Command::LanesBench(args) => lanes_bench::run(config, cli.config.as_deref(), args),
         Command::Topo(args) => topo::run(config, args),
         Command::Config {
             command: ConfigCommand::Show,

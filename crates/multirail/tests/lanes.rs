@@ -190,10 +190,15 @@ fn a_sender_dying_while_dedicated_frees_its_lane(transport: &str) {
     let (engine, _) = first_sending.join().unwrap();
     drop(engine);
     drop(first);
+    // The sender counts itself dedicated from the switch on; the receiver once the new
+    // connection is in.
     wait_for(
-        "the second sender dedicated",
+        "the second sender dedicated at both ends",
         Duration::from_secs(20),
-        || second.lanes().outgoing[0].lane == Lane::Dedicated,
+        || {
+            second.lanes().outgoing[0].lane == Lane::Dedicated
+                && dedicated_incoming(&rx.lanes()) == 1
+        },
     );
     let report = rx.lanes();
     assert_eq!(report.granting.peers_gone, 1, "{report:#?}");

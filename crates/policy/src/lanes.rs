@@ -48,11 +48,18 @@
 //! latest `Score`): each end's tracker sees only the traffic it sends, and the pair deserves a
 //! lane as much as its busier direction does.
 //!
-//! *Cooling.* A dedicated peer the local tracker still wants but whose local score has fallen
-//! below `min_score - remove_thresh` is demoted from this end (`Demote`, counted in
-//! [`LanesStats::cooled`]). It stays wanted and asks again, with no back-off, once its score is
-//! back at the floor. The gap of `remove_thresh` below the floor is hysteresis: a score
-//! wandering around the floor does not open and close the lane at every progress.
+//! *Cooling.* A dedicated peer the local tracker still wants but whose local score has stayed
+//! below `min_score - remove_thresh` (the *cooling line*) for [`COOL_AFTER`] scores in a row is
+//! demoted from this end (`Demote`, counted in [`LanesStats::cooled`]). It stays wanted and
+//! asks again, with no back-off, once its score is back at the floor. The gap of
+//! `remove_thresh` below the floor is hysteresis: a score wandering around the floor does not
+//! open and close the lane at every progress. The run of scores is hysteresis in time: a usage
+//! tracker samples its peers, one touch per round, so the score of a peer that is still busy
+//! is noisy and dips below the line now and then (10 equally busy peers, each touched in a
+//! progress round with probability 0.65, score 0.65 ± 0.16 under UCX's decay: a dip in about
+//! one progress round in a hundred per peer, so with progress every 10 ms each lane would be
+//! cooled and asked for again about once a second); a peer gone quiet falls at every progress
+//! and stays below. A score at or above the line starts the run again.
 //!
 //! Simultaneous requests (each end has a `Promote` outstanding when the other's arrives): the
 //! request of the higher [`NodeId`] stands. The higher end ignores the lower end's `Promote`;
@@ -98,6 +105,17 @@ use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 
 const MILLISECOND: u64 = 1_000_000;
+
+/// How many scores in a row ([`Lanes::on_score`], or [`Lanes::on_promoted`] for a dedicated
+/// peer) must be below the cooling line, `min_score - remove_thresh`, before a wanted dedicated
+/// peer is cooled (demoted from this end). A busy peer's sampled score dips below the line for
+/// a few progress rounds at a time, hardly ever for 16 in a row (10 equally busy peers, each
+/// untouched in a round with probability 0.35, the three or four untouched rounds that take a
+/// score of 0.65 below 0.3 and then 16 more); a peer gone quiet, from a score of 1, falls
+/// below the line at its 6th progress round under UCX's decay (`0.8^6 = 0.26`) and is cooled
+/// at its 21st instead: about 0.15 s later with its tracker progressing every 10 ms, 0.3 s
+/// with a lanes driver's idle progress every 20 ms.
+pub const COOL_AFTER: u32 = 16;
 
 /// Most dedicated lanes a configuration may ask for; far beyond what any NIC keeps cheaply.
 pub const MAX_DEDICATED_LIMIT: usize = 1 << 16;
@@ -312,8 +330,8 @@ pub struct LanesConfig {
     /// after many rounds of it. Half of the converged score of a key touched every round (1)
     /// is also the middle of the range, leaving `remove_thresh` (0.2) of hysteresis below it
     /// and a margin's worth of room above it for the eviction rule. A dedicated peer that the
-    /// tracker wants but whose score falls below `min_score - remove_thresh` is demoted again
-    /// (cooling). 0 asks at every promotion, as before this floor existed.
+    /// tracker wants but whose score stays below `min_score - remove_thresh` for
+    /// [`COOL_AFTER`] scores in a row is demoted again (cooling). 0 asks at every promotion, as before this floor existed.
     pub min_score: f64,
     /// How long a denied, timed-out or evicted peer waits before asking again (1 s): several
     /// periods of a usage tracker progressing every 100 to 250 ms, the time its decayed scores
@@ -395,7 +413,7 @@ pub enum Promotion {
     Waiting,
     /// The score is below [`LanesConfig::min_score`]: the peer is recorded as wanted but not
     /// asked for (no request, no back-off); [`Lanes::on_score`] asks as soon as the score
-    /// reaches the floor. Also returned for a dedicated peer that cooled (its score fell below
+    /// reaches the floor. Also returned for a dedicated peer that cooled (its score stayed below
     /// `min_score - remove_thresh`) and was demoted here.
     BelowFloor,
     /// The peer is this process itself; nothing to negotiate.
@@ -501,6 +519,8 @@ struct Peer {
     asked: bool,
     /// The last score this end told the peer (in its `Promote` or a `Score`).
     told: f64,
+    /// Local scores in a row below the cooling line while dedicated and wanted.
+    below: u32,
     request: Option<Request>,
     backoff: Option<Backoff>,
 }
@@ -514,6 +534,7 @@ impl Peer {
             remote: None,
             asked: false,
             told: 0.0,
+            below: 0,
             request: None,
             backoff: None,
         }
@@ -700,8 +721,9 @@ impl Lanes {
     /// [`LanesConfig::min_score`] with no back-off running, or when it rose by
     /// `remove_thresh` above the refused one while its back-off runs. For a dedicated peer
     /// that this end asked for, a score that moved by `remove_thresh / 2` or more from the last
-    /// one told is sent in a `Score`; a wanted dedicated peer whose score fell below
-    /// `min_score - remove_thresh` is demoted (cooled) and asks again at the floor.
+    /// one told is sent in a `Score`; a wanted dedicated peer whose score stayed below
+    /// `min_score - remove_thresh` for [`COOL_AFTER`] scores in a row is demoted (cooled) and
+    /// asks again at the floor.
     pub fn on_score(&mut self, now: u64, peer: NodeId, score: f64) {
         let score = finite(score);
         let thresh = self.config.remove_thresh;
@@ -836,6 +858,7 @@ impl Lanes {
             return;
         }
         p.lane = to;
+        p.below = 0;
         match to {
             Lane::Dedicated => {
                 self.dedicated += 1;
@@ -892,14 +915,19 @@ impl Lanes {
     }
 
     /// The local tracker's `score` for a dedicated `peer`: cools a wanted peer whose score
-    /// fell below `min_score - remove_thresh` (it stays wanted, with no back-off, and asks
-    /// again at the floor); otherwise, when this end asked for the lane, tells the peer a
-    /// score that moved by `remove_thresh / 2` or more since the last one told. Returns true
-    /// when it cooled the pair.
+    /// has been below `min_score - remove_thresh` for [`COOL_AFTER`] scores in a row (it stays
+    /// wanted, with no back-off, and asks again at the floor); otherwise, when this end asked
+    /// for the lane, tells the peer a score that moved by `remove_thresh / 2` or more since
+    /// the last one told. Returns true when it cooled the pair.
     fn dedicated_score(&mut self, now: u64, peer: NodeId, score: f64) -> bool {
         let thresh = self.config.remove_thresh;
         let p = self.peers.get_mut(&peer).expect("score of a tracked peer");
         if p.wanted && score < self.config.min_score - thresh {
+            p.below += 1;
+        } else {
+            p.below = 0;
+        }
+        if p.below >= COOL_AFTER {
             self.stats.cooled += 1;
             self.send(peer, LaneMsg::Demote);
             self.set_lane(peer, Lane::Shared);

@@ -179,6 +179,10 @@ pub struct Grant {
 struct ConnState {
     /// Posted for this connection and told to its sender, oldest first.
     granted: VecDeque<BufferId>,
+    /// When it was last granted to, in grants of this queue: among connections holding
+    /// equally few credits, the one granted longest ago goes first, so a busy sender that
+    /// drains its credits at once cannot win every tie and starve the others.
+    last_grant: u64,
 }
 
 /// One receive queue: a connection's own, or the shared pool.
@@ -194,6 +198,8 @@ pub struct ReceiveQueue {
     /// How many entries of `filled` are `Some`.
     filled_count: usize,
     conns: BTreeMap<ConnId, ConnState>,
+    /// Grants made so far (the clock of `ConnState::last_grant`).
+    grants: u64,
 }
 
 impl ReceiveQueue {
@@ -206,6 +212,7 @@ impl ReceiveQueue {
             filled: vec![None; settings.queue_depth],
             filled_count: 0,
             conns: BTreeMap::new(),
+            grants: 0,
             settings,
         })
     }
@@ -287,9 +294,11 @@ impl ReceiveQueue {
                 let held = c.granted.len();
                 held < share && (eager || held * 2 <= share)
             })
-            .min_by_key(|(_, c)| c.granted.len())
+            .min_by_key(|(_, c)| (c.granted.len(), c.last_grant))
             .map(|(id, _)| *id)?;
+        self.grants += 1;
         let state = self.conns.get_mut(&conn).expect("connection just seen");
+        state.last_grant = self.grants;
         let n = (share - state.granted.len()).min(self.free.len());
         buffers.extend(self.free.drain(..n));
         state.granted.extend(buffers.iter().copied());
@@ -651,6 +660,35 @@ mod tests {
         q.remove_connection(ConnId(1));
         assert_eq!(q.poll_grant(false).unwrap().buffers.len(), 4);
         assert_eq!(q.credits_of(ConnId(2)), 8);
+    }
+
+    /// A busy sender on a shared pool drains its credits at once after every grant; the
+    /// buffers it frees go in turn to every connection waiting with as few credits, not back
+    /// to the busy one because its id is lower.
+    #[test]
+    fn freed_buffers_go_round_to_connections_with_equally_few_credits() {
+        let mut q = ReceiveQueue::new(ReceiveSettings {
+            shared_receive_queue: true,
+            ..settings(2)
+        })
+        .unwrap();
+        for c in 1..=3 {
+            q.add_connection(ConnId(c)).unwrap();
+        }
+        // Two buffers, share 1 each: connections 1 and 2 get one; 3 waits with none while 1
+        // sends at once every time it has a credit.
+        let mut granted = std::collections::BTreeMap::<u64, usize>::new();
+        for _ in 0..30 {
+            let Some(g) = q.poll_grant(true) else { break };
+            *granted.entry(g.conn.0).or_default() += g.buffers.len();
+            if g.conn == ConnId(1) {
+                for b in g.buffers {
+                    let id = q.on_arrival(ConnId(1), Some(b)).unwrap();
+                    q.on_consumed(id).unwrap();
+                }
+            }
+        }
+        assert!(granted.get(&3).is_some_and(|&n| n >= 1), "{granted:?}");
     }
 
     #[test]

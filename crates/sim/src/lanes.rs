@@ -10,20 +10,34 @@
 //! a pair are negotiated independently.
 //!
 //! - **Send path.** Every process sends application messages at its workload's rate, simulated
-//!   in batches: once per tick (`tick_us`) a process sends the messages due in that tick, and
-//!   each one goes through [`UsageTracker::should_sample`]; a sampled send picks its destination
-//!   (by the workload's traffic shares) and calls [`UsageTracker::on_sample`], which starts a
-//!   round at most once per `switch_interval` and runs `progress` every `progress_factor`-th
-//!   round. Each process starts at a random phase of its rate, so cold senders do not all send
-//!   in the same tick.
-//! - **Glue.** After a progress, the tracker's events feed the requesting machine (`Promoted`
-//!   to [`Lanes::on_promoted`], `Demoted` to [`Lanes::on_demoted`]), then the tracker's score of
-//!   every peer the machine keeps (promoted or dedicated) is fed with [`Lanes::on_score`]. The
-//!   granting machine hears the requesters' scores (`Promote`, `Score`) and, as the scenario's
-//!   [`ReceiverView`] says, its own tracker's score for the peers it granted a lane.
+//!   in batches: once per tick (`tick_us`) a process sends the messages due in that tick. As
+//!   the engine's `Dynamic::on_send` does, one send in `sample_period` of each process (its
+//!   tracker's [`UsageTracker::should_sample`], a counter over all its sends) is sampled: it
+//!   picks its destination (by the workload's traffic shares) and calls
+//!   [`UsageTracker::on_sample`], which starts a round at most once per `switch_interval` and
+//!   runs `progress` every `progress_factor`-th round. Nothing else happens on the send path:
+//!   the lane machines hear of it at the driver's next pass. Each process starts at a random
+//!   phase of its rate, so cold senders do not all send in the same tick.
+//! - **Driver.** As the engine's lanes thread (`Messaging::drive_lanes`), each process runs a
+//!   driver pass every `switch_interval × progress_factor / 2`, clamped to [1 ms, 20 ms] (5 ms
+//!   at 1 ms × 10), at a phase of its own. A pass, in the engine's order: takes the answers
+//!   (`Accept`, `Deny`, `Demote`) that arrived for the requesting machine since the last pass;
+//!   *idle progress*: when the tracker tracks a key and has not progressed for
+//!   `2 × switch_interval × progress_factor`, runs [`UsageTracker::progress`] itself, so a
+//!   process that sends seldom (or stopped) still decays its scores at least every ~20–25 ms
+//!   (off with the scenario's `idle_progress: false`, to compare); drains the tracker's events
+//!   into the requesting machine (`Promoted` to [`Lanes::on_promoted`], `Demoted` to
+//!   [`Lanes::on_demoted`]); if the tracker progressed since the last pass, feeds the score of
+//!   every promoted key to [`Lanes::on_score`] (and, as the scenario's [`ReceiverView`] says,
+//!   its own score of the peers its granting machine granted to that machine; the engine does
+//!   not: its view is `request`); gives the answers to the requesting machine; runs
+//!   [`Lanes::on_timeout`] if a deadline has passed; then sends what was queued.
+//! - **Granting.** A lane message for a granting machine is handled when it arrives, as the
+//!   engine's receive poll does (`answer_lanes`), and its answers leave at once. The engine
+//!   never runs a granting machine's timers (it has none: it never wants a peer).
 //! - **Network.** Lane messages go through [`LaneMsg::encode`] / [`LaneMsg::decode`] and arrive
 //!   after `latency_us ± jitter_us`, in the order sent between each pair of machines (the
-//!   protocol needs that), reliably. Timers ([`Lanes::poll_timeout`]) run at their deadlines.
+//!   protocol needs that), reliably.
 //!
 //! Counters come from [`Lanes::stats`], summed over every machine per `sample_ms` window.
 
@@ -73,7 +87,6 @@ impl Role {
 /// One lane machine and what the simulator mirrors of it.
 struct Machine {
     lanes: Lanes,
-    timer_at: Option<u64>,
     /// The peers it holds a dedicated lane with (mirrors the switches).
     dedicated: Vec<u64>,
     last_switch: Option<u64>,
@@ -88,6 +101,10 @@ struct Proc {
     per_tick: f64,
     acc: f64,
     dests: Dests,
+    /// Answers for the requesting machine that arrived since the driver's last pass, in order.
+    answers: Vec<(u64, LaneMsg)>,
+    /// The tracker's progress whose scores the driver last fed (the engine's `scored_at`).
+    scored_at: Option<u64>,
 }
 
 impl Proc {
@@ -105,8 +122,8 @@ enum Ev {
         role: Role,
         frame: [u8; LaneMsg::ENCODED_LEN],
     },
-    /// A machine's lane timer (if still the armed one).
-    Timer { node: u32, role: Role, at: u64 },
+    /// The driver passes of the processes in one phase slot.
+    Drive { slot: u32 },
     /// Every process sends its batch.
     Tick,
     /// End of a report window.
@@ -119,6 +136,7 @@ struct Counters {
     tracker_promotions: u64,
     tracker_demotions: u64,
     progress_runs: u64,
+    idle_progress_runs: u64,
     samples: u64,
     messages: u64,
     lane_messages: u64,
@@ -164,7 +182,21 @@ struct Sim<'a> {
     prev_tracker: (u64, u64),
     /// Reused buffer of peer ids.
     scratch: Vec<u64>,
+    /// The driver's period, ns.
+    drive_every: u64,
+    /// The tracker counts as idle after this long without progress, ns.
+    idle_after: u64,
+    /// Processes by driver phase slot; slot `k` passes at `k × drive_every / slots`.
+    slots: Vec<Vec<u32>>,
+    /// Per process, the earliest time its driver's next pass has anything to do (an idle
+    /// progress due, a progress to score, answers or tracker events waiting, a timeout due);
+    /// passes before it would change nothing, so they are skipped.
+    wake: Vec<u64>,
 }
+
+/// Driver phases: the processes are spread over this many evenly spaced phases of the
+/// driver's period (one event per phase and pass, not one per process).
+const DRIVE_SLOTS: usize = 16;
 
 /// Simulates a lanes scenario run to its end.
 pub fn simulate(run: &Run, sc: &LanesScenario) -> Result<Report, ScenarioError> {
@@ -244,7 +276,6 @@ impl<'a> Sim<'a> {
             Ok(Machine {
                 lanes: Lanes::new(NodeId(i as u64), lanes)
                     .map_err(|e| config_error("max_dedicated", e.to_string()))?,
-                timer_at: None,
                 dedicated: Vec::new(),
                 last_switch: None,
             })
@@ -258,7 +289,22 @@ impl<'a> Sim<'a> {
                 per_tick: rate * tick_s,
                 acc: rng.gen::<f64>(),
                 dests,
+                answers: Vec::new(),
+                scored_at: None,
             });
+        }
+        // The engine's driver: a pass every half scoring round, within [1 ms, 20 ms]; idle
+        // after two scoring rounds without progress (`Dynamic::tick`, `drive_lanes`).
+        let round_ns = usage
+            .switch_interval_ns
+            .unwrap_or(u64::MAX)
+            .saturating_mul(u64::from(usage.progress_factor));
+        let drive_every = (round_ns / 2).clamp(1_000_000, 20_000_000);
+        let idle_after = round_ns.saturating_mul(2);
+        let mut slots = vec![Vec::new(); DRIVE_SLOTS.min(n)];
+        let count = slots.len();
+        for i in 0..n {
+            slots[rng.gen_range(0..count)].push(i as u32);
         }
         let watch = hot_of
             .into_iter()
@@ -283,6 +329,10 @@ impl<'a> Sim<'a> {
             prev: LanesStats::default(),
             prev_tracker: (0, 0),
             scratch: Vec::new(),
+            drive_every,
+            idle_after,
+            slots,
+            wake: vec![0; n],
         })
     }
 
@@ -297,6 +347,13 @@ impl<'a> Sim<'a> {
         let window = self.run.sample_ms * 1_000_000;
         self.at(0, Ev::Tick);
         self.at(window.min(self.end), Ev::Window);
+        let count = self.slots.len() as u64;
+        for slot in 0..count {
+            let t = slot * self.drive_every / count;
+            if t < self.end {
+                self.at(t, Ev::Drive { slot: slot as u32 });
+            }
+        }
         while let Some(Reverse((t, _, ev))) = self.events.pop() {
             if t > self.end {
                 // Put it back: it counts as in flight.
@@ -323,15 +380,16 @@ impl<'a> Sim<'a> {
                     })?;
                     self.deliver(from as usize, to as usize, role, msg);
                 }
-                Ev::Timer { node, role, at } => {
-                    let i = node as usize;
-                    let m = self.procs[i].machine(role);
-                    if m.timer_at != Some(at) {
-                        continue;
+                Ev::Drive { slot } => {
+                    for k in 0..self.slots[slot as usize].len() {
+                        let i = self.slots[slot as usize][k] as usize;
+                        if self.wake[i] <= t {
+                            self.drive(i);
+                        }
                     }
-                    m.timer_at = None;
-                    m.lanes.on_timeout(t);
-                    self.flush(i, role);
+                    if t + self.drive_every < self.end {
+                        self.at(t + self.drive_every, Ev::Drive { slot });
+                    }
                 }
                 Ev::Window => {
                     self.window();
@@ -357,7 +415,6 @@ impl<'a> Sim<'a> {
             }
             p.acc -= k as f64;
             self.c.messages += k;
-            let mut progressed = false;
             for j in 0..k {
                 if !p.tracker.should_sample() {
                     continue;
@@ -378,14 +435,13 @@ impl<'a> Sim<'a> {
                         shares[at.min(shares.len() - 1)].1
                     }
                 };
-                progressed |= p.tracker.on_sample(now, dest);
+                if p.tracker.on_sample(now, dest) {
+                    self.c.progress_runs += 1;
+                    self.wake[i] = now;
+                }
             }
             if let Dests::RoundRobin { next } = &mut p.dests {
                 *next = (*next + (k % (n as u64 - 1)) as usize) % (n - 1);
-            }
-            if progressed {
-                self.c.progress_runs += 1;
-                self.after_progress(i);
             }
         }
     }
@@ -409,40 +465,80 @@ impl<'a> Sim<'a> {
         }
     }
 
-    /// After a progress: events, then the current scores of the peers the requesting machine
-    /// keeps (promoted or dedicated), and, as the receiver view says, of the peers the
-    /// granting machine granted.
-    fn after_progress(&mut self, i: usize) {
+    /// One pass of process `i`'s lanes driver, in the order of the engine's `drive_lanes`:
+    /// idle progress, the tracker's events, the scores of a new progress, the answers that
+    /// came in, the requesting machine's timeout; then what the machines queued goes out.
+    fn drive(&mut self, i: usize) {
         let now = self.now;
+        let p = &mut self.procs[i];
+        let mut answers = std::mem::take(&mut p.answers);
+        // A sender that stopped sending runs no scoring rounds of its own.
+        if self.sc.idle_progress
+            && !p.tracker.is_empty()
+            && p.tracker
+                .last_progress_ns()
+                .is_none_or(|t| now.saturating_sub(t) >= self.idle_after)
+        {
+            p.tracker.progress(now);
+            self.c.progress_runs += 1;
+            self.c.idle_progress_runs += 1;
+        }
         self.drain_tracker(i);
         let p = &mut self.procs[i];
-        self.scratch.clear();
-        self.scratch.extend(p.tracker.promoted());
-        let [req, grant] = &mut p.machines;
-        for &d in &req.dedicated {
-            if !p.tracker.is_promoted(d) {
-                self.scratch.push(d);
+        if p.tracker.last_progress_ns() != p.scored_at {
+            p.scored_at = p.tracker.last_progress_ns();
+            self.scratch.clear();
+            self.scratch.extend(p.tracker.promoted());
+            let [req, grant] = &mut p.machines;
+            for &k in &self.scratch {
+                if let Some(s) = p.tracker.score(k) {
+                    req.lanes.on_score(now, NodeId(k), s);
+                }
             }
-        }
-        for &k in &self.scratch {
-            if let Some(s) = p.tracker.score(k) {
-                req.lanes.on_score(now, NodeId(k), s);
-            }
-        }
-        if self.sc.receiver_view != ReceiverView::Request {
-            for &d in &grant.dedicated {
-                if let Some(s) = p.tracker.score(d) {
-                    grant.lanes.on_score(now, NodeId(d), s);
+            if self.sc.receiver_view != ReceiverView::Request {
+                for &d in &grant.dedicated {
+                    if let Some(s) = p.tracker.score(d) {
+                        grant.lanes.on_score(now, NodeId(d), s);
+                    }
                 }
             }
         }
+        let req = &mut p.machines[Role::Request as usize].lanes;
+        for (from, msg) in answers.drain(..) {
+            req.on_message(now, NodeId(from), msg);
+        }
+        p.answers = answers;
+        if req.poll_timeout().is_some_and(|t| t <= now) {
+            req.on_timeout(now);
+        }
         self.flush(i, Role::Request);
         self.flush(i, Role::Grant);
+        // The next pass with work: the idle progress or the timeout due first. Anything
+        // else that gives the driver work (a progress on the send path, an answer, tracker
+        // events) moves this up when it happens.
+        let p = &self.procs[i];
+        let idle = (self.sc.idle_progress && !p.tracker.is_empty()).then(|| {
+            p.tracker
+                .last_progress_ns()
+                .map_or(now, |t| t.saturating_add(self.idle_after))
+        });
+        let timeout = p.machines[Role::Request as usize].lanes.poll_timeout();
+        self.wake[i] = match (idle, timeout) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => a.or(b).unwrap_or(u64::MAX),
+        };
     }
 
+    /// A lane message arrives: an answer waits for the requester's next driver pass; a
+    /// request, score or demote goes to the granting machine at once.
     fn deliver(&mut self, from: usize, to: usize, role: Role, msg: LaneMsg) {
         let now = self.now;
         self.c.lane_messages += 1;
+        if role == Role::Request {
+            self.procs[to].answers.push((from as u64, msg));
+            self.wake[to] = now;
+            return;
+        }
         self.procs[to]
             .machine(role)
             .lanes
@@ -451,10 +547,10 @@ impl<'a> Sim<'a> {
             (self.sc.receiver_view, msg)
         {
             // UCX: the remote side's view floors the local score of the pair; the receiver's
-            // tracker may promote the sender, and its requesting machine ask for the way back.
+            // tracker may promote the sender, and its requesting machine ask for the way back
+            // at the driver's next pass.
             let _ = self.procs[to].tracker.set_min_score(from as u64, score);
-            self.drain_tracker(to);
-            self.flush(to, Role::Request);
+            self.wake[to] = now;
         }
         self.flush(to, role);
     }
@@ -522,17 +618,9 @@ impl<'a> Sim<'a> {
         debug_assert_eq!(held, m.dedicated.len());
         self.c.window_max = self.c.window_max.max(held);
         self.c.max_dedicated_seen = self.c.max_dedicated_seen.max(held);
-        let arm = match m.lanes.poll_timeout() {
-            Some(at) if m.timer_at.is_none_or(|t| at < t) => {
-                m.timer_at = Some(at);
-                Some(at)
-            }
-            _ => None,
-        };
-        if let Some(at) = arm {
-            let node = i as u32;
-            self.at(at.max(now), Ev::Timer { node, role, at });
-        }
+        // The driver runs the requesting machine's timeouts; a granting machine never
+        // wants a peer, so it never backs off or waits for an answer.
+        debug_assert!(role == Role::Request || m.lanes.poll_timeout().is_none());
     }
 
     fn machines(&self) -> impl Iterator<Item = &Machine> + '_ {
@@ -620,6 +708,9 @@ impl<'a> Sim<'a> {
                 dedicated.sort_unstable();
                 let hot_dedicated = dedicated.iter().filter(|d| hot.contains(d)).count();
                 let exactly = hot_dedicated == hot.len() && dedicated.len() == hot.len();
+                let req = &self.procs[r].machines[Role::Request as usize];
+                let mut replies_dedicated = req.dedicated.clone();
+                replies_dedicated.sort_unstable();
                 ReceiverReport {
                     node: r as u64,
                     hot: hot.clone(),
@@ -632,6 +723,9 @@ impl<'a> Sim<'a> {
                     cold_first_at_ms: w.cold_first_at.map(ms),
                     cold_granted: w.cold_granted,
                     hot_lost: w.hot_lost,
+                    replies_dedicated,
+                    replies_switches: req.lanes.stats().switches,
+                    replies_cooled: req.lanes.stats().cooled,
                 }
             })
             .collect();
@@ -639,7 +733,12 @@ impl<'a> Sim<'a> {
             .events
             .iter()
             .filter(|Reverse((_, _, e))| matches!(e, Ev::Deliver { .. }))
-            .count() as u64;
+            .count() as u64
+            + self
+                .procs
+                .iter()
+                .map(|p| p.answers.len() as u64)
+                .sum::<u64>();
         let secs = self.run.duration_ms as f64 / 1000.0;
         let lanes = LanesReport {
             workload: match self.sc.workload {
@@ -658,6 +757,9 @@ impl<'a> Sim<'a> {
             messages: self.c.messages,
             samples: self.c.samples,
             progress_runs: self.c.progress_runs,
+            idle_progress_runs: self.c.idle_progress_runs,
+            idle_progress: self.sc.idle_progress,
+            drive_every_ms: self.drive_every as f64 / 1e6,
             lane_messages: self.c.lane_messages,
             lane_messages_in_flight: in_flight,
             tracker_promotions: self.c.tracker_promotions,
@@ -780,6 +882,45 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The engine's driver: a pass every half scoring round within [1 ms, 20 ms], and idle
+    /// progress after two scoring rounds without one. A cold sender sampling every send (10 a
+    /// second, one round each) progresses on its own every 10 rounds (1 s) and, between, by
+    /// the driver every 20-25 ms, so its destination, touched every 100 ms, scores at most
+    /// about 0.3 and it never asks; without idle progress it is touched in every one of its
+    /// own progress rounds and reaches the floor at its fourth (about 4 s).
+    #[test]
+    fn the_driver_runs_idle_progress_as_the_engine_does() {
+        let doc = |idle: bool| {
+            format!(
+                r#"{{"name": "i", "duration_ms": 6000, "sample_ms": 100,
+                "lanes": {{"peers": 3, "workload": "mbw_mr", "hot": 1,
+                          "hot_rate_per_sec": 100000, "max_dedicated": 4,
+                          "idle_progress": {idle},
+                          "usage": {{"switch_interval_us": 1000, "sample_period": 1}}}}}}"#
+            )
+        };
+        let l = run(&doc(true)).lanes.unwrap();
+        assert_eq!(l.drive_every_ms, 5.0);
+        // The cold sender: ~5 s of idle progress every 20 to 25 ms after its first own one.
+        assert!(
+            (180..=260).contains(&l.idle_progress_runs),
+            "{}",
+            l.idle_progress_runs
+        );
+        let rx = &l.receivers[0];
+        assert_eq!(rx.dedicated, vec![1]);
+        assert_eq!((rx.cold_granted, rx.cold_first_at_ms), (0, None));
+        let l = run(&doc(false)).lanes.unwrap();
+        assert_eq!(l.idle_progress_runs, 0);
+        let rx = &l.receivers[0];
+        assert_eq!(rx.dedicated, vec![1, 2]);
+        let cold_at = rx.cold_first_at_ms.unwrap();
+        assert!((3_500.0..5_000.0).contains(&cold_at), "{cold_at} ms");
+        // The policy's default interval (10 ms x 10) clamps the driver's pass to 20 ms.
+        let l = run(SMALL_MBW).lanes.unwrap();
+        assert_eq!(l.drive_every_ms, 20.0);
     }
 
     #[test]

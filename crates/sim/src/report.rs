@@ -199,6 +199,12 @@ pub struct ReceiverReport {
     pub cold_granted: u64,
     /// Lanes its hot senders lost (evicted or demoted) after all of them first held one.
     pub hot_lost: u64,
+    /// The lanes of its answers (its requesting machine's) dedicated at the end, ascending.
+    pub replies_dedicated: Vec<u64>,
+    /// Lane changes of its answers' lanes over the run.
+    pub replies_switches: u64,
+    /// Of those, demotions because its own score for the peer fell below the cooling line.
+    pub replies_cooled: u64,
 }
 
 /// How many dedicated lanes the processes hold at the end.
@@ -228,8 +234,14 @@ pub struct LanesReport {
     pub messages: u64,
     /// Sends reported to the trackers (`on_sample` calls).
     pub samples: u64,
-    /// Tracker progress runs, all processes.
+    /// Tracker progress runs, all processes: on the send path and by the driver.
     pub progress_runs: u64,
+    /// Of `progress_runs`, those the driver ran because the tracker was idle.
+    pub idle_progress_runs: u64,
+    /// Whether the driver ran idle progress (the scenario's `idle_progress`).
+    pub idle_progress: bool,
+    /// The driver's period, ms.
+    pub drive_every_ms: f64,
     /// Lane messages delivered.
     pub lane_messages: u64,
     /// Lane messages still in flight at the end.
@@ -267,14 +279,17 @@ impl LanesReport {
         let ms = |v: Option<f64>| v.map_or("never".to_owned(), |t| format!("{t:.1} ms"));
         let _ = writeln!(
             out,
-            "  {} over {} processes, at most {} dedicated lanes each, receiver view {}: {} messages, {} sampled, {} tracker progress runs, {} lane messages ({} in flight at the end)",
+            "  {} over {} processes, at most {} dedicated lanes each, receiver view {}, a driver pass every {} ms, idle progress {}: {} messages, {} sampled, {} tracker progress runs ({} idle), {} lane messages ({} in flight at the end)",
             self.workload,
             self.peers,
             self.max_dedicated,
             self.receiver_view,
+            self.drive_every_ms,
+            if self.idle_progress { "on" } else { "off" },
             self.messages,
             self.samples,
             self.progress_runs,
+            self.idle_progress_runs,
             self.lane_messages,
             self.lane_messages_in_flight,
         );
@@ -371,6 +386,11 @@ impl LanesReport {
                 r.hot_lost,
                 r.cold_granted,
                 ms(r.cold_first_at_ms),
+            );
+            let _ = writeln!(
+                out,
+                "  receiver {}'s answers: dedicated {:?}; {} switches, {} cooled",
+                r.node, r.replies_dedicated, r.replies_switches, r.replies_cooled,
             );
         }
     }

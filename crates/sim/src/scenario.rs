@@ -498,6 +498,10 @@ pub struct LanesScenario {
     /// Whose score a process keeps for peers it accepted (default `request`).
     #[serde(default = "default_receiver_view")]
     pub receiver_view: ReceiverView,
+    /// The lanes driver runs the tracker's progress itself when it has not progressed for two
+    /// scoring rounds, as the engine's does (default true); false only to compare.
+    #[serde(default = "default_idle_progress")]
+    pub idle_progress: bool,
     /// `LanesConfig::max_dedicated`.
     #[serde(default = "default_max_dedicated")]
     pub max_dedicated: usize,
@@ -528,6 +532,10 @@ fn default_jitter_us() -> f64 {
 
 fn default_tick_us() -> u64 {
     1000
+}
+
+fn default_idle_progress() -> bool {
+    true
 }
 
 fn default_receiver_view() -> ReceiverView {

@@ -361,6 +361,12 @@ impl Messaging {
         self.dynamic.tick()
     }
 
+    /// A sender read `answers` on its connection to peer `id`: they wait for the driver.
+    pub(super) fn park_answers(&self, id: u64, answers: &mut Vec<LaneMsg>) {
+        let mut p = self.parked.lock().expect("parked poisoned");
+        p.extend(answers.drain(..).map(|m| (id, m)));
+    }
+
     /// After a connection to peer `id` broke: under dynamic lanes its next one starts shared,
     /// as negotiation starts over.
     pub(super) fn reset_lane(&self, id: u64) {
@@ -376,6 +382,9 @@ impl Messaging {
     /// one. `all`: read every connection, else only those of peers negotiating or dedicated.
     /// Peers whose connection broke go to `gone`.
     fn read_answers(&self, all: bool, back: &mut Vec<(u64, LaneMsg)>, gone: &mut Vec<u64>) {
+        // Parked answers were read while no fenced lane was being read: they come before
+        // anything such a lane (fenced since) or a later connection carries.
+        back.append(&mut self.parked.lock().expect("parked poisoned"));
         self.drain_retiring();
         let mut blocked = HashSet::new();
         {
@@ -390,6 +399,7 @@ impl Messaging {
                 }
             }
             r.retain(|e| e.open || !e.lanes.is_empty());
+            self.retiring_any.store(!r.is_empty(), Ordering::Release);
         }
         let watched: HashSet<u64> = if all {
             HashSet::new()

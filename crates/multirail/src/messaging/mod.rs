@@ -295,8 +295,10 @@ pub(crate) struct Messaging {
     /// Streams of fenced lanes, read until the receiver closes its end (see
     /// `Messaging::retire`).
     retiring: Mutex<Vec<Retiring>>,
-    /// Some retiring stream is still open.
+    /// `retiring` is not empty (a stream still open, or answers read from one not yet taken).
     retiring_any: AtomicBool,
+    /// Answers to lane requests that senders read, by peer, in order, for the lanes driver.
+    parked: Mutex<Vec<(u64, LaneMsg)>>,
     next_conn: AtomicU64,
     /// Dynamic lanes: the usage tracker and both negotiations.
     dynamic: Dynamic,
@@ -367,6 +369,7 @@ impl Messaging {
             lanes: Mutex::default(),
             retiring: Mutex::default(),
             retiring_any: AtomicBool::new(false),
+            parked: Mutex::default(),
             next_conn: AtomicU64::new(2),
             dynamic: Dynamic::new(&config.lanes)?,
         })

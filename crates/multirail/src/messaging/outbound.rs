@@ -38,6 +38,9 @@ pub(super) struct OutConn {
     pub(super) reverse: Vec<u8>,
     /// Lane messages the receiver wrote back, for the lanes driver.
     pub(super) lanes_in: Vec<LaneMsg>,
+    /// Sends since the stream was last read for answers (shm and rdma, whose credits do not
+    /// come on the stream).
+    pub(super) unread_sends: u32,
 }
 
 /// The lane messages to one peer take, and the epoch of the next connection made to it (the
@@ -142,8 +145,7 @@ impl Messaging {
             }
         }
         r.retain(|e| e.open || !e.lanes.is_empty());
-        self.retiring_any
-            .store(r.iter().any(|e| e.open), Ordering::Release);
+        self.retiring_any.store(!r.is_empty(), Ordering::Release);
     }
 
     /// A connection to `peer` on `lane` over the transport the configuration picks.
@@ -360,6 +362,7 @@ impl Messaging {
                         retired: false,
                         reverse: Vec::new(),
                         lanes_in: Vec::new(),
+                        unread_sends: 0,
                     });
                 }
                 Err(e) => failures.push(format!("{pair}: {e}")),
@@ -450,6 +453,7 @@ impl Messaging {
             retired: false,
             reverse: Vec::new(),
             lanes_in: Vec::new(),
+            unread_sends: 0,
         })
     }
 
@@ -476,7 +480,14 @@ impl Messaging {
         let outcome = loop {
             let mut g = conn.lock().expect("message connection poisoned");
             if !g.retired {
-                break g.send(kind, data, self.timeout);
+                let sent = g.send(kind, data, self.timeout);
+                if !g.lanes_in.is_empty() && !self.retiring_any.load(Ordering::Acquire) {
+                    // Answers this send read: hand them to the driver now, since a busy
+                    // sender leaves it few chances to take the connection's lock. With no
+                    // fenced lane still being read, nothing older can come after them.
+                    self.park_answers(segment.0, &mut g.lanes_in);
+                }
+                break sent;
             }
             // A lane switch fenced this connection while we waited for it: its successor
             // carries the message, after everything the fence covers.
@@ -518,6 +529,16 @@ impl Messaging {
 impl OutConn {
     pub(super) fn send(&mut self, kind: MsgKind, data: &[u8], timeout: Duration) -> Result<()> {
         let sent = self.send_inner(kind, data, timeout);
+        if sent.is_ok() && !matches!(self.io, OutIo::Tcp) {
+            // Answers to lane requests come on the stream, which nothing else reads while
+            // credits keep coming: look once in so many sends (one system call).
+            self.unread_sends += 1;
+            if self.unread_sends >= 256 {
+                self.unread_sends = 0;
+                // A broken stream shows at the next wait for credits or by the driver.
+                let _ = self.read_back();
+            }
+        }
         if let (Err(e), OutIo::Rdma { qp, .. }) = (&sent, &mut self.io) {
             if !matches!(e, Error::InvalidArgument { .. }) {
                 // The connection is dropped after this: do not wait for sends that cannot land.

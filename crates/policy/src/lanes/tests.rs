@@ -712,7 +712,12 @@ fn a_cooled_peer_is_demoted_and_asks_again_at_the_floor() {
     net.deliver_all(&mut rng);
     assert_eq!(net.node(a).lane(rid), Lane::Dedicated);
     assert_eq!(net.node(a).stats().cooled, 0);
-    // Below min_score - remove_thresh: demoted from this end, no back-off.
+    // Below min_score - remove_thresh for COOL_AFTER scores in a row: demoted from this
+    // end, no back-off.
+    for _ in 0..COOL_AFTER - 1 {
+        net.score(a, r, 0.29);
+    }
+    assert_eq!(net.node(a).lane(rid), Lane::Dedicated);
     net.score(a, r, 0.29);
     assert_eq!(net.node(a).lane(rid), Lane::Shared);
     net.deliver_all(&mut rng);
@@ -733,7 +738,10 @@ fn a_cooled_peer_is_demoted_and_asks_again_at_the_floor() {
     net.deliver_all(&mut rng);
     assert_eq!(net.node(a).lane(rid), Lane::Dedicated);
     net.assert_agreement();
-    // Feeding the cooled score through on_promoted cools too, and says so.
+    // Feeding the cooled score through on_promoted counts too, and says so when it cools.
+    for _ in 0..COOL_AFTER - 1 {
+        assert_eq!(net.promote(a, r, 0.1), Promotion::Dedicated);
+    }
     assert_eq!(net.promote(a, r, 0.1), Promotion::BelowFloor);
     net.deliver_all(&mut rng);
     assert_eq!(net.node(r).lane(Net::id(a)), Lane::Shared);
@@ -741,9 +749,66 @@ fn a_cooled_peer_is_demoted_and_asks_again_at_the_floor() {
     // A receiving end never cools the peers it accepted (its tracker does not want them).
     net.promote(other, r, 1.0);
     net.deliver_all(&mut rng);
-    net.score(r, other, 0.0);
+    for _ in 0..2 * COOL_AFTER {
+        net.score(r, other, 0.0);
+    }
     assert_eq!(net.node(r).lane(Net::id(other)), Lane::Dedicated);
     assert_eq!(net.node(r).stats().cooled, 0);
+}
+
+/// A busy peer's sampled score dips below the cooling line now and then; only a run of
+/// `COOL_AFTER` scores below it cools the lane, and a score at or above the line, or a new
+/// lane, starts the run again.
+#[test]
+fn a_dip_below_the_cooling_line_does_not_cool() {
+    let mut net = Net::new(2, config(1));
+    let mut rng = StdRng::seed_from_u64(24);
+    let (a, r) = (0, 1);
+    let rid = Net::id(r);
+    net.promote(a, r, 1.0);
+    net.deliver_all(&mut rng);
+    assert_eq!(net.node(a).lane(rid), Lane::Dedicated);
+    // Dips of COOL_AFTER - 1 scores, each ended by one at the line (0.3) or above.
+    for back in [0.3, 0.45, 0.8] {
+        for _ in 0..COOL_AFTER - 1 {
+            net.score(a, r, 0.1);
+        }
+        net.score(a, r, back);
+        net.deliver_all(&mut rng);
+        assert_eq!(net.node(a).lane(rid), Lane::Dedicated, "back at {back}");
+    }
+    assert_eq!(net.node(a).stats().cooled, 0);
+    assert_eq!(net.node(a).stats().switches, 1);
+    // A peer gone quiet: its score decays at every progress (UCX's 0.8) and stays below.
+    let mut score: f64 = 1.0;
+    let mut rounds = 0;
+    while net.node(a).lane(rid) == Lane::Dedicated {
+        score *= 0.8;
+        rounds += 1;
+        net.score(a, r, score);
+    }
+    assert_eq!(rounds, 5 + COOL_AFTER, "below 0.3 from the 6th round");
+    net.deliver_all(&mut rng);
+    net.assert_agreement();
+    assert_eq!(net.node(a).stats().cooled, 1);
+    // Asked for again at the floor. A lane starts its own run: part of a run, then the lane
+    // closes (the tracker demotes the peer) and opens again, and the new lane's run starts
+    // from nothing.
+    net.score(a, r, 0.6);
+    net.deliver_all(&mut rng);
+    assert_eq!(net.node(a).lane(rid), Lane::Dedicated);
+    for _ in 0..COOL_AFTER - 1 {
+        net.score(a, r, 0.1);
+    }
+    net.demote(a, r);
+    assert_eq!(net.promote(a, r, 1.0), Promotion::Requested);
+    net.deliver_all(&mut rng);
+    for _ in 0..COOL_AFTER - 1 {
+        net.score(a, r, 0.1);
+    }
+    net.deliver_all(&mut rng);
+    assert_eq!(net.node(a).lane(rid), Lane::Dedicated);
+    assert_eq!(net.node(a).stats().cooled, 1);
 }
 
 /// A requester that holds a lane keeps the receiver told of its score; the receiver compares
@@ -904,6 +969,9 @@ enum Step {
     Promote(usize, usize, usize),
     Demote(usize, usize),
     Score(usize, usize, usize),
+    /// The same score `COOL_AFTER` times in a row: a run that cools a dedicated peer when
+    /// below the cooling line.
+    ScoreRun(usize, usize, usize),
     Kill(usize),
     Revive(usize),
     Reset(usize, usize),
@@ -925,6 +993,8 @@ fn step() -> impl Strategy<Value = Step> {
         2 => (any::<usize>(), any::<usize>()).prop_map(|(a, b)| Step::Demote(a, b)),
         4 => (any::<usize>(), any::<usize>(), 0..SCORES.len())
             .prop_map(|(a, b, s)| Step::Score(a, b, s)),
+        1 => (any::<usize>(), any::<usize>(), 0..SCORES.len())
+            .prop_map(|(a, b, s)| Step::ScoreRun(a, b, s)),
         1 => any::<usize>().prop_map(Step::Kill),
         1 => any::<usize>().prop_map(Step::Revive),
         1 => (any::<usize>(), any::<usize>()).prop_map(|(a, b)| Step::Reset(a, b)),
@@ -965,6 +1035,13 @@ fn run_consensus(n: usize, max: usize, steps: &[Step], seed: u64) -> LanesStats 
             Step::Score(a, b, s) => {
                 if let Some((a, b)) = pair(&net, a, b) {
                     net.score(a, b, SCORES[s]);
+                }
+            }
+            Step::ScoreRun(a, b, s) => {
+                if let Some((a, b)) = pair(&net, a, b) {
+                    for _ in 0..COOL_AFTER {
+                        net.score(a, b, SCORES[s]);
+                    }
                 }
             }
             Step::Kill(a) => {
