@@ -142,7 +142,7 @@ pub struct LanesBenchArgs {
     pattern: Pattern,
     /// Lanes: dynamic (negotiated from the traffic), dedicated (every sender switches to a
     /// dedicated lane first, `lanes.dynamic` off) or shared (everything on the shared lane,
-    /// `lanes.dynamic` off). Default: dynamic.
+    /// one receive pool for all, `lanes.dynamic` off). Default: dynamic.
     #[arg(long, value_enum, default_value_t = Mode::Dynamic)]
     mode: Mode,
     /// Transport of every engine: shm or tcp. Default: shm.
@@ -208,6 +208,12 @@ impl LanesBenchArgs {
         };
         config.lanes.dynamic = self.mode == Mode::Dynamic;
         config.lanes.max_dedicated = self.max_dedicated;
+        if self.mode == Mode::Shared {
+            // The shared lane as dynamic mode has it: one pool for every sender (without
+            // dynamic lanes it is the configured path, a pool per connection by default).
+            config.transports.tcp.receive.shared_receive_queue = true;
+            config.transports.shm.receive.shared_receive_queue = true;
+        }
     }
 
     /// True for the peers whose rate and latency are reported.
