@@ -103,6 +103,8 @@ fn remote_base(engine: &Engine, seg: SegmentId) -> u64 {
 }
 
 const RDMA: &str = r#"{"transport": "rdma", "transports": {"tcp": {"timeout_ms": 20000}}}"#;
+/// RDMA with lanes switched only by hand, for tests that count every message and fence.
+const RDMA_FIXED_LANES: &str = r#"{"transport": "rdma", "lanes": {"dynamic": false}, "transports": {"tcp": {"timeout_ms": 20000}}}"#;
 
 #[test]
 fn sixty_four_mib_each_way_over_both_rails_every_byte_checked() {
@@ -386,10 +388,11 @@ fn message(from: u8, seq: u64) -> Vec<u8> {
 
 /// `senders` engines each send `per_sender` messages to one receiver configured with
 /// `receive` (the `transports.rdma.receive` section); the receiver checks that every sender's
-/// messages arrive in order, each once, each byte as sent, and that nothing more comes.
+/// messages arrive in order, each once, each byte as sent, and that nothing more comes. Lanes
+/// stay where the receive settings put them (`lanes.dynamic` off), so the counts are exact.
 fn messages_arrive_fifo_exactly_once(receive: &str, senders: u8, per_sender: u64) {
     let conf = format!(
-        r#"{{"transport": "rdma", "transports": {{"tcp": {{"timeout_ms": 60000}}, "rdma": {{"receive": {receive}}}}}}}"#
+        r#"{{"transport": "rdma", "lanes": {{"dynamic": false}}, "transports": {{"tcp": {{"timeout_ms": 60000}}, "rdma": {{"receive": {receive}}}}}}}"#
     );
     let receiver = initiator(&conf);
     let name = receiver.name();
@@ -476,8 +479,8 @@ fn lane_switches_between_the_srq_and_a_queue_of_its_own_keep_order() {
     if !rdma_here() {
         return;
     }
-    let receiver = initiator(RDMA);
-    let sender = initiator(RDMA);
+    let receiver = initiator(RDMA_FIXED_LANES);
+    let sender = initiator(RDMA_FIXED_LANES);
     let seg = sender.open_segment(&receiver.name()).unwrap();
     const N: u64 = 20_000;
     let r = std::thread::spawn(move || {
@@ -734,4 +737,66 @@ fn without_rdma_topo_says_why_and_the_rdma_transport_is_a_clear_error() {
     assert_eq!(ping.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("rdma"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// Dynamic lanes over verbs: a sender sending continuously is promoted by its usage tracker,
+/// the receiver grants it a queue pair with receive buffers of its own, and every message
+/// arrives once, in order, across the switch from the shared receive queue.
+#[test]
+fn a_busy_sender_negotiates_a_queue_pair_of_its_own() {
+    if !rdma_here() {
+        return;
+    }
+    let conf = r#"{"transport": "rdma", "lanes": {"sample_period": 1}, "transports": {"tcp": {"timeout_ms": 20000}}}"#;
+    let receiver = initiator(conf);
+    let sender = initiator(conf);
+    let seg = sender.open_segment(&receiver.name()).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let receiving = {
+        let (receiver, stop) = (receiver.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut next = 0u64;
+            loop {
+                match receiver.recv(Some(Duration::from_millis(50))).unwrap() {
+                    Some(m) => {
+                        assert_eq!(m.data, message(0, next), "message {next}");
+                        next += 1;
+                    }
+                    None if stop.load(std::sync::atomic::Ordering::Relaxed) => return next,
+                    None => {}
+                }
+            }
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut sent = 0u64;
+    loop {
+        sender.send(seg, &message(0, sent)).unwrap();
+        sent += 1;
+        std::thread::sleep(Duration::from_micros(200));
+        let dedicated = sender.lanes().outgoing.first().map(|p| p.lane)
+            == Some(multirail::Lane::Dedicated)
+            && receiver
+                .lanes()
+                .incoming
+                .iter()
+                .any(|p| p.lane == multirail::Lane::Dedicated);
+        if dedicated {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{:#?}", sender.lanes());
+    }
+    for _ in 0..1_000 {
+        sender.send(seg, &message(0, sent)).unwrap();
+        sent += 1;
+    }
+    let report = receiver.lanes();
+    eprintln!(
+        "dedicated after {sent} messages; receiver granting {:?}",
+        report.granting
+    );
+    assert_eq!(report.granting.accepts_sent, 1, "{report:#?}");
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(receiving.join().unwrap(), sent);
 }
