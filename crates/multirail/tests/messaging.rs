@@ -89,8 +89,17 @@ fn oversized_message_is_refused() {
     );
 }
 
+/// A sender on a receive queue of its own (lanes fixed: the shared lane's pool hands out
+/// credits as a sender uses them, see `lanes_start_small_on_the_shared_pool`).
 fn credits_block_then_resume(transport: &str) {
-    let (a, b) = pair(transport, r#"{"queue_depth": 4}"#);
+    let fixed = |t: &str| {
+        let json = format!(
+            r#"{{"transport": "{t}", "lanes": {{"dynamic": false}},
+                "transports": {{"tcp": {{"receive": {{"queue_depth": 4}}}}, "shm": {{"receive": {{"queue_depth": 4}}}}}}}}"#
+        );
+        Engine::new(Config::from_json_str(&json, "test").unwrap(), "127.0.0.1:0").unwrap()
+    };
+    let (a, b) = (fixed(transport), fixed(transport));
     let seg = a.open_segment(&b.name()).unwrap();
     let (tx, rx) = mpsc::channel();
     let sender = {
@@ -133,9 +142,40 @@ fn exhausted_credits_block_the_sender_until_buffers_return_shm() {
     credits_block_then_resume("shm");
 }
 
+/// On the shared lane a new sender is granted one credit, and more as it spends them: a
+/// burst to a receiver that is not polling stops after the first message until it polls,
+/// then every message arrives in order.
+#[test]
+fn lanes_start_small_on_the_shared_pool() {
+    let (a, b) = pair("tcp", r#"{"queue_depth": 8}"#);
+    let seg = a.open_segment(&b.name()).unwrap();
+    let (tx, rx) = mpsc::channel();
+    let sender = {
+        let a = a.clone();
+        thread::spawn(move || {
+            for i in 0u8..20 {
+                a.send(seg, &[i]).unwrap();
+                tx.send(i).unwrap();
+            }
+        })
+    };
+    assert_eq!(rx.recv_timeout(Duration::from_secs(5)).unwrap(), 0);
+    assert!(
+        rx.recv_timeout(Duration::from_millis(300)).is_err(),
+        "a second message without a second credit"
+    );
+    for i in 0u8..20 {
+        assert_eq!(
+            b.recv(Some(Duration::from_secs(5))).unwrap().unwrap().data,
+            [i]
+        );
+    }
+    sender.join().unwrap();
+}
+
 #[test]
 fn a_sender_without_credits_times_out() {
-    let json = r#"{"transport": "tcp", "transports": {"tcp": {"timeout_ms": 200, "receive": {"queue_depth": 2}}}}"#;
+    let json = r#"{"transport": "tcp", "lanes": {"dynamic": false}, "transports": {"tcp": {"timeout_ms": 200, "receive": {"queue_depth": 2}}}}"#;
     let a = Engine::new(Config::from_json_str(json, "t").unwrap(), "127.0.0.1:0").unwrap();
     let b = Engine::new(Config::from_json_str(json, "t").unwrap(), "127.0.0.1:0").unwrap();
     let seg = a.open_segment(&b.name()).unwrap();

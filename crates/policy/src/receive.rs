@@ -183,6 +183,11 @@ struct ConnState {
     /// equally few credits, the one granted longest ago goes first, so a busy sender that
     /// drains its credits at once cannot win every tie and starve the others.
     last_grant: u64,
+    /// On a shared pool, the most credits this connection is granted at once (besides its
+    /// fair share): 1 at first, doubled each time its sender spends its last credit. A
+    /// sender that sends now and then holds one or two buffers, not a share it leaves
+    /// unused while busy senders wait; a busy one reaches its share in a few round trips.
+    window: usize,
 }
 
 /// One receive queue: a connection's own, or the shared pool.
@@ -253,7 +258,10 @@ impl ReceiveQueue {
                 "is false: a per-connection queue takes one connection",
             ));
         }
-        self.conns.entry(conn).or_default();
+        self.conns.entry(conn).or_insert_with(|| ConnState {
+            window: 1,
+            ..ConnState::default()
+        });
         Ok(())
     }
 
@@ -287,19 +295,21 @@ impl ReceiveQueue {
             return None;
         }
         let share = self.share();
+        let shared = self.settings.shared_receive_queue;
+        let target = |c: &ConnState| if shared { c.window.min(share) } else { share };
         let conn = self
             .conns
             .iter()
             .filter(|(_, c)| {
-                let held = c.granted.len();
-                held < share && (eager || held * 2 <= share)
+                let (held, target) = (c.granted.len(), target(c));
+                held < target && (eager || held * 2 <= target)
             })
             .min_by_key(|(_, c)| (c.granted.len(), c.last_grant))
             .map(|(id, _)| *id)?;
         self.grants += 1;
         let state = self.conns.get_mut(&conn).expect("connection just seen");
         state.last_grant = self.grants;
-        let n = (share - state.granted.len()).min(self.free.len());
+        let n = (target(state) - state.granted.len()).min(self.free.len());
         buffers.extend(self.free.drain(..n));
         state.granted.extend(buffers.iter().copied());
         Some(conn)
@@ -334,6 +344,9 @@ impl ReceiveQueue {
                 ),
             )
         })?;
+        if state.granted.is_empty() {
+            state.window = (state.window * 2).min(self.settings.queue_depth);
+        }
         let slot = self
             .filled
             .get_mut(id.0 as usize)
@@ -387,6 +400,10 @@ impl ReceiveQueue {
                     ));
                 }
             }
+        }
+        let state = self.conns.get_mut(&conn).expect("connection just seen");
+        if state.granted.is_empty() {
+            state.window = (state.window * 2).min(self.settings.queue_depth);
         }
         let slot = self
             .filled
@@ -643,6 +660,19 @@ mod tests {
         );
     }
 
+    /// Spends every credit `conn` holds (its messages consumed at once) and grants again,
+    /// `rounds` times: a busy sender.
+    fn busy(q: &mut ReceiveQueue, conn: ConnId, rounds: usize) {
+        for _ in 0..rounds {
+            while q.poll_grant(false).is_some() {}
+            while q.credits_of(conn) > 0 {
+                let id = q.on_arrival(conn, None).unwrap();
+                q.on_consumed(id).unwrap();
+            }
+        }
+        while q.poll_grant(false).is_some() {}
+    }
+
     #[test]
     fn shared_pool_splits_between_connections() {
         let mut q = ReceiveQueue::new(ReceiveSettings {
@@ -652,14 +682,48 @@ mod tests {
         .unwrap();
         q.add_connection(ConnId(1)).unwrap();
         q.add_connection(ConnId(2)).unwrap();
+        // One credit each at first; a busy sender's grants double up to its share.
         let a = q.poll_grant(false).unwrap();
         let b = q.poll_grant(false).unwrap();
         assert_ne!(a.conn, b.conn);
-        assert_eq!((a.buffers.len(), b.buffers.len()), (4, 4));
+        assert_eq!((a.buffers.len(), b.buffers.len()), (1, 1));
         assert!(q.poll_grant(false).is_none());
+        busy(&mut q, ConnId(1), 1);
+        assert_eq!(q.credits_of(ConnId(1)), 2);
+        busy(&mut q, ConnId(1), 3);
+        assert_eq!(q.credits_of(ConnId(1)), 4, "capped at the fair share");
+        busy(&mut q, ConnId(2), 3);
+        assert_eq!((q.credits_of(ConnId(1)), q.credits_of(ConnId(2))), (4, 4));
+        assert!(q.poll_grant(false).is_none());
+        // Alone, connection 2 may grow to the whole pool.
         q.remove_connection(ConnId(1));
-        assert_eq!(q.poll_grant(false).unwrap().buffers.len(), 4);
+        busy(&mut q, ConnId(2), 2);
         assert_eq!(q.credits_of(ConnId(2)), 8);
+    }
+
+    /// A sender that sends now and then is not granted a share it would sit on: a first
+    /// connection idle after one message holds two buffers, and the rest of the pool goes to
+    /// the busy senders that come later.
+    #[test]
+    fn an_idle_first_connection_does_not_keep_the_pool() {
+        let mut q = ReceiveQueue::new(ReceiveSettings {
+            shared_receive_queue: true,
+            ..settings(64)
+        })
+        .unwrap();
+        q.add_connection(ConnId(1)).unwrap();
+        busy(&mut q, ConnId(1), 1);
+        assert_eq!(q.credits_of(ConnId(1)), 2);
+        for c in 2..=4 {
+            q.add_connection(ConnId(c)).unwrap();
+        }
+        for c in 2..=4 {
+            busy(&mut q, ConnId(c), 8);
+        }
+        for c in 2..=4 {
+            assert_eq!(q.credits_of(ConnId(c)), 16, "connection {c}");
+        }
+        assert_eq!(q.credits_of(ConnId(1)), 2);
     }
 
     /// A busy sender on a shared pool drains its credits at once after every grant; the
@@ -700,22 +764,27 @@ mod tests {
         .unwrap();
         q.add_connection(ConnId(1)).unwrap();
         q.add_connection(ConnId(2)).unwrap();
-        let a = q.poll_grant(false).unwrap();
-        let b = q.poll_grant(false).unwrap();
-        assert_eq!((a.conn, b.conn), (ConnId(1), ConnId(2)));
-        // Connection 1 sends first, and the queue hands it buffer 2 (granted to connection 2).
-        assert_eq!(q.on_arrival_posted(ConnId(1), BufferId(2)), Ok(BufferId(2)));
+        // Connection 2 is busy first and holds two credits (buffers 2 and 3 after the turn).
+        busy(&mut q, ConnId(2), 1);
+        let g = q.poll_grant(false);
+        assert!(g.is_none(), "{g:?}");
         assert_eq!((q.credits_of(ConnId(1)), q.credits_of(ConnId(2))), (1, 2));
-        assert_eq!(q.on_arrival_posted(ConnId(1), BufferId(1)), Ok(BufferId(1)));
+        let theirs = q.conns[&ConnId(2)].granted[0];
+        let mine = q.conns[&ConnId(1)].granted[0];
+        // Connection 1 sends, and the queue hands it a buffer granted to connection 2: its own
+        // credit takes that buffer's place, so connection 2 keeps two.
+        assert_eq!(q.on_arrival_posted(ConnId(1), theirs), Ok(theirs));
+        assert_eq!((q.credits_of(ConnId(1)), q.credits_of(ConnId(2))), (0, 2));
+        assert!(q.conns[&ConnId(2)].granted.contains(&mine));
         assert_eq!(
-            q.on_arrival_posted(ConnId(1), BufferId(0)).unwrap_err().key,
+            q.on_arrival_posted(ConnId(1), mine).unwrap_err().key,
             "arrival",
             "connection 1 has no credit left"
         );
         assert_eq!(
-            q.on_arrival_posted(ConnId(2), BufferId(2)).unwrap_err().key,
+            q.on_arrival_posted(ConnId(2), theirs).unwrap_err().key,
             "arrival",
-            "buffer 2 holds a message"
+            "that buffer holds a message"
         );
         assert_eq!(
             q.credits_of(ConnId(2)),
@@ -723,9 +792,9 @@ mod tests {
             "a refused arrival spends nothing"
         );
         let mut reposted = Vec::new();
-        q.on_consumed_into(BufferId(2), &mut reposted).unwrap();
-        assert_eq!(reposted, [BufferId(2)]);
-        assert_eq!(q.posted(), 3);
+        q.on_consumed_into(theirs, &mut reposted).unwrap();
+        assert_eq!(reposted, [theirs]);
+        assert_eq!(q.posted(), 4);
     }
 
     proptest! {
