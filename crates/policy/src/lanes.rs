@@ -882,8 +882,8 @@ impl Lanes {
     }
 
     /// Frees a slot for a peer with `score` by demoting the weakest dedicated peer (by the
-    /// larger of both ends' views of its score), if `score` beats it by more than
-    /// `remove_thresh`. Returns true when it did.
+    /// larger of both ends' views of its score), if that one has fallen below `min_score` and
+    /// `score` beats it by more than `remove_thresh`. Returns true when it did.
     fn evict_for(&mut self, now: u64, score: f64) -> bool {
         let weakest = self
             .peers
@@ -892,7 +892,15 @@ impl Lanes {
             .map(|(id, p)| (*id, p.score()))
             .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
         match weakest {
-            Some((victim, weakest)) if score > weakest + self.config.remove_thresh => {
+            // A holder at or above the floor is busy enough to keep its lane: scores of busy
+            // peers swing with what their senders do besides (a thread that waits for another
+            // peer's credits sends nothing for this one meanwhile), and evicting on such a
+            // swing would hand lanes back and forth among equally busy peers. Without a floor
+            // (`min_score` 0) the margin alone decides.
+            Some((victim, weakest))
+                if (self.config.min_score <= 0.0 || weakest < self.config.min_score)
+                    && score > weakest + self.config.remove_thresh =>
+            {
                 self.stats.evictions += 1;
                 self.demote(now, victim);
                 self.tidy(now, victim);

@@ -417,9 +417,46 @@ fn eight_hot_senders_four_accepted_four_denied_no_flapping() {
     net.assert_agreement();
 }
 
+/// With the floor, a holder at or above it keeps its lane however much a newcomer beats it;
+/// once its score falls below the floor, a newcomer beating it by the margin takes the lane.
+#[test]
+fn a_holder_at_the_floor_is_not_evicted() {
+    let mut net = Net::new(3, config(1));
+    let mut rng = StdRng::seed_from_u64(5);
+    let r = 2;
+    net.promote(0, r, 0.6);
+    net.deliver_all(&mut rng);
+    assert_eq!(net.node(0).lane(Net::id(r)), Lane::Dedicated);
+    net.promote(1, r, 1.0);
+    net.deliver_all(&mut rng);
+    assert_eq!(
+        net.node(1).lane(Net::id(r)),
+        Lane::Shared,
+        "0.6 is at the floor"
+    );
+    assert_eq!(net.node(r).stats().evictions, 0);
+    // Its sender reports 0.35 (below the floor, not yet cooled); the newcomer asks again once
+    // its back-off ends and takes the lane.
+    net.score(0, r, 0.35);
+    net.deliver_all(&mut rng);
+    net.run(2 * LanesConfig::default().deny_backoff_ns, MS, &mut rng);
+    assert_eq!(net.node(1).lane(Net::id(r)), Lane::Dedicated);
+    assert_eq!(net.node(0).lane(Net::id(r)), Lane::Shared);
+    assert_eq!(net.node(r).stats().evictions, 1);
+    net.assert_agreement();
+}
+
 #[test]
 fn a_score_risen_by_the_margin_asks_at_once_and_evicts_the_weakest() {
-    let mut net = Net::new(4, config(2));
+    // Without a floor, so that the margin alone decides (with one, holders at or above it
+    // keep their lanes: `a_holder_at_the_floor_is_not_evicted`).
+    let mut net = Net::new(
+        4,
+        LanesConfig {
+            min_score: 0.0,
+            ..config(2)
+        },
+    );
     let mut rng = StdRng::seed_from_u64(3);
     let r = 3;
     net.promote(0, r, 1.0);
@@ -848,10 +885,11 @@ fn score_messages_refresh_the_granting_ends_view() {
     assert_eq!(newcomer(&mut net, &mut rng, 0.75), Lane::Shared);
     assert_eq!(net.node(a).lane(Net::id(r)), Lane::Dedicated);
     assert_eq!(net.node(r).stats().evictions, 0);
-    // Without a Score the receiver still holds the 0.5 of the request, and 0.75 evicts it.
+    // Without a Score the receiver still holds the 0.5 of the request: at the floor, so 0.75
+    // does not evict it.
     let (mut net, mut rng) = setup();
-    assert_eq!(newcomer(&mut net, &mut rng, 0.75), Lane::Dedicated);
-    assert_eq!(net.node(a).lane(Net::id(r)), Lane::Shared);
+    assert_eq!(newcomer(&mut net, &mut rng, 0.75), Lane::Shared);
+    assert_eq!(net.node(a).lane(Net::id(r)), Lane::Dedicated);
     // Reported 0.3 since (not cooled: 0.3 is not below 0.5 - 0.2): 0.7 evicts it.
     let (mut net, mut rng) = setup();
     net.score(a, r, 0.3);
@@ -904,6 +942,7 @@ fn equal_traffic_switches(
     let cfg = LanesConfig {
         max_dedicated: max,
         remove_thresh,
+        min_score: 0.0,
         ..LanesConfig::default()
     };
     let mut net = Net::new(n, cfg);
@@ -957,6 +996,7 @@ fn equal_traffic_all_to_all_and_ring_stop_switching() {
 fn without_the_margin_equal_traffic_flaps() {
     let all = |i: usize| (0..8).filter(|&j| j != i).collect::<Vec<_>>();
     let (_, late, _) = equal_traffic_switches(8, 3, all, 0.0, 0);
+    // (`equal_traffic_switches` runs without a floor, which would also keep busy holders.)
     assert!(late > 0, "expected flapping without a margin");
 }
 
