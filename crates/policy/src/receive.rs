@@ -188,6 +188,8 @@ struct ConnState {
     /// sender that sends now and then holds one or two buffers, not a share it leaves
     /// unused while busy senders wait; a busy one reaches its share in a few round trips.
     window: usize,
+    /// The queue's arrival count at this connection's latest arrival.
+    last_arrival: u64,
 }
 
 /// One receive queue: a connection's own, or the shared pool.
@@ -205,6 +207,8 @@ pub struct ReceiveQueue {
     conns: BTreeMap<ConnId, ConnState>,
     /// Grants made so far (the clock of `ConnState::last_grant`).
     grants: u64,
+    /// Arrivals so far (the clock of `ConnState::last_arrival`).
+    arrivals: u64,
 }
 
 impl ReceiveQueue {
@@ -218,6 +222,7 @@ impl ReceiveQueue {
             filled_count: 0,
             conns: BTreeMap::new(),
             grants: 0,
+            arrivals: 0,
             settings,
         })
     }
@@ -344,9 +349,7 @@ impl ReceiveQueue {
                 ),
             )
         })?;
-        if state.granted.is_empty() {
-            state.window = (state.window * 2).min(self.settings.queue_depth);
-        }
+        self.spent(conn);
         let slot = self
             .filled
             .get_mut(id.0 as usize)
@@ -401,10 +404,7 @@ impl ReceiveQueue {
                 }
             }
         }
-        let state = self.conns.get_mut(&conn).expect("connection just seen");
-        if state.granted.is_empty() {
-            state.window = (state.window * 2).min(self.settings.queue_depth);
-        }
+        self.spent(conn);
         let slot = self
             .filled
             .get_mut(landed.0 as usize)
@@ -412,6 +412,24 @@ impl ReceiveQueue {
         *slot = Some(conn);
         self.filled_count += 1;
         Ok(landed)
+    }
+
+    /// `conn` spent a credit: its window doubles when it spent its last one, or when it is
+    /// down to half its window and busy, i.e. it sent at least once in every as many
+    /// arrivals as the queue has connections (its fair part of the traffic). A sender that
+    /// answers promptly is regranted before it runs dry; without the second rule its window
+    /// would stay at 2 and every message would cost a grant.
+    fn spent(&mut self, conn: ConnId) {
+        self.arrivals += 1;
+        let (depth, n) = (self.settings.queue_depth, self.conns.len() as u64);
+        let Some(state) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        let busy = self.arrivals - state.last_arrival <= n.max(1);
+        state.last_arrival = self.arrivals;
+        if state.granted.is_empty() || (busy && state.granted.len() * 2 <= state.window) {
+            state.window = (state.window * 2).min(depth);
+        }
     }
 
     /// The message in `id` was consumed: post the buffer again now (`individual`) or once no
@@ -753,6 +771,28 @@ mod tests {
             }
         }
         assert!(granted.get(&3).is_some_and(|&n| n >= 1), "{granted:?}");
+    }
+
+    /// A ping-pong sender alone on a shared pool (one message, consumed, regranted, the next)
+    /// never runs dry, yet its window grows to the pool, so grants go out in batches again.
+    #[test]
+    fn a_prompt_sender_alone_grows_its_window_to_the_pool() {
+        let mut q = ReceiveQueue::new(ReceiveSettings {
+            shared_receive_queue: true,
+            ..settings(64)
+        })
+        .unwrap();
+        q.add_connection(ConnId(1)).unwrap();
+        let mut grants = 0;
+        for _ in 0..200 {
+            if q.poll_grant(false).is_some() {
+                grants += 1;
+            }
+            let id = q.on_arrival(ConnId(1), None).unwrap();
+            q.on_consumed(id).unwrap();
+        }
+        assert!(q.credits_of(ConnId(1)) >= 32, "{}", q.credits_of(ConnId(1)));
+        assert!(grants < 20, "{grants} grants for 200 messages");
     }
 
     #[test]

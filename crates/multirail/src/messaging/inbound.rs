@@ -161,6 +161,8 @@ pub(super) struct Rx {
 pub(super) struct SharedTcp {
     epoll: Epoll,
     events: Vec<EpollEvent>,
+    /// Connections in the set: with none, a poll makes no system call for it.
+    watched: usize,
 }
 
 impl SharedTcp {
@@ -169,6 +171,7 @@ impl SharedTcp {
         Ok(SharedTcp {
             epoll: Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?,
             events: vec![EpollEvent::empty(); 64],
+            watched: 0,
         })
     }
 }
@@ -544,7 +547,7 @@ impl Messaging {
         for c in conns.iter_mut().filter(|c| !c.dead && !c.watched) {
             take(c);
         }
-        if let Some(set) = shared_tcp {
+        if let Some(set) = shared_tcp.as_mut().filter(|s| s.watched > 0) {
             let n = match set.epoll.wait(&mut set.events, EpollTimeout::ZERO) {
                 Ok(n) => n,
                 Err(e) => {
@@ -625,8 +628,9 @@ impl Messaging {
                 continue;
             }
             let c = rx.conns.swap_remove(i);
-            if let (true, Some(set)) = (c.watched, &rx.shared_tcp) {
+            if let (true, Some(set)) = (c.watched, &mut rx.shared_tcp) {
                 let _ = set.epoll.delete(&c.stream);
+                set.watched -= 1;
             }
             if !c.fenced && !ended.contains(&c.from) {
                 ended.push(c.from.clone());
@@ -1002,11 +1006,14 @@ impl Rx {
         c.held_back = self.conns.iter().any(|o| {
             o.from == c.from && o.epoch < c.epoch && (o.held_back || !(o.fenced || o.dead))
         });
-        if let (Some(set), InIo::Tcp { .. }, Lane::Shared) = (&self.shared_tcp, &c.io, c.lane) {
+        if let (Some(set), InIo::Tcp { .. }, Lane::Shared) = (&mut self.shared_tcp, &c.io, c.lane) {
             // Level-triggered: a connection with bytes left after a poll is reported again.
             let ev = EpollEvent::new(EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP, c.id.0);
             match set.epoll.add(&c.stream, ev) {
-                Ok(()) => c.watched = true,
+                Ok(()) => {
+                    c.watched = true;
+                    set.watched += 1;
+                }
                 Err(e) => tracing::debug!(error = %e, "shared lane polled directly"),
             }
         }
