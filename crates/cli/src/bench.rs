@@ -13,7 +13,6 @@ use anyhow::{anyhow, bail, Context};
 use clap::builder::RangedU64ValueParser;
 use clap::{Args, ValueEnum};
 use hdrhistogram::Histogram;
-use indicatif::{ProgressBar, ProgressStyle};
 use multirail::{
     Buffer, Config, Engine, Location, Opcode, Priority, RailTraffic, Request, SegmentId,
     TransportChoice,
@@ -678,16 +677,7 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         bytes: AtomicU64::new(0),
         budget: AtomicU64::new(args.total.unwrap_or(u64::MAX)),
     });
-    let progress = if args.json || !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
-        ProgressBar::hidden()
-    } else {
-        let pb = ProgressBar::new(args.duration.as_millis() as u64);
-        pb.set_style(
-            ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {msg}")
-                .expect("valid template"),
-        );
-        pb
-    };
+    let progress = crate::timed_progress(args.json, args.duration);
     let start = Instant::now();
     let handles: Vec<_> = (0..threads)
         .map(|i| {

@@ -44,7 +44,6 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context};
 use clap::{Args, ValueEnum};
 use hdrhistogram::Histogram;
-use indicatif::{ProgressBar, ProgressStyle};
 use multirail::{Config, Engine, Lane, SegmentId, TransportChoice};
 use serde::{Deserialize, Serialize};
 
@@ -744,16 +743,7 @@ mod senders {
         config_path: Option<&Path>,
         args: &LanesBenchArgs,
     ) -> Result<(), Failure> {
-        let progress = if args.json || !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
-            ProgressBar::hidden()
-        } else {
-            let pb = ProgressBar::new(args.duration.as_millis() as u64);
-            pb.set_style(
-                ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {msg}")
-                    .expect("valid template"),
-            );
-            pb
-        };
+        let progress = crate::timed_progress(args.json, args.duration);
         progress.set_message("starting the receiver");
         let mut receiver = LocalReceiver::start(config_path, args)?;
         tracing::info!(receiver = %receiver.name, "receiver started");

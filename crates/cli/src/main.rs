@@ -132,3 +132,18 @@ fn main() -> ExitCode {
         }
     }
 }
+
+/// The progress bar of a run lasting `duration`: hidden under `--json` or when stderr is not
+/// a terminal, so scripts and logs get no control characters.
+fn timed_progress(json: bool, duration: std::time::Duration) -> indicatif::ProgressBar {
+    use indicatif::{ProgressBar, ProgressStyle};
+    if json || !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(duration.as_millis() as u64);
+    pb.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {msg}")
+            .expect("valid template"),
+    );
+    pb
+}

@@ -3,17 +3,9 @@
 
 mod common;
 
-use std::process::{Command, Output};
+use std::process::Output;
 
-use common::TargetProcess;
-
-fn multirail(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_multirail"))
-        .args(args)
-        .env_remove("MULTIRAIL_CONF")
-        .output()
-        .expect("run multirail")
-}
+use common::{multirail, TargetProcess};
 
 fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()

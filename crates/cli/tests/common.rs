@@ -11,6 +11,15 @@ pub fn multirail_bin() -> String {
     std::env::var("MULTIRAIL_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_multirail").to_owned())
 }
 
+/// Runs `multirail ARGS` without `MULTIRAIL_CONF` and waits for it.
+pub fn multirail(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_multirail"))
+        .args(args)
+        .env_remove("MULTIRAIL_CONF")
+        .output()
+        .expect("run multirail")
+}
+
 /// A `multirail target` child process, killed when dropped.
 pub struct TargetProcess {
     pub child: Child,

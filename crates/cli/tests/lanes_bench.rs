@@ -3,15 +3,9 @@
 //! in `dedicated` mode and none in `shared`; bad arguments refused with exit code 2. No speed
 //! and no timing of dynamic promotions is asserted.
 
-use std::process::{Command, Output};
+mod common;
 
-fn multirail(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_multirail"))
-        .args(args)
-        .env_remove("MULTIRAIL_CONF")
-        .output()
-        .expect("run multirail")
-}
+use common::multirail;
 
 const PEERS: u64 = 6;
 const HOT: u64 = 2;

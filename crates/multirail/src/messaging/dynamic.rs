@@ -127,6 +127,14 @@ pub(crate) struct Dynamic {
     state: Mutex<State>,
 }
 
+impl State {
+    /// Peer `id` (one this engine sends to) is gone: its lane freed, its score dropped.
+    fn forget(&mut self, now: u64, id: u64) {
+        self.requesting.on_peer_gone(now, NodeId(id));
+        self.tracker.remove(id);
+    }
+}
+
 impl Dynamic {
     /// The state for `config`, which was validated with the engine's configuration.
     pub(crate) fn new(config: &DynamicLanesConfig) -> Result<Dynamic> {
@@ -198,9 +206,7 @@ impl Dynamic {
     /// The connection to peer `id` broke: its lane is freed and forgotten.
     pub(crate) fn outgoing_gone(&self, id: u64) {
         let now = self.now_ns();
-        let mut s = self.state.lock().expect("lanes poisoned");
-        s.requesting.on_peer_gone(now, NodeId(id));
-        s.tracker.remove(id);
+        self.state.lock().expect("lanes poisoned").forget(now, id);
     }
 }
 
@@ -287,8 +293,7 @@ impl Messaging {
             let mut guard = d.state.lock().expect("lanes poisoned");
             let s = &mut *guard;
             for id in gone {
-                s.requesting.on_peer_gone(now, NodeId(id));
-                s.tracker.remove(id);
+                s.forget(now, id);
             }
             // A sender that stopped sending runs no scoring rounds of its own: decay here, so
             // a peer gone quiet cools and gives its lane back.
@@ -509,6 +514,8 @@ impl Messaging {
             let node = node_of(name);
             s.granting.on_peer_gone(now, node);
             s.senders.remove(&node);
+            // Counters go with the sender, so they do not pile up over senders ever seen.
+            s.incoming.remove(name);
         }
     }
 
