@@ -523,12 +523,23 @@ impl Messaging {
     pub(crate) fn lanes_report(&self, names: &dyn Fn(u64) -> Option<String>) -> LanesReport {
         let incoming_lanes = self.incoming_lanes();
         let receive_bytes = {
+            // Buffers, the rings of senders with a ring of their own, and the shared ring.
             let rx = self.rx.lock().expect("rx poisoned");
-            rx.pools
+            let buffers: u64 = rx
+                .pools
                 .values()
                 .flat_map(|p| p.chunks.iter())
                 .map(|c| c.len() as u64)
-                .sum()
+                .sum();
+            let rings: u64 = rx
+                .conns
+                .iter()
+                .filter_map(|c| match &c.io {
+                    InIo::Shm { ring_buf, .. } => Some(ring_buf.len() as u64),
+                    _ => None,
+                })
+                .sum();
+            buffers + rings + rx.shared_shm.as_ref().map_or(0, SharedShm::bytes)
         };
         let lanes: Vec<(u64, Lane)> = self
             .lanes

@@ -20,6 +20,17 @@ pub(super) enum InIo {
         credits: Box<CreditWriter>,
         port: usize,
     },
+    /// The shared lane over shm under dynamic lanes: messages come through the receiver's one
+    /// shared ring (`Rx::shared_shm`) under `tag`; the stream only tells when the sender
+    /// leaves and carries lane answers back.
+    ShmShared {
+        tag: u32,
+        /// Which ring the tag is in (a corrupt ring is replaced by a new one).
+        generation: u32,
+        /// The ring's reservation count when the sender was seen gone: once the receiver has
+        /// taken in that much, nothing more of this sender's can come.
+        closing_at: Option<u64>,
+    },
 }
 
 /// A connection some sender opened to us.
@@ -46,7 +57,15 @@ pub(super) struct InConn {
 }
 
 impl InConn {
-    fn new(
+    /// Read on every poll by itself, rather than through the shared lane's epoll set or
+    /// shared ring, or the RDMA completion queues.
+    fn polled_alone(&self) -> bool {
+        !self.watched && !matches!(self.io, InIo::ShmShared { .. })
+    }
+}
+
+impl InConn {
+    pub(super) fn new(
         id: ConnId,
         from: Arc<str>,
         pool: u64,
@@ -74,9 +93,26 @@ impl InConn {
 
 pub(super) struct Ready {
     pub(super) from: Arc<str>,
-    pub(super) pool: u64,
-    pub(super) buf: BufferId,
-    pub(super) len: usize,
+    pub(super) body: Body,
+}
+
+/// Where a message's bytes wait for `recv`.
+pub(super) enum Body {
+    /// In receive buffer `buf` of pool `pool`, which goes back to the sender once consumed.
+    Pooled {
+        pool: u64,
+        buf: BufferId,
+        len: usize,
+    },
+    /// Copied out of the shared shm ring when it was taken in, so the ring's space went back
+    /// to every sender at once.
+    Owned(Vec<u8>),
+}
+
+impl Ready {
+    fn uses_pool(&self, key: u64) -> bool {
+        matches!(self.body, Body::Pooled { pool, .. } if pool == key)
+    }
 }
 
 /// What arrived: messages and notifications to hand out, and what waits for an earlier lane.
@@ -125,11 +161,11 @@ impl Delivered {
     }
 
     fn uses_pool(&self, key: u64) -> bool {
-        self.ready.iter().any(|r| r.pool == key)
+        self.ready.iter().any(|r| r.uses_pool(key))
             || self
                 .held
                 .iter()
-                .any(|h| matches!(&h.item, HeldItem::Message(r) if r.pool == key))
+                .any(|h| matches!(&h.item, HeldItem::Message(r) if r.uses_pool(key)))
     }
 }
 
@@ -155,6 +191,10 @@ pub(super) struct Rx {
     /// Under dynamic lanes: the shared lane's tcp connections, asked once per poll which are
     /// readable, so a poll costs one system call for all of them instead of one each.
     pub(super) shared_tcp: Option<SharedTcp>,
+    /// Under dynamic lanes: the shared lane's shm ring, made when its first sender connects.
+    pub(super) shared_shm: Option<SharedShm>,
+    /// The generation the next shared ring gets.
+    pub(super) shared_shm_generation: u32,
 }
 
 /// The epoll set of the shared lane's tcp connections and its event buffer.
@@ -196,6 +236,9 @@ impl Messaging {
         let lane = parse_lane(&opening[name_end..])?;
         let shm = match mode {
             MODE_TCP => false,
+            MODE_SHM if lane.0 == Lane::Shared && self.dynamic.enabled() => {
+                return self.accept_shared_shm(stream, from, lane, permit);
+            }
             MODE_SHM => true,
             MODE_RDMA => {
                 let endpoint = &opening[name_end + LANE_LEN..];
@@ -275,6 +318,7 @@ impl Messaging {
         self.admit(rx, conn, |pool, io| {
             let mut reply = Vec::new();
             if let InIo::Shm { ring_buf, .. } = io {
+                reply.push(SHM_OWN_RING);
                 reply.extend_from_slice(&(settings.queue_depth as u32).to_le_bytes());
                 reply.extend_from_slice(&(settings.buffers_per_chunk() as u32).to_le_bytes());
                 reply.extend_from_slice(&ring_buf.addr().to_le_bytes());
@@ -526,6 +570,7 @@ impl Messaging {
             wcs,
             lanes_dirty,
             shared_tcp,
+            shared_shm,
             ..
         } = rx;
         let liveness = std::mem::take(liveness_due);
@@ -544,7 +589,7 @@ impl Messaging {
                 touched.push(c.pool);
             }
         };
-        for c in conns.iter_mut().filter(|c| !c.dead && !c.watched) {
+        for c in conns.iter_mut().filter(|c| !c.dead && c.polled_alone()) {
             take(c);
         }
         if let Some(set) = shared_tcp.as_mut().filter(|s| s.watched > 0) {
@@ -561,6 +606,17 @@ impl Messaging {
                     take(c);
                 }
             }
+        }
+        if shared_shm.is_some() {
+            let max_len = self.shm.buffer_size;
+            *lanes_dirty |= poll_shared(
+                shared_shm,
+                &self.registry,
+                conns,
+                delivered,
+                liveness,
+                max_len,
+            );
         }
         // After the connections: a sender that closed waited for its last messages to land, so
         // they are all in the completion queues now.
@@ -639,6 +695,7 @@ impl Messaging {
             if let InIo::Shm { ring_buf, .. } = &c.io {
                 let _ = self.registry.unregister(ring_buf.addr());
             }
+            release_tag(rx.shared_shm.as_mut(), &c.io);
             // The queue pair goes now: nothing lands in the buffers granted to it any more.
             drop(c);
             if let Some(p) = rx.pools.get_mut(&key) {
@@ -695,15 +752,19 @@ impl Messaging {
 
     pub(super) fn take_ready(&self, rx: &mut Rx) -> Option<Message> {
         let r = rx.delivered.ready.pop_front()?;
-        let pool = rx.pools.get(&r.pool).expect("pool of a ready message");
+        let (pool_key, buf, len) = match r.body {
+            Body::Owned(data) => return Some(Message { from: r.from, data }),
+            Body::Pooled { pool, buf, len } => (pool, buf, len),
+        };
+        let pool = rx.pools.get(&pool_key).expect("pool of a ready message");
         // SAFETY: the buffer holds `len <= buffer_size` bytes of a message no sender may
         // overwrite until we post it again below.
-        let data = unsafe { std::slice::from_raw_parts(pool.ptr(r.buf), r.len) }.to_vec();
+        let data = unsafe { std::slice::from_raw_parts(pool.ptr(buf), len) }.to_vec();
         let order = pool.queue.settings().return_order;
         match order {
-            ReturnOrder::BeforeReply => self.consume(rx, r.pool, r.buf),
+            ReturnOrder::BeforeReply => self.consume(rx, pool_key, buf),
             ReturnOrder::AfterReply => {
-                rx.after_reply.push((r.pool, r.buf));
+                rx.after_reply.push((pool_key, buf));
                 self.after_reply_pending.store(true, Ordering::Relaxed);
             }
         }
@@ -803,6 +864,8 @@ pub(super) fn grant(conns: &mut [InConn], pools: &mut Pools, key: u64) {
                 }
             }
             InIo::Shm { ring, .. } => ring.post(&pool.granting),
+            // The shared ring's space is its flow control: it takes no credits.
+            InIo::ShmShared { .. } => {}
         }
     }
 }
@@ -912,6 +975,8 @@ fn receive_io(
                 }
             }
         }
+        // Taken in from the shared ring by `poll_shared`.
+        InIo::ShmShared { .. } => {}
         InIo::Rdma { .. } => {
             // Messages come through the completion queue; the stream only says when the
             // sender leaves (checked while waiting, as for shm).
@@ -932,7 +997,11 @@ fn receive_io(
 /// The kind of a message that arrived with kind code `code` (a ring entry's or an RDMA
 /// immediate: the values of [`MsgKind`]) and `len` bytes. Fails on a code a sender may not
 /// send or a length above the receive buffers.
-fn arrived_kind(code: u32, len: usize, max_len: usize) -> std::result::Result<MsgKind, String> {
+pub(super) fn arrived_kind(
+    code: u32,
+    len: usize,
+    max_len: usize,
+) -> std::result::Result<MsgKind, String> {
     if len > max_len {
         return Err(format!("message of {len} bytes above {max_len}"));
     }
@@ -977,9 +1046,11 @@ fn take_in(
         }
         MsgKind::Message => HeldItem::Message(Ready {
             from: from.clone(),
-            pool: key,
-            buf,
-            len,
+            body: Body::Pooled {
+                pool: key,
+                buf,
+                len,
+            },
         }),
         MsgKind::Lane => {
             // SAFETY: the buffer holds the message's `len` bytes until it is consumed below.
@@ -990,19 +1061,53 @@ fn take_in(
         }
         MsgKind::Credit => return Err("a sender sent credits".into()),
     };
+    hand_out(item, hold, out);
+    Ok(false)
+}
+
+/// A message of `kind` whose bytes were copied out of the shared shm ring: as [`take_in`],
+/// with a message keeping `bytes` itself. Returns true for a fence.
+pub(super) fn take_in_bytes(
+    from: &Arc<str>,
+    kind: MsgKind,
+    bytes: &[u8],
+    hold: Option<ConnId>,
+    out: &mut Delivered,
+) -> std::result::Result<bool, String> {
+    let item = match kind {
+        MsgKind::Fence => return Ok(true),
+        MsgKind::Notification => HeldItem::Notification(Notification {
+            from: from.to_string(),
+            msg: String::from_utf8_lossy(bytes).into_owned(),
+        }),
+        MsgKind::Message => HeldItem::Message(Ready {
+            from: from.clone(),
+            body: Body::Owned(bytes.to_vec()),
+        }),
+        MsgKind::Lane => HeldItem::Lane(
+            from.clone(),
+            LaneMsg::decode(bytes).map_err(|e| format!("lane message: {e}"))?,
+        ),
+        MsgKind::Credit => return Err("a sender sent credits".into()),
+    };
+    hand_out(item, hold, out);
+    Ok(false)
+}
+
+/// Queues what arrived for the application, or holds it back behind an earlier lane.
+fn hand_out(item: HeldItem, hold: Option<ConnId>, out: &mut Delivered) {
     match (hold, item) {
         (Some(conn), item) => out.held.push_back(Held { conn, item }),
         (None, HeldItem::Message(r)) => out.ready.push_back(r),
         (None, HeldItem::Notification(n)) => out.notifications.push_back(n),
         (None, HeldItem::Lane(from, m)) => out.lanes.push_back((from, m)),
     }
-    Ok(false)
 }
 
 impl Rx {
     /// Adds an accepted connection, held back while an earlier lane of its sender is open or
     /// still holds back what it carried.
-    fn add_conn(&mut self, mut c: InConn) {
+    pub(super) fn add_conn(&mut self, mut c: InConn) {
         c.held_back = self.conns.iter().any(|o| {
             o.from == c.from && o.epoch < c.epoch && (o.held_back || !(o.fenced || o.dead))
         });
@@ -1136,7 +1241,7 @@ fn take_in_rdma(
 }
 
 /// Refuses a message connection, telling the sender why; returns the reason.
-fn refuse(mut stream: TcpStream, reason: String) -> String {
+pub(super) fn refuse(mut stream: TcpStream, reason: String) -> String {
     let mut msg = vec![1u8];
     let text = &reason.as_bytes()[..reason.len().min(u16::MAX as usize)];
     msg.extend_from_slice(&(text.len() as u16).to_le_bytes());

@@ -16,7 +16,10 @@
 //! * **shm**: the receive buffers are memfd-backed registered chunks the sender maps; per
 //!   connection a ring region holds the grant ring (buffer ids the receiver posted for this
 //!   sender) and the completion ring (buffer id, length, kind of each message written). Both
-//!   sides poll; the TCP connection stays open only to notice the sender leaving.
+//!   sides poll; the TCP connection stays open only to notice the sender leaving. Under dynamic
+//!   lanes that is the dedicated lane; the shared lane is one multi-producer ring per receiver
+//!   that every sender on it writes into by an atomic reservation (`shared_ring`,
+//!   `shared_shm`), with the ring's free space as the flow control instead of credits.
 //!
 //! * **rdma**: every message is one SEND on a reliable-connected queue pair, into a receive
 //!   buffer of the port's shared receive queue (or the queue pair's own receive queue); the
@@ -30,6 +33,8 @@ mod dynamic;
 mod inbound;
 mod outbound;
 mod ring;
+mod shared_ring;
+mod shared_shm;
 
 pub use dynamic::{LanesReport, PeerLane as PeerLaneReport};
 
@@ -68,6 +73,10 @@ use dynamic::{parse_back, Dynamic, Retiring};
 use inbound::*;
 use outbound::*;
 use ring::{Ring, INLINE_MAX};
+use shared_ring::SharedRing;
+use shared_shm::{
+    connect_shared, poll_shared, release_tag, SharedShm, SHM_OWN_RING, SHM_SHARED_RING,
+};
 
 /// How the opening names a lane.
 fn lane_code(lane: Lane) -> u8 {

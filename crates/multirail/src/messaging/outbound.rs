@@ -21,6 +21,12 @@ pub(super) enum OutIo {
         tail: u64,
         _maps: Vec<Arc<PeerMapping>>,
     },
+    /// The receiver's shared ring (the shared lane under dynamic lanes), written under `tag`.
+    ShmShared {
+        ring: SharedRing,
+        tag: u32,
+        _maps: Vec<Arc<PeerMapping>>,
+    },
 }
 
 /// Our message connection to one peer: the lane its messages take now.
@@ -387,8 +393,18 @@ impl Messaging {
         };
         let (mut stream, max_len) = self.open(engine, peer, mode, lane, &[])?;
         let p = &peer.name;
-        let io = if mode != MODE_SHM {
+        let format = if mode == MODE_SHM {
+            Some(read_words(&mut stream, 1, 1).map_err(unreachable)?[0] as u8)
+        } else {
+            None
+        };
+        let io = if format.is_none() {
             OutIo::Tcp
+        } else if format == Some(SHM_SHARED_RING) {
+            let (ring, tag, _maps) = connect_shared(&mut stream, peer)?;
+            OutIo::ShmShared { ring, tag, _maps }
+        } else if format != Some(SHM_OWN_RING) {
+            return Err(protocol(p, format!("unknown shm answer format {format:?}")));
         } else {
             let v = read_words(&mut stream, 2, 4).map_err(unreachable)?;
             let (depth, per_chunk) = (v[0] as usize, v[1] as usize);
@@ -559,6 +575,9 @@ impl OutConn {
                 ),
             ));
         }
+        if let OutIo::ShmShared { .. } = self.io {
+            return self.send_shared(kind, data, timeout);
+        }
         let buf = self.credit(timeout)?;
         match &mut self.io {
             OutIo::Tcp => {
@@ -620,6 +639,43 @@ impl OutConn {
                 }
                 *tail += 1;
                 Ok(())
+            }
+            OutIo::ShmShared { .. } => unreachable!("sent by send_shared"),
+        }
+    }
+
+    /// Places a message in the receiver's shared ring, waiting while the ring is full (the
+    /// receiver has not taken in what other senders wrote) for up to `timeout`. Fails on a
+    /// timeout, when the receiver leaves while we wait, or when the ring refuses the message
+    /// (its geometry does not fit what the receiver said).
+    fn send_shared(&mut self, kind: MsgKind, data: &[u8], timeout: Duration) -> Result<()> {
+        let mut start: Option<Instant> = None;
+        let mut idle = 0u32;
+        loop {
+            let OutIo::ShmShared { ring, tag, .. } = &self.io else {
+                unreachable!("called for the shared ring only");
+            };
+            match ring.try_send(*tag, kind as u8, data) {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => return Err(protocol(&self.peer, e)),
+            }
+            let waited = start.get_or_insert_with(Instant::now).elapsed();
+            if waited >= timeout {
+                return Err(Error::Timeout {
+                    peer: self.peer.clone(),
+                    timeout_ms: timeout.as_millis() as u64,
+                });
+            }
+            idle = idle.wrapping_add(1);
+            if idle.is_multiple_of(256) {
+                // A receiver that left never frees the ring: notice it (one system call).
+                self.read_back()?;
+            }
+            if waited > SPIN && idle.is_multiple_of(16) {
+                back_off(waited);
+            } else {
+                std::hint::spin_loop();
             }
         }
     }
@@ -699,6 +755,8 @@ impl OutConn {
                 let credits = &mut self.credits;
                 ring.take_grants(|id| credits.on_grant([id]));
             }
+            // The shared ring's space is the flow control: no credits come.
+            OutIo::ShmShared { .. } => {}
         }
         Ok(())
     }
