@@ -111,20 +111,35 @@ impl Peers for Engine {
     }
 }
 
-/// The thread that drives dynamic lanes (`crate::messaging` dynamic module): every tick it
-/// reads receivers' answers, scores peers and negotiates, and performs lane switches. Runs
-/// until the engine is dropped; logs and gives up dynamic lanes when it cannot be spawned.
+/// Doublings of the lanes driver's sleep after passes with nothing to do (up to 2^3 = 8 ticks).
+const QUIET_STEPS: u32 = 3;
+
+/// The thread that drives dynamic lanes (`crate::messaging` dynamic module): every tick (up
+/// to 8 ticks while the lanes are settled) it reads receivers' answers, scores peers and
+/// negotiates, and performs lane switches. Runs until the engine is dropped; logs and gives
+/// up dynamic lanes when it cannot be spawned.
 pub(super) fn spawn_lanes_driver(inner: Weak<Inner>) {
     let spawned = thread::Builder::new()
         .name("mr-lanes".into())
-        .spawn(move || loop {
-            let tick = {
-                let Some(inner) = inner.upgrade() else { return };
-                let engine = Engine { inner };
-                engine.messaging().drive_lanes(&engine);
-                engine.messaging().lanes_tick()
-            };
-            thread::sleep(tick);
+        .spawn(move || {
+            // Passes in a row with nothing to do: each doubles the sleep, up to 8 ticks. A
+            // process of many engines otherwise wakes a driver per engine every tick, taking the
+            // cores from its senders for nothing while the lanes are settled.
+            let mut quiet = 0u32;
+            loop {
+                let (active, tick) = {
+                    let Some(inner) = inner.upgrade() else { return };
+                    let engine = Engine { inner };
+                    let active = engine.messaging().drive_lanes(&engine);
+                    (active, engine.messaging().lanes_tick())
+                };
+                quiet = if active {
+                    0
+                } else {
+                    (quiet + 1).min(QUIET_STEPS)
+                };
+                thread::sleep(tick * (1 << quiet));
+            }
         });
     if let Err(e) = spawned {
         tracing::error!(error = %e, "cannot spawn the lanes thread: lanes stay as they are");

@@ -280,7 +280,11 @@ impl Messaging {
     /// One pass of the driver thread: reads the receivers' answers, scores and negotiates,
     /// then sends the lane messages and performs the switches decided (outside the lock,
     /// since a fence may wait for a credit).
-    pub(crate) fn drive_lanes(&self, engine: &dyn Peers) {
+    ///
+    /// Returns whether the pass had anything to do or left something under way (answers read,
+    /// events, messages to send, switches, a request waiting for its answer, a fenced lane
+    /// still being read): the driver sleeps longer after passes that had not.
+    pub(crate) fn drive_lanes(&self, engine: &dyn Peers) -> bool {
         let d = &self.dynamic;
         let tick = d.ticks.fetch_add(1, Ordering::Relaxed);
         let mut back = Vec::new();
@@ -289,6 +293,7 @@ impl Messaging {
         let now = d.now_ns();
         let mut transmits = Vec::new();
         let mut switches = Vec::new();
+        let mut active = !back.is_empty() || !gone.is_empty();
         {
             let mut guard = d.state.lock().expect("lanes poisoned");
             let s = &mut *guard;
@@ -305,6 +310,7 @@ impl Messaging {
                 s.tracker.progress(now);
             }
             while let Some(ev) = s.tracker.poll_event() {
+                active = true;
                 match ev {
                     UsageEvent::Promoted { key, score } => {
                         s.requesting.on_promoted(now, NodeId(key), score);
@@ -338,7 +344,11 @@ impl Messaging {
                 s.outgoing.entry(sw.peer.0).or_default().switched(sw.to);
                 switches.push(sw);
             }
+            active |= s.requesting.poll_timeout().is_some();
         }
+        active |= !transmits.is_empty()
+            || !switches.is_empty()
+            || self.retiring_any.load(Ordering::Acquire);
         let mut failed = Vec::new();
         for (peer, m) in transmits {
             if let Err(e) = self.send(engine, SegmentId(peer.0), MsgKind::Lane, &m.encode()) {
@@ -359,6 +369,7 @@ impl Messaging {
             self.reset_lane(id);
             d.outgoing_gone(id);
         }
+        active
     }
 
     /// How long the lanes driver sleeps between passes.
