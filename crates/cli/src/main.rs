@@ -3,6 +3,7 @@
 mod bench;
 mod lanes_bench;
 mod membench;
+mod metadata_server;
 mod pingpong;
 mod sim;
 mod target;
@@ -48,6 +49,9 @@ enum Command {
     LanesBench(lanes_bench::LanesBenchArgs),
     /// Measure single-thread memcpy bandwidth walking two buffers block by block.
     Membench(membench::MembenchArgs),
+    /// Serve segment metadata over HTTP with Mooncake's protocol (GET/PUT/DELETE
+    /// /metadata?key=K); prints its URL first and serves until interrupted.
+    MetadataServer(metadata_server::MetadataServerArgs),
     /// Simulate a scenario (modelled NICs, links, workloads) with the engine's own policy in
     /// virtual time; prints the same figures as bench.
     Sim(sim::SimArgs),
@@ -109,6 +113,7 @@ fn main() -> ExitCode {
         Command::Target(args) => target::run(config, args),
         Command::Bench(args) => bench::run(config, cli.config.as_deref(), args),
         Command::Membench(args) => membench::run(args),
+        Command::MetadataServer(args) => metadata_server::run(args),
         Command::Sim(args) => sim::run(args),
         Command::Pingpong(args) => pingpong::run(config, cli.config.as_deref(), args),
         Command::LanesBench(args) => lanes_bench::run(config, cli.config.as_deref(), args),
