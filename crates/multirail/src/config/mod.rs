@@ -2,8 +2,9 @@
 //!
 //! `transports.rdma.*` carries TENT's scheduling and QoS keys unchanged so a TENT
 //! configuration file works as is; they apply to every transport that carries rails
-//! (TCP too). multirail's own keys sit beside them: `rails`, `metadata`, `workers`,
-//! `transports.tcp`, `transports.shm`, `transport`, `local_hostname`.
+//! (TCP too). TENT's flat `metadata_type` and `metadata_servers` are accepted as spellings of
+//! `metadata.type` and `metadata.servers`. multirail's own keys sit beside them: `rails`,
+//! `metadata`, `workers`, `transports.tcp`, `transports.shm`, `transport`, `local_hostname`.
 //!
 //! Every problem is reported as a [`ConfigError`] naming the offending key by its full
 //! dotted path (`transports.rdma.numa_penalties[1]`, `rails[0].address`), because a
@@ -136,6 +137,14 @@ pub struct Config {
     pub tiers: BTreeMap<String, BTreeMap<String, u8>>,
     /// Where segment descriptors are published.
     pub metadata: MetadataConfig,
+    /// TENT's flat `metadata_type` (`"p2p"`, `"http"`): the same as `metadata.type`, which it
+    /// overrides when that is left at `"p2p"`. See [`Config::effective_metadata`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metadata_type: Option<MetadataKind>,
+    /// TENT's flat `metadata_servers`: the same as `metadata.servers`. An empty string counts as
+    /// unset, and with `p2p` it is ignored, as TENT does (its files often carry one).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metadata_servers: Option<String>,
     /// Per-transport settings; `rdma` holds TENT's scheduling keys.
     pub transports: TransportsConfig,
     /// Who may connect: the cluster's membership token.
@@ -153,6 +162,8 @@ impl Default for Config {
             rails: Vec::new(),
             tiers: BTreeMap::new(),
             metadata: MetadataConfig::default(),
+            metadata_type: None,
+            metadata_servers: None,
             transports: TransportsConfig::default(),
             auth: AuthConfig::default(),
             lanes: DynamicLanesConfig::default(),
@@ -161,21 +172,131 @@ impl Default for Config {
 }
 
 /// Kind of metadata service used to find peers' segments.
+///
+/// Parsed from `"p2p"` (also TENT's and Mooncake's `"P2PHANDSHAKE"`) or `"http"`; `"etcd"` is
+/// refused with a message saying it is not supported yet. Printed in lowercase.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "lowercase", try_from = "String")]
 pub enum MetadataKind {
     /// Peers exchange descriptors directly; a segment name `host:port` is enough to connect.
     #[default]
     P2p,
+    /// A Mooncake-compatible HTTP metadata server (`metadata.servers`) holds every descriptor.
+    Http,
 }
 
+impl MetadataKind {
+    /// The JSON spelling of this kind (`"p2p"`, `"http"`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MetadataKind::P2p => "p2p",
+            MetadataKind::Http => "http",
+        }
+    }
+}
+
+impl fmt::Display for MetadataKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl TryFrom<String> for MetadataKind {
+    type Error = String;
+
+    /// Fails with a message the configuration error carries under the key being parsed.
+    fn try_from(value: String) -> Result<Self, String> {
+        match value.as_str() {
+            // TENT spells peer-to-peer `p2p`; Mooncake's engines pass `P2PHANDSHAKE`.
+            "p2p" | "P2PHANDSHAKE" => Ok(MetadataKind::P2p),
+            "http" => Ok(MetadataKind::Http),
+            "etcd" => Err(
+                "etcd is not supported yet; use \"p2p\" or \"http\" (a Mooncake-compatible HTTP metadata server)"
+                    .into(),
+            ),
+            other => Err(format!(
+                "unknown metadata type {other:?}; expected \"p2p\" or \"http\""
+            )),
+        }
+    }
+}
+
+/// Default of `metadata.prefix`: keys never collide with Mooncake's own `mooncake/` keys in a
+/// shared store.
+pub const DEFAULT_METADATA_PREFIX: &str = "multirail/";
+
+/// Default of `metadata.timeout_ms`.
+pub const DEFAULT_METADATA_TIMEOUT_MS: u64 = 2000;
+
 /// Metadata service settings.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MetadataConfig {
-    /// JSON key `type`; only `"p2p"` for now.
+    /// JSON key `type`: `"p2p"` (default) or `"http"`.
     #[serde(rename = "type")]
     pub kind: MetadataKind,
+    /// The HTTP metadata server, `http://HOST:PORT/PATH` (Mooncake's is
+    /// `http://HOST:8080/metadata`); required with `type: "http"`, refused with `"p2p"`.
+    pub servers: Option<String>,
+    /// Prefix of every key this engine writes and reads; default `multirail/`.
+    pub prefix: String,
+    /// Optional cluster id: keys then live under `prefix + cluster_id + "/"`, as with
+    /// Mooncake's `MC_METADATA_CLUSTER_ID`, so clusters sharing a store do not see each other.
+    pub cluster_id: Option<String>,
+    /// How long one request to the HTTP metadata store may take, connecting included, before
+    /// the lookup (or publish) fails; default 2000. P2P lookups keep `transports.tcp`'s
+    /// `connect_timeout_ms` and `timeout_ms`.
+    pub timeout_ms: u64,
+}
+
+impl Default for MetadataConfig {
+    fn default() -> Self {
+        MetadataConfig {
+            kind: MetadataKind::P2p,
+            servers: None,
+            prefix: DEFAULT_METADATA_PREFIX.to_owned(),
+            cluster_id: None,
+            timeout_ms: DEFAULT_METADATA_TIMEOUT_MS,
+        }
+    }
+}
+
+impl MetadataConfig {
+    /// Checks the section; `prefix` is its dotted path (`metadata`) and `servers_key` the key
+    /// the server address came from (`metadata.servers`, or TENT's `metadata_servers`).
+    ///
+    /// Fails on `type: "http"` without a server, a server address that is not
+    /// `http://HOST:PORT/PATH`, a server given with `type: "p2p"`, an empty or `/`-holding
+    /// `cluster_id` and `timeout_ms` 0.
+    fn validate(&self, prefix: &str, servers_key: &str) -> Result<(), ConfigError> {
+        match (self.kind, &self.servers) {
+            (MetadataKind::Http, None) => {
+                return Err(ConfigError::new(
+                    servers_key,
+                    "is required when metadata.type is \"http\" (e.g. \"http://HOST:8080/metadata\")",
+                ))
+            }
+            (MetadataKind::Http, Some(url)) => crate::metadata::check_server_url(url)
+                .map_err(|message| ConfigError::new(servers_key, message))?,
+            // A server the engine would silently ignore is a forgotten `type`.
+            (MetadataKind::P2p, Some(_)) => {
+                return Err(ConfigError::new(
+                    servers_key,
+                    "is set but metadata.type is \"p2p\", which asks peers directly; set \"type\": \"http\" to use the server",
+                ))
+            }
+            (MetadataKind::P2p, None) => {}
+        }
+        if let Some(id) = &self.cluster_id {
+            if id.is_empty() || id.contains('/') || id.chars().any(char::is_whitespace) {
+                return Err(ConfigError::new(
+                    format!("{prefix}.cluster_id"),
+                    format!("must be a non-empty name without `/` or whitespace, got {id:?}"),
+                ));
+            }
+        }
+        at_least_one(prefix, "timeout_ms", self.timeout_ms)
+    }
 }
 
 /// Per-transport settings.
@@ -332,6 +453,7 @@ impl Config {
                 }
             }
         }
+        self.validate_metadata()?;
         self.transports.rdma.validate("transports.rdma")?;
         self.transports.tcp.validate("transports.tcp")?;
         if let Some(token) = &self.auth.token {
@@ -343,6 +465,70 @@ impl Config {
             .validate("transports.shm.receive")?;
         self.lanes.validate("lanes")?;
         Ok(())
+    }
+
+    /// The metadata settings the engine uses: the `metadata` section with TENT's flat keys
+    /// folded in (`metadata_type` replaces a `metadata.type` left at `"p2p"`; a non-empty
+    /// `metadata_servers` fills `metadata.servers` when the type is `"http"`).
+    ///
+    /// Never fails; [`Config::validate`] refuses the combinations that conflict.
+    pub fn effective_metadata(&self) -> MetadataConfig {
+        let mut m = self.metadata.clone();
+        if let Some(kind) = self.metadata_type {
+            if m.kind == MetadataKind::P2p {
+                m.kind = kind;
+            }
+        }
+        if m.kind == MetadataKind::Http && m.servers.is_none() {
+            m.servers = self.tent_servers().map(str::to_owned);
+        }
+        m
+    }
+
+    /// TENT's `metadata_servers`, unless empty.
+    fn tent_servers(&self) -> Option<&str> {
+        self.metadata_servers.as_deref().filter(|s| !s.is_empty())
+    }
+
+    /// The `metadata` section and TENT's flat keys agree, and what they give together is
+    /// valid; errors name the key the offending value came from.
+    fn validate_metadata(&self) -> Result<(), ConfigError> {
+        if let Some(kind) = self.metadata_type {
+            if self.metadata.kind != MetadataKind::P2p && self.metadata.kind != kind {
+                return Err(ConfigError::new(
+                    "metadata_type",
+                    format!(
+                        "is {:?} but metadata.type is {:?}; give one of them",
+                        kind.as_str(),
+                        self.metadata.kind.as_str()
+                    ),
+                ));
+            }
+        }
+        if let (Some(flat), Some(section)) = (self.tent_servers(), &self.metadata.servers) {
+            if flat != section {
+                return Err(ConfigError::new(
+                    "metadata_servers",
+                    format!("is {flat:?} but metadata.servers is {section:?}; give one of them"),
+                ));
+            }
+        }
+        let effective = self.effective_metadata();
+        // Name the key the server address was written under.
+        let servers_key = if self.metadata.servers.is_none() && self.tent_servers().is_some() {
+            "metadata_servers"
+        } else {
+            "metadata.servers"
+        };
+        if effective.kind == MetadataKind::P2p && self.metadata.servers.is_none() {
+            // TENT files carry `metadata_servers` even with p2p; TENT ignores it there.
+            return MetadataConfig {
+                servers: None,
+                ..effective
+            }
+            .validate("metadata", servers_key);
+        }
+        effective.validate("metadata", servers_key)
     }
 
     /// The effective configuration as pretty JSON (what `multirail config show` prints); it must parse back to an equal Config,

@@ -82,6 +82,12 @@ fn empty_document_gives_all_defaults() {
     assert_eq!(c.workers.wait_spin_us, 100);
     assert!(c.rails.is_empty());
     assert_eq!(c.metadata.kind, MetadataKind::P2p);
+    assert_eq!(c.metadata.servers, None);
+    assert_eq!(c.metadata.prefix, "multirail/");
+    assert_eq!(c.metadata.cluster_id, None);
+    assert_eq!(c.metadata.timeout_ms, 2000);
+    assert_eq!(c.metadata_type, None);
+    assert_eq!(c.metadata_servers, None);
     let r = &c.transports.rdma;
     assert!(r.enable_smart_scheduling);
     assert_eq!(r.numa_penalties, vec![1.0, 5.0, 10.0]);
@@ -413,7 +419,136 @@ fn unknown_transport_and_metadata_values() {
     assert!(e.message.contains("auto"), "{e}");
     let e = parse_err(r#"{"metadata": {"type": "etcd"}}"#);
     assert_eq!(e.key, "metadata.type");
+    assert!(e.message.contains("etcd is not supported yet"), "{e}");
     assert!(e.message.contains("p2p"), "{e}");
+    let e = parse_err(r#"{"metadata": {"type": "redis"}}"#);
+    assert_eq!(e.key, "metadata.type");
+    assert!(e.message.contains("\"redis\""), "{e}");
+    assert!(e.message.contains("http"), "{e}");
+}
+
+// ---- Metadata store. ----
+
+const META_URL: &str = "http://127.0.0.1:8080/metadata";
+
+#[test]
+fn http_metadata_section() {
+    let c = parse(&format!(
+        r#"{{"metadata": {{"type": "http", "servers": "{META_URL}", "prefix": "x/",
+             "cluster_id": "c1", "timeout_ms": 50}}}}"#
+    ))
+    .unwrap();
+    let m = c.effective_metadata();
+    assert_eq!(m.kind, MetadataKind::Http);
+    assert_eq!(m.servers.as_deref(), Some(META_URL));
+    assert_eq!(m.prefix, "x/");
+    assert_eq!(m.cluster_id.as_deref(), Some("c1"));
+    assert_eq!(m.timeout_ms, 50);
+    assert_eq!(m, c.metadata);
+    assert_eq!(parse(&c.to_json_pretty()).unwrap(), c, "round trip");
+    // Mooncake's spelling of peer-to-peer.
+    let c = parse(r#"{"metadata": {"type": "P2PHANDSHAKE"}}"#).unwrap();
+    assert_eq!(c.metadata.kind, MetadataKind::P2p);
+}
+
+#[test]
+fn http_metadata_needs_a_good_server() {
+    let e = parse_err(r#"{"metadata": {"type": "http"}}"#);
+    assert_eq!(e.key, "metadata.servers");
+    assert!(e.message.contains("required"), "{e}");
+    for (bad, says) in [
+        ("127.0.0.1:8080", "http://HOST:PORT/PATH"),
+        ("http://127.0.0.1:8080", "path is missing"),
+        ("http://127.0.0.1/metadata", "port is missing"),
+        ("https://127.0.0.1:8080/metadata", "https is not supported"),
+        ("etcd://127.0.0.1:2379", "etcd is not supported yet"),
+        ("http://127.0.0.1:8080/metadata?key=x", "no query"),
+    ] {
+        let e = parse_err(&format!(
+            r#"{{"metadata": {{"type": "http", "servers": "{bad}"}}}}"#
+        ));
+        assert_eq!(e.key, "metadata.servers", "{bad}");
+        assert!(e.message.contains(says), "{bad}: {e}");
+        assert!(
+            e.to_string().starts_with("config key metadata.servers: "),
+            "{e}"
+        );
+    }
+    let e = parse_err(r#"{"metadata": {"type": "http", "servers": 8080}}"#);
+    assert_eq!(e.key, "metadata.servers");
+    assert!(e.message.contains("invalid type"), "{e}");
+}
+
+#[test]
+fn metadata_values_checked() {
+    let e = parse_err(&format!(
+        r#"{{"metadata": {{"type": "http", "servers": "{META_URL}", "timeout_ms": 0}}}}"#
+    ));
+    assert_eq!(e.key, "metadata.timeout_ms");
+    assert!(e.message.contains("at least 1"), "{e}");
+    for id in ["", "a/b", "a b"] {
+        let e = parse_err(&format!(
+            r#"{{"metadata": {{"type": "http", "servers": "{META_URL}", "cluster_id": "{id}"}}}}"#
+        ));
+        assert_eq!(e.key, "metadata.cluster_id", "{id:?}");
+    }
+    // A server the engine would ignore is a forgotten type.
+    let e = parse_err(&format!(r#"{{"metadata": {{"servers": "{META_URL}"}}}}"#));
+    assert_eq!(e.key, "metadata.servers");
+    assert!(e.message.contains("\"type\": \"http\""), "{e}");
+    let e = parse_err(r#"{"metadata": {"server": "x"}}"#);
+    assert_eq!(e.key, "metadata.server");
+    assert!(e.message.starts_with("unknown key"), "{e}");
+    assert!(e.message.contains("servers"), "{e}");
+}
+
+#[test]
+fn tent_flat_metadata_keys() {
+    let c = parse(&format!(
+        r#"{{"metadata_type": "http", "metadata_servers": "{META_URL}"}}"#
+    ))
+    .unwrap();
+    let m = c.effective_metadata();
+    assert_eq!(m.kind, MetadataKind::Http);
+    assert_eq!(m.servers.as_deref(), Some(META_URL));
+    assert_eq!(m.prefix, "multirail/");
+    assert_eq!(parse(&c.to_json_pretty()).unwrap(), c, "round trip");
+    // Flat keys mix with the section's own.
+    let c = parse(&format!(
+        r#"{{"metadata_type": "http", "metadata": {{"servers": "{META_URL}", "cluster_id": "a"}}}}"#
+    ))
+    .unwrap();
+    assert_eq!(c.effective_metadata().cluster_id.as_deref(), Some("a"));
+    assert_eq!(c.effective_metadata().kind, MetadataKind::Http);
+    // TENT files name a server even for p2p, and TENT ignores it there; so do we.
+    for servers in ["127.0.0.1:2379", ""] {
+        let c = parse(&format!(
+            r#"{{"metadata_type": "p2p", "metadata_servers": "{servers}"}}"#
+        ))
+        .unwrap();
+        assert_eq!(c.effective_metadata(), MetadataConfig::default());
+    }
+    let c = parse(r#"{"metadata_type": "P2PHANDSHAKE"}"#).unwrap();
+    assert_eq!(c.effective_metadata().kind, MetadataKind::P2p);
+    // Errors name the flat key the value came from.
+    let e = parse_err(r#"{"metadata_type": "http", "metadata_servers": "h:8080"}"#);
+    assert_eq!(e.key, "metadata_servers");
+    assert!(e.message.contains("http://HOST:PORT/PATH"), "{e}");
+    let e = parse_err(r#"{"metadata_type": "http", "metadata_servers": ""}"#);
+    assert_eq!(e.key, "metadata.servers");
+    let e = parse_err(r#"{"metadata_type": "etcd", "metadata_servers": "h:2379"}"#);
+    assert_eq!(e.key, "metadata_type");
+    assert!(e.message.contains("etcd is not supported yet"), "{e}");
+    // The two spellings must agree.
+    let e = parse_err(&format!(
+        r#"{{"metadata_type": "p2p", "metadata": {{"type": "http", "servers": "{META_URL}"}}}}"#
+    ));
+    assert_eq!(e.key, "metadata_type");
+    assert!(e.message.contains("give one of them"), "{e}");
+    let e = parse_err(&format!(
+        r#"{{"metadata_servers": "http://a:1/m", "metadata": {{"type": "http", "servers": "{META_URL}"}}}}"#
+    ));
+    assert_eq!(e.key, "metadata_servers");
 }
 
 #[test]

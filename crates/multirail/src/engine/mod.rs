@@ -17,7 +17,7 @@ use crate::batch::{Batch, Status};
 use crate::config::{Config, TransportChoice};
 use crate::error::{Error, Result};
 use crate::memory::{Buffer, Location, MemoryRegistry};
-use crate::metadata::{self, MetadataStore, P2pMetadata};
+use crate::metadata::{self, MetadataStore};
 use crate::peer::Peer;
 use crate::qos::{Qos, QosTraffic};
 use crate::rails::RailScheduler;
@@ -122,6 +122,13 @@ struct Inner {
     config: Config,
     local: Arc<LocalSegment>,
     metadata: Box<dyn MetadataStore>,
+    /// Whether `metadata` keeps descriptors that this engine must publish (HTTP store); P2P
+    /// answers from `local` on demand.
+    publishes: bool,
+    /// Serializes publishing, so the store ends with the newest descriptor; true once this
+    /// engine has withdrawn its descriptor for good (shut down or dropped). Only control-path
+    /// calls take it, for as long as one request to the store lasts.
+    withdrawn: Mutex<bool>,
     peers: RwLock<Peers>,
     batches: Mutex<HashMap<u64, Arc<Batch>>>,
     next_batch: AtomicU64,
@@ -172,14 +179,22 @@ impl Engine {
         let listen: SocketAddr = listen
             .parse()
             .map_err(|e| Error::invalid("listen", format!("{listen:?} is not ADDR:PORT: {e}")))?;
-        let topology = topology::Topology::discover(&config, listen.ip())?;
-        let rails = topology.descriptors();
-        let registry = Arc::new(MemoryRegistry::default());
+        let tcp_cfg = &config.transports.tcp;
         let membership = match config.auth.effective_token()? {
             Some(token) => Membership::with_token(token.expose().as_bytes()),
             None => Membership::open(),
         };
-        let tcp_cfg = &config.transports.tcp;
+        let metadata_cfg = config.effective_metadata();
+        // Before anything is started: a bad store address is a configuration error.
+        let metadata = metadata::from_config(
+            &metadata_cfg,
+            Duration::from_millis(tcp_cfg.connect_timeout_ms),
+            Duration::from_millis(tcp_cfg.timeout_ms),
+            membership.clone(),
+        )?;
+        let topology = topology::Topology::discover(&config, listen.ip())?;
+        let rails = topology.descriptors();
+        let registry = Arc::new(MemoryRegistry::default());
         let stats = Arc::new(TrafficStats::default());
         let settings = TcpSettings {
             connections_per_rail: tcp_cfg.connections_per_rail,
@@ -261,11 +276,9 @@ impl Engine {
             })
         };
         let inner = Arc::new(Inner {
-            metadata: Box::new(P2pMetadata::new(
-                settings.connect_timeout,
-                settings.timeout,
-                membership,
-            )),
+            metadata,
+            publishes: metadata_cfg.kind != crate::config::MetadataKind::P2p,
+            withdrawn: Mutex::new(false),
             shm: ShmTransport::new(
                 workers.shm_copy_threads,
                 config.transports.shm.process_vm,
@@ -307,6 +320,8 @@ impl Engine {
         if inner.config.lanes.dynamic {
             messages::spawn_lanes_driver(Arc::downgrade(&inner));
         }
+        // Now that the engine has its name and serves its port, peers may look it up.
+        inner.publish_descriptor();
         Ok(Engine { inner })
     }
 
@@ -327,22 +342,31 @@ impl Engine {
 
     /// Allocates `len` bytes the engine owns, in a shared mapping same-host peers can map.
     /// Fails on `len` 0, a NUMA node that does not exist, or when the OS refuses memory.
+    ///
+    /// With a metadata store that keeps descriptors (`metadata.type: "http"`), the new
+    /// descriptor is published before this returns; a failed publish is only logged.
     pub fn allocate(&self, len: usize, location: Location) -> Result<Buffer> {
-        self.inner.local.registry.allocate(len, location)
+        let buffer = self.inner.local.registry.allocate(len, location)?;
+        self.inner.publish_descriptor();
+        Ok(buffer)
     }
 
     /// Registers `len` bytes of the caller's memory at `ptr` for transfers. The memory must stay
     /// valid until `unregister`. Fails on a null pointer, `len` 0 or overlap with registered
-    /// memory.
+    /// memory. Publishes the new descriptor as [`Engine::allocate`] does.
     pub fn register(&self, ptr: *mut u8, len: usize, location: Location) -> Result<Buffer> {
-        self.inner.local.registry.register(ptr, len, location)
+        let buffer = self.inner.local.registry.register(ptr, len, location)?;
+        self.inner.publish_descriptor();
+        Ok(buffer)
     }
 
     /// Stops serving the buffer that starts at `addr` (allocated or registered). Allocated
     /// memory is released once no `Buffer` handle or in-flight slice holds it. Fails when no
-    /// buffer starts at `addr`.
+    /// buffer starts at `addr`. Publishes the new descriptor as [`Engine::allocate`] does.
     pub fn unregister(&self, addr: u64) -> Result<()> {
-        self.inner.local.registry.unregister(addr)
+        self.inner.local.registry.unregister(addr)?;
+        self.inner.publish_descriptor();
+        Ok(())
     }
 
     /// Same as `unregister(buffer.addr())`.
@@ -350,9 +374,11 @@ impl Engine {
         self.unregister(buffer.addr())
     }
 
-    /// Opens segment `name` (`host:port`), fetching its descriptor from the segment itself.
+    /// Opens segment `name` (`host:port`), fetching its descriptor from the metadata store: the
+    /// segment itself by default, the HTTP metadata server with `metadata.type: "http"`.
     /// Opening an already open segment returns the same id. Fails with `SegmentUnreachable`
-    /// when nothing answers there.
+    /// when nothing answers there, or the store does not know the segment or does not answer
+    /// within `metadata.timeout_ms` (the reason names the store).
     pub fn open_segment(&self, name: &str) -> Result<SegmentId> {
         let existing = {
             let peers = self.inner.peers.read().expect("peers poisoned");
@@ -669,9 +695,11 @@ impl Engine {
         self.inner.scheduler.topology().rails.clone()
     }
 
-    /// Stops serving: closes the control port and every connection. Later calls still work on
-    /// local state but peers can no longer reach this engine.
+    /// Stops serving: withdraws the descriptor from the metadata store (if it keeps them),
+    /// closes the control port and every connection. Later calls still work on local state but
+    /// peers can no longer reach or look up this engine.
     pub fn shutdown(&self) {
+        self.inner.withdraw_descriptor();
         self.inner.server.lock().expect("server poisoned").take();
         self.inner.tcp.shutdown("engine shut down");
         self.inner.rdma.shutdown("engine shut down");
@@ -687,6 +715,52 @@ impl Engine {
     /// when it is on.
     pub fn rdma_off_reason(&self) -> Option<String> {
         self.inner.rdma.off_reason().map(str::to_owned)
+    }
+}
+
+impl Inner {
+    /// Publishes this engine's current descriptor to the metadata store, when the store keeps
+    /// descriptors and the engine has not withdrawn it. Control path only: it blocks for up to
+    /// `metadata.timeout_ms` and holds no lock the data path takes while the request runs. A
+    /// failure is logged; peers keep the descriptors they have, and a lookup finds the next
+    /// one published.
+    fn publish_descriptor(&self) {
+        if !self.publishes {
+            return;
+        }
+        // Nothing the lock guards can be left half-changed by a panic.
+        let withdrawn = self.withdrawn.lock().unwrap_or_else(|e| e.into_inner());
+        if *withdrawn {
+            return;
+        }
+        // Taken under the lock, so a publish that started earlier cannot overwrite it.
+        let descriptor = self.local.descriptor();
+        if let Err(e) = self.metadata.publish(&descriptor.name, &descriptor) {
+            tracing::warn!(segment = %descriptor.name, error = %e, "cannot publish this engine's descriptor; peers keep the one they have");
+        }
+    }
+
+    /// Withdraws this engine's descriptor from the metadata store, once; later publishes do
+    /// nothing. Best effort: a failure is logged.
+    fn withdraw_descriptor(&self) {
+        if !self.publishes {
+            return;
+        }
+        let mut withdrawn = self.withdrawn.lock().unwrap_or_else(|e| e.into_inner());
+        if std::mem::replace(&mut *withdrawn, true) {
+            return;
+        }
+        let name = self.local.name.get().cloned().unwrap_or_default();
+        if let Err(e) = self.metadata.unpublish(&name) {
+            tracing::warn!(segment = %name, error = %e, "cannot withdraw this engine's descriptor");
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The last handle is gone: lookups must stop finding this engine.
+        self.withdraw_descriptor();
     }
 }
 

@@ -1,21 +1,58 @@
 //! Where segment descriptors come from. Peer-to-peer first: ask the segment's own control port.
-//! Behind the `MetadataStore` trait so an HTTP server or etcd can be added without touching the
-//! engine.
+//! Behind the `MetadataStore` trait so other stores plug in without touching the engine: a
+//! Mooncake-compatible HTTP metadata server ([`HttpMetadata`]) is the second.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
+use crate::config::{MetadataConfig, MetadataKind};
 use crate::error::{Error, Result};
 use crate::segment::SegmentDescriptor;
 use crate::transport::handshake::{self, Membership};
 use crate::transport::wire::{self, ConnKind};
+
+mod http;
+
+pub(crate) use http::check_server_url;
+pub use http::HttpMetadata;
 
 /// A source of segment descriptors.
 pub trait MetadataStore: Send + Sync {
     /// Fetches the current descriptor of segment `name` (`host:port`). Fails with
     /// `SegmentUnreachable` when the segment cannot be reached or answers nonsense.
     fn fetch(&self, name: &str) -> Result<SegmentDescriptor>;
+
+    /// Makes `descriptor` the one `fetch(name)` returns from now on, replacing any older one.
+    /// The default does nothing: a store that asks segments themselves has nothing to publish.
+    /// Fails when the store cannot be reached or refuses the descriptor.
+    fn publish(&self, name: &str, descriptor: &SegmentDescriptor) -> Result<()> {
+        let _ = (name, descriptor);
+        Ok(())
+    }
+
+    /// Withdraws what `publish` put under `name`, so lookups of it fail. The default does
+    /// nothing. Withdrawing a name that is not there succeeds; fails only when the store cannot
+    /// be reached or refuses.
+    fn unpublish(&self, name: &str) -> Result<()> {
+        let _ = name;
+        Ok(())
+    }
+}
+
+/// The store `config` asks for: [`P2pMetadata`] with the given timeouts and `membership`, or
+/// [`HttpMetadata`] for `type: "http"`. Fails with a configuration error when the HTTP server
+/// address is missing or malformed (which [`crate::Config::validate`] already refuses).
+pub fn from_config(
+    config: &MetadataConfig,
+    connect_timeout: Duration,
+    io_timeout: Duration,
+    membership: Membership,
+) -> Result<Box<dyn MetadataStore>> {
+    Ok(match config.kind {
+        MetadataKind::P2p => Box::new(P2pMetadata::new(connect_timeout, io_timeout, membership)),
+        MetadataKind::Http => Box::new(HttpMetadata::from_config(config)?),
+    })
 }
 
 /// Asks the segment itself over its control port: no metadata server needed.

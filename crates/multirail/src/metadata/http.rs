@@ -1,0 +1,355 @@
+//! Descriptors kept in a Mooncake-compatible HTTP metadata server: `GET`, `PUT` and `DELETE`
+//! on `SERVER?key=K` with the key URL-encoded, 200 with the raw value, 404 when absent. The
+//! server can be `multirail metadata-server` or Mooncake's own.
+//!
+//! Values are the same JSON a segment answers over its control port in P2P mode, so a
+//! descriptor means the same whichever store carried it.
+
+use std::io::Read;
+use std::time::Duration;
+
+use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
+
+use crate::config::{ConfigError, MetadataConfig};
+use crate::error::{Error, Result};
+use crate::segment::SegmentDescriptor;
+use crate::transport::wire;
+
+/// Everything but RFC 3986's unreserved characters is escaped, `/` and `:` included, so a key
+/// travels as one query value whatever it holds.
+const KEY_ESCAPES: &AsciiSet = &NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
+
+/// How much of an unexpected answer's body an error message quotes.
+const QUOTED_BODY: usize = 200;
+
+/// Checks that `url` is `http://HOST:PORT/PATH`: one server, plain HTTP, an explicit port, a
+/// path, no query or fragment. Returns the reason it is not, worded for a configuration error.
+pub(crate) fn check_server_url(url: &str) -> std::result::Result<(), String> {
+    let expected = || {
+        format!("must be http://HOST:PORT/PATH (e.g. http://127.0.0.1:8080/metadata), got {url:?}")
+    };
+    let Some(rest) = url.strip_prefix("http://") else {
+        if url.starts_with("https://") {
+            return Err(format!(
+                "https is not supported (the client speaks plain HTTP), got {url:?}"
+            ));
+        }
+        if url.starts_with("etcd://") {
+            return Err(format!("etcd is not supported yet, got {url:?}"));
+        }
+        return Err(expected());
+    };
+    if rest.contains(',') {
+        return Err(format!("takes one HTTP server, got {url:?}"));
+    }
+    if rest
+        .chars()
+        .any(|c| c.is_whitespace() || c.is_control() || matches!(c, '?' | '#' | '@'))
+    {
+        return Err(format!(
+            "{}; no query, fragment, user name or whitespace",
+            expected()
+        ));
+    }
+    let Some((authority, _path)) = rest.split_once('/') else {
+        return Err(format!(
+            "{}: the path is missing (Mooncake's servers use /metadata)",
+            expected()
+        ));
+    };
+    let Some((host, port)) = authority.rsplit_once(':') else {
+        return Err(format!("{}: the port is missing", expected()));
+    };
+    let bracketed = host.starts_with('[') || host.ends_with(']');
+    if host.is_empty()
+        || (bracketed && !(host.len() > 2 && host.starts_with('[') && host.ends_with(']')))
+        || (!bracketed && host.contains(':'))
+    {
+        return Err(format!("{}: bad host {host:?}", expected()));
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p != 0 => Ok(()),
+        _ => Err(format!("{}: bad port {port:?}", expected())),
+    }
+}
+
+/// A [`MetadataStore`](super::MetadataStore) backed by an HTTP metadata server speaking
+/// Mooncake's protocol. Each segment's descriptor lives under
+/// `prefix + [cluster_id + "/"] + name` (`multirail/10.0.0.1:4000` by default).
+///
+/// Every request gives up after the configured timeout, connecting included, so a store that
+/// does not answer fails the lookup instead of hanging it. Requests are blocking: they run on
+/// the caller's thread (opening a segment, registering memory), never on a data-path thread.
+///
+/// The store holds descriptors as they are, access keys included, so whoever can read the store
+/// can learn them; the membership token (`auth.token`) still guards every connection.
+pub struct HttpMetadata {
+    url: String,
+    key_prefix: String,
+    timeout: Duration,
+    agent: ureq::Agent,
+}
+
+impl HttpMetadata {
+    /// A store at `url` (`http://HOST:PORT/PATH`) with keys under `prefix` (then `cluster_id/`
+    /// when given), each request bounded by `timeout`. Connects lazily: nothing is sent until
+    /// the first request. Fails with a configuration error naming `metadata.servers` when `url`
+    /// is malformed.
+    pub fn new(
+        url: &str,
+        prefix: &str,
+        cluster_id: Option<&str>,
+        timeout: Duration,
+    ) -> Result<HttpMetadata> {
+        check_server_url(url).map_err(|m| ConfigError::new("metadata.servers", m))?;
+        let mut key_prefix = prefix.to_owned();
+        if let Some(id) = cluster_id {
+            key_prefix.push_str(id);
+            key_prefix.push('/');
+        }
+        let agent = ureq::Agent::config_builder()
+            // 404 is an answer ("not registered"), not a transport failure.
+            .http_status_as_error(false)
+            // The store is inside the cluster; an HTTP_PROXY meant for the outside world would
+            // only add a hop that can fail.
+            .proxy(None)
+            .timeout_global(Some(timeout))
+            .timeout_connect(Some(timeout))
+            .build()
+            .into();
+        Ok(HttpMetadata {
+            url: url.to_owned(),
+            key_prefix,
+            timeout,
+            agent,
+        })
+    }
+
+    /// The store `config` describes (`servers`, `prefix`, `cluster_id`, `timeout_ms`). Fails
+    /// with a configuration error naming `metadata.servers` when the address is missing or
+    /// malformed.
+    pub fn from_config(config: &MetadataConfig) -> Result<HttpMetadata> {
+        let url = config.servers.as_deref().ok_or_else(|| {
+            ConfigError::new(
+                "metadata.servers",
+                "is required when metadata.type is \"http\"",
+            )
+        })?;
+        HttpMetadata::new(
+            url,
+            &config.prefix,
+            config.cluster_id.as_deref(),
+            Duration::from_millis(config.timeout_ms),
+        )
+    }
+
+    /// The server's address, as configured.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The key segment `name` is stored under.
+    pub fn key(&self, name: &str) -> String {
+        format!("{}{name}", self.key_prefix)
+    }
+
+    fn request_url(&self, name: &str) -> String {
+        format!(
+            "{}?key={}",
+            self.url,
+            utf8_percent_encode(&self.key(name), KEY_ESCAPES)
+        )
+    }
+
+    /// Says why a request got no answer, naming the store.
+    fn transport_failure(&self, e: &ureq::Error) -> String {
+        match e {
+            ureq::Error::Timeout(_) => format!(
+                "the metadata server {} did not answer within {} ms",
+                self.url,
+                self.timeout.as_millis()
+            ),
+            e => format!("cannot reach the metadata server {}: {e}", self.url),
+        }
+    }
+
+    /// A short quote of an unexpected answer, for error messages.
+    fn quote(body: &mut ureq::Body) -> String {
+        let mut text = Vec::new();
+        let _ = body
+            .as_reader()
+            .take(QUOTED_BODY as u64)
+            .read_to_end(&mut text);
+        String::from_utf8_lossy(&text).trim().to_owned()
+    }
+}
+
+impl super::MetadataStore for HttpMetadata {
+    /// Fails with `SegmentUnreachable` when the store has no such key ("not registered"), does
+    /// not answer within the timeout or cannot be reached (the reason names the store), or
+    /// holds something that is not this segment's descriptor ("bad descriptor").
+    fn fetch(&self, name: &str) -> Result<SegmentDescriptor> {
+        let unreachable = |reason: String| Error::SegmentUnreachable {
+            name: name.to_owned(),
+            reason,
+        };
+        let mut answer = self
+            .agent
+            .get(self.request_url(name))
+            .call()
+            .map_err(|e| unreachable(self.transport_failure(&e)))?;
+        match answer.status().as_u16() {
+            200 => {}
+            404 => {
+                return Err(unreachable(format!(
+                    "not registered in the metadata server {}",
+                    self.url
+                )))
+            }
+            status => {
+                return Err(unreachable(format!(
+                    "the metadata server {} answered {status}: {}",
+                    self.url,
+                    Self::quote(answer.body_mut())
+                )))
+            }
+        }
+        let body = answer
+            .body_mut()
+            .with_config()
+            .limit(wire::MAX_CONTROL_LEN.into())
+            .read_to_vec()
+            .map_err(|e| unreachable(self.transport_failure(&e)))?;
+        let descriptor: SegmentDescriptor = serde_json::from_slice(&body).map_err(|e| {
+            unreachable(format!(
+                "bad descriptor under key {:?} in the metadata server {}: {e}",
+                self.key(name),
+                self.url
+            ))
+        })?;
+        // A value left by another engine (or written by hand) must not send requests elsewhere.
+        if descriptor.name != name {
+            return Err(unreachable(format!(
+                "bad descriptor under key {:?} in the metadata server {}: it describes segment {:?}",
+                self.key(name),
+                self.url,
+                descriptor.name
+            )));
+        }
+        Ok(descriptor)
+    }
+
+    /// PUTs the descriptor's JSON under `name`'s key. Fails with an I/O error naming the store
+    /// when it does not answer 200.
+    fn publish(&self, name: &str, descriptor: &SegmentDescriptor) -> Result<()> {
+        let context = || {
+            format!(
+                "publishing segment {name} to the metadata server {}",
+                self.url
+            )
+        };
+        let json = serde_json::to_vec(descriptor).expect("descriptor serializes");
+        let mut answer = self
+            .agent
+            .put(self.request_url(name))
+            .send(&json[..])
+            .map_err(|e| Error::io(context(), std::io::Error::other(self.transport_failure(&e))))?;
+        match answer.status().as_u16() {
+            200 => Ok(()),
+            status => Err(Error::io(
+                context(),
+                std::io::Error::other(format!(
+                    "answered {status}: {}",
+                    Self::quote(answer.body_mut())
+                )),
+            )),
+        }
+    }
+
+    /// DELETEs `name`'s key; a key already gone (404) counts as withdrawn. Fails with an I/O
+    /// error naming the store otherwise.
+    fn unpublish(&self, name: &str) -> Result<()> {
+        let context = || {
+            format!(
+                "withdrawing segment {name} from the metadata server {}",
+                self.url
+            )
+        };
+        let mut answer = self
+            .agent
+            .delete(self.request_url(name))
+            .call()
+            .map_err(|e| Error::io(context(), std::io::Error::other(self.transport_failure(&e))))?;
+        match answer.status().as_u16() {
+            200 | 404 => Ok(()),
+            status => Err(Error::io(
+                context(),
+                std::io::Error::other(format!(
+                    "answered {status}: {}",
+                    Self::quote(answer.body_mut())
+                )),
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_urls() {
+        for good in [
+            "http://127.0.0.1:8080/metadata",
+            "http://h:1/",
+            "http://[::1]:8080/metadata",
+            "http://meta.example:80/a/b",
+        ] {
+            assert_eq!(check_server_url(good), Ok(()), "{good}");
+        }
+        for (bad, says) in [
+            ("127.0.0.1:8080", "http://HOST:PORT/PATH"),
+            ("https://h:8080/metadata", "https is not supported"),
+            ("etcd://h:2379", "etcd is not supported yet"),
+            ("http://h:8080", "path is missing"),
+            ("http://h/metadata", "port is missing"),
+            ("http://:8080/metadata", "bad host"),
+            ("http://h:0/metadata", "bad port"),
+            ("http://h:99999/metadata", "bad port"),
+            ("http://h:x/metadata", "bad port"),
+            ("http://::1:8080/metadata", "bad host"),
+            ("http://h:8080/metadata?x=1", "no query"),
+            ("http://u@h:8080/metadata", "user name"),
+            ("http://a:1/m,http://b:1/m", "one HTTP server"),
+            ("", "http://HOST:PORT/PATH"),
+        ] {
+            let e = check_server_url(bad).expect_err(bad);
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn keys_are_prefixed_and_escaped() {
+        let t = Duration::from_millis(10);
+        let m = HttpMetadata::new("http://h:1/metadata", "multirail/", None, t).unwrap();
+        assert_eq!(m.key("10.0.0.1:4000"), "multirail/10.0.0.1:4000");
+        assert_eq!(
+            m.request_url("10.0.0.1:4000"),
+            "http://h:1/metadata?key=multirail%2F10.0.0.1%3A4000"
+        );
+        let m = HttpMetadata::new("http://h:1/metadata", "p/", Some("c 1"), t);
+        // The engine validates cluster ids; the store itself only escapes.
+        let m = m.unwrap();
+        assert_eq!(m.key("[::1]:5"), "p/c 1/[::1]:5");
+        assert_eq!(
+            m.request_url("[::1]:5"),
+            "http://h:1/metadata?key=p%2Fc%201%2F%5B%3A%3A1%5D%3A5"
+        );
+        let e = HttpMetadata::new("h:1", "p/", None, t).err().unwrap();
+        assert!(e.to_string().contains("metadata.servers"), "{e}");
+    }
+}

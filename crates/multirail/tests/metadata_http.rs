@@ -1,0 +1,283 @@
+//! Engines find each other through a Mooncake-compatible HTTP metadata server
+//! (`multirail-metadata-server`, started in each test): descriptors are published when an engine
+//! starts and whenever its memory changes, withdrawn when it goes, cached descriptors keep working
+//! while the store is down, and a store that does not answer fails lookups within
+//! `metadata.timeout_ms`.
+
+mod common;
+use common::pattern;
+
+use std::net::TcpListener;
+use std::time::{Duration, Instant};
+
+use multirail::segment::SegmentDescriptor;
+use multirail::{Config, Engine, Error, Location, Request, TransportChoice};
+use multirail_metadata_server::{Limits, MetadataServer, ServerConfig};
+use percent_encoding::{utf8_percent_encode, NON_ALPHANUMERIC};
+use xxhash_rust::xxh3::xxh3_64;
+
+fn start_server() -> MetadataServer {
+    MetadataServer::start(ServerConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        data_dir: None,
+        limits: Limits::default(),
+    })
+    .expect("metadata server starts")
+}
+
+/// `{"metadata": {"type": "http", "servers": URL, ...extra}}`.
+fn http_config(url: &str, extra: &str) -> Config {
+    Config::from_json_str(
+        &format!(r#"{{"metadata": {{"type": "http", "servers": "{url}"{extra}}}}}"#),
+        "test",
+    )
+    .expect("valid configuration")
+}
+
+fn engine(config: Config) -> Engine {
+    Engine::new(config, "127.0.0.1:0").expect("engine starts")
+}
+
+/// The raw answer of the server to `GET ?key=KEY`: status and body.
+fn get_key(url: &str, key: &str) -> (u16, Vec<u8>) {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .proxy(None)
+        .timeout_global(Some(Duration::from_secs(10)))
+        .build()
+        .into();
+    let mut answer = agent
+        .get(format!(
+            "{url}?key={}",
+            utf8_percent_encode(key, NON_ALPHANUMERIC)
+        ))
+        .call()
+        .expect("metadata server answers");
+    let body = answer.body_mut().read_to_vec().expect("body read");
+    (answer.status().as_u16(), body)
+}
+
+/// The descriptor stored under `key`, if any.
+fn stored(url: &str, key: &str) -> Option<SegmentDescriptor> {
+    let (status, body) = get_key(url, key);
+    match status {
+        200 => Some(serde_json::from_slice(&body).expect("stored value is a descriptor")),
+        404 => None,
+        other => panic!("GET {key} answered {other}"),
+    }
+}
+
+/// Waits until `key` is gone from the store: the last handle's drop may run on an engine thread
+/// that held the engine for a moment.
+fn assert_gone_soon(url: &str, key: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while stored(url, key).is_some() {
+        assert!(Instant::now() < deadline, "{key} still stored");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Writes `len` patterned bytes from a fresh buffer of `init` to `dst_addr` in `seg`, reads
+/// them back into another and checks them against the source's checksum, which it returns
+/// for the caller to check the target's bytes.
+fn write_and_read_back(
+    init: &Engine,
+    seg: multirail::SegmentId,
+    dst_addr: u64,
+    len: usize,
+    seed: u64,
+    transport: TransportChoice,
+) -> u64 {
+    let src = init.allocate(len, Location::Any).unwrap();
+    let back = init.allocate(len, Location::Any).unwrap();
+    // SAFETY: no transfer is in flight on these buffers.
+    unsafe { pattern(seed, src.as_mut_slice()) };
+    // SAFETY: as above.
+    let want = unsafe { xxh3_64(src.as_slice()) };
+    let mut write = Request::write(src.addr(), seg, dst_addr, len as u64);
+    write.transport = Some(transport);
+    let mut read = Request::read(back.addr(), seg, dst_addr, len as u64);
+    read.transport = Some(transport);
+    for r in [write, read] {
+        let batch = init.allocate_batch(1).unwrap();
+        init.submit(batch, &[r]).unwrap();
+        init.wait(batch, Some(Duration::from_secs(60))).unwrap();
+        init.free_batch(batch).unwrap();
+    }
+    // SAFETY: both batches completed; nothing writes `back` now.
+    assert_eq!(
+        unsafe { xxh3_64(back.as_slice()) },
+        want,
+        "bytes came back intact"
+    );
+    init.free(&src).unwrap();
+    init.free(&back).unwrap();
+    want
+}
+
+#[test]
+fn engines_find_each_other_by_name_and_leave_on_drop() {
+    let server = start_server();
+    let url = server.url();
+    let target = engine(http_config(&url, ""));
+    let dst = target.allocate(1 << 20, Location::Any).unwrap();
+    let init = engine(http_config(&url, ""));
+
+    let key = format!("multirail/{}", target.name());
+    let published = stored(&url, &key).expect("the target published itself");
+    assert_eq!(published.name, target.name());
+    assert!(published.find_buffer(dst.addr(), 1 << 20).is_some());
+    assert!(stored(&url, &format!("multirail/{}", init.name())).is_some());
+
+    let seg = init.open_segment(&target.name()).unwrap();
+    let want = write_and_read_back(&init, seg, dst.addr(), 1 << 20, 3, TransportChoice::Tcp);
+    // SAFETY: the transfers completed; nothing writes `dst` now.
+    assert_eq!(unsafe { xxh3_64(dst.as_slice()) }, want);
+    let want = write_and_read_back(&init, seg, dst.addr(), 1 << 20, 4, TransportChoice::Auto);
+    // SAFETY: as above.
+    assert_eq!(unsafe { xxh3_64(dst.as_slice()) }, want);
+
+    drop(dst);
+    drop(target);
+    assert_gone_soon(&url, &key);
+    // shutdown() withdraws too, while handles still exist.
+    let init_key = format!("multirail/{}", init.name());
+    init.shutdown();
+    assert!(stored(&url, &init_key).is_none(), "shutdown withdraws");
+    drop(init);
+    server.shutdown();
+}
+
+#[test]
+fn memory_changes_are_republished() {
+    let server = start_server();
+    let url = server.url();
+    let target = engine(http_config(&url, ""));
+    let first = target.allocate(4096, Location::Any).unwrap();
+    let init = engine(http_config(&url, ""));
+    let seg = init.open_segment(&target.name()).unwrap();
+    assert!(init
+        .segment_descriptor(seg)
+        .unwrap()
+        .find_buffer(first.addr(), 4096)
+        .is_some());
+
+    // Allocated after the peer cached the descriptor: its lookup on the miss finds it.
+    let later = target.allocate(256 << 10, Location::Any).unwrap();
+    let key = format!("multirail/{}", target.name());
+    assert!(stored(&url, &key)
+        .unwrap()
+        .find_buffer(later.addr(), 256 << 10)
+        .is_some());
+    let want = write_and_read_back(&init, seg, later.addr(), 256 << 10, 9, TransportChoice::Tcp);
+    // SAFETY: the transfers completed; nothing writes `later` now.
+    assert_eq!(unsafe { xxh3_64(later.as_slice()) }, want);
+
+    // Freeing withdraws the buffer from the store's descriptor too.
+    target.free(&first).unwrap();
+    let d = stored(&url, &key).unwrap();
+    assert!(d.find_buffer(first.addr(), 4096).is_none());
+    assert!(d.find_buffer(later.addr(), 256 << 10).is_some());
+    drop(init);
+    drop(target);
+    server.shutdown();
+}
+
+#[test]
+fn cached_peers_keep_working_while_the_store_is_down() {
+    let server = start_server();
+    let url = server.url();
+    let config = || http_config(&url, r#", "timeout_ms": 500"#);
+    let target = engine(config());
+    let dst = target.allocate(1 << 20, Location::Any).unwrap();
+    let other = engine(config());
+    let init = engine(config());
+    let seg = init.open_segment(&target.name()).unwrap();
+    let _ = write_and_read_back(&init, seg, dst.addr(), 1 << 20, 1, TransportChoice::Tcp);
+
+    server.shutdown();
+    // Already resolved: the cached descriptor carries on, and so does memory registration
+    // (its publish fails and is logged).
+    let want = write_and_read_back(&init, seg, dst.addr(), 1 << 20, 2, TransportChoice::Tcp);
+    // SAFETY: the transfers completed; nothing writes `dst` now.
+    assert_eq!(unsafe { xxh3_64(dst.as_slice()) }, want);
+    // Not yet known: the lookup fails promptly, naming the store.
+    let started = Instant::now();
+    let e = init.open_segment(&other.name()).unwrap_err();
+    let took = started.elapsed();
+    assert!(matches!(e, Error::SegmentUnreachable { .. }), "{e}");
+    assert!(e.to_string().contains(&url), "{e}");
+    assert!(took < Duration::from_millis(500 + 2500), "took {took:?}");
+    drop((init, other, dst, target));
+}
+
+#[test]
+fn a_store_that_does_not_answer_fails_lookups_within_the_timeout() {
+    // Accepts connections (the kernel's backlog) but never answers.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/metadata", silent.local_addr().unwrap());
+    // Its own publish times out and is logged; the engine still starts.
+    let init = engine(http_config(&url, r#", "timeout_ms": 300"#));
+    let started = Instant::now();
+    let e = init.open_segment("127.0.0.1:9").unwrap_err();
+    let took = started.elapsed();
+    assert!(matches!(e, Error::SegmentUnreachable { .. }), "{e}");
+    assert!(e.to_string().contains(&url), "{e}");
+    assert!(e.to_string().contains("within 300 ms"), "{e}");
+    assert!(took < Duration::from_millis(300 + 2500), "took {took:?}");
+    drop(init);
+}
+
+#[test]
+fn cluster_id_keeps_clusters_apart() {
+    let server = start_server();
+    let url = server.url();
+    let c1 = || http_config(&url, r#", "cluster_id": "c1""#);
+    let target = engine(c1());
+    let dst = target.allocate(64 << 10, Location::Any).unwrap();
+    let key = format!("multirail/c1/{}", target.name());
+    assert!(stored(&url, &key).is_some());
+    assert!(stored(&url, &format!("multirail/{}", target.name())).is_none());
+
+    // An engine of another cluster does not see it...
+    let stranger = engine(http_config(&url, r#", "cluster_id": "c2""#));
+    let e = stranger.open_segment(&target.name()).unwrap_err();
+    assert!(e.to_string().contains("not registered"), "{e}");
+    assert!(e.to_string().contains(&url), "{e}");
+    // ...one of its own does.
+    let init = engine(c1());
+    let seg = init.open_segment(&target.name()).unwrap();
+    let want = write_and_read_back(&init, seg, dst.addr(), 64 << 10, 5, TransportChoice::Tcp);
+    // SAFETY: the transfers completed; nothing writes `dst` now.
+    assert_eq!(unsafe { xxh3_64(dst.as_slice()) }, want);
+    drop((init, stranger, dst, target));
+    assert_gone_soon(&url, &key);
+    server.shutdown();
+}
+
+#[test]
+fn bad_servers_are_configuration_errors() {
+    for bad in [
+        "127.0.0.1:8080",
+        "http://127.0.0.1/metadata",
+        "https://h:1/m",
+    ] {
+        let e = Config::from_json_str(
+            &format!(r#"{{"metadata": {{"type": "http", "servers": "{bad}"}}}}"#),
+            "test",
+        )
+        .unwrap_err();
+        assert_eq!(e.key, "metadata.servers", "{bad}: {e}");
+    }
+    let e = Config::from_json_str(r#"{"metadata": {"type": "http"}}"#, "test").unwrap_err();
+    assert_eq!(e.key, "metadata.servers");
+    // A configuration built in code is checked when the engine starts.
+    let mut config = Config::default();
+    config.metadata.kind = multirail::config::MetadataKind::Http;
+    config.metadata.servers = Some("http://h:8080".into());
+    match Engine::new(config, "127.0.0.1:0") {
+        Err(Error::Config(e)) => assert_eq!(e.key, "metadata.servers", "{e}"),
+        Err(e) => panic!("expected a configuration error, got {e}"),
+        Ok(_) => panic!("expected a configuration error"),
+    }
+}
