@@ -10,6 +10,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use multirail::{BatchId, Config, Engine, Location, Opcode, SegmentId, Status, TransportChoice};
+use multirail::config::MetadataKind;
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -189,6 +190,27 @@ fn parse_transport(t: Option<&str>) -> PyResult<Option<TransportChoice>> {
             "invalid argument `transport`: expected \"auto\", \"tcp\", \"shm\" or \"rdma\", got {other:?}"
         ))),
     }
+}
+
+/// Where segments are looked up, as Mooncake's `metadata_server` says it: `"P2PHANDSHAKE"`
+/// (or `"p2p"`) asks each segment itself, `"http://HOST:PORT/PATH"` a metadata server. Fails on
+/// etcd (not supported yet) and anything else.
+fn parse_metadata(m: Option<&str>) -> PyResult<Option<(MetadataKind, Option<String>)>> {
+    let Some(m) = m else { return Ok(None) };
+    if m == "P2PHANDSHAKE" || m == "p2p" {
+        return Ok(Some((MetadataKind::P2p, None)));
+    }
+    if m.starts_with("http://") {
+        return Ok(Some((MetadataKind::Http, Some(m.to_owned()))));
+    }
+    let why = if m.starts_with("etcd://") || !m.contains("://") {
+        "etcd metadata servers are not supported yet"
+    } else {
+        "expected \"P2PHANDSHAKE\" or \"http://HOST:PORT/PATH\""
+    };
+    Err(InvalidArgumentError::new_err(format!(
+        "invalid argument `metadata`: {why}, got {m:?}"
+    )))
 }
 
 fn parse_location(loc: &str) -> PyResult<Location> {
@@ -426,7 +448,7 @@ impl NativeEngine {
     /// `config_path`; with neither, MULTIRAIL_CONF or the defaults apply. `local_hostname`, when
     /// given and the configuration sets none, becomes the host part of the segment name.
     #[new]
-    #[pyo3(signature = (listen, config_json=None, config_path=None, local_hostname=None, transport=None))]
+    #[pyo3(signature = (listen, config_json=None, config_path=None, local_hostname=None, transport=None, metadata=None))]
     fn new(
         py: Python<'_>,
         listen: &str,
@@ -434,6 +456,7 @@ impl NativeEngine {
         config_path: Option<&str>,
         local_hostname: Option<String>,
         transport: Option<&str>,
+        metadata: Option<&str>,
     ) -> PyResult<Self> {
         let mut config = match (config_json, config_path) {
             (Some(json), _) => Config::from_json_str(json, "config").map_err(config_err)?,
@@ -445,6 +468,13 @@ impl NativeEngine {
         }
         if let Some(t) = parse_transport(transport)? {
             config.transport = t;
+        }
+        if let Some(m) = parse_metadata(metadata)? {
+            // The argument replaces whatever the configuration said, TENT's flat keys too.
+            config.metadata.kind = m.0;
+            config.metadata.servers = m.1;
+            config.metadata_type = None;
+            config.metadata_servers = None;
         }
         let listen = listen.to_owned();
         let engine = py

@@ -2,8 +2,13 @@
 and the documented return codes of every failure."""
 
 import hashlib
+import http.server
 import logging
+import socket
+import sys
+import threading
 import time
+import urllib.parse
 
 import numpy as np
 import pytest
@@ -151,6 +156,114 @@ def test_notifications_arrive_after_the_data(spawn_peer, te):
     assert peer.call(op="verify", off=0, len=MIB, seed=51)["ok"]
 
 
+# ------------------------------------------------------------------ HTTP metadata server
+
+
+class _MooncakeMetadataHandler(http.server.BaseHTTPRequestHandler):
+    """Mooncake's HTTP metadata protocol, written here from its description (GET/PUT/DELETE
+    /metadata?key=K; 200 with the raw value, 404 "metadata not found"), so the engine is
+    checked against a server it shares no code with."""
+
+    store: dict = {}
+
+    def _key(self):
+        url = urllib.parse.urlsplit(self.path)
+        keys = urllib.parse.parse_qs(url.query).get("key")
+        return url.path, (keys[0] if keys else None)
+
+    def _answer(self, code, body):
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        path, key = self._key()
+        if path == "/metadata" and key in self.store:
+            self._answer(200, self.store[key])
+        else:
+            self._answer(404, b"metadata not found")
+
+    def do_PUT(self):
+        path, key = self._key()
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if path != "/metadata" or not key:
+            self._answer(400, b"Missing key parameter")
+            return
+        self.store[key] = body
+        self._answer(200, b"metadata updated")
+
+    def do_DELETE(self):
+        path, key = self._key()
+        if path == "/metadata" and self.store.pop(key, None) is not None:
+            self._answer(200, b"metadata deleted")
+        else:
+            self._answer(404, b"metadata not found")
+
+    def log_message(self, *args):
+        pass
+
+
+class _QuietServer(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        # A client that hangs up early (an engine closing) is not a test failure; anything
+        # else still is printed.
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)
+
+
+@pytest.fixture
+def metadata_server():
+    _MooncakeMetadataHandler.store = {}
+    server = _QuietServer(("127.0.0.1", 0), _MooncakeMetadataHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/metadata", _MooncakeMetadataHandler.store
+    server.shutdown()
+    server.server_close()
+
+
+def test_engines_find_each_other_through_an_http_metadata_server(metadata_server):
+    url, store = metadata_server
+    a, b = TransferEngine(), TransferEngine()
+    assert a.initialize("127.0.0.1", url, "tcp", "") == 0
+    assert b.initialize("127.0.0.1", url, "tcp", "") == 0
+    assert f"multirail/{session(a)}" in store and f"multirail/{session(b)}" in store
+    # Memory registered after start is published again before the call returns.
+    src = np.frombuffer(pattern(7, MIB), dtype=np.uint8).copy()
+    dst = np.zeros(MIB, dtype=np.uint8)
+    assert a.register_memory(src.ctypes.data, src.nbytes) == 0
+    assert b.register_memory(dst.ctypes.data, dst.nbytes) == 0
+    assert a.transfer_sync_write(session(b), src.ctypes.data, dst.ctypes.data, MIB) == 0
+    assert hashlib.sha256(dst.tobytes()).digest() == hashlib.sha256(src.tobytes()).digest()
+    back = np.zeros(MIB, dtype=np.uint8)
+    assert a.register_memory(back.ctypes.data, back.nbytes) == 0
+    assert a.transfer_sync_read(session(b), back.ctypes.data, dst.ctypes.data, MIB) == 0
+    assert np.array_equal(back, src)
+    # A closed engine withdraws its descriptor.
+    name_b = session(b)
+    b.engine.close()
+    assert f"multirail/{name_b}" not in store
+
+
+def test_an_unreachable_or_etcd_metadata_server_is_refused(caplog):
+    caplog.set_level(logging.ERROR, logger="multirail.mooncake")
+    t = TransferEngine()
+    assert t.initialize("127.0.0.1", "127.0.0.1:2379", "tcp", "") == -1  # etcd, as Mooncake reads it
+    assert "etcd" in caplog.text
+    with pytest.raises(multirail.InvalidArgumentError, match="etcd"):
+        multirail.Engine(None, "127.0.0.1", metadata="etcd://127.0.0.1:2379")
+    # A server that is not there: opening a segment fails within the store's timeout.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert t.initialize("127.0.0.1", f"http://127.0.0.1:{port}/metadata", "tcp", "") == 0
+    start = time.monotonic()
+    assert t.get_first_buffer_address("127.0.0.1:1") == 0
+    assert time.monotonic() - start < 10
+
+
 # ------------------------------------------------------------------------------------ errors
 
 
@@ -158,7 +271,7 @@ def test_initialize_failures(caplog):
     caplog.set_level(logging.ERROR, logger="multirail.mooncake")
     t = TransferEngine()
     assert t.initialize("127.0.0.1", "etcd://127.0.0.1:2379", "tcp", "") == -1
-    assert "P2PHANDSHAKE" in caplog.text
+    assert "P2PHANDSHAKE" in caplog.text and "etcd" in caplog.text
     assert t.initialize("127.0.0.1", "P2PHANDSHAKE", "nvlink", "") == -1
     assert t.initialize("", "P2PHANDSHAKE", "tcp", "") == -1
     assert t.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0

@@ -348,11 +348,24 @@ class Engine:
     to same-host peers, else RDMA when both ends have RDMA devices, else TCP), ``"tcp"``,
     ``"shm"`` or ``"rdma"``.
 
+    ``metadata`` overrides where segments are looked up, as Mooncake's ``metadata_server``:
+    ``"P2PHANDSHAKE"`` asks each segment itself (the default), ``"http://HOST:PORT/PATH"`` a
+    metadata server speaking Mooncake's HTTP protocol (the engine publishes its descriptor
+    there and withdraws it when closed). etcd is not supported yet
+    (:class:`InvalidArgumentError`).
+
     The engine stops serving on :meth:`close` (also at the end of a ``with`` block) or when the
     last reference goes away.
     """
 
-    def __init__(self, config: ConfigArg = None, name: Optional[str] = None, *, transport: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        config: ConfigArg = None,
+        name: Optional[str] = None,
+        *,
+        transport: Optional[str] = None,
+        metadata: Optional[str] = None,
+    ) -> None:
         config_json: Optional[str] = None
         config_path: Optional[str] = None
         if config is None:
@@ -371,7 +384,12 @@ class Engine:
             raise TypeError(f"config must be None, a dict or a path, got {type(config).__name__}")
         listen, hostname = _listen_for(name)
         self._native = _native.NativeEngine(
-            listen, config_json=config_json, config_path=config_path, local_hostname=hostname, transport=transport
+            listen,
+            config_json=config_json,
+            config_path=config_path,
+            local_hostname=hostname,
+            transport=transport,
+            metadata=metadata,
         )
 
     @property

@@ -164,7 +164,7 @@ class Engine:
     listen on 0.0.0.0, publish the first non-loopback IPv4 address.
     transport: overrides the configuration's `transport` ("auto", "tcp", "shm")."""
 
-    def __init__(self, config: ConfigArg = None, name: Optional[str] = None, *, transport: Optional[str] = None) -> None: ...
+    def __init__(self, config: ConfigArg = None, name: Optional[str] = None, *, transport: Optional[str] = None, metadata: Optional[str] = None) -> None: ...
     @property
     def name(self) -> str:
         """This engine's segment name, host:port."""

@@ -21,8 +21,10 @@ before a successful ``initialize`` return -1 (0 where 0 means failure) instead o
 
 Differences from Mooncake, all documented on the methods:
 
-* ``metadata_server`` must be ``"P2PHANDSHAKE"``: segments are discovered by asking the peer
-  itself. etcd/HTTP metadata servers are refused (-1).
+* ``metadata_server``: ``"P2PHANDSHAKE"`` (segments are discovered by asking the peer itself)
+  or an HTTP metadata server ``"http://HOST:PORT/metadata"`` (Mooncake's protocol; engines
+  publish under ``multirail/``, beside Mooncake's own keys). etcd (``"etcd://..."`` or a bare
+  ``host:port``) is refused (-1): not supported yet.
 * ``protocol``: ``"tcp"`` forces the TCP transport (also to same-host peers, as Mooncake does);
   ``"rdma"`` uses the best transport multirail has (shared memory to same-host peers, else TCP:
   it has no RDMA yet) and logs which. Anything else returns -1.
@@ -51,7 +53,8 @@ __all__ = ["TransferEngine", "TransferOpcode", "TransferNotify"]
 
 log = logging.getLogger("multirail.mooncake")
 
-#: ``metadata_server`` value that selects peer-to-peer discovery (the only one supported).
+#: ``metadata_server`` value that selects peer-to-peer discovery (the default; an HTTP metadata
+#: server URL is the other choice).
 P2PHANDSHAKE = "P2PHANDSHAKE"
 
 
@@ -119,18 +122,21 @@ class TransferEngine:
         port is ignored and a free one is picked (set ``MC_LEGACY_RPC_PORT_BINDING`` to use
         it). The engine listens on ``host`` when it is an IP address, else on every address
         and publishes ``host``. The session id peers use is ``f"{host}:{get_rpc_port()}"``.
-        ``metadata_server``: must be ``"P2PHANDSHAKE"``. ``protocol``: ``"tcp"`` or ``"rdma"``
-        (see the module docstring). ``device_name``: ignored."""
+        ``metadata_server``: ``"P2PHANDSHAKE"`` or ``"http://HOST:PORT/PATH"`` (etcd is not
+        supported yet). ``protocol``: ``"tcp"`` or ``"rdma"`` (see the module docstring).
+        ``device_name``: ignored."""
         if self._engine is not None:
             log.error("initialize: this TransferEngine is already initialized (%s)", self._engine.name)
             return -1
         if not isinstance(local_hostname, str) or not local_hostname:
             log.error("initialize: local_hostname must be a non-empty string, got %r", local_hostname)
             return -1
-        if metadata_server != P2PHANDSHAKE:
+        if not isinstance(metadata_server, str) or not (
+            metadata_server == P2PHANDSHAKE or metadata_server.startswith("http://")
+        ):
             log.error(
-                "initialize: metadata server %r is not supported; multirail discovers segments "
-                "peer to peer: pass %r",
+                "initialize: metadata server %r is not supported (etcd is not yet); pass %r or "
+                "an HTTP metadata server 'http://HOST:PORT/metadata'",
                 metadata_server,
                 P2PHANDSHAKE,
             )
@@ -153,7 +159,7 @@ class TransferEngine:
             port = 0
         name = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
-            self._engine = Engine(None, name, transport=transport)
+            self._engine = Engine(None, name, transport=transport, metadata=metadata_server)
         except Error as e:
             log.error("initialize: %s", e)
             return -1
