@@ -9,8 +9,8 @@ use std::path::Path;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use multirail::{BatchId, Config, Engine, Location, Opcode, SegmentId, Status, TransportChoice};
 use multirail::config::MetadataKind;
+use multirail::{BatchId, Config, Engine, Location, Opcode, SegmentId, Status, TransportChoice};
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
