@@ -97,6 +97,11 @@ pub struct BenchArgs {
     /// high:64KiB:1,low:4MiB:8. Default: off.
     #[arg(long, value_parser = parse_mix)]
     mix: Option<Mix>,
+    /// Serve Prometheus metrics of the initiator engine (the one this command runs, with
+    /// --local too) at http://ADDR:PORT/metrics while it runs (port 0 picks a free port); the
+    /// URL is printed on stderr as `metrics: URL`. Default: off.
+    #[arg(long, value_name = "ADDR:PORT")]
+    metrics: Option<String>,
     /// Print one JSON object instead of tables. Default: off.
     #[arg(long)]
     json: bool,
@@ -577,6 +582,7 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         "0.0.0.0:0"
     };
     let engine = Engine::new(config, listen)?;
+    let metrics = crate::target::serve_metrics(&engine, args.metrics.as_deref())?;
     let seg = engine.open_segment(&target_name)?;
     let descriptor = engine.segment_descriptor(seg)?;
     let largest = descriptor.buffers.iter().map(|b| b.len).max().unwrap_or(0);
@@ -822,6 +828,7 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
             print!("{text}");
         }
     }
+    drop(metrics);
     drop(engine);
     drop(local_target);
     Ok(())

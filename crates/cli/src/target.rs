@@ -3,7 +3,7 @@
 use std::io::Write;
 
 use clap::Args;
-use multirail::{Config, Engine, Location};
+use multirail::{Config, Engine, Location, MetricsServer};
 use nix::sys::signal::{SigSet, Signal};
 
 use crate::pattern;
@@ -26,6 +26,10 @@ pub struct TargetArgs {
     /// with process_vm_readv/writev). Default: allocated.
     #[arg(long, value_enum, default_value = "allocated")]
     memory: MemoryKind,
+    /// Serve Prometheus metrics of this engine at http://ADDR:PORT/metrics (port 0 picks a free
+    /// port); the URL is printed on stderr as `metrics: URL`. Default: off.
+    #[arg(long, value_name = "ADDR:PORT")]
+    metrics: Option<String>,
     /// Exit when the parent process exits (used by `bench --local`). Default: off.
     #[arg(long, hide = true)]
     exit_with_parent: bool,
@@ -35,6 +39,24 @@ pub struct TargetArgs {
 enum MemoryKind {
     Allocated,
     Registered,
+}
+
+/// Starts `engine`'s metrics endpoint on `addr` (`--metrics`) and prints `metrics: URL` on
+/// stderr; `None` without the flag. Fails as a usage error when `addr` is not an address, and
+/// at run time when it cannot be bound (the message names the address).
+pub(crate) fn serve_metrics(
+    engine: &Engine,
+    addr: Option<&str>,
+) -> Result<Option<MetricsServer>, Failure> {
+    let Some(addr) = addr else { return Ok(None) };
+    let server = engine.serve_metrics(addr).map_err(|e| match e {
+        multirail::Error::InvalidArgument { reason, .. } => {
+            Failure::Usage(format!("--metrics: {reason}"))
+        }
+        e => Failure::Runtime(anyhow::anyhow!("--metrics: {e}")),
+    })?;
+    eprintln!("metrics: {}", server.url());
+    Ok(Some(server))
 }
 
 pub fn run(config: Config, args: TargetArgs) -> Result<(), Failure> {
@@ -52,6 +74,7 @@ pub fn run(config: Config, args: TargetArgs) -> Result<(), Failure> {
     let location: Location = args.location.parse()?;
     let len = usize::try_from(args.size).map_err(|_| Failure::Usage("--size too large".into()))?;
     let engine = Engine::new(config, &args.listen)?;
+    let metrics = serve_metrics(&engine, args.metrics.as_deref())?;
     // Registered memory must outlive its registration: `heap` lives until this function returns,
     // after the engine has stopped serving.
     let mut heap: Vec<u8> = Vec::new();
@@ -78,6 +101,7 @@ pub fn run(config: Config, args: TargetArgs) -> Result<(), Failure> {
     drop(out);
     let sig = stop.wait().map_err(|e| Failure::Runtime(e.into()))?;
     tracing::info!(signal = ?sig, "stopping");
+    drop(metrics);
     engine.shutdown();
     drop(engine);
     drop(heap);

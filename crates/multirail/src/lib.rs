@@ -23,6 +23,7 @@ pub mod error;
 pub mod memory;
 pub mod messaging;
 pub mod metadata;
+pub mod metrics_http;
 pub(crate) mod peer;
 pub mod qos;
 pub(crate) mod rails;
@@ -40,6 +41,7 @@ pub use engine::{BatchId, Engine, Request, SegmentId, PRIO_HIGH, PRIO_LOW, PRIO_
 pub use error::{Error, Result};
 pub use memory::{Buffer, Location};
 pub use messaging::{Lane, LanesReport, Message, Notification, PeerLaneReport};
+pub use metrics_http::MetricsServer;
 pub use multirail_policy::lanes::LanesStats;
 pub use multirail_policy::qos::Priority;
 pub use qos::{PriorityTraffic, QosTraffic};

@@ -716,6 +716,20 @@ impl Engine {
     pub fn rdma_off_reason(&self) -> Option<String> {
         self.inner.rdma.off_reason().map(str::to_owned)
     }
+
+    /// Serves this engine's statistics as Prometheus metrics at `http://ADDR:PORT/metrics`
+    /// (OpenMetrics text; [`crate::metrics_http`] lists the metrics) from a background thread,
+    /// until the returned server is dropped or shut down. The server holds no strong handle on
+    /// the engine: once the engine is dropped it answers 503. `addr` is `ADDR:PORT`; port 0
+    /// picks a free port ([`crate::MetricsServer::local_addr`] tells which). Fails with
+    /// `InvalidArgument` when `addr` is not an address, and with `Io` naming `addr` when it
+    /// cannot be bound.
+    pub fn serve_metrics(&self, addr: &str) -> Result<crate::metrics_http::MetricsServer> {
+        let inner = Arc::downgrade(&self.inner);
+        crate::metrics_http::MetricsServer::start(addr, move || {
+            inner.upgrade().map(|inner| Engine { inner })
+        })
+    }
 }
 
 impl Inner {

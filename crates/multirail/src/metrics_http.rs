@@ -1,0 +1,696 @@
+//! Prometheus metrics of an engine over HTTP.
+//!
+//! [`crate::Engine::serve_metrics`] starts a [`MetricsServer`]: a small synchronous HTTP server
+//! (`tiny_http`) whose thread answers `GET /metrics` with the engine's statistics in the
+//! OpenMetrics text format that `prometheus-client`'s text encoder writes (content type
+//! [`CONTENT_TYPE`]; Prometheus scrapes it as is). Every figure is read at scrape time from what
+//! the engine already counts ([`crate::Engine::traffic_stats`], `connection_stats`,
+//! `rdma_stats`, `lanes`, `rails`): nothing is added on the data path. A scrape takes the same
+//! short locks `traffic_stats` and `lanes` take.
+//!
+//! The server holds no strong handle on the engine: once the engine is dropped, `/metrics`
+//! answers 503. Any other path answers 404, and another method than `GET` or `HEAD` on
+//! `/metrics` 405.
+//!
+//! The metrics (OpenMetrics appends `_total` to counter samples and `_info` to info samples):
+//!
+//! | metric | type | labels | from |
+//! | --- | --- | --- | --- |
+//! | `multirail_engine_info` | info | `segment` | the engine's segment name |
+//! | `multirail_rail_bytes_total` | counter | `rail`, `priority` | payload bytes per rail and priority |
+//! | `multirail_rail_slices_total` | counter | `rail` | slices completed per rail (the engine does not split them by priority) |
+//! | `multirail_rail_slice_errors_total` | counter | `rail` | slices failed per rail |
+//! | `multirail_rail_inflight_bytes` | gauge | `rail` | bytes assigned and not answered (network rails) |
+//! | `multirail_rail_window_bytes` | gauge | `rail` | bound on bytes in flight per path (network rails) |
+//! | `multirail_rail_bandwidth_estimate_bytes_per_second` | gauge | `rail` | the scheduler's EWMA (network rails) |
+//! | `multirail_rail_assumed_bandwidth_bytes_per_second` | gauge | `rail` | the speed scheduling assumes |
+//! | `multirail_qos_queued_entries` | gauge | `priority` | queue depth |
+//! | `multirail_qos_dequeued_entries_total` | counter | `priority` | entries that left the queue |
+//! | `multirail_qos_wait_seconds` | gauge | `priority`, `quantile` | wait p50 and p99 since the engine started |
+//! | `multirail_qos_promotions_total` | counter | | entries promoted one level |
+//! | `multirail_qos_global_slot` | gauge | | shared slot in force (only with shared slots) |
+//! | `multirail_connections_open` | gauge | | connections held |
+//! | `multirail_connections_pending` | gauge | | connections not past the handshake |
+//! | `multirail_connections_accepted_total` | counter | | connections accepted |
+//! | `multirail_connections_refused_total` | counter | `reason` (`not_member`, `full`) | connections refused |
+//! | `multirail_connections_shed_total` | counter | `kind` (`pending`, `idle`) | connections closed to make room |
+//! | `multirail_connections_accept_errors_total` | counter | | failed accepts |
+//! | `multirail_server_threads` | gauge | | threads serving connections |
+//! | `multirail_rdma_*_total` | counter | | RDMA post calls, work requests, signalled completions, slices, queue pairs lost, messages sent, sent inline and received (0 without RDMA) |
+//! | `multirail_lanes_peers` | gauge | `direction` | peers with a message lane |
+//! | `multirail_lanes_dedicated` | gauge | `direction` | of those, on a dedicated lane |
+//! | `multirail_lanes_max_dedicated` | gauge | | `lanes.max_dedicated` |
+//! | `multirail_lane_promotions_total` | counter | `direction` | lane changes to dedicated |
+//! | `multirail_lane_demotions_total` | counter | `direction` | lane changes to shared |
+//! | `multirail_lane_denials_total` | counter | `direction` | dedicated lanes denied (received outgoing, sent incoming) |
+//! | `multirail_lane_evictions_total` | counter | `direction` | dedicated lanes demoted for a stronger peer |
+//! | `multirail_message_receive_buffer_bytes` | gauge | | receive buffers held for messages |
+//!
+//! `priority` is `high`, `medium` or `low`; `direction` is `outgoing` (what this engine sends)
+//! or `incoming` (what it receives). Rail counters are kept by the engine that initiates a
+//! transfer: an engine serving reads and writes of its peers counts them in its connections,
+//! not in its rails. `rail` is the name the engine counts under: bytes, slices and errors count
+//! on the interface that carried them (a routed path's, e.g. `lo` for a peer on loopback, or
+//! `shm`), the scheduler's gauges on the rail it scheduled (as [`crate::Engine::traffic_stats`]
+//! reports them).
+
+use std::fmt;
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+use std::sync::Arc;
+use std::thread::{self, JoinHandle};
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeGaugeValue, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::messaging::{Lane, LanesReport};
+use crate::server::ConnectionStats;
+use crate::stats::Traffic;
+use crate::topology::Rail;
+use crate::transport::rdma::RdmaStats;
+
+/// Content type of a `/metrics` answer: the OpenMetrics 1.0 text format, which
+/// `prometheus_client::encoding::text::encode` writes.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+const PRIORITIES: [&str; 3] = ["high", "medium", "low"];
+
+/// Gets a handle on the engine for one scrape; `None` once the engine is gone.
+type EngineSource = Box<dyn Fn() -> Option<Engine> + Send>;
+
+/// A running metrics endpoint, from [`crate::Engine::serve_metrics`]. Its thread answers until
+/// this is dropped or [`MetricsServer::shutdown`] is called.
+pub struct MetricsServer {
+    addr: SocketAddr,
+    http: Arc<tiny_http::Server>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl fmt::Debug for MetricsServer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MetricsServer")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MetricsServer {
+    /// Binds `addr` (`ADDR:PORT`, a host name allowed; port 0 picks a free port) and starts the
+    /// thread answering scrapes with what `engine` gives. Fails with `InvalidArgument` when
+    /// `addr` does not resolve to a socket address, and with `Io` naming `addr` when it cannot
+    /// be bound or the thread cannot be spawned.
+    pub(crate) fn start(
+        addr: &str,
+        engine: impl Fn() -> Option<Engine> + Send + 'static,
+    ) -> Result<MetricsServer> {
+        let addrs: Vec<SocketAddr> = addr
+            .to_socket_addrs()
+            .map_err(|e| Error::invalid("addr", format!("{addr:?} is not ADDR:PORT: {e}")))?
+            .collect();
+        if addrs.is_empty() {
+            return Err(Error::invalid(
+                "addr",
+                format!("{addr:?} resolves to no address"),
+            ));
+        }
+        let listener = TcpListener::bind(&addrs[..])
+            .map_err(|e| Error::io(format!("cannot serve metrics on {addr}"), e))?;
+        let bound = listener
+            .local_addr()
+            .map_err(|e| Error::io(format!("cannot serve metrics on {addr}"), e))?;
+        let http = tiny_http::Server::from_listener(listener, None).map_err(|e| {
+            Error::io(
+                format!("cannot serve metrics on {addr}"),
+                std::io::Error::other(e.to_string()),
+            )
+        })?;
+        let http = Arc::new(http);
+        let served = http.clone();
+        let engine: EngineSource = Box::new(engine);
+        let thread = thread::Builder::new()
+            .name("mr-metrics".into())
+            .spawn(move || serve(&served, &*engine))
+            .map_err(|e| Error::io("spawning the metrics thread", e))?;
+        Ok(MetricsServer {
+            addr: bound,
+            http,
+            thread: Some(thread),
+        })
+    }
+
+    /// The address the endpoint listens on (with the port picked when 0 was asked).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The URL to scrape: `http://ADDR:PORT/metrics`.
+    pub fn url(&self) -> String {
+        format!("http://{}/metrics", self.addr)
+    }
+
+    /// Stops answering and closes the port; same as dropping the server. Returns once the
+    /// serving thread has ended.
+    pub fn shutdown(self) {}
+}
+
+impl Drop for MetricsServer {
+    fn drop(&mut self) {
+        self.http.unblock();
+        if let Some(t) = self.thread.take() {
+            if t.join().is_err() {
+                tracing::error!("the metrics thread panicked");
+            }
+        }
+        // Dropping the last handle on the tiny_http server closes the port.
+    }
+}
+
+/// Answers requests one at a time until the server is unblocked (dropped) or its accept thread
+/// fails.
+fn serve(http: &tiny_http::Server, engine: &dyn Fn() -> Option<Engine>) {
+    loop {
+        let request = match http.recv() {
+            Ok(r) => r,
+            Err(e) => {
+                // Unblocked by `MetricsServer::drop`, or the listener failed for good.
+                tracing::debug!(error = %e, "metrics endpoint stops");
+                return;
+            }
+        };
+        let (status, content_type, body) = answer(request.method(), request.url(), engine);
+        let mut response = tiny_http::Response::from_string(body).with_status_code(status);
+        if let Ok(h) = tiny_http::Header::from_bytes(&b"Content-Type"[..], content_type.as_bytes())
+        {
+            response = response.with_header(h);
+        }
+        if status == 405 {
+            if let Ok(h) = tiny_http::Header::from_bytes(&b"Allow"[..], &b"GET, HEAD"[..]) {
+                response = response.with_header(h);
+            }
+        }
+        if let Err(e) = request.respond(response) {
+            tracing::debug!(error = %e, "metrics answer not delivered");
+        }
+    }
+}
+
+/// Status, content type and body of the answer to `method url`.
+fn answer(
+    method: &tiny_http::Method,
+    url: &str,
+    engine: &dyn Fn() -> Option<Engine>,
+) -> (u16, &'static str, String) {
+    const TEXT: &str = "text/plain; charset=utf-8";
+    let path = url.split(['?', '#']).next().unwrap_or_default();
+    if path != "/metrics" {
+        return (404, TEXT, "not found; metrics are at /metrics\n".into());
+    }
+    if !matches!(method, tiny_http::Method::Get | tiny_http::Method::Head) {
+        return (405, TEXT, "only GET and HEAD are allowed\n".into());
+    }
+    let Some(engine) = engine() else {
+        return (503, TEXT, "the engine has been dropped\n".into());
+    };
+    // A panic reading the engine (a poisoned lock) must not end this thread: scrapes queued
+    // behind it would then wait forever.
+    let snapshot =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Snapshot::take(&engine)));
+    // The handle is not kept across the encoding: the engine may be dropped meanwhile.
+    drop(engine);
+    match snapshot.map(encode) {
+        Ok(Ok(text)) => (200, CONTENT_TYPE, text),
+        Ok(Err(_)) => (500, TEXT, "encoding the metrics failed\n".into()),
+        Err(_) => (500, TEXT, "reading the engine's statistics failed\n".into()),
+    }
+}
+
+/// What one scrape reads from the engine.
+#[derive(Debug)]
+struct Snapshot {
+    segment: String,
+    traffic: Traffic,
+    rails: Vec<Rail>,
+    connections: ConnectionStats,
+    rdma: RdmaStats,
+    lanes: LanesReport,
+}
+
+impl Snapshot {
+    fn take(engine: &Engine) -> Snapshot {
+        Snapshot {
+            segment: engine.name(),
+            traffic: engine.traffic_stats(),
+            rails: engine.rails(),
+            connections: engine.connection_stats(),
+            rdma: engine.rdma_stats(),
+            lanes: engine.lanes(),
+        }
+    }
+}
+
+/// The OpenMetrics text of `snapshot`, `# EOF` included.
+fn encode(snapshot: Snapshot) -> std::result::Result<String, fmt::Error> {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(snapshot));
+    let mut out = String::with_capacity(8 << 10);
+    prometheus_client::encoding::text::encode(&mut out, &registry)?;
+    Ok(out)
+}
+
+type Labels<'a> = Vec<(&'static str, &'a str)>;
+
+/// Writes metric families into one descriptor encoder.
+struct Families<'e> {
+    encoder: DescriptorEncoder<'e>,
+}
+
+impl Families<'_> {
+    /// One family of `kind` (counter or gauge) with a sample per label set.
+    fn family<V, M: EncodeMetric>(
+        &mut self,
+        name: &str,
+        help: &str,
+        unit: Option<Unit>,
+        samples: &[(Labels<'_>, V)],
+        metric: impl Fn(&V) -> M,
+        kind: MetricType,
+    ) -> fmt::Result {
+        let mut family = self
+            .encoder
+            .encode_descriptor(name, help, unit.as_ref(), kind)?;
+        for (labels, v) in samples {
+            metric(v).encode(family.encode_family(labels)?)?;
+        }
+        Ok(())
+    }
+
+    fn counters(
+        &mut self,
+        name: &str,
+        help: &str,
+        unit: Option<Unit>,
+        samples: &[(Labels<'_>, u64)],
+    ) -> fmt::Result {
+        self.family(
+            name,
+            help,
+            unit,
+            samples,
+            |v| ConstCounter::new(*v),
+            MetricType::Counter,
+        )
+    }
+
+    fn counter(&mut self, name: &str, help: &str, value: u64) -> fmt::Result {
+        let metric = ConstCounter::new(value);
+        metric.encode(
+            self.encoder
+                .encode_descriptor(name, help, None, metric.metric_type())?,
+        )
+    }
+
+    fn gauges<V: EncodeGaugeValue + Copy>(
+        &mut self,
+        name: &str,
+        help: &str,
+        unit: Option<Unit>,
+        samples: &[(Labels<'_>, V)],
+    ) -> fmt::Result {
+        self.family(
+            name,
+            help,
+            unit,
+            samples,
+            |v| ConstGauge::new(*v),
+            MetricType::Gauge,
+        )
+    }
+
+    fn gauge<V: EncodeGaugeValue>(
+        &mut self,
+        name: &str,
+        help: &str,
+        unit: Option<Unit>,
+        value: V,
+    ) -> fmt::Result {
+        let metric = ConstGauge::new(value);
+        metric.encode(self.encoder.encode_descriptor(
+            name,
+            help,
+            unit.as_ref(),
+            metric.metric_type(),
+        )?)
+    }
+}
+
+/// Bytes per second of `gbps` gigabits per second.
+fn bytes_per_second(gbps: f64) -> f64 {
+    gbps * 1e9 / 8.0
+}
+
+fn per_second() -> Option<Unit> {
+    Some(Unit::Other("bytes_per_second".into()))
+}
+
+impl Collector for Snapshot {
+    fn encode(&self, encoder: DescriptorEncoder) -> fmt::Result {
+        let mut f = Families { encoder };
+        {
+            let labels = [("segment", self.segment.as_str())];
+            let mut info = f.encoder.encode_descriptor(
+                "multirail_engine",
+                "The engine: its segment name (host:port)",
+                None,
+                MetricType::Info,
+            )?;
+            info.encode_info(&labels)?;
+        }
+        self.encode_rails(&mut f)?;
+        self.encode_qos(&mut f)?;
+        self.encode_connections(&mut f)?;
+        self.encode_rdma(&mut f)?;
+        self.encode_lanes(&mut f)
+    }
+}
+
+impl Snapshot {
+    fn encode_rails(&self, f: &mut Families<'_>) -> fmt::Result {
+        // Every rail the engine counts traffic on, then the rails it sends on that have not
+        // carried anything yet (their counters are 0: they are created with the first
+        // connection).
+        let mut names: Vec<&str> = self.traffic.rails.iter().map(|r| r.name.as_str()).collect();
+        for r in &self.rails {
+            if !names.contains(&r.name.as_str()) {
+                names.push(&r.name);
+            }
+        }
+        let traffic = |name: &str| self.traffic.rails.iter().find(|r| r.name == name);
+        let per_rail = |value: &dyn Fn(&crate::stats::RailTraffic) -> u64| {
+            names
+                .iter()
+                .map(|n| (vec![("rail", *n)], traffic(n).map_or(0, value)))
+                .collect::<Vec<_>>()
+        };
+
+        let mut bytes = Vec::with_capacity(names.len() * PRIORITIES.len());
+        for n in &names {
+            for (p, prio) in PRIORITIES.iter().enumerate() {
+                let v = traffic(n).map_or(0, |r| r.priority_bytes[p]);
+                bytes.push((vec![("rail", *n), ("priority", *prio)], v));
+            }
+        }
+        f.counters(
+            "multirail_rail",
+            "Payload bytes this engine moved on each rail (as initiator), by the priority a slice left the queues at (a promoted slice counts at its new level)",
+            Some(Unit::Bytes),
+            &bytes,
+        )?;
+        f.counters(
+            "multirail_rail_slices",
+            "Slices this engine completed on each rail (as initiator); not split by priority",
+            None,
+            &per_rail(&|r| r.slices),
+        )?;
+        f.counters(
+            "multirail_rail_slice_errors",
+            "Slices that failed on each rail",
+            None,
+            &per_rail(&|r| r.errors),
+        )?;
+
+        // The scheduler's figures exist for network rails only.
+        let network: Vec<&crate::stats::RailTraffic> = self
+            .traffic
+            .rails
+            .iter()
+            .filter(|r| r.ewma_gbps.is_some())
+            .collect();
+        let gauge = |value: &dyn Fn(&crate::stats::RailTraffic) -> u64| {
+            network
+                .iter()
+                .map(|r| (vec![("rail", r.name.as_str())], value(r)))
+                .collect::<Vec<_>>()
+        };
+        let gauge_f64 = |value: &dyn Fn(&crate::stats::RailTraffic) -> f64| {
+            network
+                .iter()
+                .map(|r| (vec![("rail", r.name.as_str())], value(r)))
+                .collect::<Vec<_>>()
+        };
+        f.gauges(
+            "multirail_rail_inflight",
+            "Bytes assigned to each network rail and not yet answered",
+            Some(Unit::Bytes),
+            &gauge(&|r| r.inflight_bytes),
+        )?;
+        f.gauges(
+            "multirail_rail_window",
+            "Bound on bytes in flight per path on each network rail (about its bandwidth-delay product) as last computed; 0 before any traffic",
+            Some(Unit::Bytes),
+            &gauge(&|r| r.window_bytes),
+        )?;
+        f.gauges(
+            "multirail_rail_bandwidth_estimate",
+            "The scheduler's EWMA bandwidth estimate of each network rail; it starts at the assumed bandwidth until slices complete",
+            per_second(),
+            &gauge_f64(&|r| bytes_per_second(r.ewma_gbps.unwrap_or(0.0))),
+        )?;
+        let assumed: Vec<_> = self
+            .rails
+            .iter()
+            .map(|r| {
+                (
+                    vec![("rail", r.name.as_str())],
+                    bytes_per_second(r.bandwidth_gbps),
+                )
+            })
+            .collect();
+        f.gauges(
+            "multirail_rail_assumed_bandwidth",
+            "The bandwidth scheduling assumes for each rail this engine sends on",
+            per_second(),
+            &assumed,
+        )
+    }
+
+    fn encode_qos(&self, f: &mut Families<'_>) -> fmt::Result {
+        let qos = &self.traffic.qos;
+        let per_priority = |value: &dyn Fn(&crate::qos::PriorityTraffic) -> u64| {
+            PRIORITIES
+                .iter()
+                .zip(&qos.priorities)
+                .map(|(name, p)| (vec![("priority", *name)], value(p)))
+                .collect::<Vec<_>>()
+        };
+        f.gauges(
+            "multirail_qos_queued_entries",
+            "Entries waiting in the priority queues now: slices for network rails and copy jobs (at most 1 MiB each) for shm",
+            None,
+            &per_priority(&|p| p.queued),
+        )?;
+        f.counters(
+            "multirail_qos_dequeued_entries",
+            "Entries that left the priority queues",
+            None,
+            &per_priority(&|p| p.dequeued),
+        )?;
+        let mut waits = Vec::with_capacity(2 * PRIORITIES.len());
+        for (name, p) in PRIORITIES.iter().zip(&qos.priorities) {
+            waits.push((
+                vec![("priority", *name), ("quantile", "0.5")],
+                p.wait_p50_us as f64 / 1e6,
+            ));
+            waits.push((
+                vec![("priority", *name), ("quantile", "0.99")],
+                p.wait_p99_us as f64 / 1e6,
+            ));
+        }
+        f.gauges(
+            "multirail_qos_wait",
+            "Wait from queueing to posting at each quantile (0.5, 0.99) over every entry since the engine started; the engine keeps these quantiles, not buckets, so this is a gauge, not a histogram",
+            Some(Unit::Seconds),
+            &waits,
+        )?;
+        f.counter(
+            "multirail_qos_promotions",
+            "Queue entries promoted one level after waiting too long",
+            qos.promotions,
+        )?;
+        if let Some(slot) = qos.global_slot {
+            f.gauge(
+                "multirail_qos_global_slot",
+                "The global time slot in force (0, 1 or 2) shared with other processes on this host",
+                None,
+                u64::from(slot),
+            )?;
+        }
+        Ok(())
+    }
+
+    fn encode_connections(&self, f: &mut Families<'_>) -> fmt::Result {
+        let c = &self.connections;
+        f.gauge(
+            "multirail_connections_open",
+            "Connections the listening port holds now, of every kind (messaging included); 0 once the engine has shut down",
+            None,
+            c.open as u64,
+        )?;
+        f.gauge(
+            "multirail_connections_pending",
+            "Connections held now that have not finished the handshake",
+            None,
+            c.pending as u64,
+        )?;
+        f.counter(
+            "multirail_connections_accepted",
+            "Connections the listening port accepted",
+            c.accepted,
+        )?;
+        f.counters(
+            "multirail_connections_refused",
+            "Connections refused: not_member (no or wrong membership token), full (max_connections held)",
+            None,
+            &[
+                (vec![("reason", "not_member")], c.not_members),
+                (vec![("reason", "full")], c.refused_full),
+            ],
+        )?;
+        f.counters(
+            "multirail_connections_shed",
+            "Connections closed to make room: pending (unproven, at the pending cap, out of fds or at the handshake deadline), idle (members' idle connections, out of fds)",
+            None,
+            &[
+                (vec![("kind", "pending")], c.shed_pending),
+                (vec![("kind", "idle")], c.shed_idle),
+            ],
+        )?;
+        f.counter(
+            "multirail_connections_accept_errors",
+            "Failed accepts on the listening port (out of fds, mostly)",
+            c.accept_errors,
+        )?;
+        f.gauge(
+            "multirail_server_threads",
+            "Threads serving the listening port's connections",
+            None,
+            c.serve_threads as u64,
+        )
+    }
+
+    fn encode_rdma(&self, f: &mut Families<'_>) -> fmt::Result {
+        let r = &self.rdma;
+        let counters: [(&str, &str, u64); 8] = [
+            (
+                "multirail_rdma_post_calls",
+                "ibv_post_send calls that carried slices (0 without RDMA)",
+                r.post_calls,
+            ),
+            (
+                "multirail_rdma_work_requests",
+                "RDMA slice work requests posted (0 without RDMA)",
+                r.work_requests,
+            ),
+            (
+                "multirail_rdma_signalled_completions",
+                "Signalled RDMA completions reaped (0 without RDMA)",
+                r.signalled_completions,
+            ),
+            (
+                "multirail_rdma_slices",
+                "Slices completed over RDMA (0 without RDMA)",
+                r.slices,
+            ),
+            (
+                "multirail_rdma_qp_errors",
+                "RDMA queue pairs lost to error completions (0 without RDMA)",
+                r.qp_errors,
+            ),
+            (
+                "multirail_rdma_messages_sent",
+                "Messages and notifications sent with RDMA SEND (0 without RDMA; tcp and shm messages are not counted)",
+                r.messages_sent,
+            ),
+            (
+                "multirail_rdma_messages_inline",
+                "Of the messages sent with RDMA SEND, those sent inline",
+                r.messages_inline,
+            ),
+            (
+                "multirail_rdma_messages_received",
+                "Messages taken from RDMA receive queues (0 without RDMA)",
+                r.messages_received,
+            ),
+        ];
+        for (name, help, value) in counters {
+            f.counter(name, help, value)?;
+        }
+        Ok(())
+    }
+
+    fn encode_lanes(&self, f: &mut Families<'_>) -> fmt::Result {
+        let l = &self.lanes;
+        let dedicated = |peers: &[crate::messaging::PeerLaneReport]| {
+            peers.iter().filter(|p| p.lane == Lane::Dedicated).count() as u64
+        };
+        let directions = |out: u64, inc: u64| {
+            vec![
+                (vec![("direction", "outgoing")], out),
+                (vec![("direction", "incoming")], inc),
+            ]
+        };
+        f.gauges(
+            "multirail_lanes_peers",
+            "Peers with a message lane: outgoing (this engine sends to them), incoming (they send to it)",
+            None,
+            &directions(l.outgoing.len() as u64, l.incoming.len() as u64),
+        )?;
+        f.gauges(
+            "multirail_lanes_dedicated",
+            "Of those peers, the ones on a dedicated lane now",
+            None,
+            &directions(dedicated(&l.outgoing), dedicated(&l.incoming)),
+        )?;
+        f.gauge(
+            "multirail_lanes_max_dedicated",
+            "Most dedicated incoming lanes this engine grants (lanes.max_dedicated)",
+            None,
+            l.max_dedicated as u64,
+        )?;
+        let (req, grant) = (&l.requesting, &l.granting);
+        f.counters(
+            "multirail_lane_promotions",
+            "Dynamic lane changes to dedicated",
+            None,
+            &directions(req.promotions, grant.promotions),
+        )?;
+        f.counters(
+            "multirail_lane_demotions",
+            "Dynamic lane changes to shared (not counting peers gone)",
+            None,
+            &directions(req.demotions, grant.demotions),
+        )?;
+        f.counters(
+            "multirail_lane_denials",
+            "Requests for a dedicated lane denied: received from peers (outgoing), sent to peers (incoming)",
+            None,
+            &directions(req.denials_received, grant.denials_sent),
+        )?;
+        f.counters(
+            "multirail_lane_evictions",
+            "Dedicated lanes demoted to make room for a stronger peer",
+            None,
+            &directions(req.evictions, grant.evictions),
+        )?;
+        f.gauge(
+            "multirail_message_receive_buffer",
+            "Receive buffers this engine holds for messages now: the shared pools and every dedicated lane's own",
+            Some(Unit::Bytes),
+            l.receive_bytes,
+        )
+    }
+}
