@@ -29,6 +29,12 @@ struct Cli {
     /// Configuration file (JSON). Default: $MULTIRAIL_CONF (a path or inline JSON), else built-in defaults.
     #[arg(long, global = true)]
     config: Option<PathBuf>,
+    /// Where engines look segments up: P2PHANDSHAKE (ask each segment itself, the default) or
+    /// an HTTP metadata server, http://HOST:PORT/metadata (Mooncake's protocol; see
+    /// `multirail metadata-server`). Overrides the configuration's metadata keys; engines
+    /// started as child processes get it too.
+    #[arg(long, global = true, env = "MULTIRAIL_METADATA")]
+    metadata: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -93,6 +99,31 @@ impl From<multirail::Error> for Failure {
     }
 }
 
+/// Points `config` at the metadata store `m` names: `P2PHANDSHAKE` (or `p2p`) or
+/// `http://HOST:PORT/PATH`; the address itself is checked when the engine starts. Fails on
+/// etcd (not supported yet) and anything else.
+fn apply_metadata(config: &mut Config, m: &str) -> Result<(), String> {
+    use multirail::config::MetadataKind;
+    let (kind, servers) = if m == "P2PHANDSHAKE" || m == "p2p" {
+        (MetadataKind::P2p, None)
+    } else if m.starts_with("http://") {
+        (MetadataKind::Http, Some(m.to_owned()))
+    } else if m.starts_with("etcd://") || !m.contains("://") {
+        return Err(format!(
+            "etcd metadata servers are not supported yet, got {m:?}"
+        ));
+    } else {
+        return Err(format!(
+            "expected P2PHANDSHAKE or http://HOST:PORT/PATH, got {m:?}"
+        ));
+    };
+    config.metadata.kind = kind;
+    config.metadata.servers = servers;
+    config.metadata_type = None;
+    config.metadata_servers = None;
+    Ok(())
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -102,13 +133,22 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let config = match Config::load(cli.config.as_deref()) {
+    let mut config = match Config::load(cli.config.as_deref()) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(EXIT_USAGE);
         }
     };
+    if let Some(m) = &cli.metadata {
+        if let Err(e) = apply_metadata(&mut config, m) {
+            eprintln!("error: --metadata: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+        // Child engines (bench --local's target, lanes-bench's receiver, pingpong's peer)
+        // read it back from the environment. Set before any thread starts.
+        std::env::set_var("MULTIRAIL_METADATA", m);
+    }
     let outcome = match cli.command {
         Command::Target(args) => target::run(config, args),
         Command::Bench(args) => bench::run(config, cli.config.as_deref(), args),

@@ -115,3 +115,81 @@ fn a_port_in_use_is_a_clear_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(&format!("cannot listen on {addr}")), "{err}");
 }
+
+/// A child process killed at the end of a test.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn engines_started_with_metadata_find_each_other_through_the_server() {
+    let server = start(&[]);
+    let mut target = Killed(
+        Command::new(env!("CARGO_BIN_EXE_multirail"))
+            .args(["target", "--size", "16MiB", "--listen", "127.0.0.1:0"])
+            .args(["--metadata", &server.url])
+            .env_remove("MULTIRAIL_CONF")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start target"),
+    );
+    let mut line = String::new();
+    BufReader::new(target.0.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("segment name");
+    let name = line.trim().to_owned();
+    let key = format!("key=multirail%2F{}", name.replace(':', "%3A"));
+    let (code, body) = request(&server.url, "GET", &key, b"");
+    assert_eq!(code, 200, "the target published its descriptor");
+    assert!(String::from_utf8_lossy(&body).contains(&name));
+    let out = Command::new(env!("CARGO_BIN_EXE_multirail"))
+        .args(["bench", "--target", &name, "--op", "write"])
+        .args([
+            "--block-size",
+            "1MiB",
+            "--duration",
+            "1",
+            "--transport",
+            "tcp",
+        ])
+        .args(["--json", "--metadata", &server.url])
+        .env_remove("MULTIRAIL_CONF")
+        .output()
+        .expect("run bench");
+    assert!(out.status.success(), "{out:?}");
+    // A name the store does not know is an error naming the store.
+    let out = Command::new(env!("CARGO_BIN_EXE_multirail"))
+        .args(["bench", "--target", "127.0.0.1:1", "--op", "write"])
+        .args([
+            "--block-size",
+            "1MiB",
+            "--duration",
+            "1",
+            "--transport",
+            "tcp",
+        ])
+        .args(["--metadata", &server.url])
+        .env_remove("MULTIRAIL_CONF")
+        .output()
+        .expect("run bench");
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&server.url), "{err}");
+}
+
+#[test]
+fn etcd_is_refused_with_a_reason() {
+    let out = Command::new(env!("CARGO_BIN_EXE_multirail"))
+        .args(["--metadata", "etcd://127.0.0.1:2379", "config", "show"])
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not supported yet"), "{err}");
+}
