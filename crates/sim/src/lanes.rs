@@ -20,7 +20,9 @@
 //!   phase of its rate, so cold senders do not all send in the same tick.
 //! - **Driver.** As the engine's lanes thread (`Messaging::drive_lanes`), each process runs a
 //!   driver pass every `switch_interval × progress_factor / 2`, clamped to [1 ms, 20 ms] (5 ms
-//!   at 1 ms × 10), at a phase of its own. A pass, in the engine's order: takes the answers
+//!   at 1 ms × 10), at a phase of its own; after a pass with nothing to do (no answer, event,
+//!   message, switch or request waiting) it sleeps twice as long, up to 8 periods, but never
+//!   past work due by the clock (idle progress, a timeout), as the engine's driver does. A pass, in the engine's order: takes the answers
 //!   (`Accept`, `Deny`, `Demote`) that arrived for the requesting machine since the last pass;
 //!   *idle progress*: when the tracker tracks a key and has not progressed for
 //!   `2 × switch_interval × progress_factor`, runs [`UsageTracker::progress`] itself, so a
@@ -192,7 +194,15 @@ struct Sim<'a> {
     /// progress due, a progress to score, answers or tracker events waiting, a timeout due);
     /// passes before it would change nothing, so they are skipped.
     wake: Vec<u64>,
+    /// Per process, passes in a row with nothing to do (the engine's driver then sleeps
+    /// 2^quiet periods, up to [`QUIET_STEPS`] doublings) and the time it sleeps until.
+    quiet: Vec<u32>,
+    asleep_until: Vec<u64>,
 }
+
+/// Doublings of the driver's sleep after passes with nothing to do, as the engine's
+/// `spawn_lanes_driver` (up to 8 periods).
+const QUIET_STEPS: u32 = 3;
 
 /// Driver phases: the processes are spread over this many evenly spaced phases of the
 /// driver's period (one event per phase and pass, not one per process).
@@ -333,6 +343,8 @@ impl<'a> Sim<'a> {
             idle_after,
             slots,
             wake: vec![0; n],
+            quiet: vec![0; n],
+            asleep_until: vec![0; n],
         })
     }
 
@@ -383,9 +395,23 @@ impl<'a> Sim<'a> {
                 Ev::Drive { slot } => {
                     for k in 0..self.slots[slot as usize].len() {
                         let i = self.slots[slot as usize][k] as usize;
-                        if self.wake[i] <= t {
-                            self.drive(i);
+                        if self.asleep_until[i] > t {
+                            // The engine's driver sleeps through this pass.
+                            continue;
                         }
+                        // A pass with nothing to do (skipped here) still counts as quiet.
+                        let active = self.wake[i] <= t && self.drive(i);
+                        self.quiet[i] = if active {
+                            0
+                        } else {
+                            (self.quiet[i] + 1).min(QUIET_STEPS)
+                        };
+                        // Half a period early, so the pass due at the next boundary runs; no
+                        // later than work due by the clock (idle progress, a timeout), which
+                        // the engine's driver does not sleep past either.
+                        self.asleep_until[i] = (t + (self.drive_every << self.quiet[i])
+                            - self.drive_every / 2)
+                            .min(self.wake[i]);
                     }
                     if t + self.drive_every < self.end {
                         self.at(t + self.drive_every, Ev::Drive { slot });
@@ -447,11 +473,14 @@ impl<'a> Sim<'a> {
     }
 
     /// Feeds the tracker's decisions to the requesting machine.
-    fn drain_tracker(&mut self, i: usize) {
+    /// Feeds the tracker's events to the requesting machine; returns how many there were.
+    fn drain_tracker(&mut self, i: usize) -> usize {
         let now = self.now;
         let p = &mut self.procs[i];
         let lanes = &mut p.machines[Role::Request as usize].lanes;
+        let mut n = 0;
         while let Some(e) = p.tracker.poll_event() {
+            n += 1;
             match e {
                 UsageEvent::Promoted { key, score } => {
                     self.c.tracker_promotions += 1;
@@ -463,15 +492,19 @@ impl<'a> Sim<'a> {
                 }
             }
         }
+        n
     }
 
     /// One pass of process `i`'s lanes driver, in the order of the engine's `drive_lanes`:
     /// idle progress, the tracker's events, the scores of a new progress, the answers that
     /// came in, the requesting machine's timeout; then what the machines queued goes out.
-    fn drive(&mut self, i: usize) {
+    /// Returns whether the pass had anything to do or left a request waiting (the engine's
+    /// driver backs off after passes that had not).
+    fn drive(&mut self, i: usize) -> bool {
         let now = self.now;
         let p = &mut self.procs[i];
         let mut answers = std::mem::take(&mut p.answers);
+        let mut active = !answers.is_empty();
         // A sender that stopped sending runs no scoring rounds of its own.
         if self.sc.idle_progress
             && !p.tracker.is_empty()
@@ -483,7 +516,7 @@ impl<'a> Sim<'a> {
             self.c.progress_runs += 1;
             self.c.idle_progress_runs += 1;
         }
-        self.drain_tracker(i);
+        active |= self.drain_tracker(i) > 0;
         let p = &mut self.procs[i];
         if p.tracker.last_progress_ns() != p.scored_at {
             p.scored_at = p.tracker.last_progress_ns();
@@ -511,7 +544,7 @@ impl<'a> Sim<'a> {
         if req.poll_timeout().is_some_and(|t| t <= now) {
             req.on_timeout(now);
         }
-        self.flush(i, Role::Request);
+        active |= self.flush(i, Role::Request) > 0;
         self.flush(i, Role::Grant);
         // The next pass with work: the idle progress or the timeout due first. Anything
         // else that gives the driver work (a progress on the send path, an answer, tracker
@@ -527,6 +560,7 @@ impl<'a> Sim<'a> {
             (Some(a), Some(b)) => a.min(b),
             (a, b) => a.or(b).unwrap_or(u64::MAX),
         };
+        active || timeout.is_some()
     }
 
     /// A lane message arrives: an answer waits for the requester's next driver pass; a
@@ -556,10 +590,14 @@ impl<'a> Sim<'a> {
     }
 
     /// Sends what machine `role` of `i` queued, records its switches, arms its timer.
-    fn flush(&mut self, i: usize, role: Role) {
+    /// Sends what machine `role` of process `i` queued and applies its switches; returns how
+    /// many messages and switches there were.
+    fn flush(&mut self, i: usize, role: Role) -> usize {
         let now = self.now;
         let half = self.end / 2;
+        let mut n = 0;
         while let Some((to, msg)) = self.procs[i].machine(role).lanes.poll_transmit() {
+            n += 1;
             let jitter = self.sc.jitter_us;
             let delay_us = if jitter > 0.0 {
                 self.sc.latency_us + self.rng.gen_range(-jitter..=jitter)
@@ -589,6 +627,7 @@ impl<'a> Sim<'a> {
         };
         let mut watch = watch;
         while let Some(s) = m.lanes.poll_switch() {
+            n += 1;
             let peer = s.peer.0;
             match s.to {
                 Lane::Dedicated => m.dedicated.push(peer),
@@ -621,6 +660,7 @@ impl<'a> Sim<'a> {
         // The driver runs the requesting machine's timeouts; a granting machine never
         // wants a peer, so it never backs off or waits for an answer.
         debug_assert!(role == Role::Request || m.lanes.poll_timeout().is_none());
+        n
     }
 
     fn machines(&self) -> impl Iterator<Item = &Machine> + '_ {
@@ -884,10 +924,11 @@ mod tests {
         }
     }
 
-    /// The engine's driver: a pass every half scoring round within [1 ms, 20 ms], and idle
-    /// progress after two scoring rounds without one. A cold sender sampling every send (10 a
-    /// second, one round each) progresses on its own every 10 rounds (1 s) and, between, by
-    /// the driver every 20-25 ms, so its destination, touched every 100 ms, scores at most
+    /// The engine's driver: a pass every half scoring round within [1 ms, 20 ms] (up to 8
+    /// times that while passes find nothing to do, but never past an idle progress due), and
+    /// idle progress after two scoring rounds without one. A cold sender sampling every send
+    /// (10 a second, one round each) progresses on its own every 10 rounds (1 s) and, between,
+    /// by the driver every 20-25 ms, so its destination, touched every 100 ms, scores at most
     /// about 0.3 and it never asks; without idle progress it is touched in every one of its
     /// own progress rounds and reaches the floor at its fourth (about 4 s).
     #[test]

@@ -124,21 +124,27 @@ pub(super) fn spawn_lanes_driver(inner: Weak<Inner>) {
         .spawn(move || {
             // Passes in a row with nothing to do: each doubles the sleep, up to 8 ticks. A
             // process of many engines otherwise wakes a driver per engine every tick, taking the
-            // cores from its senders for nothing while the lanes are settled.
+            // cores from its senders for nothing while the lanes are settled. Work due by the
+            // clock (idle progress, which keeps a quiet sender's scores decaying, and request
+            // timeouts) still runs on time: the sleep ends when it falls due.
             let mut quiet = 0u32;
             loop {
-                let (active, tick) = {
+                let (active, due, tick) = {
                     let Some(inner) = inner.upgrade() else { return };
                     let engine = Engine { inner };
-                    let active = engine.messaging().drive_lanes(&engine);
-                    (active, engine.messaging().lanes_tick())
+                    let (active, due) = engine.messaging().drive_lanes(&engine);
+                    (active, due, engine.messaging().lanes_tick())
                 };
                 quiet = if active {
                     0
                 } else {
                     (quiet + 1).min(QUIET_STEPS)
                 };
-                thread::sleep(tick * (1 << quiet));
+                let mut sleep = tick * (1 << quiet);
+                if let Some(due) = due {
+                    sleep = sleep.min(due.max(Duration::from_millis(1)));
+                }
+                thread::sleep(sleep);
             }
         });
     if let Err(e) = spawned {

@@ -283,8 +283,10 @@ impl Messaging {
     ///
     /// Returns whether the pass had anything to do or left something under way (answers read,
     /// events, messages to send, switches, a request waiting for its answer, a fenced lane
-    /// still being read): the driver sleeps longer after passes that had not.
-    pub(crate) fn drive_lanes(&self, engine: &dyn Peers) -> bool {
+    /// still being read): the driver sleeps longer after passes that had not. Also returns
+    /// how soon work falls due by the clock (the tracker's next idle progress, a request's
+    /// timeout), which the driver does not sleep past.
+    pub(crate) fn drive_lanes(&self, engine: &dyn Peers) -> (bool, Option<Duration>) {
         let d = &self.dynamic;
         let tick = d.ticks.fetch_add(1, Ordering::Relaxed);
         let mut back = Vec::new();
@@ -294,6 +296,7 @@ impl Messaging {
         let mut transmits = Vec::new();
         let mut switches = Vec::new();
         let mut active = !back.is_empty() || !gone.is_empty();
+        let due: Option<u64>;
         {
             let mut guard = d.state.lock().expect("lanes poisoned");
             let s = &mut *guard;
@@ -345,6 +348,12 @@ impl Messaging {
                 switches.push(sw);
             }
             active |= s.requesting.poll_timeout().is_some();
+            let idle_due = (!s.tracker.is_empty())
+                .then(|| s.tracker.last_progress_ns().unwrap_or(now) + 2 * d.progress_ns);
+            due = match (idle_due, s.requesting.poll_timeout()) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
         }
         active |= !transmits.is_empty()
             || !switches.is_empty()
@@ -369,7 +378,10 @@ impl Messaging {
             self.reset_lane(id);
             d.outgoing_gone(id);
         }
-        active
+        (
+            active,
+            due.map(|t| Duration::from_nanos(t.saturating_sub(now))),
+        )
     }
 
     /// How long the lanes driver sleeps between passes.
