@@ -99,31 +99,6 @@ impl From<multirail::Error> for Failure {
     }
 }
 
-/// Points `config` at the metadata store `m` names: `P2PHANDSHAKE` (or `p2p`) or
-/// `http://HOST:PORT/PATH`; the address itself is checked when the engine starts. Fails on
-/// etcd (not supported yet) and anything else.
-fn apply_metadata(config: &mut Config, m: &str) -> Result<(), String> {
-    use multirail::config::MetadataKind;
-    let (kind, servers) = if m == "P2PHANDSHAKE" || m == "p2p" {
-        (MetadataKind::P2p, None)
-    } else if m.starts_with("http://") {
-        (MetadataKind::Http, Some(m.to_owned()))
-    } else if m.starts_with("etcd://") || !m.contains("://") {
-        return Err(format!(
-            "etcd metadata servers are not supported yet, got {m:?}"
-        ));
-    } else {
-        return Err(format!(
-            "expected P2PHANDSHAKE or http://HOST:PORT/PATH, got {m:?}"
-        ));
-    };
-    config.metadata.kind = kind;
-    config.metadata.servers = servers;
-    config.metadata_type = None;
-    config.metadata_servers = None;
-    Ok(())
-}
-
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -141,7 +116,7 @@ fn main() -> ExitCode {
         }
     };
     if let Some(m) = &cli.metadata {
-        if let Err(e) = apply_metadata(&mut config, m) {
+        if let Err(e) = config.use_metadata_server(m) {
             eprintln!("error: --metadata: {e}");
             return ExitCode::from(EXIT_USAGE);
         }

@@ -9,7 +9,6 @@ use std::path::Path;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use multirail::config::MetadataKind;
 use multirail::{BatchId, Config, Engine, Location, Opcode, SegmentId, Status, TransportChoice};
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
@@ -190,27 +189,6 @@ fn parse_transport(t: Option<&str>) -> PyResult<Option<TransportChoice>> {
             "invalid argument `transport`: expected \"auto\", \"tcp\", \"shm\" or \"rdma\", got {other:?}"
         ))),
     }
-}
-
-/// Where segments are looked up, as Mooncake's `metadata_server` says it: `"P2PHANDSHAKE"`
-/// (or `"p2p"`) asks each segment itself, `"http://HOST:PORT/PATH"` a metadata server. Fails on
-/// etcd (not supported yet) and anything else.
-fn parse_metadata(m: Option<&str>) -> PyResult<Option<(MetadataKind, Option<String>)>> {
-    let Some(m) = m else { return Ok(None) };
-    if m == "P2PHANDSHAKE" || m == "p2p" {
-        return Ok(Some((MetadataKind::P2p, None)));
-    }
-    if m.starts_with("http://") {
-        return Ok(Some((MetadataKind::Http, Some(m.to_owned()))));
-    }
-    let why = if m.starts_with("etcd://") || !m.contains("://") {
-        "etcd metadata servers are not supported yet"
-    } else {
-        "expected \"P2PHANDSHAKE\" or \"http://HOST:PORT/PATH\""
-    };
-    Err(InvalidArgumentError::new_err(format!(
-        "invalid argument `metadata`: {why}, got {m:?}"
-    )))
 }
 
 fn parse_location(loc: &str) -> PyResult<Location> {
@@ -469,12 +447,10 @@ impl NativeEngine {
         if let Some(t) = parse_transport(transport)? {
             config.transport = t;
         }
-        if let Some(m) = parse_metadata(metadata)? {
-            // The argument replaces whatever the configuration said, TENT's flat keys too.
-            config.metadata.kind = m.0;
-            config.metadata.servers = m.1;
-            config.metadata_type = None;
-            config.metadata_servers = None;
+        if let Some(m) = metadata {
+            config.use_metadata_server(m).map_err(|e| {
+                InvalidArgumentError::new_err(format!("invalid argument `metadata`: {e}"))
+            })?;
         }
         let listen = listen.to_owned();
         let engine = py

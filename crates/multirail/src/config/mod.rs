@@ -471,6 +471,32 @@ impl Config {
     /// folded in (`metadata_type` replaces a `metadata.type` left at `"p2p"`; a non-empty
     /// `metadata_servers` fills `metadata.servers` when the type is `"http"`).
     ///
+    /// Points the configuration at the metadata store `server` names, as Mooncake's
+    /// `metadata_server` argument does: `"P2PHANDSHAKE"` (or `"p2p"`) asks each segment itself,
+    /// `"http://HOST:PORT/PATH"` a metadata server. Replaces whatever the configuration said,
+    /// TENT's flat keys included; the address itself is checked when the engine starts. Fails
+    /// on etcd (not supported yet) and anything else, saying which.
+    pub fn use_metadata_server(&mut self, server: &str) -> Result<(), String> {
+        let (kind, servers) = if server == "P2PHANDSHAKE" || server == "p2p" {
+            (MetadataKind::P2p, None)
+        } else if server.starts_with("http://") {
+            (MetadataKind::Http, Some(server.to_owned()))
+        } else if server.starts_with("etcd://") || !server.contains("://") {
+            return Err(format!(
+                "etcd metadata servers are not supported yet, got {server:?}"
+            ));
+        } else {
+            return Err(format!(
+                "expected \"P2PHANDSHAKE\" or \"http://HOST:PORT/PATH\", got {server:?}"
+            ));
+        };
+        self.metadata.kind = kind;
+        self.metadata.servers = servers;
+        self.metadata_type = None;
+        self.metadata_servers = None;
+        Ok(())
+    }
+
     /// Never fails; [`Config::validate`] refuses the combinations that conflict.
     pub fn effective_metadata(&self) -> MetadataConfig {
         let mut m = self.metadata.clone();

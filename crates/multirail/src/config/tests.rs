@@ -1173,3 +1173,28 @@ fn lanes_keys_are_checked_and_named() {
         assert_eq!(e.key, key, "{json}: {e}");
     }
 }
+
+#[test]
+fn a_metadata_server_argument_replaces_the_configured_store() {
+    let mut c = Config::from_json_str(
+        r#"{"metadata_type": "p2p", "metadata": {"type": "p2p"}}"#,
+        "t",
+    )
+    .unwrap();
+    c.use_metadata_server("http://127.0.0.1:8080/metadata")
+        .unwrap();
+    assert_eq!(c.metadata.kind, MetadataKind::Http);
+    assert_eq!(
+        c.effective_metadata().servers.as_deref(),
+        Some("http://127.0.0.1:8080/metadata")
+    );
+    c.use_metadata_server("P2PHANDSHAKE").unwrap();
+    assert_eq!(c.effective_metadata().kind, MetadataKind::P2p);
+    assert_eq!(c.metadata.servers, None);
+    for etcd in ["etcd://127.0.0.1:2379", "127.0.0.1:2379"] {
+        let e = c.use_metadata_server(etcd).unwrap_err();
+        assert!(e.contains("etcd"), "{e}");
+    }
+    let e = c.use_metadata_server("https://x:1/m").unwrap_err();
+    assert!(e.contains("P2PHANDSHAKE"), "{e}");
+}
