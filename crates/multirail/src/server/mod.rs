@@ -714,9 +714,6 @@ impl Shared {
                     }
                     match outcome.take() {
                         Some(Outcome::Accepted(kind)) => {
-                            if e.pending.swap(false, Ordering::AcqRel) {
-                                self.pending.fetch_sub(1, Ordering::AcqRel);
-                            }
                             *st = match kind {
                                 ConnKind::Control => State::Control { out: Vec::new() },
                                 ConnKind::Data => State::Data(Box::new(DataConn::new(&[]))),
@@ -745,9 +742,20 @@ impl Shared {
                         Ok(Some(n)) => {
                             let (took, o) = hs.on_bytes(&buf[..n], out)?;
                             debug_assert_eq!(took, n, "read no more than the handshake wants");
-                            if let Some(Outcome::Refused(reason)) = &o {
-                                self.counters.not_members.fetch_add(1, Ordering::Relaxed);
-                                self.log_refusal(e.peer, reason);
+                            match &o {
+                                Some(Outcome::Refused(reason)) => {
+                                    self.counters.not_members.fetch_add(1, Ordering::Relaxed);
+                                    self.log_refusal(e.peer, reason);
+                                }
+                                // Proven from here: the client acts on the verdict as soon as
+                                // it is written, so a connection admitted next must not find
+                                // this one still pending and shed it.
+                                Some(Outcome::Accepted(_)) => {
+                                    if e.pending.swap(false, Ordering::AcqRel) {
+                                        self.pending.fetch_sub(1, Ordering::AcqRel);
+                                    }
+                                }
+                                None => {}
                             }
                             *outcome = o;
                         }
