@@ -742,20 +742,17 @@ impl Shared {
                         Ok(Some(n)) => {
                             let (took, o) = hs.on_bytes(&buf[..n], out)?;
                             debug_assert_eq!(took, n, "read no more than the handshake wants");
-                            match &o {
-                                Some(Outcome::Refused(reason)) => {
-                                    self.counters.not_members.fetch_add(1, Ordering::Relaxed);
-                                    self.log_refusal(e.peer, reason);
-                                }
-                                // Proven from here: the client acts on the verdict as soon as
-                                // it is written, so a connection admitted next must not find
-                                // this one still pending and shed it.
-                                Some(Outcome::Accepted(_)) => {
-                                    if e.pending.swap(false, Ordering::AcqRel) {
-                                        self.pending.fetch_sub(1, Ordering::AcqRel);
-                                    }
-                                }
-                                None => {}
+                            if let Some(Outcome::Refused(reason)) = &o {
+                                self.counters.not_members.fetch_add(1, Ordering::Relaxed);
+                                self.log_refusal(e.peer, reason);
+                            }
+                            // Proven from here: the client acts on the verdict as soon as it is
+                            // written, so a connection admitted next must not find this one
+                            // still pending and shed it.
+                            if matches!(o, Some(Outcome::Accepted(_)))
+                                && e.pending.swap(false, Ordering::AcqRel)
+                            {
+                                self.pending.fetch_sub(1, Ordering::AcqRel);
                             }
                             *outcome = o;
                         }
