@@ -48,6 +48,7 @@ fn schema() -> Schema {
             shm: Some(ShmHandle { pid: 4242, fd: 7 }),
             rkeys: vec![1, 2],
         }],
+        segment_name: None,
     };
     let v = serde_json::to_value(&sample).expect("descriptor serializes");
     json_gen::schema_of(&v, "", &|path| match path {

@@ -29,10 +29,11 @@ struct Cli {
     /// Configuration file (JSON). Default: $MULTIRAIL_CONF (a path or inline JSON), else built-in defaults.
     #[arg(long, global = true)]
     config: Option<PathBuf>,
-    /// Where engines look segments up: P2PHANDSHAKE (ask each segment itself, the default) or
-    /// an HTTP metadata server, http://HOST:PORT/metadata (Mooncake's protocol; see
-    /// `multirail metadata-server`). Overrides the configuration's metadata keys; engines
-    /// started as child processes get it too.
+    /// Where engines look segments up: P2PHANDSHAKE (ask each segment itself, the default), an
+    /// HTTP metadata server, http://HOST:PORT/metadata (Mooncake's protocol; see
+    /// `multirail metadata-server`), or etcd, etcd://HOST:PORT[,HOST:PORT] (or a bare
+    /// HOST:PORT). Overrides the configuration's metadata type and servers; engines started as
+    /// child processes get it too.
     #[arg(long, global = true, env = "MULTIRAIL_METADATA")]
     metadata: Option<String>,
     #[command(subcommand)]

@@ -184,12 +184,22 @@ fn engines_started_with_metadata_find_each_other_through_the_server() {
 }
 
 #[test]
-fn etcd_is_refused_with_a_reason() {
+fn metadata_flag_takes_etcd_and_refuses_other_schemes_with_a_reason() {
     let out = Command::new(env!("CARGO_BIN_EXE_multirail"))
         .args(["--metadata", "etcd://127.0.0.1:2379", "config", "show"])
+        .env_remove("MULTIRAIL_CONF")
+        .output()
+        .expect("run");
+    assert!(out.status.success(), "{out:?}");
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(shown.contains(r#""type": "etcd""#), "{shown}");
+    assert!(shown.contains("etcd://127.0.0.1:2379"), "{shown}");
+    let out = Command::new(env!("CARGO_BIN_EXE_multirail"))
+        .args(["--metadata", "zk://127.0.0.1:2181", "config", "show"])
+        .env_remove("MULTIRAIL_CONF")
         .output()
         .expect("run");
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("not supported yet"), "{err}");
+    assert!(err.contains("etcd://HOST:PORT"), "{err}");
 }

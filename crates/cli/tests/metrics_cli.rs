@@ -53,14 +53,14 @@ fn metrics_addr(stderr: ChildStderr) -> (SocketAddr, mpsc::Receiver<String>) {
     (addr, rest_rx)
 }
 
-/// `GET /metrics` at `addr`: the body of a complete 200 answer, or `None` when the endpoint
+/// `GET /metrics` at `addr`, asking for OpenMetrics as Prometheus does: the body of a complete 200 answer, or `None` when the endpoint
 /// does not answer (gone, or going) or answers anything else. Gives up after 10 s.
 fn try_scrape(addr: SocketAddr) -> Option<String> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(10)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
     write!(
         s,
-        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nAccept: application/openmetrics-text\r\nConnection: close\r\n\r\n"
     )
     .ok()?;
     let mut raw = String::new();

@@ -37,10 +37,13 @@ pub(crate) mod upkeep;
 
 pub use batch::Status;
 pub use config::{Config, ConfigError, TransportChoice};
-pub use engine::{BatchId, Engine, Request, SegmentId, PRIO_HIGH, PRIO_LOW, PRIO_MEDIUM};
+pub use engine::{
+    BatchId, Engine, RailHealth, Request, SegmentId, PRIO_HIGH, PRIO_LOW, PRIO_MEDIUM,
+};
 pub use error::{Error, Result};
 pub use memory::{Buffer, Location};
-pub use messaging::{Lane, LanesReport, Message, Notification, PeerLaneReport};
+pub use messaging::{Lane, LanesReport, Message, MessageStats, Notification, PeerLaneReport};
+pub use metadata::MetadataStats;
 pub use metrics_http::MetricsServer;
 pub use multirail_policy::lanes::LanesStats;
 pub use multirail_policy::qos::Priority;

@@ -3,9 +3,12 @@
 //! [`crate::Engine::serve_metrics`] starts a [`MetricsServer`]: a small synchronous HTTP server
 //! (`tiny_http`) whose thread answers `GET /metrics` with the engine's statistics in the
 //! OpenMetrics text format that `prometheus-client`'s text encoder writes (content type
-//! [`CONTENT_TYPE`]; Prometheus scrapes it as is). Every figure is read at scrape time from what
+//! [`CONTENT_TYPE`]) when the request's `Accept` names OpenMetrics, as Prometheus's does, and
+//! in the older Prometheus text format ([`PROMETHEUS_TEXT`]) otherwise, which is what curl and
+//! `promtool check metrics` read. Every figure is read at scrape time from what
 //! the engine already counts ([`crate::Engine::traffic_stats`], `connection_stats`,
-//! `rdma_stats`, `lanes`, `rails`): nothing is added on the data path. A scrape takes the same
+//! `rdma_stats`, `lanes`, `rails`, `rail_health`, `message_stats`, `metadata_stats`): the
+//! data path only bumps relaxed counters. A scrape takes the same
 //! short locks `traffic_stats` and `lanes` take.
 //!
 //! The server holds no strong handle on the engine: once the engine is dropped, `/metrics`
@@ -26,7 +29,7 @@
 //! | `multirail_rail_assumed_bandwidth_bytes_per_second` | gauge | `rail` | the speed scheduling assumes |
 //! | `multirail_qos_queued_entries` | gauge | `priority` | queue depth |
 //! | `multirail_qos_dequeued_entries_total` | counter | `priority` | entries that left the queue |
-//! | `multirail_qos_wait_seconds` | gauge | `priority`, `quantile` | wait p50 and p99 since the engine started |
+//! | `multirail_qos_wait_p50_seconds`, `multirail_qos_wait_p99_seconds` | gauge | `priority` | wait p50 and p99 since the engine started |
 //! | `multirail_qos_promotions_total` | counter | | entries promoted one level |
 //! | `multirail_qos_global_slot` | gauge | | shared slot in force (only with shared slots) |
 //! | `multirail_connections_open` | gauge | | connections held |
@@ -45,6 +48,14 @@
 //! | `multirail_lane_denials_total` | counter | `direction` | dedicated lanes denied (received outgoing, sent incoming) |
 //! | `multirail_lane_evictions_total` | counter | `direction` | dedicated lanes demoted for a stronger peer |
 //! | `multirail_message_receive_buffer_bytes` | gauge | | receive buffers held for messages |
+//! | `multirail_rail_paths` | gauge | `rail`, `state` | tcp paths to connected peers by health: `up`, `paused`, `probing` |
+//! | `multirail_messages_total` | counter | `direction` | messages sent (successfully) and received |
+//! | `multirail_message_bytes_total` | counter | `direction` | their payload bytes |
+//! | `multirail_message_send_failures_total` | counter | | sends that failed |
+//! | `multirail_message_credit_waits_total` | counter | | sends that waited for a credit (or shared-ring space) |
+//! | `multirail_metadata_lookups_total` | counter | `outcome` | descriptor lookups in the metadata store, `ok` or `failed` |
+//! | `multirail_metadata_publishes_total` | counter | `outcome` | publishes of this engine's descriptor |
+//! | `multirail_metadata_watch_updates_total` | counter | | open segments updated from the store's watch |
 //!
 //! `priority` is `high`, `medium` or `low`; `direction` is `outgoing` (what this engine sends)
 //! or `incoming` (what it receives). Rail counters are kept by the engine that initiates a
@@ -77,6 +88,47 @@ use crate::transport::rdma::RdmaStats;
 /// Content type of a `/metrics` answer: the OpenMetrics 1.0 text format, which
 /// `prometheus_client::encoding::text::encode` writes.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Content type of the Prometheus text format (0.0.4), served to clients that do not ask for
+/// OpenMetrics (curl, `promtool check metrics`).
+pub const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// The Prometheus text format (0.0.4) of an OpenMetrics exposition as prometheus-client
+/// writes it: the same samples, with counter families named by their `_total` samples and
+/// info families as gauges named by their `_info` samples (the older format knows neither
+/// suffix nor the info type), and no `# UNIT` or `# EOF` lines.
+fn prometheus_text(openmetrics: &str) -> String {
+    let mut out = String::with_capacity(openmetrics.len());
+    let mut help: Option<(&str, &str)> = None;
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            // Held until the TYPE line says what the family's samples are called.
+            help = rest.split_once(' ');
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap_or((rest, "untyped"));
+            let (name, kind) = match kind {
+                "counter" => (format!("{name}_total"), "counter"),
+                "info" => (format!("{name}_info"), "gauge"),
+                other => (name.to_owned(), other),
+            };
+            if let Some((help_of, text)) = help.take() {
+                if help_of == rest.split(' ').next().unwrap_or_default() {
+                    out.push_str(&format!("# HELP {name} {text}\n"));
+                }
+            }
+            out.push_str(&format!("# TYPE {name} {kind}\n"));
+            continue;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
 
 const PRIORITIES: [&str; 3] = ["high", "medium", "low"];
 
@@ -182,7 +234,13 @@ fn serve(http: &tiny_http::Server, engine: &dyn Fn() -> Option<Engine>) {
                 return;
             }
         };
-        let (status, content_type, body) = answer(request.method(), request.url(), engine);
+        let accept = request
+            .headers()
+            .iter()
+            .find(|h| h.field.equiv("Accept"))
+            .map(|h| h.value.as_str().to_owned());
+        let (status, content_type, body) =
+            answer(request.method(), request.url(), accept.as_deref(), engine);
         let mut response = tiny_http::Response::from_string(body).with_status_code(status);
         if let Ok(h) = tiny_http::Header::from_bytes(&b"Content-Type"[..], content_type.as_bytes())
         {
@@ -199,10 +257,12 @@ fn serve(http: &tiny_http::Server, engine: &dyn Fn() -> Option<Engine>) {
     }
 }
 
-/// Status, content type and body of the answer to `method url`.
+/// Status, content type and body of the answer to `method url`: OpenMetrics when `accept`
+/// names it (Prometheus does), else the Prometheus text format.
 fn answer(
     method: &tiny_http::Method,
     url: &str,
+    accept: Option<&str>,
     engine: &dyn Fn() -> Option<Engine>,
 ) -> (u16, &'static str, String) {
     const TEXT: &str = "text/plain; charset=utf-8";
@@ -223,7 +283,10 @@ fn answer(
     // The handle is not kept across the encoding: the engine may be dropped meanwhile.
     drop(engine);
     match snapshot.map(encode) {
-        Ok(Ok(text)) => (200, CONTENT_TYPE, text),
+        Ok(Ok(text)) if accept.is_some_and(|a| a.contains("application/openmetrics-text")) => {
+            (200, CONTENT_TYPE, text)
+        }
+        Ok(Ok(text)) => (200, PROMETHEUS_TEXT, prometheus_text(&text)),
         Ok(Err(_)) => (500, TEXT, "encoding the metrics failed\n".into()),
         Err(_) => (500, TEXT, "reading the engine's statistics failed\n".into()),
     }
@@ -238,6 +301,9 @@ struct Snapshot {
     connections: ConnectionStats,
     rdma: RdmaStats,
     lanes: LanesReport,
+    health: Vec<crate::RailHealth>,
+    messages: crate::MessageStats,
+    metadata: crate::MetadataStats,
 }
 
 impl Snapshot {
@@ -249,6 +315,9 @@ impl Snapshot {
             connections: engine.connection_stats(),
             rdma: engine.rdma_stats(),
             lanes: engine.lanes(),
+            health: engine.rail_health(),
+            messages: engine.message_stats(),
+            metadata: engine.metadata_stats(),
         }
     }
 }
@@ -374,7 +443,10 @@ impl Collector for Snapshot {
         self.encode_qos(&mut f)?;
         self.encode_connections(&mut f)?;
         self.encode_rdma(&mut f)?;
-        self.encode_lanes(&mut f)
+        self.encode_lanes(&mut f)?;
+        self.encode_health(&mut f)?;
+        self.encode_messages(&mut f)?;
+        self.encode_metadata(&mut f)
     }
 }
 
@@ -499,23 +571,30 @@ impl Snapshot {
             None,
             &per_priority(&|p| p.dequeued),
         )?;
-        let mut waits = Vec::with_capacity(2 * PRIORITIES.len());
-        for (name, p) in PRIORITIES.iter().zip(&qos.priorities) {
-            waits.push((
-                vec![("priority", *name), ("quantile", "0.5")],
-                p.wait_p50_us as f64 / 1e6,
-            ));
-            waits.push((
-                vec![("priority", *name), ("quantile", "0.99")],
-                p.wait_p99_us as f64 / 1e6,
-            ));
+        // The engine keeps these two quantiles, not buckets: a histogram or a summary cannot be
+        // built from them, so each is a gauge of its own.
+        for (family, help, quantile) in [
+            (
+                "multirail_qos_wait_p50",
+                "Median wait from queueing to posting over every entry since the engine started",
+                0usize,
+            ),
+            (
+                "multirail_qos_wait_p99",
+                "99th percentile of the wait from queueing to posting over every entry since the engine started",
+                1,
+            ),
+        ] {
+            let waits: Vec<_> = PRIORITIES
+                .iter()
+                .zip(&qos.priorities)
+                .map(|(name, p)| {
+                    let us = [p.wait_p50_us, p.wait_p99_us][quantile];
+                    (vec![("priority", *name)], us as f64 / 1e6)
+                })
+                .collect();
+            f.gauges(family, help, Some(Unit::Seconds), &waits)?;
         }
-        f.gauges(
-            "multirail_qos_wait",
-            "Wait from queueing to posting at each quantile (0.5, 0.99) over every entry since the engine started; the engine keeps these quantiles, not buckets, so this is a gauge, not a histogram",
-            Some(Unit::Seconds),
-            &waits,
-        )?;
         f.counter(
             "multirail_qos_promotions",
             "Queue entries promoted one level after waiting too long",
@@ -630,6 +709,80 @@ impl Snapshot {
             f.counter(name, help, value)?;
         }
         Ok(())
+    }
+
+    fn encode_health(&self, f: &mut Families<'_>) -> fmt::Result {
+        let mut paths = Vec::with_capacity(self.health.len() * 3);
+        for h in &self.health {
+            for (state, n) in [("up", h.up), ("paused", h.paused), ("probing", h.probing)] {
+                paths.push((vec![("rail", h.rail.as_str()), ("state", state)], n as u64));
+            }
+        }
+        f.gauges(
+            "multirail_rail_paths",
+            "TCP paths to connected peers on each rail, by health: up, paused after repeated errors, probing before they rejoin",
+            None,
+            &paths,
+        )
+    }
+
+    fn encode_messages(&self, f: &mut Families<'_>) -> fmt::Result {
+        let m = &self.messages;
+        let directions = |sent: u64, received: u64| {
+            vec![
+                (vec![("direction", "sent")], sent),
+                (vec![("direction", "received")], received),
+            ]
+        };
+        f.counters(
+            "multirail_messages",
+            "Messages sent (successfully) and handed to the application, notifications and lane negotiation included",
+            None,
+            &directions(m.sent, m.received),
+        )?;
+        f.counters(
+            "multirail_message",
+            "Payload bytes of those messages",
+            Some(Unit::Bytes),
+            &directions(m.sent_bytes, m.received_bytes),
+        )?;
+        f.counter(
+            "multirail_message_send_failures",
+            "Sends that failed (timeout, peer gone, refused)",
+            m.send_failures,
+        )?;
+        f.counter(
+            "multirail_message_credit_waits",
+            "Sends that found no credit in hand (shm shared ring: no free space) and waited for the receiver",
+            m.credit_waits,
+        )
+    }
+
+    fn encode_metadata(&self, f: &mut Families<'_>) -> fmt::Result {
+        let m = &self.metadata;
+        let outcomes = |total: u64, failed: u64| {
+            vec![
+                (vec![("outcome", "ok")], total - failed.min(total)),
+                (vec![("outcome", "failed")], failed),
+            ]
+        };
+        f.counters(
+            "multirail_metadata_lookups",
+            "Descriptor lookups in the metadata store (opening a segment, refetching one), by outcome",
+            None,
+            &outcomes(m.lookups, m.lookup_failures),
+        )?;
+        f.counters(
+            "multirail_metadata_publishes",
+            "Publishes of this engine's descriptor to a store that keeps them, by outcome",
+            None,
+            &outcomes(m.publishes, m.publish_failures),
+        )?;
+        f.counter(
+            "multirail_metadata_watch_updates",
+            "Open segments updated from the store's watch (etcd)",
+            m.watch_updates,
+        )
     }
 
     fn encode_lanes(&self, f: &mut Families<'_>) -> fmt::Result {

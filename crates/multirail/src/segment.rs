@@ -109,9 +109,18 @@ pub struct SegmentDescriptor {
     pub rdma: Vec<RdmaRailDescriptor>,
     /// Buffers the engine serves, in address order.
     pub buffers: Vec<BufferDescriptor>,
+    /// The name the engine is published under in a metadata store when that is not `name`
+    /// (`metadata.segment_name`): peers open it by this name and connect to `name`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub segment_name: Option<String>,
 }
 
 impl SegmentDescriptor {
+    /// The name peers open this segment by: `segment_name` when set, else `name`.
+    pub fn published_name(&self) -> &str {
+        self.segment_name.as_deref().unwrap_or(&self.name)
+    }
+
     /// The buffer holding all of `addr..addr+len`, if any.
     pub fn find_buffer(&self, addr: u64, len: u64) -> Option<&BufferDescriptor> {
         let idx = self.buffers.partition_point(|b| b.addr <= addr);
@@ -162,6 +171,7 @@ mod tests {
             rails: vec![],
             rdma: vec![],
             buffers: vec![buf(1000, 100), buf(5000, 10)],
+            segment_name: None,
         };
         assert_eq!(d.find_buffer(1000, 100).unwrap().addr, 1000);
         assert_eq!(d.find_buffer(1050, 50).unwrap().addr, 1000);

@@ -276,6 +276,7 @@ fn descriptor() -> SegmentDescriptor {
                 rkeys: vec![],
             },
         ],
+        segment_name: None,
     }
 }
 

@@ -21,12 +21,17 @@ struct Answer {
 /// Sends `METHOD path` to `addr` with `Connection: close` and reads the whole answer. Every
 /// read and write gives up after 10 s, so a server that hangs fails the test instead.
 fn http(addr: SocketAddr, method: &str, path: &str) -> std::io::Result<Answer> {
+    http_with(addr, method, path, "")
+}
+
+/// As [`http`], with `headers` (each ending in `\r\n`) added to the request.
+fn http_with(addr: SocketAddr, method: &str, path: &str, headers: &str) -> std::io::Result<Answer> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(10))?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
     s.set_write_timeout(Some(Duration::from_secs(10)))?;
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{headers}\r\n"
     )?;
     let mut raw = Vec::new();
     s.read_to_end(&mut raw)?;
@@ -170,8 +175,12 @@ fn parse_labels(body: &str) -> BTreeMap<String, String> {
 
 /// Scrapes `/metrics` at `addr`, checks the answer is a well-formed exposition in which every
 /// sample's family has a HELP text and a TYPE, and parses it.
+/// What Prometheus sends: it gets OpenMetrics.
+const ACCEPT_OPENMETRICS: &str =
+    "Accept: application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5\r\n";
+
 fn scrape(addr: SocketAddr) -> Exposition {
-    let a = http(addr, "GET", "/metrics").expect("scrape");
+    let a = http_with(addr, "GET", "/metrics", ACCEPT_OPENMETRICS).expect("scrape");
     assert_eq!(a.status, 200, "{}", a.body);
     assert_eq!(
         a.headers.get("content-type").map(String::as_str),
@@ -265,7 +274,7 @@ fn rail_byte_counters_cover_the_bytes_moved_and_grow_with_the_next_transfer() {
     for s in e.named("multirail_rail_bytes_total") {
         assert!(s.labels.contains_key("rail") && s.labels.contains_key("priority"));
     }
-    // Every priority has its queue figures, the wait as two quantiles.
+    // Every priority has its queue figures, the wait at two percentiles.
     for p in ["high", "medium", "low"] {
         assert_eq!(
             e.named("multirail_qos_queued_entries")
@@ -273,19 +282,17 @@ fn rail_byte_counters_cover_the_bytes_moved_and_grow_with_the_next_transfer() {
                 .count(),
             1
         );
-        let quantiles: Vec<&str> = e
-            .named("multirail_qos_wait_seconds")
-            .filter(|s| s.labels["priority"] == p)
-            .map(|s| s.labels["quantile"].as_str())
-            .collect();
-        assert_eq!(quantiles, ["0.5", "0.99"]);
+        for q in ["p50", "p99"] {
+            let family = format!("multirail_qos_wait_{q}_seconds");
+            assert_eq!(
+                e.named(&family)
+                    .filter(|s| s.labels["priority"] == p)
+                    .count(),
+                1
+            );
+            assert_eq!(e.types.get(&family).map(String::as_str), Some("gauge"));
+        }
     }
-    assert!(
-        e.types
-            .get("multirail_qos_wait_seconds")
-            .map(String::as_str)
-            == Some("gauge")
-    );
     for name in [
         "multirail_connections_open",
         "multirail_connections_accepted_total",
@@ -394,4 +401,104 @@ fn a_dropped_engine_answers_503_and_shutdown_closes_the_port() {
         assert!(Instant::now() < deadline, "the metrics port still open");
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// The Prometheus text format, served without an OpenMetrics `Accept` (curl), passes
+/// `promtool check metrics` (Debian's `prometheus` package; `scripts/setup --tests` installs
+/// it), with the rail health, message and metadata figures counting what happened.
+#[test]
+fn health_message_and_metadata_metrics_count_and_promtool_accepts_the_text_format() {
+    let target = Engine::new(Config::default(), "127.0.0.1:0").expect("engine starts");
+    let dst = target.allocate(1 << 20, Location::Any).unwrap();
+    let init = Engine::new(Config::default(), "127.0.0.1:0").expect("engine starts");
+    let src = init.allocate(1 << 20, Location::Any).unwrap();
+    let metrics = init.serve_metrics("127.0.0.1:0").unwrap();
+    let target_metrics = target.serve_metrics("127.0.0.1:0").unwrap();
+
+    let seg = init.open_segment(&target.name()).unwrap();
+    assert!(
+        init.open_segment("127.0.0.1:1").is_err(),
+        "nothing listens there"
+    );
+    write(&init, seg, &src, &dst, 0, 1 << 20, multirail::PRIO_HIGH);
+    for i in 0..3u8 {
+        init.send(seg, &[i; 100]).unwrap();
+    }
+    for _ in 0..3 {
+        let m = target
+            .recv(Some(Duration::from_secs(10)))
+            .unwrap()
+            .expect("message arrives");
+        assert_eq!(m.data.len(), 100);
+    }
+
+    let e = scrape(metrics.local_addr());
+    assert_eq!(
+        e.sum_where("multirail_metadata_lookups_total", "outcome", "ok"),
+        1.0
+    );
+    assert_eq!(
+        e.sum_where("multirail_metadata_lookups_total", "outcome", "failed"),
+        1.0
+    );
+    assert_eq!(
+        e.sum_where("multirail_messages_total", "direction", "sent"),
+        3.0
+    );
+    assert_eq!(
+        e.sum_where("multirail_message_bytes_total", "direction", "sent"),
+        300.0
+    );
+    assert_eq!(e.sum("multirail_message_send_failures_total"), 0.0);
+    assert!(
+        e.sum_where("multirail_rail_paths", "state", "up") >= 1.0,
+        "the path used is up"
+    );
+    assert_eq!(e.sum_where("multirail_rail_paths", "state", "paused"), 0.0);
+    let t = scrape(target_metrics.local_addr());
+    assert_eq!(
+        t.sum_where("multirail_messages_total", "direction", "received"),
+        3.0
+    );
+    assert_eq!(
+        t.sum_where("multirail_message_bytes_total", "direction", "received"),
+        300.0
+    );
+    assert_eq!(init.metadata_stats().lookups, 2);
+    assert_eq!(init.message_stats().sent, 3);
+
+    let plain = http(metrics.local_addr(), "GET", "/metrics").unwrap();
+    assert_eq!(plain.status, 200);
+    assert_eq!(
+        plain.headers.get("content-type").map(String::as_str),
+        Some("text/plain; version=0.0.4; charset=utf-8")
+    );
+    assert!(!plain.body.contains("# EOF"));
+    assert!(plain
+        .body
+        .contains("# TYPE multirail_rail_bytes_total counter"));
+    assert!(plain.body.contains("# TYPE multirail_engine_info gauge"));
+    let promtool = std::env::var("MULTIRAIL_PROMTOOL").unwrap_or_else(|_| "promtool".into());
+    let mut child = std::process::Command::new(&promtool)
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!("cannot run {promtool:?} ({e}): apt-get install prometheus (scripts/test does)")
+        });
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(plain.body.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

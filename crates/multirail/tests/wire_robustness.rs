@@ -187,6 +187,7 @@ fn initiator_fails_requests_on_garbage_responses() {
             shm: None,
             rkeys: vec![],
         }],
+        segment_name: None,
     };
     let json = serde_json::to_vec(&descriptor).unwrap();
     // Each connection is served on its own thread: the initiator opens all of its data

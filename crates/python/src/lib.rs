@@ -425,8 +425,10 @@ impl NativeEngine {
     /// Starts an engine listening on `listen`. `config_json` (inline JSON) wins over
     /// `config_path`; with neither, MULTIRAIL_CONF or the defaults apply. `local_hostname`, when
     /// given and the configuration sets none, becomes the host part of the segment name.
+    /// `segment_name` sets `metadata.segment_name` (the name published in a store).
     #[new]
-    #[pyo3(signature = (listen, config_json=None, config_path=None, local_hostname=None, transport=None, metadata=None))]
+    #[pyo3(signature = (listen, config_json=None, config_path=None, local_hostname=None, transport=None, metadata=None, segment_name=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         listen: &str,
@@ -435,6 +437,7 @@ impl NativeEngine {
         local_hostname: Option<String>,
         transport: Option<&str>,
         metadata: Option<&str>,
+        segment_name: Option<String>,
     ) -> PyResult<Self> {
         let mut config = match (config_json, config_path) {
             (Some(json), _) => Config::from_json_str(json, "config").map_err(config_err)?,
@@ -452,6 +455,9 @@ impl NativeEngine {
                 InvalidArgumentError::new_err(format!("invalid argument `metadata`: {e}"))
             })?;
         }
+        if segment_name.is_some() {
+            config.metadata.segment_name = segment_name;
+        }
         let listen = listen.to_owned();
         let engine = py
             .allow_threads(move || Engine::new(config, &listen))
@@ -468,6 +474,12 @@ impl NativeEngine {
     #[getter]
     fn name(&self) -> String {
         self.engine.name()
+    }
+
+    /// The name peers open this engine by: `metadata.segment_name`, else `name`.
+    #[getter]
+    fn segment_name(&self) -> String {
+        self.engine.segment_name()
     }
 
     /// The effective configuration as JSON.

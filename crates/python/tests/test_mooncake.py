@@ -4,11 +4,16 @@ and the documented return codes of every failure."""
 import hashlib
 import http.server
 import logging
+import os
+import shutil
 import socket
+import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.parse
+import urllib.request
 
 import numpy as np
 import pytest
@@ -16,6 +21,9 @@ import pytest
 import multirail
 from multirail.mooncake import TransferEngine, TransferNotify, TransferOpcode
 from conftest import pattern
+
+# Loopback servers are never reached through an HTTP proxy the environment may name.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 KIB, MIB = 1 << 10, 1 << 20
 PAGE = 64 * KIB
@@ -247,13 +255,72 @@ def test_engines_find_each_other_through_an_http_metadata_server(metadata_server
     assert f"multirail/{name_b}" not in store
 
 
-def test_an_unreachable_or_etcd_metadata_server_is_refused(caplog):
+@pytest.fixture
+def mooncake_metadata_server(tmp_path):
+    """Mooncake's own HTTP metadata server, from its PyPI wheel in this virtualenv
+    (scripts/test-python installs it); yields its URL."""
+    server = shutil.which("mooncake_http_metadata_server", path=os.path.dirname(sys.executable))
+    assert server, "mooncake_http_metadata_server missing: pip install mooncake-transfer-engine"
+    port = _free_port()
+    proc = subprocess.Popen(
+        [server, "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"],
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "wb"),
+    )
+    url = f"http://127.0.0.1:{port}/metadata"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                _DIRECT.open(f"{url}?key=probe", timeout=1)
+            except urllib.error.HTTPError:
+                break  # 404: it answers
+            except OSError:
+                pass
+            else:
+                break
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            assert time.monotonic() < deadline, "Mooncake's metadata server did not answer within 30 s"
+            time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _stored(url, key):
+    try:
+        with _DIRECT.open(f"{url}?key={urllib.parse.quote(key, safe='')}", timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_engines_use_mooncakes_own_http_metadata_server(mooncake_metadata_server):
+    url = mooncake_metadata_server
+    a, b = TransferEngine(), TransferEngine()
+    assert a.initialize("127.0.0.1", url, "tcp", "") == 0
+    assert b.initialize("127.0.0.1", url, "tcp", "") == 0
+    assert _stored(url, f"multirail/{session(b)}") == 200
+    src = np.frombuffer(pattern(13, MIB), dtype=np.uint8).copy()
+    dst = np.zeros(MIB, dtype=np.uint8)
+    assert a.register_memory(src.ctypes.data, src.nbytes) == 0
+    assert b.register_memory(dst.ctypes.data, dst.nbytes) == 0
+    assert a.transfer_sync_write(session(b), src.ctypes.data, dst.ctypes.data, MIB) == 0
+    assert np.array_equal(dst, src)
+    name_b = session(b)
+    b.engine.close()
+    assert _stored(url, f"multirail/{name_b}") == 404, "a closed engine withdraws its key"
+
+
+def test_an_unreachable_metadata_server_fails_lookups_in_time(caplog):
     caplog.set_level(logging.ERROR, logger="multirail.mooncake")
     t = TransferEngine()
-    assert t.initialize("127.0.0.1", "127.0.0.1:2379", "tcp", "") == -1  # etcd, as Mooncake reads it
-    assert "etcd" in caplog.text
-    with pytest.raises(multirail.InvalidArgumentError, match="etcd"):
-        multirail.Engine(None, "127.0.0.1", metadata="etcd://127.0.0.1:2379")
+    with pytest.raises(multirail.InvalidArgumentError, match="etcd://HOST:PORT"):
+        multirail.Engine(None, "127.0.0.1", metadata="zk://127.0.0.1:2181")
     # A server that is not there: opening a segment fails within the store's timeout.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -264,13 +331,83 @@ def test_an_unreachable_or_etcd_metadata_server_is_refused(caplog):
     assert time.monotonic() - start < 10
 
 
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    """A real etcd (Debian's etcd-server, which scripts/test installs) on free loopback ports;
+    yields its client address ``127.0.0.1:PORT``."""
+    binary = shutil.which(os.environ.get("MULTIRAIL_ETCD", "etcd"))
+    assert binary, "etcd not found: apt-get install etcd-server (scripts/test does)"
+    port, peer = _free_port(), _free_port()
+    client, peer_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{peer}"
+    proc = subprocess.Popen(
+        [binary, "--name", "t", "--data-dir", str(tmp_path / "etcd"),
+         "--listen-client-urls", client, "--advertise-client-urls", client,
+         "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+         "--initial-cluster", f"t={peer_url}", "--logger", "zap", "--log-level", "error"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with _DIRECT.open(f"{client}/health", timeout=1) as r:
+                    if b"true" in r.read():
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, "etcd exited before it was healthy"
+            assert time.monotonic() < deadline, "etcd not healthy within 30 s"
+            time.sleep(0.05)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_engines_find_each_other_through_etcd(etcd):
+    # As Mooncake reads them: a bare host:port is etcd, and so is etcd://.
+    a, b = TransferEngine(), TransferEngine()
+    assert a.initialize("127.0.0.1", etcd, "tcp", "") == 0
+    assert b.initialize("127.0.0.1", f"etcd://{etcd}", "tcp", "") == 0
+    src = np.frombuffer(pattern(11, MIB), dtype=np.uint8).copy()
+    dst = np.zeros(MIB, dtype=np.uint8)
+    assert a.register_memory(src.ctypes.data, src.nbytes) == 0
+    assert b.register_memory(dst.ctypes.data, dst.nbytes) == 0
+    assert a.transfer_sync_write(session(b), src.ctypes.data, dst.ctypes.data, MIB) == 0
+    assert np.array_equal(dst, src)
+    back = np.zeros(MIB, dtype=np.uint8)
+    assert a.register_memory(back.ctypes.data, back.nbytes) == 0
+    assert a.transfer_sync_read(session(b), back.ctypes.data, dst.ctypes.data, MIB) == 0
+    assert np.array_equal(back, src)
+
+
+def test_native_engines_open_each_other_by_segment_name_through_etcd(etcd):
+    with multirail.Engine(None, "127.0.0.1", metadata=f"etcd://{etcd}", segment_name="prefill-0") as a, \
+            multirail.Engine(None, "127.0.0.1", metadata=etcd) as b:
+        assert a.segment_name == "prefill-0" and a.name != "prefill-0"
+        assert b.segment_name == b.name
+        dst = np.zeros(MIB, dtype=np.uint8)
+        a.register(dst.ctypes.data, MIB)
+        src = np.frombuffer(pattern(12, MIB), dtype=np.uint8).copy()
+        reg = b.register(src.ctypes.data, MIB)
+        seg = b.open_segment("prefill-0")
+        b.transfer([multirail.Request("write", reg, seg, dst.ctypes.data, MIB)])
+        assert np.array_equal(dst, src)
+
+
 # ------------------------------------------------------------------------------------ errors
 
 
 def test_initialize_failures(caplog):
     caplog.set_level(logging.ERROR, logger="multirail.mooncake")
     t = TransferEngine()
-    assert t.initialize("127.0.0.1", "etcd://127.0.0.1:2379", "tcp", "") == -1
+    assert t.initialize("127.0.0.1", "zk://127.0.0.1:2181", "tcp", "") == -1
     assert "P2PHANDSHAKE" in caplog.text and "etcd" in caplog.text
     assert t.initialize("127.0.0.1", "P2PHANDSHAKE", "nvlink", "") == -1
     assert t.initialize("", "P2PHANDSHAKE", "tcp", "") == -1

@@ -137,7 +137,7 @@ pub struct Config {
     pub tiers: BTreeMap<String, BTreeMap<String, u8>>,
     /// Where segment descriptors are published.
     pub metadata: MetadataConfig,
-    /// TENT's flat `metadata_type` (`"p2p"`, `"http"`): the same as `metadata.type`, which it
+    /// TENT's flat `metadata_type` (`"p2p"`, `"http"`, `"etcd"`): the same as `metadata.type`, which it
     /// overrides when that is left at `"p2p"`. See [`Config::effective_metadata`].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub metadata_type: Option<MetadataKind>,
@@ -183,6 +183,9 @@ pub enum MetadataKind {
     P2p,
     /// A Mooncake-compatible HTTP metadata server (`metadata.servers`) holds every descriptor.
     Http,
+    /// An etcd cluster (`metadata.servers`) holds every descriptor, each engine's on a lease it
+    /// keeps alive; a watch tells engines of segments published again.
+    Etcd,
 }
 
 impl MetadataKind {
@@ -191,6 +194,7 @@ impl MetadataKind {
         match self {
             MetadataKind::P2p => "p2p",
             MetadataKind::Http => "http",
+            MetadataKind::Etcd => "etcd",
         }
     }
 }
@@ -210,12 +214,9 @@ impl TryFrom<String> for MetadataKind {
             // TENT spells peer-to-peer `p2p`; Mooncake's engines pass `P2PHANDSHAKE`.
             "p2p" | "P2PHANDSHAKE" => Ok(MetadataKind::P2p),
             "http" => Ok(MetadataKind::Http),
-            "etcd" => Err(
-                "etcd is not supported yet; use \"p2p\" or \"http\" (a Mooncake-compatible HTTP metadata server)"
-                    .into(),
-            ),
+            "etcd" => Ok(MetadataKind::Etcd),
             other => Err(format!(
-                "unknown metadata type {other:?}; expected \"p2p\" or \"http\""
+                "unknown metadata type {other:?}; expected \"p2p\", \"http\" or \"etcd\""
             )),
         }
     }
@@ -232,11 +233,12 @@ pub const DEFAULT_METADATA_TIMEOUT_MS: u64 = 2000;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MetadataConfig {
-    /// JSON key `type`: `"p2p"` (default) or `"http"`.
+    /// JSON key `type`: `"p2p"` (default), `"http"` or `"etcd"`.
     #[serde(rename = "type")]
     pub kind: MetadataKind,
-    /// The HTTP metadata server, `http://HOST:PORT/PATH` (Mooncake's is
-    /// `http://HOST:8080/metadata`); required with `type: "http"`, refused with `"p2p"`.
+    /// The store: with `type: "http"` the server, `http://HOST:PORT/PATH` (Mooncake's is
+    /// `http://HOST:8080/metadata`); with `"etcd"` the cluster, `etcd://HOST:PORT[,HOST:PORT]`
+    /// (or without `etcd://`). Required with either, refused with `"p2p"`.
     pub servers: Option<String>,
     /// Prefix of every key this engine writes and reads; default `multirail/`.
     pub prefix: String,
@@ -247,6 +249,14 @@ pub struct MetadataConfig {
     /// the lookup (or publish) fails; default 2000. P2P lookups keep `transports.tcp`'s
     /// `connect_timeout_ms` and `timeout_ms`.
     pub timeout_ms: u64,
+    /// With etcd, the time to live of the lease this engine's keys hang on, in seconds: an
+    /// engine that dies without withdrawing them disappears within it. Default 10.
+    pub lease_ttl_s: u64,
+    /// The name this engine is published under in a store (`http`, `etcd`), which peers pass
+    /// to `open_segment`, as Mooncake's `local_hostname`; default: its `host:port`. A name
+    /// that outlives the port lets a restarted engine be found again on its new one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub segment_name: Option<String>,
 }
 
 impl Default for MetadataConfig {
@@ -257,6 +267,8 @@ impl Default for MetadataConfig {
             prefix: DEFAULT_METADATA_PREFIX.to_owned(),
             cluster_id: None,
             timeout_ms: DEFAULT_METADATA_TIMEOUT_MS,
+            lease_ttl_s: crate::metadata::DEFAULT_LEASE_TTL_S,
+            segment_name: None,
         }
     }
 }
@@ -265,9 +277,10 @@ impl MetadataConfig {
     /// Checks the section; `prefix` is its dotted path (`metadata`) and `servers_key` the key
     /// the server address came from (`metadata.servers`, or TENT's `metadata_servers`).
     ///
-    /// Fails on `type: "http"` without a server, a server address that is not
-    /// `http://HOST:PORT/PATH`, a server given with `type: "p2p"`, an empty or `/`-holding
-    /// `cluster_id` and `timeout_ms` 0.
+    /// Fails on `type: "http"` or `"etcd"` without a server, a server address of the wrong
+    /// form, a server or `segment_name` given with `type: "p2p"`, an empty or `/`-holding
+    /// `cluster_id`, a `segment_name` empty or holding whitespace, and `timeout_ms` or
+    /// `lease_ttl_s` 0.
     fn validate(&self, prefix: &str, servers_key: &str) -> Result<(), ConfigError> {
         match (self.kind, &self.servers) {
             (MetadataKind::Http, None) => {
@@ -278,15 +291,45 @@ impl MetadataConfig {
             }
             (MetadataKind::Http, Some(url)) => crate::metadata::check_server_url(url)
                 .map_err(|message| ConfigError::new(servers_key, message))?,
+            (MetadataKind::Etcd, None) => {
+                return Err(ConfigError::new(
+                    servers_key,
+                    "is required when metadata.type is \"etcd\" (e.g. \"etcd://HOST:2379\")",
+                ))
+            }
+            (MetadataKind::Etcd, Some(list)) => {
+                crate::metadata::check_etcd_servers(list)
+                    .map_err(|message| ConfigError::new(servers_key, message))?;
+            }
             // A server the engine would silently ignore is a forgotten `type`.
             (MetadataKind::P2p, Some(_)) => {
                 return Err(ConfigError::new(
                     servers_key,
-                    "is set but metadata.type is \"p2p\", which asks peers directly; set \"type\": \"http\" to use the server",
+                    "is set but metadata.type is \"p2p\", which asks peers directly; set \"type\" to \"http\" or \"etcd\" to use the server",
                 ))
             }
             (MetadataKind::P2p, None) => {}
         }
+        if let Some(name) = &self.segment_name {
+            if self.kind == MetadataKind::P2p {
+                return Err(ConfigError::new(
+                    format!("{prefix}.segment_name"),
+                    "needs a metadata store (type \"http\" or \"etcd\"): with \"p2p\" peers open an engine by its host:port",
+                ));
+            }
+            if name.is_empty()
+                || name.len() > 256
+                || name.chars().any(|c| c.is_whitespace() || c.is_control())
+            {
+                return Err(ConfigError::new(
+                    format!("{prefix}.segment_name"),
+                    format!(
+                        "must be a name of 1 to 256 characters without whitespace, got {name:?}"
+                    ),
+                ));
+            }
+        }
+        at_least_one(prefix, "lease_ttl_s", self.lease_ttl_s)?;
         if let Some(id) = &self.cluster_id {
             if id.is_empty() || id.contains('/') || id.chars().any(char::is_whitespace) {
                 return Err(ConfigError::new(
@@ -467,27 +510,22 @@ impl Config {
         Ok(())
     }
 
-    /// The metadata settings the engine uses: the `metadata` section with TENT's flat keys
-    /// folded in (`metadata_type` replaces a `metadata.type` left at `"p2p"`; a non-empty
-    /// `metadata_servers` fills `metadata.servers` when the type is `"http"`).
-    ///
     /// Points the configuration at the metadata store `server` names, as Mooncake's
     /// `metadata_server` argument does: `"P2PHANDSHAKE"` (or `"p2p"`) asks each segment itself,
-    /// `"http://HOST:PORT/PATH"` a metadata server. Replaces whatever the configuration said,
-    /// TENT's flat keys included; the address itself is checked when the engine starts. Fails
-    /// on etcd (not supported yet) and anything else, saying which.
+    /// `"http://HOST:PORT/PATH"` a metadata server, `"etcd://HOST:PORT[,HOST:PORT]"` or a bare
+    /// `"HOST:PORT[,...]"` an etcd cluster. Replaces whatever the configuration said, TENT's
+    /// flat keys included; the address itself is checked when the engine starts. Fails on
+    /// anything else, saying what is expected.
     pub fn use_metadata_server(&mut self, server: &str) -> Result<(), String> {
         let (kind, servers) = if server == "P2PHANDSHAKE" || server == "p2p" {
             (MetadataKind::P2p, None)
         } else if server.starts_with("http://") {
             (MetadataKind::Http, Some(server.to_owned()))
-        } else if server.starts_with("etcd://") || !server.contains("://") {
-            return Err(format!(
-                "etcd metadata servers are not supported yet, got {server:?}"
-            ));
+        } else if server.starts_with("etcd://") || (!server.is_empty() && !server.contains("://")) {
+            (MetadataKind::Etcd, Some(server.to_owned()))
         } else {
             return Err(format!(
-                "expected \"P2PHANDSHAKE\" or \"http://HOST:PORT/PATH\", got {server:?}"
+                "expected \"P2PHANDSHAKE\", \"http://HOST:PORT/PATH\" or \"etcd://HOST:PORT\", got {server:?}"
             ));
         };
         self.metadata.kind = kind;
@@ -497,6 +535,9 @@ impl Config {
         Ok(())
     }
 
+    /// The metadata settings the engine uses: the `metadata` section with TENT's flat keys
+    /// folded in (`metadata_type` replaces a `metadata.type` left at `"p2p"`; a non-empty
+    /// `metadata_servers` fills `metadata.servers` when the type is `"http"` or `"etcd"`).
     /// Never fails; [`Config::validate`] refuses the combinations that conflict.
     pub fn effective_metadata(&self) -> MetadataConfig {
         let mut m = self.metadata.clone();
@@ -505,7 +546,7 @@ impl Config {
                 m.kind = kind;
             }
         }
-        if m.kind == MetadataKind::Http && m.servers.is_none() {
+        if m.kind != MetadataKind::P2p && m.servers.is_none() {
             m.servers = self.tent_servers().map(str::to_owned);
         }
         m

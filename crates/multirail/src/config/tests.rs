@@ -417,17 +417,57 @@ fn unknown_transport_and_metadata_values() {
     assert_eq!(e.key, "transport");
     assert!(e.message.contains("udp"), "{e}");
     assert!(e.message.contains("auto"), "{e}");
-    let e = parse_err(r#"{"metadata": {"type": "etcd"}}"#);
-    assert_eq!(e.key, "metadata.type");
-    assert!(e.message.contains("etcd is not supported yet"), "{e}");
-    assert!(e.message.contains("p2p"), "{e}");
     let e = parse_err(r#"{"metadata": {"type": "redis"}}"#);
     assert_eq!(e.key, "metadata.type");
     assert!(e.message.contains("\"redis\""), "{e}");
     assert!(e.message.contains("http"), "{e}");
+    assert!(e.message.contains("etcd"), "{e}");
 }
 
 // ---- Metadata store. ----
+
+#[test]
+fn etcd_metadata_section() {
+    let c = parse(
+        r#"{"metadata": {"type": "etcd", "servers": "etcd://10.0.0.1:2379,10.0.0.2:2379",
+             "lease_ttl_s": 5, "segment_name": "prefill-0"}}"#,
+    )
+    .unwrap();
+    let m = c.effective_metadata();
+    assert_eq!(m.kind, MetadataKind::Etcd);
+    assert_eq!(m.lease_ttl_s, 5);
+    assert_eq!(m.segment_name.as_deref(), Some("prefill-0"));
+    assert_eq!(parse(&c.to_json_pretty()).unwrap(), c, "round trip");
+    assert_eq!(MetadataConfig::default().lease_ttl_s, 10);
+    let e = parse_err(r#"{"metadata": {"type": "etcd"}}"#);
+    assert_eq!(e.key, "metadata.servers");
+    assert!(e.message.contains("required"), "{e}");
+    for (bad, says) in [
+        ("http://h:2379", "etcd://HOST:PORT"),
+        ("etcd://h", "port"),
+        ("etcd://h:2379,", "etcd://HOST:PORT"),
+        ("h:0", "bad port"),
+    ] {
+        let e = parse_err(&format!(
+            r#"{{"metadata": {{"type": "etcd", "servers": "{bad}"}}}}"#
+        ));
+        assert_eq!(e.key, "metadata.servers", "{bad}");
+        assert!(e.message.contains(says), "{bad}: {e}");
+    }
+    let e = parse_err(r#"{"metadata": {"type": "etcd", "servers": "h:1", "lease_ttl_s": 0}}"#);
+    assert_eq!(e.key, "metadata.lease_ttl_s");
+    // The last is a tab, escaped in the JSON.
+    for bad in ["", "a b", "x\\ty"] {
+        let e = parse_err(&format!(
+            r#"{{"metadata": {{"type": "etcd", "servers": "h:1", "segment_name": "{bad}"}}}}"#
+        ));
+        assert_eq!(e.key, "metadata.segment_name", "{bad:?}");
+    }
+    // Without a store, peers open an engine by host:port: a segment name would be ignored.
+    let e = parse_err(r#"{"metadata": {"segment_name": "a"}}"#);
+    assert_eq!(e.key, "metadata.segment_name");
+    assert!(e.message.contains("needs a metadata store"), "{e}");
+}
 
 const META_URL: &str = "http://127.0.0.1:8080/metadata";
 
@@ -461,7 +501,7 @@ fn http_metadata_needs_a_good_server() {
         ("http://127.0.0.1:8080", "path is missing"),
         ("http://127.0.0.1/metadata", "port is missing"),
         ("https://127.0.0.1:8080/metadata", "https is not supported"),
-        ("etcd://127.0.0.1:2379", "etcd is not supported yet"),
+        ("etcd://127.0.0.1:2379", "set metadata.type to \"etcd\""),
         ("http://127.0.0.1:8080/metadata?key=x", "no query"),
     ] {
         let e = parse_err(&format!(
@@ -495,7 +535,10 @@ fn metadata_values_checked() {
     // A server the engine would ignore is a forgotten type.
     let e = parse_err(&format!(r#"{{"metadata": {{"servers": "{META_URL}"}}}}"#));
     assert_eq!(e.key, "metadata.servers");
-    assert!(e.message.contains("\"type\": \"http\""), "{e}");
+    assert!(
+        e.message.contains("\"type\" to \"http\" or \"etcd\""),
+        "{e}"
+    );
     let e = parse_err(r#"{"metadata": {"server": "x"}}"#);
     assert_eq!(e.key, "metadata.server");
     assert!(e.message.starts_with("unknown key"), "{e}");
@@ -536,9 +579,15 @@ fn tent_flat_metadata_keys() {
     assert!(e.message.contains("http://HOST:PORT/PATH"), "{e}");
     let e = parse_err(r#"{"metadata_type": "http", "metadata_servers": ""}"#);
     assert_eq!(e.key, "metadata.servers");
-    let e = parse_err(r#"{"metadata_type": "etcd", "metadata_servers": "h:2379"}"#);
-    assert_eq!(e.key, "metadata_type");
-    assert!(e.message.contains("etcd is not supported yet"), "{e}");
+    let c = parse(r#"{"metadata_type": "etcd", "metadata_servers": "h:2379,g:2379"}"#).unwrap();
+    assert_eq!(c.effective_metadata().kind, MetadataKind::Etcd);
+    assert_eq!(
+        c.effective_metadata().servers.as_deref(),
+        Some("h:2379,g:2379")
+    );
+    let e = parse_err(r#"{"metadata_type": "etcd", "metadata_servers": "http://h:2379"}"#);
+    assert_eq!(e.key, "metadata_servers");
+    assert!(e.message.contains("etcd://HOST:PORT"), "{e}");
     // The two spellings must agree.
     let e = parse_err(&format!(
         r#"{{"metadata_type": "p2p", "metadata": {{"type": "http", "servers": "{META_URL}"}}}}"#
@@ -1191,10 +1240,15 @@ fn a_metadata_server_argument_replaces_the_configured_store() {
     c.use_metadata_server("P2PHANDSHAKE").unwrap();
     assert_eq!(c.effective_metadata().kind, MetadataKind::P2p);
     assert_eq!(c.metadata.servers, None);
-    for etcd in ["etcd://127.0.0.1:2379", "127.0.0.1:2379"] {
-        let e = c.use_metadata_server(etcd).unwrap_err();
-        assert!(e.contains("etcd"), "{e}");
+    // As Mooncake reads it: etcd:// or a bare host:port is etcd.
+    for etcd in ["etcd://127.0.0.1:2379", "127.0.0.1:2379", "a:1,b:2"] {
+        c.use_metadata_server(etcd).unwrap();
+        assert_eq!(c.effective_metadata().kind, MetadataKind::Etcd);
+        assert_eq!(c.effective_metadata().servers.as_deref(), Some(etcd));
+        c.validate().unwrap();
     }
-    let e = c.use_metadata_server("https://x:1/m").unwrap_err();
-    assert!(e.contains("P2PHANDSHAKE"), "{e}");
+    for bad in ["https://x:1/m", "zk://h:1", ""] {
+        let e = c.use_metadata_server(bad).unwrap_err();
+        assert!(e.contains("P2PHANDSHAKE") && e.contains("etcd://"), "{e}");
+    }
 }

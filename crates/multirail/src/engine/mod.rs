@@ -89,6 +89,19 @@ impl Request {
     }
 }
 
+/// The paths to peers on one rail, by health (see [`Engine::rail_health`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RailHealth {
+    /// The rail's name.
+    pub rail: String,
+    /// Paths carrying slices.
+    pub up: usize,
+    /// Paths paused after repeated errors.
+    pub paused: usize,
+    /// Paths whose pause ended, waiting for a probe to succeed.
+    pub probing: usize,
+}
+
 struct Peers {
     by_id: HashMap<u64, Arc<Peer>>,
     by_name: HashMap<String, u64>,
@@ -98,6 +111,8 @@ struct Peers {
 /// What the control port publishes; shared with the server thread.
 struct LocalSegment {
     name: OnceLock<String>,
+    /// `metadata.segment_name`: the name published in the store, when not `name`.
+    segment_name: Option<String>,
     host_id: String,
     rails: Vec<RailDescriptor>,
     rdma: Vec<segment::RdmaRailDescriptor>,
@@ -114,7 +129,16 @@ impl LocalSegment {
             rails: self.rails.clone(),
             rdma: self.rdma.clone(),
             buffers: self.registry.descriptors(),
+            segment_name: self.segment_name.clone(),
         }
+    }
+
+    /// The name peers open this engine by: `metadata.segment_name`, else `host:port`.
+    fn published_name(&self) -> String {
+        self.segment_name
+            .clone()
+            .or_else(|| self.name.get().cloned())
+            .unwrap_or_default()
     }
 }
 
@@ -122,6 +146,7 @@ struct Inner {
     config: Config,
     local: Arc<LocalSegment>,
     metadata: Box<dyn MetadataStore>,
+    metadata_counters: metadata::MetadataCounters,
     /// Whether `metadata` keeps descriptors that this engine must publish (HTTP store); P2P
     /// answers from `local` on demand.
     publishes: bool,
@@ -236,6 +261,7 @@ impl Engine {
         )?);
         let local = Arc::new(LocalSegment {
             name: OnceLock::new(),
+            segment_name: metadata_cfg.segment_name.clone(),
             host_id: segment::local_host_id(),
             rails: rails.clone(),
             rdma: rdma.descriptors(),
@@ -277,6 +303,7 @@ impl Engine {
         };
         let inner = Arc::new(Inner {
             metadata,
+            metadata_counters: metadata::MetadataCounters::default(),
             publishes: metadata_cfg.kind != crate::config::MetadataKind::P2p,
             withdrawn: Mutex::new(false),
             shm: ShmTransport::new(
@@ -320,6 +347,15 @@ impl Engine {
         if inner.config.lanes.dynamic {
             messages::spawn_lanes_driver(Arc::downgrade(&inner));
         }
+        // Before publishing, so a segment this engine opens is followed from its first change.
+        let weak = Arc::downgrade(&inner);
+        inner
+            .metadata
+            .watch(Box::new(move |name: &str, descriptor| {
+                if let Some(inner) = weak.upgrade() {
+                    inner.on_segment_change(name, descriptor);
+                }
+            }));
         // Now that the engine has its name and serves its port, peers may look it up.
         inner.publish_descriptor();
         Ok(Engine { inner })
@@ -328,6 +364,12 @@ impl Engine {
     /// This engine's segment name, `host:port`.
     pub fn name(&self) -> String {
         self.inner.local.name.get().cloned().unwrap_or_default()
+    }
+
+    /// The name peers pass to [`Engine::open_segment`] to reach this engine: its
+    /// `metadata.segment_name` when it has one, else [`Engine::name`].
+    pub fn segment_name(&self) -> String {
+        self.inner.local.published_name()
     }
 
     /// The configuration the engine runs with.
@@ -374,8 +416,10 @@ impl Engine {
         self.unregister(buffer.addr())
     }
 
-    /// Opens segment `name` (`host:port`), fetching its descriptor from the metadata store: the
-    /// segment itself by default, the HTTP metadata server with `metadata.type: "http"`.
+    /// Opens segment `name`, fetching its descriptor from the metadata store: the segment itself
+    /// by default (`name` is then `host:port`), the HTTP metadata server or etcd with
+    /// `metadata.type` `"http"` or `"etcd"` (`name` is then what the segment published under:
+    /// its `metadata.segment_name` or `host:port`; the descriptor says where to connect).
     /// Opening an already open segment returns the same id. Fails with `SegmentUnreachable`
     /// when nothing answers there, or the store does not know the segment or does not answer
     /// within `metadata.timeout_ms` (the reason names the store).
@@ -393,8 +437,14 @@ impl Engine {
                 return Ok(SegmentId(p.id));
             }
         }
-        let addr = metadata::resolve(name)?;
-        let descriptor = self.inner.metadata.fetch(name)?;
+        let (addr, descriptor) = if self.inner.publishes {
+            // A store says where the segment listens; its name need not be an address.
+            let descriptor = self.lookup(name)?;
+            (metadata::resolve(&descriptor.name)?, descriptor)
+        } else {
+            let addr = metadata::resolve(name)?;
+            (addr, self.lookup(name)?)
+        };
         let mut peers = self.inner.peers.write().expect("peers poisoned");
         let id = match peers.by_name.get(name) {
             Some(id) => *id,
@@ -414,6 +464,48 @@ impl Engine {
         peers.by_id.insert(id, peer);
         peers.by_name.insert(name.to_owned(), id);
         Ok(SegmentId(id))
+    }
+
+    /// Fetches segment `name`'s descriptor from the store, counted.
+    fn lookup(&self, name: &str) -> Result<SegmentDescriptor> {
+        self.inner
+            .metadata_counters
+            .lookup(self.inner.metadata.fetch(name))
+    }
+
+    /// Counts of this engine's use of its metadata store: lookups, publishes, watch updates
+    /// (and their failures). Never fails.
+    pub fn metadata_stats(&self) -> metadata::MetadataStats {
+        self.inner.metadata_counters.snapshot()
+    }
+
+    /// How the tcp paths to connected peers stand on each rail this engine sends on: how
+    /// many are up, paused after repeated errors, or probing before they rejoin. A rail whose
+    /// every path is paused is a dead NIC or link as this engine sees it. Never fails.
+    pub fn rail_health(&self) -> Vec<RailHealth> {
+        use multirail_policy::health::RailState;
+        let rails = self.inner.scheduler.topology().rails.clone();
+        let mut out: Vec<RailHealth> = rails
+            .iter()
+            .map(|r| RailHealth {
+                rail: r.name.clone(),
+                ..RailHealth::default()
+            })
+            .collect();
+        for (rail, state) in self.inner.tcp.path_health() {
+            let Some(h) = out.get_mut(rail) else { continue };
+            match state {
+                RailState::Up => h.up += 1,
+                RailState::Paused { .. } => h.paused += 1,
+                RailState::Probing => h.probing += 1,
+            }
+        }
+        out
+    }
+
+    /// Counts of the messages this engine sent and received. Never fails.
+    pub fn message_stats(&self) -> crate::messaging::MessageStats {
+        self.inner.messaging.message_stats()
     }
 
     /// Forgets an opened segment and closes its connections. Fails for an unknown id.
@@ -586,7 +678,7 @@ impl Engine {
         if let Some(b) = peer.descriptor().find_buffer(addr, len) {
             return Ok(b.clone());
         }
-        let fresh = self.inner.metadata.fetch(&peer.name)?;
+        let fresh = self.lookup(&peer.name)?;
         if !peer.update_descriptor(fresh) {
             return Err(Error::PeerDisconnected {
                 peer: peer.name.clone(),
@@ -749,8 +841,10 @@ impl Inner {
         }
         // Taken under the lock, so a publish that started earlier cannot overwrite it.
         let descriptor = self.local.descriptor();
-        if let Err(e) = self.metadata.publish(&descriptor.name, &descriptor) {
-            tracing::warn!(segment = %descriptor.name, error = %e, "cannot publish this engine's descriptor; peers keep the one they have");
+        let name = descriptor.published_name();
+        let outcome = self.metadata.publish(name, &descriptor);
+        if let Err(e) = self.metadata_counters.publish(outcome) {
+            tracing::warn!(segment = %name, error = %e, "cannot publish this engine's descriptor; peers keep the one they have");
         }
     }
 
@@ -764,10 +858,61 @@ impl Inner {
         if std::mem::replace(&mut *withdrawn, true) {
             return;
         }
-        let name = self.local.name.get().cloned().unwrap_or_default();
+        let name = self.local.published_name();
         if let Err(e) = self.metadata.unpublish(&name) {
             tracing::warn!(segment = %name, error = %e, "cannot withdraw this engine's descriptor");
         }
+    }
+}
+
+impl Inner {
+    /// A store that watches (etcd) saw segment `name` published (`Some`) or withdrawn
+    /// (`None`). For a segment this engine has open: new buffers of the same process are
+    /// taken at once, and a new process (restarted, moved to another port) replaces the old
+    /// one under the same segment id, so the next request goes to it instead of failing on
+    /// the dead one first. A withdrawal changes nothing: requests in flight finish or fail on
+    /// their own, and a later publish is followed.
+    fn on_segment_change(&self, name: &str, descriptor: Option<SegmentDescriptor>) {
+        let Some(descriptor) = descriptor else {
+            tracing::debug!(segment = name, "segment withdrawn from the metadata store");
+            return;
+        };
+        let mut peers = self.peers.write().expect("peers poisoned");
+        let Some(current) = peers
+            .by_name
+            .get(name)
+            .and_then(|id| peers.by_id.get(id))
+            .cloned()
+        else {
+            return;
+        };
+        let same_process = {
+            let known = current.descriptor();
+            known.pid == descriptor.pid
+                && known.host_id == descriptor.host_id
+                && known.name == descriptor.name
+        };
+        self.metadata_counters.watch_update();
+        if same_process {
+            current.update_descriptor(descriptor);
+            return;
+        }
+        let addr = match metadata::resolve(&descriptor.name) {
+            Ok(addr) => addr,
+            Err(e) => {
+                tracing::warn!(segment = name, error = %e, "a new descriptor of an open segment names an address that does not resolve; keeping the old one");
+                return;
+            }
+        };
+        tracing::info!(segment = name, %addr, "segment published again by another process; following it");
+        let peer = Arc::new(Peer::new(
+            current.id,
+            name.to_owned(),
+            addr,
+            descriptor,
+            &self.local.host_id,
+        ));
+        peers.by_id.insert(current.id, peer);
     }
 }
 

@@ -751,6 +751,15 @@ impl Messaging {
     }
 
     pub(super) fn take_ready(&self, rx: &mut Rx) -> Option<Message> {
+        let m = self.take_ready_uncounted(rx)?;
+        self.counters.received.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .received_bytes
+            .fetch_add(m.data.len() as u64, Ordering::Relaxed);
+        Some(m)
+    }
+
+    fn take_ready_uncounted(&self, rx: &mut Rx) -> Option<Message> {
         let r = rx.delivered.ready.pop_front()?;
         let (pool_key, buf, len) = match r.body {
             Body::Owned(data) => return Some(Message { from: r.from, data }),

@@ -103,6 +103,49 @@ fn parse_lane(tail: &[u8]) -> std::result::Result<(Lane, u32), String> {
     ))
 }
 
+/// Counts of the messages an engine sent and received (see [`crate::Engine::message_stats`]).
+/// Notifications and lane negotiation travel as messages too and count here.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MessageStats {
+    /// Messages sent successfully.
+    pub sent: u64,
+    /// Their payload bytes.
+    pub sent_bytes: u64,
+    /// Sends that failed (timeout, peer gone, refused).
+    pub send_failures: u64,
+    /// Sends that found no credit in hand (on the shm shared ring: no free space) and waited
+    /// for the receiver to grant one.
+    pub credit_waits: u64,
+    /// Messages handed to the application by `recv`.
+    pub received: u64,
+    /// Their payload bytes.
+    pub received_bytes: u64,
+}
+
+#[derive(Default)]
+struct MessageCounters {
+    sent: AtomicU64,
+    sent_bytes: AtomicU64,
+    send_failures: AtomicU64,
+    credit_waits: AtomicU64,
+    received: AtomicU64,
+    received_bytes: AtomicU64,
+}
+
+impl MessageCounters {
+    fn snapshot(&self) -> MessageStats {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        MessageStats {
+            sent: get(&self.sent),
+            sent_bytes: get(&self.sent_bytes),
+            send_failures: get(&self.send_failures),
+            credit_waits: get(&self.credit_waits),
+            received: get(&self.received),
+            received_bytes: get(&self.received_bytes),
+        }
+    }
+}
+
 /// A message received with [`crate::Engine::recv`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Message {
@@ -311,6 +354,7 @@ pub(crate) struct Messaging {
     next_conn: AtomicU64,
     /// Dynamic lanes: the usage tracker and both negotiations.
     dynamic: Dynamic,
+    counters: MessageCounters,
 }
 
 /// Bytes of an opening after the sender's name: its lane (u8) and the lane's epoch (u32).
@@ -344,6 +388,11 @@ fn protocol(peer: &str, reason: impl Into<String>) -> Error {
 }
 
 impl Messaging {
+    /// Counts of messages sent and received so far.
+    pub(crate) fn message_stats(&self) -> MessageStats {
+        self.counters.snapshot()
+    }
+
     /// Messaging for an engine of `config`; `verbs` carries messages over RDMA when it is on
     /// (else it says why it is off).
     pub(crate) fn new(
@@ -381,6 +430,7 @@ impl Messaging {
             parked: Mutex::default(),
             next_conn: AtomicU64::new(2),
             dynamic: Dynamic::new(&config.lanes)?,
+            counters: MessageCounters::default(),
         })
     }
 }

@@ -47,6 +47,9 @@ pub(super) struct OutConn {
     /// Sends since the stream was last read for answers (shm and rdma, whose credits do not
     /// come on the stream).
     pub(super) unread_sends: u32,
+    /// Sends that had to wait for a credit (or ring space) since the sender last took the
+    /// count into the engine's counters.
+    pub(super) credit_waits: u64,
 }
 
 /// The lane messages to one peer take, and the epoch of the next connection made to it (the
@@ -369,6 +372,7 @@ impl Messaging {
                         reverse: Vec::new(),
                         lanes_in: Vec::new(),
                         unread_sends: 0,
+                        credit_waits: 0,
                     });
                 }
                 Err(e) => failures.push(format!("{pair}: {e}")),
@@ -470,6 +474,7 @@ impl Messaging {
             reverse: Vec::new(),
             lanes_in: Vec::new(),
             unread_sends: 0,
+            credit_waits: 0,
         })
     }
 
@@ -497,6 +502,12 @@ impl Messaging {
             let mut g = conn.lock().expect("message connection poisoned");
             if !g.retired {
                 let sent = g.send(kind, data, self.timeout);
+                if g.credit_waits > 0 {
+                    let waits = std::mem::take(&mut g.credit_waits);
+                    self.counters
+                        .credit_waits
+                        .fetch_add(waits, Ordering::Relaxed);
+                }
                 if !g.lanes_in.is_empty() && !self.retiring_any.load(Ordering::Acquire) {
                     // Answers this send read: hand them to the driver now, since a busy
                     // sender leaves it few chances to take the connection's lock. With no
@@ -530,6 +541,17 @@ impl Messaging {
                     self.reset_lane(segment.0);
                     self.dynamic.outgoing_gone(segment.0);
                 }
+            }
+        }
+        match &outcome {
+            Ok(()) => {
+                self.counters.sent.fetch_add(1, Ordering::Relaxed);
+                self.counters
+                    .sent_bytes
+                    .fetch_add(data.len() as u64, Ordering::Relaxed);
+            }
+            Err(_) => {
+                self.counters.send_failures.fetch_add(1, Ordering::Relaxed);
             }
         }
         if outcome.is_ok() && kind != MsgKind::Lane {
@@ -660,6 +682,9 @@ impl OutConn {
                 Ok(false) => {}
                 Err(e) => return Err(protocol(&self.peer, e)),
             }
+            if start.is_none() {
+                self.credit_waits += 1;
+            }
             let waited = start.get_or_insert_with(Instant::now).elapsed();
             if waited >= timeout {
                 return Err(Error::Timeout {
@@ -685,6 +710,7 @@ impl OutConn {
         if let Some(b) = self.credits.take() {
             return Ok(b);
         }
+        self.credit_waits += 1;
         // The clock is read only once the credits in hand are spent.
         let start = Instant::now();
         let mut idle = 0u32;

@@ -39,7 +39,9 @@ pub(crate) fn check_server_url(url: &str) -> std::result::Result<(), String> {
             ));
         }
         if url.starts_with("etcd://") {
-            return Err(format!("etcd is not supported yet, got {url:?}"));
+            return Err(format!(
+                "is an etcd address; set metadata.type to \"etcd\" for it, got {url:?}"
+            ));
         }
         return Err(expected());
     };
@@ -232,7 +234,7 @@ impl super::MetadataStore for HttpMetadata {
             ))
         })?;
         // A value left by another engine (or written by hand) must not send requests elsewhere.
-        if descriptor.name != name {
+        if !super::published_name_matches(&descriptor, name) {
             return Err(unreachable(format!(
                 "bad descriptor under key {:?} in the metadata server {}: it describes segment {:?}",
                 self.key(name),
@@ -314,7 +316,7 @@ mod tests {
         for (bad, says) in [
             ("127.0.0.1:8080", "http://HOST:PORT/PATH"),
             ("https://h:8080/metadata", "https is not supported"),
-            ("etcd://h:2379", "etcd is not supported yet"),
+            ("etcd://h:2379", "metadata.type to \"etcd\""),
             ("http://h:8080", "path is missing"),
             ("http://h/metadata", "port is missing"),
             ("http://:8080/metadata", "bad host"),

@@ -1,9 +1,11 @@
 //! Where segment descriptors come from. Peer-to-peer first: ask the segment's own control port.
 //! Behind the `MetadataStore` trait so other stores plug in without touching the engine: a
-//! Mooncake-compatible HTTP metadata server ([`HttpMetadata`]) is the second.
+//! Mooncake-compatible HTTP metadata server ([`HttpMetadata`]) and etcd ([`EtcdMetadata`],
+//! with leases and a watch) are the others.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::config::{MetadataConfig, MetadataKind};
@@ -12,10 +14,85 @@ use crate::segment::SegmentDescriptor;
 use crate::transport::handshake::{self, Membership};
 use crate::transport::wire::{self, ConnKind};
 
+mod etcd;
 mod http;
 
+pub(crate) use etcd::parse_endpoints as check_etcd_servers;
+pub use etcd::{EtcdMetadata, DEFAULT_LEASE_TTL_S};
 pub(crate) use http::check_server_url;
 pub use http::HttpMetadata;
+
+/// Counts of an engine's use of its metadata store (see [`crate::Engine::metadata_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MetadataStats {
+    /// Descriptor lookups: opening a segment, and refetching one whose cached descriptor
+    /// lacks an address.
+    pub lookups: u64,
+    /// Of those, the ones that failed (not registered, store unreachable or late, bad value).
+    pub lookup_failures: u64,
+    /// Publishes of this engine's descriptor (stores that keep descriptors only).
+    pub publishes: u64,
+    /// Of those, the ones that failed.
+    pub publish_failures: u64,
+    /// Open segments updated from the store's watch (etcd): new buffers, or a new process.
+    pub watch_updates: u64,
+}
+
+/// The counters behind [`MetadataStats`].
+#[derive(Default)]
+pub(crate) struct MetadataCounters {
+    lookups: AtomicU64,
+    lookup_failures: AtomicU64,
+    publishes: AtomicU64,
+    publish_failures: AtomicU64,
+    watch_updates: AtomicU64,
+}
+
+impl MetadataCounters {
+    /// Counts a lookup and passes its outcome on.
+    pub(crate) fn lookup<T>(&self, outcome: Result<T>) -> Result<T> {
+        self.lookups.fetch_add(1, Ordering::Relaxed);
+        if outcome.is_err() {
+            self.lookup_failures.fetch_add(1, Ordering::Relaxed);
+        }
+        outcome
+    }
+
+    /// Counts a publish and passes its outcome on.
+    pub(crate) fn publish(&self, outcome: Result<()>) -> Result<()> {
+        self.publishes.fetch_add(1, Ordering::Relaxed);
+        if outcome.is_err() {
+            self.publish_failures.fetch_add(1, Ordering::Relaxed);
+        }
+        outcome
+    }
+
+    pub(crate) fn watch_update(&self) {
+        self.watch_updates.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn snapshot(&self) -> MetadataStats {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        MetadataStats {
+            lookups: get(&self.lookups),
+            lookup_failures: get(&self.lookup_failures),
+            publishes: get(&self.publishes),
+            publish_failures: get(&self.publish_failures),
+            watch_updates: get(&self.watch_updates),
+        }
+    }
+}
+
+/// Told of every descriptor published (`Some`) or withdrawn (`None`) under a segment name,
+/// by stores that can watch ([`MetadataStore::watch`]). Runs on the store's own thread: it
+/// must return quickly and never call back into the store.
+pub type ChangeListener = Box<dyn Fn(&str, Option<SegmentDescriptor>) + Send + Sync>;
+
+/// Whether `descriptor` is the one to find under segment name `name`: its published name
+/// (`metadata.segment_name`) or, without one, its `host:port`.
+pub(crate) fn published_name_matches(descriptor: &SegmentDescriptor, name: &str) -> bool {
+    descriptor.published_name() == name
+}
 
 /// A source of segment descriptors.
 pub trait MetadataStore: Send + Sync {
@@ -38,11 +115,19 @@ pub trait MetadataStore: Send + Sync {
         let _ = name;
         Ok(())
     }
+
+    /// Starts telling `listener` of descriptors published and withdrawn from now on. The
+    /// default does nothing: only stores that can watch (etcd) call it. Never fails; a store
+    /// that cannot watch right now keeps trying.
+    fn watch(&self, listener: ChangeListener) {
+        let _ = listener;
+    }
 }
 
-/// The store `config` asks for: [`P2pMetadata`] with the given timeouts and `membership`, or
-/// [`HttpMetadata`] for `type: "http"`. Fails with a configuration error when the HTTP server
-/// address is missing or malformed (which [`crate::Config::validate`] already refuses).
+/// The store `config` asks for: [`P2pMetadata`] with the given timeouts and `membership`,
+/// [`HttpMetadata`] for `type: "http"` or [`EtcdMetadata`] for `type: "etcd"`. Fails with a
+/// configuration error when the server address is missing or malformed (which
+/// [`crate::Config::validate`] already refuses).
 pub fn from_config(
     config: &MetadataConfig,
     connect_timeout: Duration,
@@ -52,6 +137,7 @@ pub fn from_config(
     Ok(match config.kind {
         MetadataKind::P2p => Box::new(P2pMetadata::new(connect_timeout, io_timeout, membership)),
         MetadataKind::Http => Box::new(HttpMetadata::from_config(config)?),
+        MetadataKind::Etcd => Box::new(EtcdMetadata::from_config(config)?),
     })
 }
 

@@ -416,6 +416,11 @@ impl<T: Payload> Dispatcher<T> {
         self.paths[path].health.is_up()
     }
 
+    /// Where `path`'s health stands: up, paused after errors, or probing.
+    pub fn health_state(&self, path: PathId) -> crate::health::RailState {
+        self.paths[path].health.state()
+    }
+
     /// Bytes `path` has in flight.
     pub fn in_flight(&self, path: PathId) -> u64 {
         self.paths[path].posted

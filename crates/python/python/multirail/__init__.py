@@ -351,8 +351,14 @@ class Engine:
     ``metadata`` overrides where segments are looked up, as Mooncake's ``metadata_server``:
     ``"P2PHANDSHAKE"`` asks each segment itself (the default), ``"http://HOST:PORT/PATH"`` a
     metadata server speaking Mooncake's HTTP protocol (the engine publishes its descriptor
-    there and withdraws it when closed). etcd is not supported yet
-    (:class:`InvalidArgumentError`).
+    there and withdraws it when closed), ``"etcd://HOST:PORT[,HOST:PORT]"`` or a bare
+    ``"HOST:PORT"`` an etcd cluster (the descriptor hangs on a lease the engine keeps alive, so
+    a killed engine disappears within ``metadata.lease_ttl_s``; a watch follows open segments
+    that are published again). Anything else raises :class:`InvalidArgumentError`.
+
+    ``segment_name``: with a metadata store, the name the engine is published under and peers
+    open it by (``metadata.segment_name``; default ``host:port``). A name that outlives the
+    port lets peers follow a restarted engine to its new port.
 
     The engine stops serving on :meth:`close` (also at the end of a ``with`` block) or when the
     last reference goes away.
@@ -365,6 +371,7 @@ class Engine:
         *,
         transport: Optional[str] = None,
         metadata: Optional[str] = None,
+        segment_name: Optional[str] = None,
     ) -> None:
         config_json: Optional[str] = None
         config_path: Optional[str] = None
@@ -390,12 +397,20 @@ class Engine:
             local_hostname=hostname,
             transport=transport,
             metadata=metadata,
+            segment_name=segment_name,
         )
 
     @property
     def name(self) -> str:
-        """This engine's segment name, ``host:port``: what peers pass to ``open_segment``."""
+        """This engine's address, ``host:port``: what peers pass to ``open_segment`` unless it
+        has a ``segment_name``."""
         return self._native.name
+
+    @property
+    def segment_name(self) -> str:
+        """The name peers pass to ``open_segment``: ``segment_name`` when given, else
+        :attr:`name`."""
+        return self._native.segment_name
 
     @property
     def config(self) -> Dict[str, Any]:

@@ -164,10 +164,13 @@ class Engine:
     listen on 0.0.0.0, publish the first non-loopback IPv4 address.
     transport: overrides the configuration's `transport` ("auto", "tcp", "shm")."""
 
-    def __init__(self, config: ConfigArg = None, name: Optional[str] = None, *, transport: Optional[str] = None, metadata: Optional[str] = None) -> None: ...
+    def __init__(self, config: ConfigArg = None, name: Optional[str] = None, *, transport: Optional[str] = None, metadata: Optional[str] = None, segment_name: Optional[str] = None) -> None: ...
     @property
     def name(self) -> str:
-        """This engine's segment name, host:port."""
+        """This engine's address, host:port."""
+    @property
+    def segment_name(self) -> str:
+        """The name peers open this engine by: segment_name when given, else name."""
     @property
     def config(self) -> Dict[str, Any]:
         """The effective configuration."""

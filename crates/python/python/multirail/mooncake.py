@@ -21,13 +21,14 @@ before a successful ``initialize`` return -1 (0 where 0 means failure) instead o
 
 Differences from Mooncake, all documented on the methods:
 
-* ``metadata_server``: ``"P2PHANDSHAKE"`` (segments are discovered by asking the peer itself)
-  or an HTTP metadata server ``"http://HOST:PORT/metadata"`` (Mooncake's protocol; engines
-  publish under ``multirail/``, beside Mooncake's own keys). etcd (``"etcd://..."`` or a bare
-  ``host:port``) is refused (-1): not supported yet.
+* ``metadata_server``: ``"P2PHANDSHAKE"`` (segments are discovered by asking the peer itself),
+  an HTTP metadata server ``"http://HOST:PORT/metadata"`` (Mooncake's protocol) or etcd
+  (``"etcd://HOST:PORT[,HOST:PORT]"`` or a bare ``host:port``, as Mooncake reads it). Engines
+  publish under ``multirail/``, beside Mooncake's own keys, by their session id
+  ``host:port``.
 * ``protocol``: ``"tcp"`` forces the TCP transport (also to same-host peers, as Mooncake does);
-  ``"rdma"`` uses the best transport multirail has (shared memory to same-host peers, else TCP:
-  it has no RDMA yet) and logs which. Anything else returns -1.
+  ``"rdma"`` uses the best transport multirail has (shared memory to same-host peers, RDMA when
+  both ends have RDMA devices, else TCP) and logs so. Anything else returns -1.
 * ``device_name`` is ignored (logged): multirail picks its rails from the configuration
   (``MULTIRAIL_CONF``) or the host's interfaces.
 * ``get_notifies()`` returns the notifications received since the last call; a
@@ -122,8 +123,8 @@ class TransferEngine:
         port is ignored and a free one is picked (set ``MC_LEGACY_RPC_PORT_BINDING`` to use
         it). The engine listens on ``host`` when it is an IP address, else on every address
         and publishes ``host``. The session id peers use is ``f"{host}:{get_rpc_port()}"``.
-        ``metadata_server``: ``"P2PHANDSHAKE"`` or ``"http://HOST:PORT/PATH"`` (etcd is not
-        supported yet). ``protocol``: ``"tcp"`` or ``"rdma"`` (see the module docstring).
+        ``metadata_server``: ``"P2PHANDSHAKE"``, ``"http://HOST:PORT/PATH"``,
+        ``"etcd://HOST:PORT[,...]"`` or a bare ``"HOST:PORT[,...]"`` (etcd). ``protocol``: ``"tcp"`` or ``"rdma"`` (see the module docstring).
         ``device_name``: ignored."""
         if self._engine is not None:
             log.error("initialize: this TransferEngine is already initialized (%s)", self._engine.name)
@@ -132,11 +133,13 @@ class TransferEngine:
             log.error("initialize: local_hostname must be a non-empty string, got %r", local_hostname)
             return -1
         if not isinstance(metadata_server, str) or not (
-            metadata_server == P2PHANDSHAKE or metadata_server.startswith("http://")
+            metadata_server == P2PHANDSHAKE
+            or metadata_server.startswith(("http://", "etcd://"))
+            or (metadata_server and "://" not in metadata_server)
         ):
             log.error(
-                "initialize: metadata server %r is not supported (etcd is not yet); pass %r or "
-                "an HTTP metadata server 'http://HOST:PORT/metadata'",
+                "initialize: metadata server %r is not supported; pass %r, an HTTP metadata "
+                "server 'http://HOST:PORT/metadata' or etcd 'etcd://HOST:PORT'",
                 metadata_server,
                 P2PHANDSHAKE,
             )
@@ -146,8 +149,8 @@ class TransferEngine:
         elif protocol == "rdma":
             transport = "auto"
             log.info(
-                "initialize: protocol 'rdma': multirail has no RDMA transport; using its best one "
-                "(shared memory to peers on this host, TCP to the others)"
+                "initialize: protocol 'rdma': using multirail's best transport to each peer (shared "
+                "memory on this host, RDMA when both ends have RDMA devices, else TCP)"
             )
         else:
             log.error("initialize: protocol %r is not supported (use 'tcp' or 'rdma')", protocol)

@@ -141,6 +141,9 @@ thread_local! {
 /// Everything needed to reach one peer.
 pub(crate) struct TcpPeer {
     name: String,
+    /// The peer's control address these connections were made for: a segment published again
+    /// at another address (metadata store) needs new ones.
+    addr: std::net::SocketAddr,
     /// The engine's id of the peer: its key in the engine's timer table.
     peer_id: u64,
     paths: Vec<Path>,
@@ -254,6 +257,7 @@ impl TcpPeer {
         let path_rails: Vec<usize> = paths.iter().map(|p| p.rail).collect();
         let tcp = Arc::new_cyclic(|me| TcpPeer {
             name: peer.name.clone(),
+            addr: peer.addr,
             peer_id: peer.id,
             paths,
             dispatch: Mutex::new(Dispatcher::new(dispatch_config(settings, qos), &path_rails)),
@@ -872,6 +876,19 @@ impl TcpTransport {
     fn connected(&self, peer: &Peer) -> Result<Arc<TcpPeer>> {
         let slot = self.slot(peer.id);
         let live = || {
+            let moved = {
+                let mut current = slot.tcp.lock().expect("peer poisoned");
+                match current.as_ref() {
+                    Some(p) if p.addr != peer.addr => current.take(),
+                    _ => None,
+                }
+            };
+            // The segment is now served at another address: the old connections lead to a
+            // process that no longer answers for it. Closed outside the lock, since closing
+            // hands slices back.
+            if let Some(moved) = moved {
+                moved.close("the segment moved to another address");
+            }
             slot.tcp
                 .lock()
                 .expect("peer poisoned")
@@ -937,6 +954,19 @@ impl TcpTransport {
             .cloned()?;
         let tcp = slot.tcp.lock().expect("peer poisoned").clone();
         tcp
+    }
+
+    /// The health of every path to every peer with connections: its local rail (scheduler
+    /// index) and state.
+    pub(crate) fn path_health(&self) -> Vec<(usize, multirail_policy::health::RailState)> {
+        let mut out = Vec::new();
+        for peer in self.connected_peers() {
+            let d = peer.lock();
+            for (i, path) in peer.paths.iter().enumerate() {
+                out.push((path.rail, d.health_state(i)));
+            }
+        }
+        out
     }
 
     /// Every peer with connections.

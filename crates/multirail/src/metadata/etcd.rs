@@ -1,0 +1,646 @@
+//! Descriptors kept in etcd (v3 API, through the `etcd-client` crate). Each engine's keys hang
+//! on one lease the engine keeps alive, so an engine that dies without withdrawing them
+//! disappears within the lease's time to live; a watch on the key prefix tells the engine when
+//! a segment it has opened is published again (restarted, moved to another port) or withdrawn.
+//!
+//! The engine is synchronous and etcd's client is not: the store owns a small tokio runtime
+//! (one worker thread, `mr-etcd`) that runs every request, the lease keeper and the watch.
+//! Callers wait on a channel, never inside the runtime, so an engine method called from an
+//! application's own async code blocks for at most `metadata.timeout_ms` instead of
+//! panicking.
+//!
+//! Values are the same JSON a segment answers over its control port in P2P mode.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+
+use super::{published_name_matches, ChangeListener};
+use crate::config::{ConfigError, MetadataConfig};
+use crate::error::{Error, Result};
+use crate::segment::SegmentDescriptor;
+use crate::transport::wire;
+
+/// Default of `metadata.lease_ttl_s`: an engine killed without withdrawing its keys is gone
+/// from etcd within this many seconds.
+pub const DEFAULT_LEASE_TTL_S: u64 = 10;
+
+/// How long the watch and the lease keeper wait before trying etcd again after a failure.
+const RETRY_AFTER: Duration = Duration::from_millis(500);
+
+/// Parses `metadata.servers` for etcd: `etcd://HOST:PORT[,HOST:PORT...]`, or the same without
+/// the scheme (as Mooncake reads a bare `host:port`). Returns the endpoints as
+/// `http://HOST:PORT`, or the reason the text is not that, worded for a configuration error.
+pub(crate) fn parse_endpoints(servers: &str) -> std::result::Result<Vec<String>, String> {
+    let expected = || {
+        format!(
+            "must be etcd://HOST:PORT[,HOST:PORT...] (e.g. etcd://127.0.0.1:2379), got {servers:?}"
+        )
+    };
+    let list = servers.strip_prefix("etcd://").unwrap_or(servers);
+    if list.contains("://") {
+        return Err(expected());
+    }
+    let mut endpoints = Vec::new();
+    for part in list.split(',') {
+        let part = part.trim();
+        if part.is_empty()
+            || part
+                .chars()
+                .any(|c| c.is_whitespace() || c.is_control() || "/?#@".contains(c))
+        {
+            return Err(expected());
+        }
+        let Some((host, port)) = part.rsplit_once(':') else {
+            return Err(format!("{}: the port of {part:?} is missing", expected()));
+        };
+        let bracketed = host.starts_with('[') || host.ends_with(']');
+        if host.is_empty()
+            || (bracketed && !(host.len() > 2 && host.starts_with('[') && host.ends_with(']')))
+            || (!bracketed && host.contains(':'))
+        {
+            return Err(format!("{}: bad host {host:?}", expected()));
+        }
+        match port.parse::<u16>() {
+            Ok(p) if p != 0 => endpoints.push(format!("http://{host}:{p}")),
+            _ => return Err(format!("{}: bad port {port:?}", expected())),
+        }
+    }
+    Ok(endpoints)
+}
+
+/// A [`MetadataStore`](super::MetadataStore) backed by etcd. Each segment's descriptor lives
+/// under `prefix + [cluster_id + "/"] + name`, attached to this store's lease.
+///
+/// Every request gives up after the configured timeout, so a store that does not answer fails
+/// the lookup (naming the store) instead of hanging it. What this engine published is kept
+/// here too: when the lease is lost (etcd was unreachable for longer than its time to live),
+/// the keeper takes a new one and publishes everything again.
+pub struct EtcdMetadata {
+    shared: Arc<Shared>,
+    /// `None` only while dropping.
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+struct Shared {
+    endpoints: Vec<String>,
+    /// The store as errors name it: `etcd://HOST:PORT,...`.
+    shown: String,
+    key_prefix: String,
+    timeout: Duration,
+    lease_ttl_s: i64,
+    client: tokio::sync::Mutex<Option<Client>>,
+    /// Key to value of everything this engine published and has not withdrawn.
+    published: Mutex<HashMap<String, Vec<u8>>>,
+    /// The lease the published keys hang on; 0 before the first publish.
+    lease: tokio::sync::Mutex<i64>,
+    keeper_started: AtomicBool,
+    watch_started: AtomicBool,
+}
+
+impl EtcdMetadata {
+    /// A store on the etcd cluster `servers` (see [`parse_endpoints`]) with keys under
+    /// `prefix` (then `cluster_id/` when given), each request bounded by `timeout`, published
+    /// keys on a lease of `lease_ttl_s` seconds. Connects lazily: nothing is sent until the
+    /// first request. Fails with a configuration error naming `metadata.servers` when
+    /// `servers` is malformed, or `metadata.lease_ttl_s` when it is 0, and with `Io` when the
+    /// runtime thread cannot be started.
+    pub fn new(
+        servers: &str,
+        prefix: &str,
+        cluster_id: Option<&str>,
+        timeout: Duration,
+        lease_ttl_s: u64,
+    ) -> Result<EtcdMetadata> {
+        let endpoints =
+            parse_endpoints(servers).map_err(|m| ConfigError::new("metadata.servers", m))?;
+        if lease_ttl_s == 0 || lease_ttl_s > i64::MAX as u64 {
+            return Err(ConfigError::new("metadata.lease_ttl_s", "must be at least 1").into());
+        }
+        let mut key_prefix = prefix.to_owned();
+        if let Some(id) = cluster_id {
+            key_prefix.push_str(id);
+            key_prefix.push('/');
+        }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("mr-etcd")
+            .enable_all()
+            .build()
+            .map_err(|e| Error::io("starting the etcd client's thread", e))?;
+        let shown = format!(
+            "etcd://{}",
+            endpoints
+                .iter()
+                .map(|e| e.trim_start_matches("http://"))
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        Ok(EtcdMetadata {
+            shared: Arc::new(Shared {
+                endpoints,
+                shown,
+                key_prefix,
+                timeout,
+                lease_ttl_s: lease_ttl_s as i64,
+                client: tokio::sync::Mutex::new(None),
+                published: Mutex::new(HashMap::new()),
+                lease: tokio::sync::Mutex::new(0),
+                keeper_started: AtomicBool::new(false),
+                watch_started: AtomicBool::new(false),
+            }),
+            runtime: Some(runtime),
+        })
+    }
+
+    /// The store `config` describes (`servers`, `prefix`, `cluster_id`, `timeout_ms`,
+    /// `lease_ttl_s`). Fails as [`EtcdMetadata::new`] does, and with a configuration error
+    /// naming `metadata.servers` when no server is given.
+    pub fn from_config(config: &MetadataConfig) -> Result<EtcdMetadata> {
+        let servers = config.servers.as_deref().ok_or_else(|| {
+            ConfigError::new(
+                "metadata.servers",
+                "is required when metadata.type is \"etcd\"",
+            )
+        })?;
+        EtcdMetadata::new(
+            servers,
+            &config.prefix,
+            config.cluster_id.as_deref(),
+            Duration::from_millis(config.timeout_ms),
+            config.lease_ttl_s,
+        )
+    }
+
+    /// The store as errors name it: `etcd://HOST:PORT[,HOST:PORT...]`.
+    pub fn url(&self) -> &str {
+        &self.shared.shown
+    }
+
+    /// The key segment `name` is stored under.
+    pub fn key(&self, name: &str) -> String {
+        format!("{}{name}", self.shared.key_prefix)
+    }
+
+    /// Runs `op` on the runtime and waits for it, for at most the store's timeout. The error
+    /// names the store.
+    fn run<T, F, Fut>(&self, op: F) -> std::result::Result<T, String>
+    where
+        T: Send + 'static,
+        F: FnOnce(Arc<Shared>) -> Fut,
+        Fut: Future<Output = std::result::Result<T, String>> + Send + 'static,
+    {
+        let shared = self.shared.clone();
+        let timeout = shared.timeout;
+        let late = shared.late();
+        let (tx, rx) = mpsc::sync_channel(1);
+        let fut = op(shared);
+        let Some(runtime) = &self.runtime else {
+            return Err(late);
+        };
+        runtime.spawn(async move {
+            let answer = tokio::time::timeout(timeout, fut)
+                .await
+                .unwrap_or_else(|_| Err(late));
+            let _ = tx.send(answer);
+        });
+        // The task answers by the timeout; the margin only covers a runtime slow to schedule.
+        rx.recv_timeout(timeout + Duration::from_millis(500))
+            .unwrap_or_else(|_| Err(self.shared.late()))
+    }
+}
+
+impl Shared {
+    fn late(&self) -> String {
+        format!(
+            "the metadata store {} did not answer within {} ms",
+            self.shown,
+            self.timeout.as_millis()
+        )
+    }
+
+    fn failed(&self, e: etcd_client::Error) -> String {
+        format!("the metadata store {} failed: {e}", self.shown)
+    }
+
+    /// The client, connected on first use.
+    async fn client(&self) -> std::result::Result<Client, String> {
+        let mut slot = self.client.lock().await;
+        if let Some(c) = slot.as_ref() {
+            return Ok(c.clone());
+        }
+        let options = ConnectOptions::new()
+            .with_connect_timeout(self.timeout)
+            .with_timeout(self.timeout)
+            // Notices a dead etcd member on an idle connection: the watch must move on.
+            .with_keep_alive(Duration::from_secs(2), self.timeout);
+        let c = Client::connect(&self.endpoints, Some(options))
+            .await
+            .map_err(|e| format!("cannot reach the metadata store {}: {e}", self.shown))?;
+        *slot = Some(c.clone());
+        Ok(c)
+    }
+
+    /// The lease to publish on, granted on first use.
+    async fn lease(&self, client: &mut Client) -> std::result::Result<i64, String> {
+        let mut lease = self.lease.lock().await;
+        if *lease == 0 {
+            let granted = client
+                .lease_grant(self.lease_ttl_s, None)
+                .await
+                .map_err(|e| self.failed(e))?;
+            *lease = granted.id();
+        }
+        Ok(*lease)
+    }
+
+    /// Forgets `expired` (when it is still the current lease) and grants a new one.
+    async fn renew_lease(
+        &self,
+        client: &mut Client,
+        expired: i64,
+    ) -> std::result::Result<i64, String> {
+        {
+            let mut lease = self.lease.lock().await;
+            if *lease == expired {
+                *lease = 0;
+            }
+        }
+        self.lease(client).await
+    }
+
+    async fn put_on_lease(
+        &self,
+        client: &mut Client,
+        key: &str,
+        value: Vec<u8>,
+    ) -> std::result::Result<(), String> {
+        let lease = self.lease(client).await?;
+        let put = client
+            .put(
+                key,
+                value.clone(),
+                Some(PutOptions::new().with_lease(lease)),
+            )
+            .await;
+        match put {
+            Ok(_) => Ok(()),
+            // The lease ran out while etcd was away (or etcd lost it): take a new one.
+            Err(e) if e.to_string().contains("lease not found") => {
+                let lease = self.renew_lease(client, lease).await?;
+                client
+                    .put(key, value, Some(PutOptions::new().with_lease(lease)))
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| self.failed(e))
+            }
+            Err(e) => Err(self.failed(e)),
+        }
+    }
+
+    /// Keeps the lease alive every third of its time to live. A lease etcd no longer knows
+    /// (it expired while etcd was unreachable) is replaced and everything this engine
+    /// published is put again on the new one.
+    async fn keep_lease(self: Arc<Self>) {
+        let every = Duration::from_millis((self.lease_ttl_s as u64 * 1000 / 3).max(100));
+        let mut last_warning: Option<Instant> = None;
+        loop {
+            tokio::time::sleep(every).await;
+            let lease = *self.lease.lock().await;
+            if lease == 0 {
+                continue;
+            }
+            let outcome = tokio::time::timeout(self.timeout, self.refresh(lease)).await;
+            let failure = match outcome {
+                Ok(Ok(())) => continue,
+                Ok(Err(e)) => e,
+                Err(_) => self.late(),
+            };
+            if last_warning.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+                last_warning = Some(Instant::now());
+                tracing::warn!(error = %failure, "cannot keep this engine's metadata lease alive; retrying (logged at most every 10 s)");
+            }
+        }
+    }
+
+    /// One keep-alive of `lease`, or a new lease with everything published again.
+    async fn refresh(&self, lease: i64) -> std::result::Result<(), String> {
+        let mut client = self.client().await?;
+        let (mut keeper, mut answers) = client
+            .lease_keep_alive(lease)
+            .await
+            .map_err(|e| self.failed(e))?;
+        keeper.keep_alive().await.map_err(|e| self.failed(e))?;
+        let ttl = match answers.message().await {
+            Ok(Some(answer)) => answer.ttl(),
+            Ok(None) => {
+                return Err(format!(
+                    "the metadata store {} closed the keep-alive",
+                    self.shown
+                ))
+            }
+            Err(e) if e.to_string().contains("lease not found") => 0,
+            Err(e) => return Err(self.failed(e)),
+        };
+        if ttl > 0 {
+            return Ok(());
+        }
+        let fresh = self.renew_lease(&mut client, lease).await?;
+        let entries: Vec<(String, Vec<u8>)> = self
+            .published
+            .lock()
+            .expect("published poisoned")
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for (key, value) in &entries {
+            client
+                .put(
+                    key.as_str(),
+                    value.clone(),
+                    Some(PutOptions::new().with_lease(fresh)),
+                )
+                .await
+                .map_err(|e| self.failed(e))?;
+        }
+        tracing::info!(
+            keys = entries.len(),
+            "the metadata lease had expired; published again on a new lease"
+        );
+        Ok(())
+    }
+
+    /// Follows every change under the key prefix and tells `listener`, resuming after the
+    /// last revision seen when the watch breaks, so no change is missed while etcd keeps its
+    /// history.
+    async fn follow(self: Arc<Self>, listener: ChangeListener) {
+        let mut next_revision = 0i64;
+        let mut last_warning: Option<Instant> = None;
+        loop {
+            if let Err(e) = self.follow_once(&listener, &mut next_revision).await {
+                if last_warning.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+                    last_warning = Some(Instant::now());
+                    tracing::warn!(error = %e, "the metadata watch broke; retrying (logged at most every 10 s)");
+                }
+            }
+            tokio::time::sleep(RETRY_AFTER).await;
+        }
+    }
+
+    async fn follow_once(
+        &self,
+        listener: &ChangeListener,
+        next_revision: &mut i64,
+    ) -> std::result::Result<(), String> {
+        let mut client = self.client().await?;
+        let mut options = WatchOptions::new().with_prefix();
+        if *next_revision > 0 {
+            options = options.with_start_revision(*next_revision);
+        } else {
+            // The first watch starts where a read of the present state ends, so a change made
+            // between the two is not lost.
+            let now = client
+                .get(
+                    self.key_prefix.as_str(),
+                    Some(GetOptions::new().with_prefix().with_keys_only()),
+                )
+                .await
+                .map_err(|e| self.failed(e))?;
+            if let Some(h) = now.header() {
+                *next_revision = h.revision() + 1;
+                options = options.with_start_revision(*next_revision);
+            }
+        }
+        let mut stream = client
+            .watch(self.key_prefix.as_str(), Some(options))
+            .await
+            .map_err(|e| self.failed(e))?;
+        while let Some(answer) = stream.message().await.map_err(|e| self.failed(e))? {
+            if answer.canceled() {
+                if answer.compact_revision() > 0 {
+                    // History up to there is gone; changes before it were missed, but each
+                    // opened segment is checked again at its next refetch.
+                    *next_revision = answer.compact_revision();
+                }
+                return Err(format!(
+                    "the metadata store {} cancelled the watch: {}",
+                    self.shown,
+                    answer.cancel_reason()
+                ));
+            }
+            for event in answer.events() {
+                let Some(kv) = event.kv() else { continue };
+                *next_revision = (*next_revision).max(kv.mod_revision() + 1);
+                let Some(name) = kv
+                    .key_str()
+                    .ok()
+                    .and_then(|k| k.strip_prefix(self.key_prefix.as_str()))
+                else {
+                    continue;
+                };
+                match event.event_type() {
+                    EventType::Put => match serde_json::from_slice::<SegmentDescriptor>(kv.value())
+                    {
+                        Ok(d) if published_name_matches(&d, name) => listener(name, Some(d)),
+                        Ok(d) => {
+                            tracing::debug!(key = name, describes = %d.name, "ignored a descriptor published under another segment's name")
+                        }
+                        Err(e) => {
+                            tracing::debug!(key = name, error = %e, "ignored a value that is not a descriptor")
+                        }
+                    },
+                    EventType::Delete => listener(name, None),
+                }
+            }
+        }
+        Err(format!("the metadata store {} ended the watch", self.shown))
+    }
+}
+
+impl super::MetadataStore for EtcdMetadata {
+    /// Fails with `SegmentUnreachable` when etcd has no such key ("not registered"), does not
+    /// answer within the timeout or cannot be reached (the reason names the store), or holds
+    /// something that is not this segment's descriptor ("bad descriptor").
+    fn fetch(&self, name: &str) -> Result<SegmentDescriptor> {
+        let unreachable = |reason: String| Error::SegmentUnreachable {
+            name: name.to_owned(),
+            reason,
+        };
+        let key = self.key(name);
+        let value = self
+            .run(move |s| async move {
+                let mut client = s.client().await?;
+                let answer = client.get(key, None).await.map_err(|e| s.failed(e))?;
+                Ok(answer.kvs().first().map(|kv| kv.value().to_vec()))
+            })
+            .map_err(unreachable)?;
+        let Some(value) = value else {
+            return Err(unreachable(format!(
+                "not registered in the metadata store {}",
+                self.url()
+            )));
+        };
+        let bad = |what: String| {
+            unreachable(format!(
+                "bad descriptor under key {:?} in the metadata store {}: {what}",
+                self.key(name),
+                self.url()
+            ))
+        };
+        if value.len() > wire::MAX_CONTROL_LEN as usize {
+            return Err(bad(format!("{} bytes is above the limit", value.len())));
+        }
+        let descriptor: SegmentDescriptor =
+            serde_json::from_slice(&value).map_err(|e| bad(e.to_string()))?;
+        // A value left by another engine (or written by hand) must not send requests elsewhere.
+        if !published_name_matches(&descriptor, name) {
+            return Err(bad(format!("it describes segment {:?}", descriptor.name)));
+        }
+        Ok(descriptor)
+    }
+
+    /// Puts the descriptor's JSON under `name`'s key, on this engine's lease (granted on the
+    /// first publish and kept alive from then on). Fails with an I/O error naming the store
+    /// when etcd does not take it within the timeout.
+    fn publish(&self, name: &str, descriptor: &SegmentDescriptor) -> Result<()> {
+        let key = self.key(name);
+        let value = serde_json::to_vec(descriptor).expect("descriptor serializes");
+        // Recorded first: if etcd is down now, the keeper publishes it once etcd is back.
+        self.shared
+            .published
+            .lock()
+            .expect("published poisoned")
+            .insert(key.clone(), value.clone());
+        let outcome = self.run(move |s| async move {
+            let mut client = s.client().await?;
+            s.put_on_lease(&mut client, &key, value).await
+        });
+        if !self.shared.keeper_started.swap(true, Ordering::AcqRel) {
+            if let Some(rt) = &self.runtime {
+                rt.spawn(self.shared.clone().keep_lease());
+            }
+        }
+        outcome.map_err(|e| {
+            Error::io(
+                format!(
+                    "publishing segment {name} to the metadata store {}",
+                    self.url()
+                ),
+                std::io::Error::other(e),
+            )
+        })
+    }
+
+    /// Deletes `name`'s key; a key already gone counts as withdrawn. Fails with an I/O error
+    /// naming the store when etcd does not answer within the timeout.
+    fn unpublish(&self, name: &str) -> Result<()> {
+        let key = self.key(name);
+        self.shared
+            .published
+            .lock()
+            .expect("published poisoned")
+            .remove(&key);
+        self.run(move |s| async move {
+            let mut client = s.client().await?;
+            client.delete(key, None).await.map_err(|e| s.failed(e))?;
+            Ok(())
+        })
+        .map_err(|e| {
+            Error::io(
+                format!(
+                    "withdrawing segment {name} from the metadata store {}",
+                    self.url()
+                ),
+                std::io::Error::other(e),
+            )
+        })
+    }
+
+    /// Starts the watch of the key prefix (once); `listener` hears of every descriptor
+    /// published or withdrawn from then on, on the store's own thread.
+    fn watch(&self, listener: ChangeListener) {
+        if self.shared.watch_started.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if let Some(rt) = &self.runtime {
+            rt.spawn(self.shared.clone().follow(listener));
+        }
+    }
+}
+
+impl Drop for EtcdMetadata {
+    fn drop(&mut self) {
+        // Revoking the lease withdraws whatever is still published at once, instead of at the
+        // end of its time to live. Best effort, bounded by the timeout.
+        let published = !self
+            .shared
+            .published
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty();
+        if published {
+            let _ = self.run(|s| async move {
+                let lease = *s.lease.lock().await;
+                if lease != 0 {
+                    let mut client = s.client().await?;
+                    client.lease_revoke(lease).await.map_err(|e| s.failed(e))?;
+                }
+                Ok(())
+            });
+        }
+        // Dropping a runtime from inside another one panics; shutting it down in the
+        // background does not, wherever the engine is dropped.
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints() {
+        for (good, want) in [
+            ("etcd://127.0.0.1:2379", vec!["http://127.0.0.1:2379"]),
+            ("127.0.0.1:2379", vec!["http://127.0.0.1:2379"]),
+            ("etcd://a:1,b:2", vec!["http://a:1", "http://b:2"]),
+            ("[::1]:2379", vec!["http://[::1]:2379"]),
+        ] {
+            assert_eq!(parse_endpoints(good).unwrap(), want, "{good}");
+        }
+        for (bad, says) in [
+            ("http://h:2379", "etcd://HOST:PORT"),
+            ("etcd://h", "port"),
+            ("etcd://h:0", "bad port"),
+            ("etcd://h:x", "bad port"),
+            ("etcd://:1", "bad host"),
+            ("etcd://a:1,", "etcd://HOST:PORT"),
+            ("etcd://a:1/x", "etcd://HOST:PORT"),
+            ("", "etcd://HOST:PORT"),
+            ("etcd://::1:5", "bad host"),
+        ] {
+            let e = parse_endpoints(bad).expect_err(bad);
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn keys_and_bad_settings() {
+        let t = Duration::from_millis(10);
+        let m = EtcdMetadata::new("h:1", "multirail/", Some("c"), t, 5).unwrap();
+        assert_eq!(m.key("n"), "multirail/c/n");
+        assert_eq!(m.url(), "etcd://h:1");
+        let e = EtcdMetadata::new("h:1", "p/", None, t, 0).err().unwrap();
+        assert!(e.to_string().contains("metadata.lease_ttl_s"), "{e}");
+        let e = EtcdMetadata::new("http://h:1", "p/", None, t, 5)
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("metadata.servers"), "{e}");
+    }
+}

@@ -1,0 +1,167 @@
+//! A real etcd server for tests: Debian's `etcd` (package `etcd-server`, which `scripts/test`
+//! installs), started on free loopback ports in a directory of its own and killed when
+//! dropped. Tests fail, saying how to get it, when the binary is missing.
+
+// Each test crate that includes this file uses part of it.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// One running etcd member.
+pub struct Etcd {
+    child: Option<Child>,
+    dir: PathBuf,
+    /// The client port, on 127.0.0.1.
+    pub port: u16,
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free loopback port")
+        .port()
+}
+
+fn etcd_binary() -> String {
+    std::env::var("MULTIRAIL_ETCD").unwrap_or_else(|_| "etcd".into())
+}
+
+impl Etcd {
+    /// Starts etcd and waits until it answers `/health`. Panics (failing the test) when etcd
+    /// is not installed or does not come up within 30 s.
+    pub fn start() -> Etcd {
+        let dir = std::env::temp_dir().join(format!(
+            "multirail-etcd-{}-{}",
+            std::process::id(),
+            free_port()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("etcd directory");
+        let (port, peer) = (free_port(), free_port());
+        let client_url = format!("http://127.0.0.1:{port}");
+        let peer_url = format!("http://127.0.0.1:{peer}");
+        let child = Command::new(etcd_binary())
+            .args([
+                "--name",
+                "test",
+                "--data-dir",
+                dir.join("data").to_str().unwrap(),
+                "--listen-client-urls",
+                &client_url,
+                "--advertise-client-urls",
+                &client_url,
+                "--listen-peer-urls",
+                &peer_url,
+                "--initial-advertise-peer-urls",
+                &peer_url,
+                "--initial-cluster",
+                &format!("test={peer_url}"),
+                "--logger",
+                "zap",
+                "--log-level",
+                "error",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(
+                std::fs::File::create(dir.join("etcd.log"))
+                    .map(Stdio::from)
+                    .unwrap_or_else(|_| Stdio::null()),
+            )
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot start {:?} ({e}): install etcd (Debian: apt-get install etcd-server; \
+                     scripts/test does) or point MULTIRAIL_ETCD at it",
+                    etcd_binary()
+                )
+            });
+        let mut etcd = Etcd {
+            child: Some(child),
+            dir,
+            port,
+        };
+        etcd.wait_healthy(Duration::from_secs(30));
+        etcd
+    }
+
+    fn wait_healthy(&mut self, limit: Duration) {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .proxy(None)
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(1)))
+            .build()
+            .into();
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Ok(mut answer) = agent.get(format!("{}/health", self.http())).call() {
+                if answer
+                    .body_mut()
+                    .read_to_string()
+                    .is_ok_and(|b| b.contains("true"))
+                {
+                    return;
+                }
+            }
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                let log = std::fs::read_to_string(self.dir.join("etcd.log")).unwrap_or_default();
+                panic!("etcd exited with {status} before it was healthy:\n{log}");
+            }
+            assert!(
+                Instant::now() < deadline,
+                "etcd not healthy within {limit:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `etcd://127.0.0.1:PORT`, as engines are configured with it.
+    pub fn url(&self) -> String {
+        format!("etcd://127.0.0.1:{}", self.port)
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn http(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    fn signal(&self, sig: libc::c_int) {
+        if let Some(c) = &self.child {
+            // SAFETY: kill(2) on our own child's pid; it takes no memory.
+            unsafe { libc::kill(c.id() as libc::pid_t, sig) };
+        }
+    }
+
+    /// Freezes etcd (SIGSTOP): connections stay open and nothing answers.
+    pub fn pause(&self) {
+        self.signal(libc::SIGSTOP);
+    }
+
+    /// Lets a paused etcd run again.
+    pub fn resume(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    /// Kills etcd (SIGKILL) and waits for it; its data stays.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.resume();
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
