@@ -30,6 +30,7 @@
 //! | `multirail_qos_queued_entries` | gauge | `priority` | queue depth |
 //! | `multirail_qos_dequeued_entries_total` | counter | `priority` | entries that left the queue |
 //! | `multirail_qos_wait_p50_seconds`, `multirail_qos_wait_p99_seconds` | gauge | `priority` | wait p50 and p99 since the engine started |
+//! | `multirail_qos_wait_seconds` | histogram | `priority`, `le` | every wait since the engine started, 10 µs to 5 s buckets |
 //! | `multirail_qos_promotions_total` | counter | | entries promoted one level |
 //! | `multirail_qos_global_slot` | gauge | | shared slot in force (only with shared slots) |
 //! | `multirail_connections_open` | gauge | | connections held |
@@ -418,6 +419,31 @@ impl Families<'_> {
 }
 
 /// Bytes per second of `gbps` gigabits per second.
+/// The queue-wait histogram of one priority, as the engine keeps it.
+struct WaitHistogram<'a>(&'a crate::qos::PriorityTraffic);
+
+impl fmt::Debug for WaitHistogram<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("WaitHistogram").finish()
+    }
+}
+
+impl EncodeMetric for WaitHistogram<'_> {
+    fn encode(&self, mut encoder: prometheus_client::encoding::MetricEncoder) -> fmt::Result {
+        let count = self.0.wait_buckets.iter().map(|(_, n)| n).sum();
+        encoder.encode_histogram::<prometheus_client::encoding::NoLabelSet>(
+            self.0.wait_sum_seconds,
+            count,
+            &self.0.wait_buckets,
+            None,
+        )
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}
+
 fn bytes_per_second(gbps: f64) -> f64 {
     gbps * 1e9 / 8.0
 }
@@ -595,6 +621,19 @@ impl Snapshot {
                 .collect();
             f.gauges(family, help, Some(Unit::Seconds), &waits)?;
         }
+        let histograms: Vec<_> = PRIORITIES
+            .iter()
+            .zip(&qos.priorities)
+            .map(|(name, p)| (vec![("priority", *name)], p))
+            .collect();
+        f.family(
+            "multirail_qos_wait",
+            "Wait from queueing to posting of every entry since the engine started, by priority",
+            Some(Unit::Seconds),
+            &histograms,
+            |p| WaitHistogram(p),
+            MetricType::Histogram,
+        )?;
         f.counter(
             "multirail_qos_promotions",
             "Queue entries promoted one level after waiting too long",

@@ -28,6 +28,32 @@ pub struct PriorityTraffic {
     pub wait_p50_us: u64,
     /// 99th-percentile wait, microseconds.
     pub wait_p99_us: u64,
+    /// Every recorded wait by bucket: (upper bound in seconds, waits in that bucket and not a
+    /// lower one), the last bound infinite. From the same histogram as the percentiles, whose
+    /// two significant digits blur a wait near a bound into its neighbour.
+    #[serde(skip)]
+    pub wait_buckets: Vec<(f64, u64)>,
+    /// Sum of every recorded wait, seconds (from the histogram, so within its precision).
+    #[serde(skip)]
+    pub wait_sum_seconds: f64,
+}
+
+/// Upper bounds of the wait buckets, microseconds (then +Inf).
+const WAIT_BUCKETS_US: [u64; 12] = [
+    10, 50, 100, 500, 1_000, 5_000, 10_000, 50_000, 100_000, 500_000, 1_000_000, 5_000_000,
+];
+
+/// Per-bucket counts of `h` at [`WAIT_BUCKETS_US`] and +Inf, bounds in seconds.
+fn wait_buckets(h: &hdrhistogram::Histogram<u64>) -> Vec<(f64, u64)> {
+    let mut out = Vec::with_capacity(WAIT_BUCKETS_US.len() + 1);
+    let mut below = 0;
+    for &bound in &WAIT_BUCKETS_US {
+        let upto = h.count_between(0, bound);
+        out.push((bound as f64 / 1e6, upto.saturating_sub(below)));
+        below = upto.max(below);
+    }
+    out.push((f64::INFINITY, h.len().saturating_sub(below)));
+    out
 }
 
 /// Queue statistics of every priority level.
@@ -329,6 +355,8 @@ impl Qos {
                 dequeued: w.dequeued[p],
                 wait_p50_us: w.histograms[p].value_at_quantile(0.5),
                 wait_p99_us: w.histograms[p].value_at_quantile(0.99),
+                wait_buckets: wait_buckets(&w.histograms[p]),
+                wait_sum_seconds: w.histograms[p].mean() * w.histograms[p].len() as f64 / 1e6,
             };
         }
         out

@@ -122,7 +122,13 @@ impl Exposition {
     /// The family a sample belongs to: its name without the `_total` of a counter or the
     /// `_info` of an info metric.
     fn family_of(&self, sample: &str) -> String {
-        for (suffix, kind) in [("_total", "counter"), ("_info", "info")] {
+        for (suffix, kind) in [
+            ("_total", "counter"),
+            ("_info", "info"),
+            ("_bucket", "histogram"),
+            ("_sum", "histogram"),
+            ("_count", "histogram"),
+        ] {
             if let Some(base) = sample.strip_suffix(suffix) {
                 if self.types.get(base).map(String::as_str) == Some(kind) {
                     return base.to_owned();
@@ -282,6 +288,23 @@ fn rail_byte_counters_cover_the_bytes_moved_and_grow_with_the_next_transfer() {
                 .count(),
             1
         );
+        // The wait histogram: buckets that only grow, ending at +Inf with the count.
+        let buckets: Vec<&Sample> = e
+            .named("multirail_qos_wait_seconds_bucket")
+            .filter(|s| s.labels["priority"] == p)
+            .collect();
+        assert_eq!(buckets.last().unwrap().labels["le"], "+Inf");
+        assert!(buckets.windows(2).all(|w| w[0].value <= w[1].value));
+        assert_eq!(
+            buckets.last().unwrap().value,
+            e.sum_where("multirail_qos_wait_seconds_count", "priority", p)
+        );
+        if p == "high" {
+            assert!(
+                buckets.last().unwrap().value >= 1.0,
+                "the high write's slices waited"
+            );
+        }
         for q in ["p50", "p99"] {
             let family = format!("multirail_qos_wait_{q}_seconds");
             assert_eq!(
