@@ -1,9 +1,11 @@
 //! How long after an engine starts another engine can open it through a metadata store:
-//! `--starts N` times, an engine named `vis-<run>-<i>` (`metadata.segment_name`) is started
-//! while an observer engine on another thread keeps trying `open_segment` on that name; the
-//! time from the start of `Engine::new` to the observer's first success is one sample. The
-//! started engine is then dropped (withdrawing its key) before the next. The observer tries
-//! every 0.5 ms after a miss, which bounds the resolution.
+//! `--starts N` times, an engine named `vis-<run>-<i>` (`metadata.segment_name`) is started and
+//! allocates 4 KiB, while an observer engine on another thread keeps opening that name; one
+//! sample is the time from the start of `Engine::new` to the observer's first descriptor that
+//! holds the buffer (what a peer needs before it can move a byte). The observer closes the
+//! segment after each look, so it never answers from its cache, and looks again 0.5 ms after
+//! a miss, which bounds the resolution. The started engine is then dropped (withdrawing its
+//! key) before the next.
 //!
 //! Usage: `metadata_visibility --metadata URL [--starts N] [--json]` (URL: `etcd://HOST:PORT`
 //! or `http://HOST:PORT/metadata`). Prints p50, p99 and max in milliseconds, and with `--json`
@@ -72,8 +74,13 @@ fn main() {
                 while Instant::now() < deadline {
                     if let Ok(seg) = observer.open_segment(&name) {
                         let took = t0.elapsed();
+                        let ready = observer
+                            .segment_descriptor(seg)
+                            .is_ok_and(|d| !d.buffers.is_empty());
                         let _ = observer.close_segment(seg);
-                        return (Some(took), misses);
+                        if ready {
+                            return (Some(took), misses);
+                        }
                     }
                     misses += 1;
                     // Leaves the CPU to the engine starting; sets the resolution.
@@ -86,6 +93,12 @@ fn main() {
             eprintln!("error: engine {i} does not start: {e}");
             std::process::exit(1);
         });
+        let buffer = engine
+            .allocate(4096, multirail::Location::Any)
+            .unwrap_or_else(|e| {
+                eprintln!("error: engine {i} cannot allocate: {e}");
+                std::process::exit(1);
+            });
         let (took, misses) = watcher.join().expect("observer thread");
         failed_lookups += misses;
         let Some(took) = took else {
@@ -93,6 +106,7 @@ fn main() {
             std::process::exit(1);
         };
         samples_ms.push(took.as_secs_f64() * 1e3);
+        drop(buffer);
         drop(engine);
     }
     let mut sorted = samples_ms.clone();

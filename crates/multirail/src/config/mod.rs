@@ -249,8 +249,9 @@ pub struct MetadataConfig {
     /// the lookup (or publish) fails; default 2000. P2P lookups keep `transports.tcp`'s
     /// `connect_timeout_ms` and `timeout_ms`.
     pub timeout_ms: u64,
-    /// With etcd, the time to live of the lease this engine's keys hang on, in seconds: an
-    /// engine that dies without withdrawing them disappears within it. Default 10.
+    /// With etcd, how soon the keys of an engine that dies without withdrawing them are gone,
+    /// in seconds: they hang on a lease the engine keeps alive, granted a second shorter so
+    /// etcd's half-second expiry pass fits within it. Default 10.
     pub lease_ttl_s: u64,
     /// The name this engine is published under in a store (`http`, `etcd`), which peers pass
     /// to `open_segment`, as Mooncake's `local_hostname`; default: its `host:port`. A name

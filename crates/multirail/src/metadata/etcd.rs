@@ -29,6 +29,14 @@ use crate::transport::wire;
 /// from etcd within this many seconds.
 pub const DEFAULT_LEASE_TTL_S: u64 = 10;
 
+/// The lease to ask etcd for so that keys of a dead engine are gone within `lease_ttl_s`:
+/// etcd revokes expired leases in a pass every 500 ms, so a lease of exactly `lease_ttl_s`
+/// outlives it by up to half a second; one second shorter leaves that pass room. etcd raises
+/// leases below its own minimum (about 2 s with its default election timeout).
+fn granted_ttl(lease_ttl_s: u64) -> i64 {
+    lease_ttl_s.saturating_sub(1).max(1) as i64
+}
+
 /// How long the watch and the lease keeper wait before trying etcd again after a failure.
 const RETRY_AFTER: Duration = Duration::from_millis(500);
 
@@ -92,6 +100,7 @@ struct Shared {
     shown: String,
     key_prefix: String,
     timeout: Duration,
+    /// The TTL asked of etcd for the lease ([`granted_ttl`]).
     lease_ttl_s: i64,
     client: tokio::sync::Mutex<Option<Client>>,
     /// Key to value of everything this engine published and has not withdrawn.
@@ -105,7 +114,8 @@ struct Shared {
 impl EtcdMetadata {
     /// A store on the etcd cluster `servers` (see [`parse_endpoints`]) with keys under
     /// `prefix` (then `cluster_id/` when given), each request bounded by `timeout`, published
-    /// keys on a lease of `lease_ttl_s` seconds. Connects lazily: nothing is sent until the
+    /// keys on a lease that makes them disappear within `lease_ttl_s` seconds of the engine's
+    /// death ([`granted_ttl`]). Connects lazily: nothing is sent until the
     /// first request. Fails with a configuration error naming `metadata.servers` when
     /// `servers` is malformed, or `metadata.lease_ttl_s` when it is 0, and with `Io` when the
     /// runtime thread cannot be started.
@@ -146,7 +156,7 @@ impl EtcdMetadata {
                 shown,
                 key_prefix,
                 timeout,
-                lease_ttl_s: lease_ttl_s as i64,
+                lease_ttl_s: granted_ttl(lease_ttl_s),
                 client: tokio::sync::Mutex::new(None),
                 published: Mutex::new(HashMap::new()),
                 lease: tokio::sync::Mutex::new(0),
