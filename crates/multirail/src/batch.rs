@@ -25,11 +25,29 @@ impl Status {
     }
 }
 
+/// Requests finished by every batch of an engine (see [`crate::Engine::transfer_stats`]).
+#[derive(Debug, Default)]
+pub(crate) struct TransferCounters {
+    completed: std::sync::atomic::AtomicU64,
+    failed: std::sync::atomic::AtomicU64,
+}
+
+impl TransferCounters {
+    /// Requests completed and failed so far.
+    pub(crate) fn snapshot(&self) -> (u64, u64) {
+        (
+            self.completed.load(Ordering::Relaxed),
+            self.failed.load(Ordering::Relaxed),
+        )
+    }
+}
+
 /// Shared by a batch and its tasks so the last finishing task can wake waiters.
 pub(crate) struct BatchSignal {
     unfinished: AtomicUsize,
     lock: Mutex<()>,
     cond: Condvar,
+    counters: Arc<TransferCounters>,
 }
 
 impl BatchSignal {
@@ -58,6 +76,12 @@ impl Task {
             self.failed.store(true, Ordering::Release);
         }
         if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let c = &self.signal.counters;
+            if self.failed.load(Ordering::Acquire) {
+                c.failed.fetch_add(1, Ordering::Relaxed);
+            } else {
+                c.completed.fetch_add(1, Ordering::Relaxed);
+            }
             self.signal.task_finished();
         }
     }
@@ -92,7 +116,14 @@ pub(crate) struct Batch {
 }
 
 impl Batch {
+    /// A batch counting its finished requests on its own (tests).
+    #[cfg(test)]
     pub(crate) fn new(id: u64, capacity: usize) -> Self {
+        Self::with_counters(id, capacity, Arc::default())
+    }
+
+    /// A batch whose finished requests count in `counters` (the engine's).
+    pub(crate) fn with_counters(id: u64, capacity: usize, counters: Arc<TransferCounters>) -> Self {
         Batch {
             id,
             capacity,
@@ -101,6 +132,7 @@ impl Batch {
                 unfinished: AtomicUsize::new(0),
                 lock: Mutex::new(()),
                 cond: Condvar::new(),
+                counters,
             }),
         }
     }
@@ -219,6 +251,26 @@ impl Batch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn finished_requests_count_once_each_by_outcome() {
+        let counters = Arc::new(TransferCounters::default());
+        let b = Batch::with_counters(1, 3, counters.clone());
+        let t = b.add_tasks(3).unwrap();
+        t[0].add_parts(2);
+        t[0].part_done(Ok(()));
+        t[0].part_done(Err(Error::UnknownSegment(9)));
+        assert_eq!(
+            counters.snapshot(),
+            (0, 0),
+            "a task with a part left is not finished"
+        );
+        t[0].part_done(Ok(()));
+        t[1].part_done(Ok(()));
+        assert_eq!(counters.snapshot(), (1, 1));
+        t[2].part_done(Ok(()));
+        assert_eq!(counters.snapshot(), (2, 1));
+    }
 
     #[test]
     fn tasks_complete_and_fail() {

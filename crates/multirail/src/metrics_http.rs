@@ -49,6 +49,7 @@
 //! | `multirail_lane_denials_total` | counter | `direction` | dedicated lanes denied (received outgoing, sent incoming) |
 //! | `multirail_lane_evictions_total` | counter | `direction` | dedicated lanes demoted for a stronger peer |
 //! | `multirail_message_receive_buffer_bytes` | gauge | | receive buffers held for messages |
+//! | `multirail_transfers_total` | counter | `outcome` | requests finished, `completed` or `failed` |
 //! | `multirail_rail_paths` | gauge | `rail`, `state` | tcp paths to connected peers by health: `up`, `paused`, `probing` |
 //! | `multirail_messages_total` | counter | `direction` | messages sent (successfully) and received |
 //! | `multirail_message_bytes_total` | counter | `direction` | their payload bytes |
@@ -305,6 +306,7 @@ struct Snapshot {
     health: Vec<crate::RailHealth>,
     messages: crate::MessageStats,
     metadata: crate::MetadataStats,
+    transfers: (u64, u64),
 }
 
 impl Snapshot {
@@ -319,6 +321,7 @@ impl Snapshot {
             health: engine.rail_health(),
             messages: engine.message_stats(),
             metadata: engine.metadata_stats(),
+            transfers: engine.transfer_stats(),
         }
     }
 }
@@ -751,6 +754,16 @@ impl Snapshot {
     }
 
     fn encode_health(&self, f: &mut Families<'_>) -> fmt::Result {
+        let (completed, failed) = self.transfers;
+        f.counters(
+            "multirail_transfers",
+            "Requests this engine submitted that finished, by outcome (a failed request failed in at least one slice)",
+            None,
+            &[
+                (vec![("outcome", "completed")], completed),
+                (vec![("outcome", "failed")], failed),
+            ],
+        )?;
         let mut paths = Vec::with_capacity(self.health.len() * 3);
         for h in &self.health {
             for (state, n) in [("up", h.up), ("paused", h.paused), ("probing", h.probing)] {

@@ -487,6 +487,14 @@ fn health_message_and_metadata_metrics_count_and_promtool_accepts_the_text_forma
         t.sum_where("multirail_message_bytes_total", "direction", "received"),
         300.0
     );
+    assert_eq!(
+        e.sum_where("multirail_transfers_total", "outcome", "completed"),
+        1.0
+    );
+    assert_eq!(
+        e.sum_where("multirail_transfers_total", "outcome", "failed"),
+        0.0
+    );
     assert_eq!(init.metadata_stats().lookups, 2);
     assert_eq!(init.message_stats().sent, 3);
 

@@ -147,6 +147,8 @@ struct Inner {
     local: Arc<LocalSegment>,
     metadata: Box<dyn MetadataStore>,
     metadata_counters: metadata::MetadataCounters,
+    /// Requests finished by this engine's batches.
+    transfers: Arc<crate::batch::TransferCounters>,
     /// Whether `metadata` keeps descriptors that this engine must publish (HTTP store); P2P
     /// answers from `local` on demand.
     publishes: bool,
@@ -304,6 +306,7 @@ impl Engine {
         let inner = Arc::new(Inner {
             metadata,
             metadata_counters: metadata::MetadataCounters::default(),
+            transfers: Arc::default(),
             publishes: metadata_cfg.kind != crate::config::MetadataKind::P2p,
             withdrawn: Mutex::new(false),
             shm: ShmTransport::new(
@@ -503,6 +506,11 @@ impl Engine {
         out
     }
 
+    /// Requests this engine's batches finished: (completed, failed). Never fails.
+    pub fn transfer_stats(&self) -> (u64, u64) {
+        self.inner.transfers.snapshot()
+    }
+
     /// Counts of the messages this engine sent and received. Never fails.
     pub fn message_stats(&self) -> crate::messaging::MessageStats {
         self.inner.messaging.message_stats()
@@ -546,11 +554,14 @@ impl Engine {
             return Err(Error::invalid("capacity", "must be at least 1"));
         }
         let id = self.inner.next_batch.fetch_add(1, Ordering::Relaxed);
-        self.inner
-            .batches
-            .lock()
-            .expect("batches poisoned")
-            .insert(id, Arc::new(Batch::new(id, capacity)));
+        self.inner.batches.lock().expect("batches poisoned").insert(
+            id,
+            Arc::new(Batch::with_counters(
+                id,
+                capacity,
+                self.inner.transfers.clone(),
+            )),
+        );
         Ok(BatchId(id))
     }
 
