@@ -227,3 +227,50 @@ fn with_etcd_stopped_cached_peers_work_and_new_lookups_fail_in_time() {
     assert_eq!(unsafe { xxh3_64(dst.as_slice()) }, want);
     drop(extra);
 }
+
+/// etcd comes back empty (killed, data lost): an engine's lease is gone, so its keeper takes a
+/// new one and puts its key again; an engine watching sees the store's history went back,
+/// reads every key again and follows a segment published anew after the reset.
+#[test]
+fn an_etcd_restarted_without_its_data_gets_the_keys_back_and_the_watch_follows() {
+    let mut etcd = Etcd::start();
+    let url = etcd.url();
+    let target = engine(etcd_config(&url, r#", "lease_ttl_s": 3"#));
+    let first = engine(etcd_config(&url, r#", "segment_name": "node-c""#));
+    let init = engine(etcd_config(&url, ""));
+    let seg = init.open_segment("node-c").unwrap();
+    // Revisions pass, so the watch stands well ahead of what a fresh store starts at.
+    for _ in 0..5 {
+        drop(target.allocate(4096, Location::Any).unwrap());
+    }
+
+    etcd.restart_empty();
+    let look = store(&etcd);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !registered(&look, &target.name()) {
+        assert!(
+            Instant::now() < deadline,
+            "the target's key never came back"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    drop(first);
+    let second = engine(etcd_config(&url, r#", "segment_name": "node-c""#));
+    let dst = second.allocate(1 << 20, Location::Any).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let d = init.segment_descriptor(seg).unwrap();
+        if d.name == second.name() && d.find_buffer(dst.addr(), 1 << 20).is_some() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the watch missed what the fresh store published: {d:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let want = write_and_read_back(&init, seg, dst.addr(), 1 << 20, 8);
+    // SAFETY: the transfers completed; nothing writes `dst` now.
+    assert_eq!(unsafe { xxh3_64(dst.as_slice()) }, want);
+}

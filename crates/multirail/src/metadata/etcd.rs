@@ -340,12 +340,13 @@ impl Shared {
     /// One keep-alive of `lease`, or a new lease with everything published again.
     async fn refresh(&self, lease: i64) -> std::result::Result<(), String> {
         let mut client = self.client().await?;
-        let (mut keeper, mut answers) = client
-            .lease_keep_alive(lease)
-            .await
-            .map_err(|e| self.failed(e))?;
-        keeper.keep_alive().await.map_err(|e| self.failed(e))?;
-        let ttl = match answers.message().await {
+        let answer = async {
+            let (mut keeper, mut answers) = client.lease_keep_alive(lease).await?;
+            keeper.keep_alive().await?;
+            answers.message().await
+        }
+        .await;
+        let ttl = match answer {
             Ok(Some(answer)) => answer.ttl(),
             Ok(None) => {
                 return Err(format!(
@@ -353,6 +354,8 @@ impl Shared {
                     self.shown
                 ))
             }
+            // etcd no longer knows the lease (it expired, or etcd lost its data); the client
+            // reports that as an error from whichever call saw it.
             Err(e) if e.to_string().contains("lease not found") => 0,
             Err(e) => return Err(self.failed(e)),
         };
@@ -407,24 +410,44 @@ impl Shared {
         next_revision: &mut i64,
     ) -> std::result::Result<(), String> {
         let mut client = self.client().await?;
-        let mut options = WatchOptions::new().with_prefix();
-        if *next_revision > 0 {
-            options = options.with_start_revision(*next_revision);
-        } else {
-            // The first watch starts where a read of the present state ends, so a change made
-            // between the two is not lost.
-            let now = client
+        // Where the store's history stands now. A watch resumes after the last revision seen,
+        // unless the store went back (etcd restarted without its data): then it has no such
+        // revision yet, and every key it holds now is told again instead.
+        let revision = client
+            .get(
+                self.key_prefix.as_str(),
+                Some(GetOptions::new().with_prefix().with_keys_only()),
+            )
+            .await
+            .map_err(|e| self.failed(e))?;
+        let mut current = revision.header().map_or(0, |h| h.revision());
+        if *next_revision > current + 1 {
+            tracing::warn!(
+                store = %self.shown,
+                expected_at_least = *next_revision - 1,
+                current,
+                "the metadata store's history went back (etcd restarted without its data?); reading every key again"
+            );
+            let all = client
                 .get(
                     self.key_prefix.as_str(),
-                    Some(GetOptions::new().with_prefix().with_keys_only()),
+                    Some(GetOptions::new().with_prefix()),
                 )
                 .await
                 .map_err(|e| self.failed(e))?;
-            if let Some(h) = now.header() {
-                *next_revision = h.revision() + 1;
-                options = options.with_start_revision(*next_revision);
+            current = all.header().map_or(current, |h| h.revision());
+            for kv in all.kvs() {
+                self.tell(listener, kv, EventType::Put);
             }
+            *next_revision = current + 1;
+        } else if *next_revision == 0 {
+            // The first watch starts where this read ends, so a change made between the two is
+            // not lost.
+            *next_revision = current + 1;
         }
+        let options = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(*next_revision);
         let mut stream = client
             .watch(self.key_prefix.as_str(), Some(options))
             .await
@@ -445,29 +468,34 @@ impl Shared {
             for event in answer.events() {
                 let Some(kv) = event.kv() else { continue };
                 *next_revision = (*next_revision).max(kv.mod_revision() + 1);
-                let Some(name) = kv
-                    .key_str()
-                    .ok()
-                    .and_then(|k| k.strip_prefix(self.key_prefix.as_str()))
-                else {
-                    continue;
-                };
-                match event.event_type() {
-                    EventType::Put => match serde_json::from_slice::<SegmentDescriptor>(kv.value())
-                    {
-                        Ok(d) if published_name_matches(&d, name) => listener(name, Some(d)),
-                        Ok(d) => {
-                            tracing::debug!(key = name, describes = %d.name, "ignored a descriptor published under another segment's name")
-                        }
-                        Err(e) => {
-                            tracing::debug!(key = name, error = %e, "ignored a value that is not a descriptor")
-                        }
-                    },
-                    EventType::Delete => listener(name, None),
-                }
+                self.tell(listener, kv, event.event_type());
             }
         }
         Err(format!("the metadata store {} ended the watch", self.shown))
+    }
+
+    /// Tells `listener` of one key put or deleted under the prefix; other keys and values
+    /// that are not a descriptor of the segment they are filed under are skipped.
+    fn tell(&self, listener: &ChangeListener, kv: &etcd_client::KeyValue, kind: EventType) {
+        let Some(name) = kv
+            .key_str()
+            .ok()
+            .and_then(|k| k.strip_prefix(self.key_prefix.as_str()))
+        else {
+            return;
+        };
+        match kind {
+            EventType::Put => match serde_json::from_slice::<SegmentDescriptor>(kv.value()) {
+                Ok(d) if published_name_matches(&d, name) => listener(name, Some(d)),
+                Ok(d) => {
+                    tracing::debug!(key = name, describes = %d.name, "ignored a descriptor published under another segment's name")
+                }
+                Err(e) => {
+                    tracing::debug!(key = name, error = %e, "ignored a value that is not a descriptor")
+                }
+            },
+            EventType::Delete => listener(name, None),
+        }
     }
 }
 

@@ -16,6 +16,52 @@ pub struct Etcd {
     dir: PathBuf,
     /// The client port, on 127.0.0.1.
     pub port: u16,
+    peer_port: u16,
+}
+
+/// Starts etcd with its data in `dir/data`, serving clients on `port` and peers on `peer`.
+fn spawn(dir: &std::path::Path, port: u16, peer: u16) -> Child {
+    let client_url = format!("http://127.0.0.1:{port}");
+    let peer_url = format!("http://127.0.0.1:{peer}");
+    Command::new(etcd_binary())
+        .args([
+            "--name",
+            "test",
+            "--data-dir",
+            dir.join("data").to_str().unwrap(),
+            "--listen-client-urls",
+            &client_url,
+            "--advertise-client-urls",
+            &client_url,
+            "--listen-peer-urls",
+            &peer_url,
+            "--initial-advertise-peer-urls",
+            &peer_url,
+            "--initial-cluster",
+            &format!("test={peer_url}"),
+            "--logger",
+            "zap",
+            "--log-level",
+            "error",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(dir.join("etcd.log"))
+                .map(Stdio::from)
+                .unwrap_or_else(|_| Stdio::null()),
+        )
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot start {:?} ({e}): install etcd (Debian: apt-get install etcd-server; \
+                 scripts/test does) or point MULTIRAIL_ETCD at it",
+                etcd_binary()
+            )
+        })
 }
 
 fn free_port() -> u16 {
@@ -41,48 +87,12 @@ impl Etcd {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("etcd directory");
         let (port, peer) = (free_port(), free_port());
-        let client_url = format!("http://127.0.0.1:{port}");
-        let peer_url = format!("http://127.0.0.1:{peer}");
-        let child = Command::new(etcd_binary())
-            .args([
-                "--name",
-                "test",
-                "--data-dir",
-                dir.join("data").to_str().unwrap(),
-                "--listen-client-urls",
-                &client_url,
-                "--advertise-client-urls",
-                &client_url,
-                "--listen-peer-urls",
-                &peer_url,
-                "--initial-advertise-peer-urls",
-                &peer_url,
-                "--initial-cluster",
-                &format!("test={peer_url}"),
-                "--logger",
-                "zap",
-                "--log-level",
-                "error",
-            ])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(
-                std::fs::File::create(dir.join("etcd.log"))
-                    .map(Stdio::from)
-                    .unwrap_or_else(|_| Stdio::null()),
-            )
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot start {:?} ({e}): install etcd (Debian: apt-get install etcd-server; \
-                     scripts/test does) or point MULTIRAIL_ETCD at it",
-                    etcd_binary()
-                )
-            });
+        let child = spawn(&dir, port, peer);
         let mut etcd = Etcd {
             child: Some(child),
             dir,
             port,
+            peer_port: peer,
         };
         etcd.wait_healthy(Duration::from_secs(30));
         etcd
@@ -147,6 +157,15 @@ impl Etcd {
     /// Lets a paused etcd run again.
     pub fn resume(&self) {
         self.signal(libc::SIGCONT);
+    }
+
+    /// Kills etcd and starts a new, empty one on the same port: as if the store lost its
+    /// data. Waits until it is healthy.
+    pub fn restart_empty(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(self.dir.join("data"));
+        self.child = Some(spawn(&self.dir, self.port, self.peer_port));
+        self.wait_healthy(Duration::from_secs(30));
     }
 
     /// Kills etcd (SIGKILL) and waits for it; its data stays.
