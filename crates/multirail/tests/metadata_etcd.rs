@@ -7,13 +7,14 @@
 mod common;
 #[path = "common/etcd.rs"]
 mod etcd;
-use common::pattern;
+#[path = "common/transfer.rs"]
+mod transfer;
 use etcd::Etcd;
 
 use std::time::{Duration, Instant};
 
 use multirail::metadata::{EtcdMetadata, MetadataStore};
-use multirail::{Config, Engine, Error, Location, Request, SegmentId, TransportChoice};
+use multirail::{Config, Engine, Error, Location, SegmentId, TransportChoice};
 use xxhash_rust::xxh3::xxh3_64;
 
 /// `{"metadata": {"type": "etcd", "servers": URL, ...extra}}`.
@@ -42,34 +43,23 @@ fn registered(store: &EtcdMetadata, name: &str) -> bool {
     }
 }
 
-/// Writes `len` patterned bytes to `dst_addr` in `seg` and reads them back, checking them;
-/// returns their checksum for the caller to check the target's memory.
+/// The verified round trip, over tcp.
 fn write_and_read_back(init: &Engine, seg: SegmentId, dst_addr: u64, len: usize, seed: u64) -> u64 {
-    let src = init.allocate(len, Location::Any).unwrap();
-    let back = init.allocate(len, Location::Any).unwrap();
-    // SAFETY: no transfer is in flight on these buffers.
-    unsafe { pattern(seed, src.as_mut_slice()) };
-    // SAFETY: as above.
-    let want = unsafe { xxh3_64(src.as_slice()) };
-    let mut write = Request::write(src.addr(), seg, dst_addr, len as u64);
-    write.transport = Some(TransportChoice::Tcp);
-    let mut read = Request::read(back.addr(), seg, dst_addr, len as u64);
-    read.transport = Some(TransportChoice::Tcp);
-    for r in [write, read] {
-        let batch = init.allocate_batch(1).unwrap();
-        init.submit(batch, &[r]).unwrap();
-        init.wait(batch, Some(Duration::from_secs(60))).unwrap();
-        init.free_batch(batch).unwrap();
+    transfer::write_and_read_back(init, seg, dst_addr, len, seed, TransportChoice::Tcp)
+}
+
+/// Waits until `init`'s descriptor of `seg` is `engine`'s (its address) and holds `addr`: the
+/// watch brought it. Fails the test with `what` and what it had after 10 s.
+fn wait_for_descriptor(init: &Engine, seg: SegmentId, engine: &Engine, addr: u64, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let d = init.segment_descriptor(seg).unwrap();
+        if d.name == engine.name() && d.find_buffer(addr, 1).is_some() {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: {d:?}");
+        std::thread::sleep(Duration::from_millis(10));
     }
-    // SAFETY: both batches completed; nothing writes `back` now.
-    assert_eq!(
-        unsafe { xxh3_64(back.as_slice()) },
-        want,
-        "bytes came back intact"
-    );
-    init.free(&src).unwrap();
-    init.free(&back).unwrap();
-    want
 }
 
 #[test]
@@ -162,18 +152,13 @@ fn a_restarted_peer_is_found_again_through_the_watch() {
         "the restarted peer listens elsewhere"
     );
     let dst = second.allocate(1 << 20, Location::Any).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let d = init.segment_descriptor(seg).unwrap();
-        if d.name == second.name() && d.find_buffer(dst.addr(), 1 << 20).is_some() {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the watch never brought the new descriptor: {d:?}"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_for_descriptor(
+        &init,
+        seg,
+        &second,
+        dst.addr(),
+        "the watch never brought the new descriptor",
+    );
     let want = write_and_read_back(&init, seg, dst.addr(), 1 << 20, 4);
     // SAFETY: as above.
     assert_eq!(unsafe { xxh3_64(dst.as_slice()) }, want);
@@ -258,18 +243,13 @@ fn an_etcd_restarted_without_its_data_gets_the_keys_back_and_the_watch_follows()
     drop(first);
     let second = engine(etcd_config(&url, r#", "segment_name": "node-c""#));
     let dst = second.allocate(1 << 20, Location::Any).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let d = init.segment_descriptor(seg).unwrap();
-        if d.name == second.name() && d.find_buffer(dst.addr(), 1 << 20).is_some() {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the watch missed what the fresh store published: {d:?}"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_for_descriptor(
+        &init,
+        seg,
+        &second,
+        dst.addr(),
+        "the watch missed what the fresh store published",
+    );
     let want = write_and_read_back(&init, seg, dst.addr(), 1 << 20, 8);
     // SAFETY: the transfers completed; nothing writes `dst` now.
     assert_eq!(unsafe { xxh3_64(dst.as_slice()) }, want);

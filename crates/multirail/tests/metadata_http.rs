@@ -5,13 +5,15 @@
 //! `metadata.timeout_ms`.
 
 mod common;
-use common::pattern;
+#[path = "common/transfer.rs"]
+mod transfer;
+use transfer::write_and_read_back;
 
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
 use multirail::segment::SegmentDescriptor;
-use multirail::{Config, Engine, Error, Location, Request, TransportChoice};
+use multirail::{Config, Engine, Error, Location, TransportChoice};
 use multirail_metadata_server::{Limits, MetadataServer, ServerConfig};
 use percent_encoding::{utf8_percent_encode, NON_ALPHANUMERIC};
 use xxhash_rust::xxh3::xxh3_64;
@@ -75,44 +77,6 @@ fn assert_gone_soon(url: &str, key: &str) {
         assert!(Instant::now() < deadline, "{key} still stored");
         std::thread::sleep(Duration::from_millis(20));
     }
-}
-
-/// Writes `len` patterned bytes from a fresh buffer of `init` to `dst_addr` in `seg`, reads
-/// them back into another and checks them against the source's checksum, which it returns
-/// for the caller to check the target's bytes.
-fn write_and_read_back(
-    init: &Engine,
-    seg: multirail::SegmentId,
-    dst_addr: u64,
-    len: usize,
-    seed: u64,
-    transport: TransportChoice,
-) -> u64 {
-    let src = init.allocate(len, Location::Any).unwrap();
-    let back = init.allocate(len, Location::Any).unwrap();
-    // SAFETY: no transfer is in flight on these buffers.
-    unsafe { pattern(seed, src.as_mut_slice()) };
-    // SAFETY: as above.
-    let want = unsafe { xxh3_64(src.as_slice()) };
-    let mut write = Request::write(src.addr(), seg, dst_addr, len as u64);
-    write.transport = Some(transport);
-    let mut read = Request::read(back.addr(), seg, dst_addr, len as u64);
-    read.transport = Some(transport);
-    for r in [write, read] {
-        let batch = init.allocate_batch(1).unwrap();
-        init.submit(batch, &[r]).unwrap();
-        init.wait(batch, Some(Duration::from_secs(60))).unwrap();
-        init.free_batch(batch).unwrap();
-    }
-    // SAFETY: both batches completed; nothing writes `back` now.
-    assert_eq!(
-        unsafe { xxh3_64(back.as_slice()) },
-        want,
-        "bytes came back intact"
-    );
-    init.free(&src).unwrap();
-    init.free(&back).unwrap();
-    want
 }
 
 #[test]

@@ -63,20 +63,9 @@ pub(crate) fn parse_endpoints(servers: &str) -> std::result::Result<Vec<String>,
         {
             return Err(expected());
         }
-        let Some((host, port)) = part.rsplit_once(':') else {
-            return Err(format!("{}: the port of {part:?} is missing", expected()));
-        };
-        let bracketed = host.starts_with('[') || host.ends_with(']');
-        if host.is_empty()
-            || (bracketed && !(host.len() > 2 && host.starts_with('[') && host.ends_with(']')))
-            || (!bracketed && host.contains(':'))
-        {
-            return Err(format!("{}: bad host {host:?}", expected()));
-        }
-        match port.parse::<u16>() {
-            Ok(p) if p != 0 => endpoints.push(format!("http://{host}:{p}")),
-            _ => return Err(format!("{}: bad port {port:?}", expected())),
-        }
+        let (host, port) =
+            super::host_port(part).map_err(|reason| format!("{}: {reason}", expected()))?;
+        endpoints.push(format!("http://{host}:{port}"));
     }
     Ok(endpoints)
 }

@@ -63,20 +63,9 @@ pub(crate) fn check_server_url(url: &str) -> std::result::Result<(), String> {
             expected()
         ));
     };
-    let Some((host, port)) = authority.rsplit_once(':') else {
-        return Err(format!("{}: the port is missing", expected()));
-    };
-    let bracketed = host.starts_with('[') || host.ends_with(']');
-    if host.is_empty()
-        || (bracketed && !(host.len() > 2 && host.starts_with('[') && host.ends_with(']')))
-        || (!bracketed && host.contains(':'))
-    {
-        return Err(format!("{}: bad host {host:?}", expected()));
-    }
-    match port.parse::<u16>() {
-        Ok(p) if p != 0 => Ok(()),
-        _ => Err(format!("{}: bad port {port:?}", expected())),
-    }
+    super::host_port(authority)
+        .map(|_| ())
+        .map_err(|reason| format!("{}: {reason}", expected()))
 }
 
 /// A [`MetadataStore`](super::MetadataStore) backed by an HTTP metadata server speaking

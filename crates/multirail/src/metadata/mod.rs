@@ -88,6 +88,26 @@ impl MetadataCounters {
 /// must return quickly and never call back into the store.
 pub type ChangeListener = Box<dyn Fn(&str, Option<SegmentDescriptor>) + Send + Sync>;
 
+/// Splits `HOST:PORT` (an IPv6 host in brackets) of a store's address. Fails with the reason,
+/// for the caller to put after what it expected: the port missing, a bad host (empty,
+/// unbalanced brackets, an unbracketed `:`), or a port that is not 1 to 65535.
+pub(crate) fn host_port(authority: &str) -> std::result::Result<(&str, u16), String> {
+    let Some((host, port)) = authority.rsplit_once(':') else {
+        return Err("the port is missing".into());
+    };
+    let bracketed = host.starts_with('[') || host.ends_with(']');
+    if host.is_empty()
+        || (bracketed && !(host.len() > 2 && host.starts_with('[') && host.ends_with(']')))
+        || (!bracketed && host.contains(':'))
+    {
+        return Err(format!("bad host {host:?}"));
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p != 0 => Ok((host, p)),
+        _ => Err(format!("bad port {port:?}")),
+    }
+}
+
 /// Whether `descriptor` is the one to find under segment name `name`: its published name
 /// (`metadata.segment_name`) or, without one, its `host:port`.
 pub(crate) fn published_name_matches(descriptor: &SegmentDescriptor, name: &str) -> bool {
