@@ -833,6 +833,7 @@ impl<'a> Sim<'a> {
             timeline: Vec::new(),
             nic_numa: Vec::new(),
             lanes: Some(lanes),
+            multicast: None,
         }
     }
 }

@@ -7,10 +7,13 @@
 //! A lanes scenario ([`scenario::LanesScenario`], simulated in [`lanes`]) models processes
 //! instead of rails: each drives its own `UsageTracker` and two `Lanes` machines (one asking
 //! for lanes for what it sends, one granting lanes for what it receives), and they negotiate
-//! dedicated lanes over a modelled network.
+//! dedicated lanes over a modelled network. A multicast scenario
+//! ([`scenario::MulticastScenario`], simulated in [`multicast`]) models a group sending over
+//! one-sided writes with the real `coalesce` planners deciding pushes and acknowledgements.
 
 pub mod lanes;
 pub mod model;
+pub mod multicast;
 pub mod report;
 pub mod scenario;
 

@@ -187,6 +187,9 @@ pub fn simulate(run: &Run) -> Result<Report, ScenarioError> {
     if let Some(lanes) = &run.lanes {
         return crate::lanes::simulate(run, lanes);
     }
+    if let Some(mc) = &run.multicast {
+        return crate::multicast::simulate(run, mc);
+    }
     Sim::new(run)?.run()
 }
 
@@ -750,6 +753,7 @@ impl<'a> Sim<'a> {
             timeline,
             nic_numa: self.nics.iter().map(|n| n.numa_node).collect(),
             lanes: None,
+            multicast: None,
         }
     }
 }

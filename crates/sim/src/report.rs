@@ -437,12 +437,75 @@ pub struct Report {
     /// What the lane machines did, for a lanes scenario.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lanes: Option<LanesReport>,
+    /// What the group did, for a multicast scenario.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub multicast: Option<MulticastReport>,
+}
+
+/// A multicast scenario's outcome.
+#[derive(Debug, Clone, Serialize)]
+pub struct MulticastReport {
+    /// The batching mode, as the scenario spells it.
+    pub batching: String,
+    /// Group members.
+    pub members: u64,
+    /// Members sending.
+    pub senders: u64,
+    /// Payload of each message, bytes.
+    pub message_bytes: u64,
+    /// Messages delivered at every member.
+    pub multicasts: u64,
+    /// Of them, per second of simulated time.
+    pub multicasts_per_sec: f64,
+    /// One-sided writes per multicast carrying slots.
+    pub data_writes_per_multicast: f64,
+    /// One-sided writes per multicast carrying a sender's committed count.
+    pub counter_writes_per_multicast: f64,
+    /// One-sided writes per multicast carrying a member's received count.
+    pub ack_writes_per_multicast: f64,
+    /// Share of the NIC's write rate used.
+    pub ops_utilization: f64,
+    /// Share of the NIC's line rate used by payload.
+    pub bandwidth_utilization: f64,
+    /// What bounds the rate: `operations` or `bandwidth` (whichever is nearer full).
+    pub bound: String,
+}
+
+impl MulticastReport {
+    /// The human lines.
+    pub fn table(&self, out: &mut String) {
+        let _ = writeln!(
+            out,
+            "  {} members, {} sender(s), {} B messages, batching {}: {:.2} M multicasts/s; one-sided writes per multicast {:.3} (data {:.3}, counters {:.3}, acknowledgements {:.3}); NIC operations {:.0} %, bandwidth {:.0} %, bound by {}",
+            self.members,
+            self.senders,
+            self.message_bytes,
+            self.batching,
+            self.multicasts_per_sec / 1e6,
+            self.data_writes_per_multicast + self.counter_writes_per_multicast + self.ack_writes_per_multicast,
+            self.data_writes_per_multicast,
+            self.counter_writes_per_multicast,
+            self.ack_writes_per_multicast,
+            self.ops_utilization * 100.0,
+            self.bandwidth_utilization * 100.0,
+            self.bound,
+        );
+    }
 }
 
 impl Report {
     /// The human table.
     pub fn table(&self) -> String {
         let mut out = String::new();
+        if let Some(mc) = &self.multicast {
+            let _ = writeln!(
+                out,
+                "{} (multicast): {} ms simulated, {:.0} ms wall",
+                self.name, self.simulated_ms, self.wall_ms
+            );
+            mc.table(&mut out);
+            return out;
+        }
         if let Some(lanes) = &self.lanes {
             let _ = writeln!(
                 out,

@@ -85,6 +85,9 @@ pub struct Run {
     /// lanes ([`LanesScenario`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lanes: Option<LanesScenario>,
+    /// A group multicast scenario instead of rails and workloads ([`MulticastScenario`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub multicast: Option<MulticastScenario>,
     /// Variants to run (only in the file's base document).
     #[serde(default, skip_serializing)]
     pub runs: Vec<Value>,
@@ -452,6 +455,125 @@ pub enum ReceiverView {
 /// granting lanes for what it receives, exchanging lane messages with a modelled one-way
 /// latency. Defaults are the policy crate's, except `usage.switch_interval_us` (the policy's
 /// default is off).
+/// A group multicast in the manner of Derecho's SMC ([`crate::multicast`]): `members`
+/// processes, `senders` of them sending `message_bytes` messages as fast as their ring of
+/// `window` slots allows, pushes and acknowledgements decided by the real
+/// `multirail_policy::coalesce` planners, every one-sided write charged to the NIC.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MulticastScenario {
+    /// Group members (at least 2).
+    #[serde(default = "default_members")]
+    pub members: u64,
+    /// Members that send (1 to `members`).
+    #[serde(default = "default_senders")]
+    pub senders: u64,
+    /// Payload of each message, bytes.
+    #[serde(default = "default_message_bytes")]
+    pub message_bytes: u64,
+    /// Slots of each sender's ring.
+    #[serde(default = "default_mcast_window")]
+    pub window: u64,
+    /// `off`, `opportunistic` or `k:N`.
+    #[serde(default = "default_batching")]
+    pub batching: String,
+    /// With `k:N`: longest a held-back push or acknowledgement waits, µs.
+    #[serde(default = "default_flush_us")]
+    pub flush_us: u64,
+    /// The NIC's line rate, Gbps (each sender's payload to every other member counts).
+    #[serde(default = "default_nic_gbps")]
+    pub nic_gbps: f64,
+    /// The NIC's one-sided write rate, millions a second. As in the seed's arithmetic, every
+    /// write of the group counts against it.
+    #[serde(default = "default_nic_mops")]
+    pub nic_mops: f64,
+}
+
+fn default_members() -> u64 {
+    3
+}
+fn default_senders() -> u64 {
+    1
+}
+fn default_message_bytes() -> u64 {
+    64
+}
+fn default_mcast_window() -> u64 {
+    100
+}
+fn default_batching() -> String {
+    "opportunistic".into()
+}
+fn default_flush_us() -> u64 {
+    150
+}
+fn default_nic_gbps() -> f64 {
+    100.0
+}
+fn default_nic_mops() -> f64 {
+    75.0
+}
+
+impl MulticastScenario {
+    /// The batching mode. Fails naming `batching` or `flush_us` when they are not valid for
+    /// the window.
+    pub fn batching(&self) -> Result<multirail_policy::coalesce::Batching, ScenarioError> {
+        use multirail_policy::coalesce::Batching;
+        let batching = match self.batching.as_str() {
+            "off" => Batching::Off,
+            "opportunistic" => Batching::Opportunistic,
+            other => {
+                let k = other
+                    .strip_prefix("k:")
+                    .and_then(|k| k.parse::<u64>().ok())
+                    .ok_or_else(|| {
+                        bad(
+                            "batching",
+                            format!("must be off, opportunistic or k:N, got {other:?}"),
+                        )
+                    })?;
+                Batching::Every {
+                    k,
+                    flush_ns: self.flush_us.saturating_mul(1000),
+                }
+            }
+        };
+        multirail_policy::coalesce::PushPlanner::new(batching, self.window).map_err(|e| {
+            let key = if e.0.contains("window") && !e.0.contains("batch size") {
+                "window"
+            } else if e.0.contains("flush") {
+                "flush_us"
+            } else {
+                "batching"
+            };
+            bad(key, e.0)
+        })?;
+        Ok(batching)
+    }
+
+    fn validate(&self) -> Result<(), ScenarioError> {
+        if self.members < 2 {
+            return Err(bad("members", "must be at least 2"));
+        }
+        if self.senders == 0 || self.senders > self.members {
+            return Err(bad(
+                "senders",
+                format!("must be within [1, members {}]", self.members),
+            ));
+        }
+        if self.message_bytes == 0 {
+            return Err(bad("message_bytes", "must be at least 1"));
+        }
+        if !positive(self.nic_gbps) {
+            return Err(bad("nic_gbps", "must be > 0"));
+        }
+        if !positive(self.nic_mops) {
+            return Err(bad("nic_mops", "must be > 0"));
+        }
+        self.batching().map(|_| ())
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LanesScenario {
@@ -773,6 +895,25 @@ impl Run {
         }
         if self.sample_ms == 0 {
             return Err(bad("sample_ms", "must be at least 1"));
+        }
+        if let Some(mc) = &self.multicast {
+            for (key, given) in [
+                ("rails", !self.rails.is_empty()),
+                ("workloads", !self.workloads.is_empty()),
+                ("events", !self.events.is_empty()),
+                ("lanes", self.lanes.is_some()),
+            ] {
+                if given {
+                    return Err(bad(
+                        key,
+                        "a multicast scenario models a group, not rails: leave this key out",
+                    ));
+                }
+            }
+            return mc.validate().map_err(|e| ScenarioError {
+                key: format!("multicast.{}", e.key),
+                ..e
+            });
         }
         if let Some(lanes) = &self.lanes {
             let not_here = |key: &str| {
