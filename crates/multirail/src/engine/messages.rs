@@ -36,8 +36,10 @@ impl Engine {
     /// receive buffers of its own at the peer (on rdma, a queue pair with its own receive
     /// queue); the shared lane takes the peer's configured receive path (on rdma, the shared
     /// receive queue). A fence closes the old lane: the peer delivers everything sent before
-    /// the switch first, so order holds and nothing is lost or repeated. Fails when `segment`
-    /// is not open or the new lane cannot be connected (the next send then tries again).
+    /// the switch first, so order holds and nothing is lost or repeated. With `lanes.dynamic`
+    /// (the default) the lanes driver may move the lane again later as the traffic says; set it
+    /// false to change lanes only by hand. Fails when `segment` is not open or the new lane
+    /// cannot be connected (the next send then tries again).
     pub fn switch_lane(&self, segment: SegmentId, lane: Lane) -> Result<()> {
         self.messaging().switch_lane(self, segment, lane)
     }
