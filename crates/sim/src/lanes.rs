@@ -815,25 +815,13 @@ impl<'a> Sim<'a> {
             receivers,
         };
         Report {
-            name: self.run.name.clone(),
-            description: self.run.description.clone(),
-            simulated_ms: self.run.duration_ms,
-            wall_ms: wall.as_secs_f64() * 1e3,
-            smart: false,
-            line_rate_gb_per_s: 0.0,
-            gb_per_s: (self.c.messages * self.sc.message_size) as f64 / secs / 1e9,
-            slices: 0,
-            retried: 0,
-            probes: 0,
-            rails_paused: 0,
-            unfinished_requests: 0,
-            rails: Vec::new(),
-            classes: Vec::new(),
-            adaptation: Vec::new(),
-            timeline: Vec::new(),
-            nic_numa: Vec::new(),
             lanes: Some(lanes),
-            multicast: None,
+            ..Report::without_rails(
+                self.run,
+                wall,
+                (self.c.messages * self.sc.message_size) as f64 / secs / 1e9,
+                0.0,
+            )
         }
     }
 }

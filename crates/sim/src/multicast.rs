@@ -187,25 +187,13 @@ pub fn simulate(run: &Run, sc: &MulticastScenario) -> Result<Report, ScenarioErr
         },
     };
     Ok(Report {
-        name: run.name.clone(),
-        description: run.description.clone(),
-        simulated_ms: run.duration_ms,
-        wall_ms: wall.elapsed().as_secs_f64() * 1e3,
-        smart: false,
-        line_rate_gb_per_s: sc.nic_gbps / 8.0,
-        gb_per_s: bytes_used as f64 / secs / 1e9,
-        slices: 0,
-        retried: 0,
-        probes: 0,
-        rails_paused: 0,
-        unfinished_requests: 0,
-        rails: Vec::new(),
-        classes: Vec::new(),
-        adaptation: Vec::new(),
-        timeline: Vec::new(),
-        nic_numa: Vec::new(),
-        lanes: None,
         multicast: Some(report),
+        ..Report::without_rails(
+            run,
+            wall.elapsed(),
+            bytes_used as f64 / secs / 1e9,
+            sc.nic_gbps / 8.0,
+        )
     })
 }
 

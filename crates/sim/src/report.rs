@@ -494,6 +494,39 @@ impl MulticastReport {
 }
 
 impl Report {
+    /// The report of a scenario that models no rails (lanes, multicast): `run`'s name,
+    /// description and duration, `gb_per_s` of payload against a line rate of
+    /// `line_rate_gb_per_s` (0 when none applies), and nothing of rails, requests or slices;
+    /// the caller fills in its own section.
+    pub(crate) fn without_rails(
+        run: &crate::scenario::Run,
+        wall: std::time::Duration,
+        gb_per_s: f64,
+        line_rate_gb_per_s: f64,
+    ) -> Report {
+        Report {
+            name: run.name.clone(),
+            description: run.description.clone(),
+            simulated_ms: run.duration_ms,
+            wall_ms: wall.as_secs_f64() * 1e3,
+            smart: false,
+            line_rate_gb_per_s,
+            gb_per_s,
+            slices: 0,
+            retried: 0,
+            probes: 0,
+            rails_paused: 0,
+            unfinished_requests: 0,
+            rails: Vec::new(),
+            classes: Vec::new(),
+            adaptation: Vec::new(),
+            timeline: Vec::new(),
+            nic_numa: Vec::new(),
+            lanes: None,
+            multicast: None,
+        }
+    }
+
     /// The human table.
     pub fn table(&self) -> String {
         let mut out = String::new();

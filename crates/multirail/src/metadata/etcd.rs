@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
 
-use super::{published_name_matches, ChangeListener};
+use super::ChangeListener;
 use crate::config::{ConfigError, MetadataConfig};
 use crate::error::{Error, Result};
 use crate::segment::SegmentDescriptor;
@@ -193,18 +193,18 @@ impl EtcdMetadata {
         F: FnOnce(Arc<Shared>) -> Fut,
         Fut: Future<Output = std::result::Result<T, String>> + Send + 'static,
     {
-        let shared = self.shared.clone();
-        let timeout = shared.timeout;
-        let late = shared.late();
-        let (tx, rx) = mpsc::sync_channel(1);
-        let fut = op(shared);
+        let timeout = self.shared.timeout;
         let Some(runtime) = &self.runtime else {
-            return Err(late);
+            return Err(self.shared.late());
         };
+        let (tx, rx) = mpsc::sync_channel(1);
+        let shared = self.shared.clone();
+        let fut = op(shared.clone());
+        // The error text is made only when the request is late, not for every request.
         runtime.spawn(async move {
             let answer = tokio::time::timeout(timeout, fut)
                 .await
-                .unwrap_or_else(|_| Err(late));
+                .unwrap_or_else(|_| Err(shared.late()));
             let _ = tx.send(answer);
         });
         // The task answers by the timeout; the margin only covers a runtime slow to schedule.
@@ -475,7 +475,7 @@ impl Shared {
         };
         match kind {
             EventType::Put => match serde_json::from_slice::<SegmentDescriptor>(kv.value()) {
-                Ok(d) if published_name_matches(&d, name) => listener(name, Some(d)),
+                Ok(d) if d.published_name() == name => listener(name, Some(d)),
                 Ok(d) => {
                     tracing::debug!(key = name, describes = %d.name, "ignored a descriptor published under another segment's name")
                 }
@@ -524,7 +524,7 @@ impl super::MetadataStore for EtcdMetadata {
         let descriptor: SegmentDescriptor =
             serde_json::from_slice(&value).map_err(|e| bad(e.to_string()))?;
         // A value left by another engine (or written by hand) must not send requests elsewhere.
-        if !published_name_matches(&descriptor, name) {
+        if descriptor.published_name() != name {
             return Err(bad(format!("it describes segment {:?}", descriptor.name)));
         }
         Ok(descriptor)

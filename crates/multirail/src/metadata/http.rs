@@ -223,7 +223,7 @@ impl super::MetadataStore for HttpMetadata {
             ))
         })?;
         // A value left by another engine (or written by hand) must not send requests elsewhere.
-        if !super::published_name_matches(&descriptor, name) {
+        if descriptor.published_name() != name {
             return Err(unreachable(format!(
                 "bad descriptor under key {:?} in the metadata server {}: it describes segment {:?}",
                 self.key(name),

@@ -108,12 +108,6 @@ pub(crate) fn host_port(authority: &str) -> std::result::Result<(&str, u16), Str
     }
 }
 
-/// Whether `descriptor` is the one to find under segment name `name`: its published name
-/// (`metadata.segment_name`) or, without one, its `host:port`.
-pub(crate) fn published_name_matches(descriptor: &SegmentDescriptor, name: &str) -> bool {
-    descriptor.published_name() == name
-}
-
 /// A source of segment descriptors.
 pub trait MetadataStore: Send + Sync {
     /// Fetches the current descriptor of segment `name` (`host:port`). Fails with
