@@ -128,6 +128,27 @@ pub enum Error {
         /// Requests in the batch.
         total: usize,
     },
+    /// Joining a multicast group failed: a member did not join in time, or joined with
+    /// different settings.
+    #[error("group {group}: {reason}")]
+    GroupJoin {
+        /// The group's name.
+        group: String,
+        /// What went wrong, naming the member and the setting.
+        reason: String,
+    },
+    /// A member of a multicast group failed (died, left, or stopped answering): the group
+    /// cannot go on. Membership changes are not supported, so every later call fails too.
+    #[error("group {}: member {} failed: {}", .0.group, .0.member, .0.reason)]
+    GroupMemberFailed(Box<MemberFailure>),
+    /// A multicast group operation was refused (payload too large, group left).
+    #[error("group {group}: {reason}")]
+    Group {
+        /// The group's name.
+        group: String,
+        /// Why.
+        reason: String,
+    },
     /// An operating-system call failed.
     #[error("{context}: {source}")]
     Io {
@@ -137,6 +158,17 @@ pub enum Error {
         #[source]
         source: Arc<std::io::Error>,
     },
+}
+
+/// Which member of which group failed, and how (see [`Error::GroupMemberFailed`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemberFailure {
+    /// The group's name.
+    pub group: String,
+    /// The member's segment name.
+    pub member: String,
+    /// What this engine saw.
+    pub reason: String,
 }
 
 impl Error {

@@ -42,6 +42,7 @@ pub use engine::{
 };
 pub use error::{Error, Result};
 pub use memory::{Buffer, Location};
+pub use messaging::group::{Delivery, Group, GroupConfig, GroupMessage, GroupStats};
 pub use messaging::{Lane, LanesReport, Message, MessageStats, Notification, PeerLaneReport};
 pub use metadata::MetadataStats;
 pub use metrics_http::MetricsServer;

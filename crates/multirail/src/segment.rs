@@ -113,6 +113,23 @@ pub struct SegmentDescriptor {
     /// (`metadata.segment_name`): peers open it by this name and connect to `name`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub segment_name: Option<String>,
+    /// Multicast groups the engine has joined: where each group's table lies.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub groups: Vec<GroupDescriptor>,
+}
+
+/// A multicast group as one member publishes it: its table (engine memory the other members
+/// write into) and the settings every member must agree on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupDescriptor {
+    /// The group's name.
+    pub name: String,
+    /// Address of the member's table, inside one of its buffers.
+    pub table_addr: u64,
+    /// Length of the table in bytes.
+    pub table_len: u64,
+    /// The group's settings, key to canonical value; joining compares them key by key.
+    pub settings: std::collections::BTreeMap<String, String>,
 }
 
 impl SegmentDescriptor {
@@ -172,6 +189,7 @@ mod tests {
             rdma: vec![],
             buffers: vec![buf(1000, 100), buf(5000, 10)],
             segment_name: None,
+            groups: Vec::new(),
         };
         assert_eq!(d.find_buffer(1000, 100).unwrap().addr, 1000);
         assert_eq!(d.find_buffer(1050, 50).unwrap().addr, 1000);

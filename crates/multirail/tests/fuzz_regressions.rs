@@ -277,6 +277,7 @@ fn descriptor() -> SegmentDescriptor {
             },
         ],
         segment_name: None,
+        groups: Vec::new(),
     }
 }
 

@@ -188,6 +188,7 @@ fn initiator_fails_requests_on_garbage_responses() {
             rkeys: vec![],
         }],
         segment_name: None,
+        groups: Vec::new(),
     };
     let json = serde_json::to_vec(&descriptor).unwrap();
     // Each connection is served on its own thread: the initiator opens all of its data

@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 
 mod auth;
 mod lanes;
+mod multicast;
 mod rail;
 mod rdma;
 mod receive;
@@ -31,6 +32,7 @@ mod workers;
 
 pub use auth::*;
 pub use lanes::*;
+pub use multicast::*;
 pub use rail::*;
 pub use rdma::*;
 pub use receive::*;
@@ -507,6 +509,10 @@ impl Config {
             .shm
             .receive
             .validate("transports.shm.receive")?;
+        self.transports
+            .shm
+            .multicast
+            .validate("transports.shm.multicast")?;
         self.lanes.validate("lanes")?;
         Ok(())
     }

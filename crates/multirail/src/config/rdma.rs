@@ -93,6 +93,8 @@ pub struct RdmaConfig {
     /// shared receive queue per device of 63 buffers (`MAX_SHARED_RX_QUEUE_DEPTH`), one
     /// registration chunk, one scatter/gather entry per receive.
     pub receive: ReceiveConfig,
+    /// Group multicast defaults for groups whose writes go over RDMA.
+    pub multicast: MulticastConfig,
 }
 
 impl Default for RdmaConfig {
@@ -136,6 +138,7 @@ impl Default for RdmaConfig {
                 shared_receive_queue: true,
                 ..ReceiveConfig::default()
             },
+            multicast: MulticastConfig::default(),
         }
     }
 }
@@ -173,6 +176,7 @@ pub(crate) const RDMA_KEYS: &[&str] = &[
     "retry_cnt",
     "lean_bdps",
     "receive",
+    "multicast",
 ];
 
 impl RdmaConfig {
@@ -339,6 +343,7 @@ impl RdmaConfig {
                 format!("must be within 0.1..=64, got {}", self.lean_bdps),
             ));
         }
-        self.receive.validate(&format!("{prefix}.receive"))
+        self.receive.validate(&format!("{prefix}.receive"))?;
+        self.multicast.validate(&format!("{prefix}.multicast"))
     }
 }

@@ -12,6 +12,8 @@ pub struct ShmConfig {
     pub process_vm: bool,
     /// Receive path of two-sided messages over shared memory.
     pub receive: ReceiveConfig,
+    /// Group multicast defaults for groups whose writes go over shared memory.
+    pub multicast: MulticastConfig,
 }
 
 impl Default for ShmConfig {
@@ -20,6 +22,7 @@ impl Default for ShmConfig {
             enable: true,
             process_vm: true,
             receive: ReceiveConfig::default(),
+            multicast: MulticastConfig::default(),
         }
     }
 }

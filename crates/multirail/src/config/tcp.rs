@@ -49,6 +49,8 @@ pub struct TcpConfig {
     pub keepalive_ms: u64,
     /// Receive path of two-sided messages over TCP.
     pub receive: ReceiveConfig,
+    /// Group multicast defaults for groups whose writes go over tcp.
+    pub multicast: MulticastConfig,
 }
 
 impl Default for TcpConfig {
@@ -65,6 +67,7 @@ impl Default for TcpConfig {
             serve_threads: 4,
             keepalive_ms: 15000,
             receive: ReceiveConfig::default(),
+            multicast: MulticastConfig::default(),
         }
     }
 }
@@ -104,6 +107,7 @@ impl TcpConfig {
         within_count(prefix, "serve_threads", self.serve_threads)?;
         at_least_one(prefix, "keepalive_ms", self.keepalive_ms)?;
         self.receive.validate(&format!("{prefix}.receive"))?;
+        self.multicast.validate(&format!("{prefix}.multicast"))?;
         Ok(())
     }
 }

@@ -117,6 +117,8 @@ struct LocalSegment {
     rails: Vec<RailDescriptor>,
     rdma: Vec<segment::RdmaRailDescriptor>,
     registry: Arc<MemoryRegistry>,
+    /// Multicast groups joined, published so the other members find their tables.
+    groups: Mutex<Vec<segment::GroupDescriptor>>,
 }
 
 impl LocalSegment {
@@ -130,6 +132,7 @@ impl LocalSegment {
             rdma: self.rdma.clone(),
             buffers: self.registry.descriptors(),
             segment_name: self.segment_name.clone(),
+            groups: self.groups.lock().expect("groups poisoned").clone(),
         }
     }
 
@@ -268,6 +271,7 @@ impl Engine {
             rails: rails.clone(),
             rdma: rdma.descriptors(),
             registry: registry.clone(),
+            groups: Mutex::new(Vec::new()),
         });
         let served = local.clone();
         let server = Server::start(
@@ -474,6 +478,39 @@ impl Engine {
         self.inner
             .metadata_counters
             .lookup(self.inner.metadata.fetch(name))
+    }
+
+    /// Fetches segment `name`'s current descriptor from the metadata store (control path).
+    pub(crate) fn fetch_descriptor(&self, name: &str) -> Result<SegmentDescriptor> {
+        self.lookup(name)
+    }
+
+    /// Publishes group `group` in this engine's descriptor. Fails when a group of that name
+    /// is already joined.
+    pub(crate) fn add_local_group(&self, group: segment::GroupDescriptor) -> Result<()> {
+        {
+            let mut groups = self.inner.local.groups.lock().expect("groups poisoned");
+            if groups.iter().any(|g| g.name == group.name) {
+                return Err(Error::GroupJoin {
+                    group: group.name,
+                    reason: "this engine has already joined a group of that name".into(),
+                });
+            }
+            groups.push(group);
+        }
+        self.inner.publish_descriptor();
+        Ok(())
+    }
+
+    /// Withdraws group `name` from this engine's descriptor.
+    pub(crate) fn remove_local_group(&self, name: &str) {
+        self.inner
+            .local
+            .groups
+            .lock()
+            .expect("groups poisoned")
+            .retain(|g| g.name != name);
+        self.inner.publish_descriptor();
     }
 
     /// Counts of this engine's use of its metadata store: lookups, publishes, watch updates

@@ -30,6 +30,7 @@
 //! hand-off on the receive path, which keeps round trips short.
 
 mod dynamic;
+pub mod group;
 mod inbound;
 mod outbound;
 mod ring;
