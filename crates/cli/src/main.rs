@@ -2,6 +2,7 @@
 
 mod bench;
 mod lanes_bench;
+mod mcast_bench;
 mod membench;
 mod metadata_server;
 mod pingpong;
@@ -54,6 +55,11 @@ enum Command {
     /// latency, which peers end dedicated, receive memory and lane switches (--local: the
     /// receiver is a child process, the senders engines of this process).
     LanesBench(lanes_bench::LanesBenchArgs),
+    /// Group multicast (Derecho's small-message multicast with batching off, opportunistic or
+    /// k:N) between members in separate processes: multicasts per second at each member,
+    /// one-sided writes per multicast, delivery latency, window stalls; every message checked
+    /// (--local: the other members are child processes).
+    McastBench(mcast_bench::McastBenchArgs),
     /// Measure single-thread memcpy bandwidth walking two buffers block by block.
     Membench(membench::MembenchArgs),
     /// Serve segment metadata over HTTP with Mooncake's protocol (GET/PUT/DELETE
@@ -133,6 +139,7 @@ fn main() -> ExitCode {
         Command::Sim(args) => sim::run(args),
         Command::Pingpong(args) => pingpong::run(config, cli.config.as_deref(), args),
         Command::LanesBench(args) => lanes_bench::run(config, cli.config.as_deref(), args),
+        Command::McastBench(args) => mcast_bench::run(config, cli.config.as_deref(), args),
         Command::Topo(args) => topo::run(config, args),
         Command::Config {
             command: ConfigCommand::Show,

@@ -10,6 +10,11 @@ pub struct ShmConfig {
     pub enable: bool,
     /// Use process_vm_readv/writev for registered memory of same-host peers.
     pub process_vm: bool,
+    /// Requests of at most this many bytes are copied by the thread that submits them instead
+    /// of a copy worker (0: never). A hand-off to a worker costs a few µs of locking and
+    /// wake-ups on both sides, more than copying 16 KiB; small writes (notifications,
+    /// multicast rings and counters, KV-cache block headers) gain that back.
+    pub inline_bytes: u64,
     /// Receive path of two-sided messages over shared memory.
     pub receive: ReceiveConfig,
     /// Group multicast defaults for groups whose writes go over shared memory.
@@ -21,6 +26,7 @@ impl Default for ShmConfig {
         ShmConfig {
             enable: true,
             process_vm: true,
+            inline_bytes: 16 << 10,
             receive: ReceiveConfig::default(),
             multicast: MulticastConfig::default(),
         }

@@ -316,6 +316,7 @@ impl Engine {
             shm: ShmTransport::new(
                 workers.shm_copy_threads,
                 config.transports.shm.process_vm,
+                config.transports.shm.inline_bytes,
                 &stats,
                 qos.clone(),
             )?,

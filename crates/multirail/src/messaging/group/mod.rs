@@ -187,6 +187,36 @@ impl Shared {
         self.inbox_cv.notify_all();
     }
 
+    /// The window stayed full for the whole timeout: fails the group, naming the members that
+    /// have not acknowledged message `needed - 1` of this member (they hang, or are too slow
+    /// to stay in the group), and returns the error.
+    fn window_stuck(&self, needed: u64) -> Error {
+        let rank = self.my_rank.expect("only senders have a window");
+        let lagging: Vec<&str> = (0..self.settings.members.len())
+            .filter(|&m| m != self.me)
+            .filter(|&m| {
+                let at = self.layout.rows[m].received + 16 * rank as u64;
+                self.table.read_count(at).unwrap_or(0) < needed
+            })
+            .map(|m| self.settings.members[m].as_str())
+            .collect();
+        let member = match lagging.as_slice() {
+            [] => self.settings.members[self.me].clone(),
+            l => l.join(", "),
+        };
+        self.fail(
+            &member,
+            format!(
+                "did not acknowledge message {} within {} ms; the window of {} messages stayed \
+                 full",
+                needed.saturating_sub(1),
+                self.settings.timeout.as_millis(),
+                self.settings.window
+            ),
+        );
+        self.failure_error().expect("just failed")
+    }
+
     fn wake(&self) {
         if let Some(t) = self.thread.get() {
             t.unpark();
@@ -417,9 +447,10 @@ impl Group {
     }
 
     /// Sends `bytes` to every member (this one included). Returns the message's index. Waits
-    /// while the window is full, up to `transports.tcp.timeout_ms`. Fails when the payload
-    /// exceeds `max_payload`, this member is not a sender, a member failed, or the window
-    /// stayed full for the whole timeout (naming the member that did not acknowledge).
+    /// while the window is full. Fails when the payload exceeds `max_payload`, this member is
+    /// not a sender, a member failed (died or hung: named within `transports.tcp.timeout_ms`),
+    /// or the window stayed full for 1.5 × that timeout while every member was alive (the group
+    /// then fails, naming the members that did not acknowledge).
     pub fn send(&self, bytes: &[u8]) -> Result<u64> {
         self.send_with(bytes.len(), |slot| slot.copy_from_slice(bytes))
     }
@@ -444,19 +475,18 @@ impl Group {
         let mut state = s.send.lock().expect("group send state poisoned");
         if !state.planner.has_room() {
             s.counters.window_stalls.fetch_add(1, Ordering::Relaxed);
-            let deadline = Instant::now() + s.settings.timeout;
+            // Past the timeout by half: a member that died or hangs is found and named by the
+            // group thread within the timeout; a member that waits on it acknowledges nothing
+            // meanwhile, and must not be blamed instead.
+            let deadline = Instant::now() + s.settings.timeout * 3 / 2;
             while !state.planner.has_room() {
                 if let Some(e) = s.failure_error() {
                     return Err(e);
                 }
                 let now = Instant::now();
                 if now >= deadline {
-                    return Err(s.group_error(format!(
-                        "the window of {} messages stayed full for {} ms: a member is not \
-                         consuming",
-                        s.settings.window,
-                        s.settings.timeout.as_millis()
-                    )));
+                    let oldest = state.meta[(state.acknowledged % s.settings.window) as usize];
+                    return Err(s.window_stuck(oldest.first + oldest.count));
                 }
                 state = s
                     .send_cv

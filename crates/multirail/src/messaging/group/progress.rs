@@ -67,6 +67,10 @@ struct Progress<'a> {
     /// Members that left and no longer answer: nothing more is written to them.
     gone: Vec<bool>,
     last_write: Vec<Instant>,
+    /// Per member: the words of its row in this table as last read, and when they last
+    /// changed. A live member changes them at least every heartbeat interval.
+    row_seen: Vec<Vec<u64>>,
+    last_heard: Vec<Instant>,
     order: Option<RoundRobin>,
     /// Records whose data the last batch completed; their count goes in the next.
     pending_count: Option<(u64, bool)>,
@@ -98,6 +102,8 @@ impl<'a> Progress<'a> {
             left: vec![false; members],
             gone: vec![false; members],
             last_write: vec![Instant::now(); members],
+            row_seen: vec![Vec::new(); members],
+            last_heard: vec![Instant::now(); members],
             order: (s.settings.delivery == Delivery::Ordered).then(|| RoundRobin::new(senders)),
             pending_count: None,
             announce_sent: false,
@@ -128,6 +134,10 @@ impl<'a> Progress<'a> {
                 }
             };
             self.read_received();
+            if let Err((member, reason)) = self.check_heard() {
+                self.s.fail(&member, reason);
+                return;
+            }
             self.update_window();
             if self.order.is_some() {
                 self.fill_nulls(now_ns);
@@ -288,6 +298,48 @@ impl<'a> Progress<'a> {
             if s.table.read_word(row.start) & LEAVING != 0 {
                 self.left[m] = true;
             }
+        }
+    }
+
+    /// Fails a member (not one that announced leaving) whose row in this table has not changed
+    /// for the timeout: it writes a heartbeat at least every quarter of that when it has
+    /// nothing else to write, so it died, hangs, or cannot reach this member. This is what
+    /// finds a frozen member over shm, where writes into its memory still succeed. When several
+    /// are silent, the one silent longest is named: a member whose writes wait on a frozen one
+    /// (over tcp a write completes only once the target applied it) falls silent after it.
+    fn check_heard(&mut self) -> Result<(), (String, String)> {
+        let s = self.s;
+        let now = Instant::now();
+        let senders = s.settings.senders.len() as u64;
+        let mut silent: Option<usize> = None;
+        for m in 0..s.settings.members.len() {
+            if m == s.me || self.left[m] || self.gone[m] {
+                continue;
+            }
+            let row = self.layout().rows[m];
+            let words = (row.start..row.received + 16 * senders)
+                .step_by(8)
+                .map(|off| s.table.read_word(off));
+            let seen = &mut self.row_seen[m];
+            if seen.is_empty() || !seen.iter().copied().eq(words.clone()) {
+                seen.clear();
+                seen.extend(words);
+                self.last_heard[m] = now;
+            } else if now.duration_since(self.last_heard[m]) >= s.settings.timeout
+                && silent.is_none_or(|o| self.last_heard[m] < self.last_heard[o])
+            {
+                silent = Some(m);
+            }
+        }
+        match silent {
+            None => Ok(()),
+            Some(m) => Err((
+                s.settings.members[m].clone(),
+                format!(
+                    "nothing heard from it for {} ms (no message, acknowledgement or heartbeat)",
+                    now.duration_since(self.last_heard[m]).as_millis()
+                ),
+            )),
         }
     }
 

@@ -66,6 +66,12 @@ impl GroupConfig {
             ..GroupConfig::default()
         }
     }
+
+    /// Checks these settings against an engine configuration without joining (`join_group`
+    /// does the same first). Fails with `Error::InvalidArgument` naming the setting at fault.
+    pub fn check(&self, engine: &Config) -> Result<()> {
+        Settings::resolve(self, engine).map(|_| ())
+    }
 }
 
 /// A group's settings, checked and completed.

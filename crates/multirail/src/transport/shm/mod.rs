@@ -15,6 +15,10 @@
 //! [`MAX_JOB_BYTES`] ("jobs", see [`job_pieces`]). Slices matter to rails, not to a copy, so a
 //! HIGH job waits for at most one 1 MiB job per worker rather than for whole bulk requests.
 //!
+//! A request of at most `transports.shm.inline_bytes` is copied at once by the thread that
+//! posts it: a hand-off costs more than such a copy, and a copy that short delays nothing
+//! queued behind it by more than the hand-off would have.
+//!
 //! Queue depths, waits and promotions are reported to the engine's QoS state, so its
 //! statistics and its "is bulk moving" test see shm work; the queues count jobs, not slices.
 //! They are kept apart from network traffic's: shm work reserves no rail and holds back no
@@ -90,6 +94,8 @@ enum Reach {
 pub(crate) struct ShmTransport {
     shared: Arc<Shared>,
     workers: usize,
+    /// `transports.shm.inline_bytes`: requests this small are copied by the poster.
+    inline_bytes: u64,
     /// `transports.shm.process_vm`: reach registered memory of same-host peers with
     /// process_vm_readv/writev.
     process_vm: bool,
@@ -99,11 +105,13 @@ pub(crate) struct ShmTransport {
 
 impl ShmTransport {
     /// Starts `workers` copy threads that share one set of priority queues, promoting with
-    /// `qos.promotion` and reporting depths, waits and promotions to `qos`. Fails when a thread
-    /// cannot be spawned (the threads already started then exit).
+    /// `qos.promotion` and reporting depths, waits and promotions to `qos`; requests of at most
+    /// `inline_bytes` are copied by their poster. Fails when a thread cannot be spawned (the
+    /// threads already started then exit).
     pub(crate) fn new(
         workers: usize,
         process_vm: bool,
+        inline_bytes: u64,
         stats: &TrafficStats,
         qos: Arc<Qos>,
     ) -> Result<Self> {
@@ -136,6 +144,7 @@ impl ShmTransport {
         Ok(ShmTransport {
             shared,
             workers,
+            inline_bytes,
             process_vm,
             peers: Mutex::default(),
         })
@@ -228,6 +237,28 @@ impl Transport for ShmTransport {
         let Some(slices) = req.slices(plan) else {
             return;
         };
+        if req.len <= self.inline_bytes {
+            let job = CopyJob {
+                op: req.op,
+                local: req.local,
+                remote: req.remote,
+                len: req.len as usize,
+                slices: slices.len() as u64,
+                reach,
+                task: req.task.clone(),
+            };
+            let outcome = run(&job, 0, job.len);
+            match &outcome {
+                Ok(()) => self
+                    .shared
+                    .rail
+                    .record_at(req.priority, req.len, job.slices),
+                Err(_) => self.shared.rail.record_error(),
+            }
+            req.task.add_parts(1);
+            req.task.part_done(outcome);
+            return;
+        }
         let (jobs, spans) = job_pieces(
             job_spans(&slices, self.workers, MAX_JOB_BYTES),
             MAX_JOB_BYTES,
@@ -298,7 +329,7 @@ mod tests {
     fn a_worker_takes_high_then_medium_then_low() {
         let stats = TrafficStats::default();
         let qos = qos();
-        let shm = ShmTransport::new(1, false, &stats, qos.clone()).unwrap();
+        let shm = ShmTransport::new(1, false, 0, &stats, qos.clone()).unwrap();
         let batch = Batch::new(1, 3);
         let tasks = batch.add_tasks(3).unwrap();
         // Each job overwrites the start of `dst`: the one run last leaves the first byte, the
@@ -343,7 +374,7 @@ mod tests {
     fn a_bulk_copy_yields_to_high_work_between_steps_and_still_lands_whole() {
         let stats = TrafficStats::default();
         let qos = qos();
-        let shm = ShmTransport::new(1, false, &stats, qos.clone()).unwrap();
+        let shm = ShmTransport::new(1, false, 0, &stats, qos.clone()).unwrap();
         let (bulk_batch, high_batch) = (Batch::new(1, 1), Batch::new(2, 1));
         let bulk_task = bulk_batch.add_tasks(1).unwrap().pop().unwrap();
         let high_task = high_batch.add_tasks(1).unwrap().pop().unwrap();
@@ -395,7 +426,7 @@ mod tests {
     #[test]
     fn workers_exit_when_the_transport_drops_and_finish_what_was_queued() {
         let stats = TrafficStats::default();
-        let shm = ShmTransport::new(2, false, &stats, qos()).unwrap();
+        let shm = ShmTransport::new(2, false, 0, &stats, qos()).unwrap();
         let shared = Arc::downgrade(&shm.shared);
         let batch = Batch::new(1, 1);
         let task = batch.add_tasks(1).unwrap().pop().unwrap();

@@ -1,0 +1,336 @@
+//! `multirail mcast-bench`: group multicast (seed 001, Derecho's SMC with the seed's batching)
+//! between members in separate processes on this host.
+//!
+//! With `--local` this process is member 0 and starts members 1.. as child processes of this
+//! binary (`--serve-member`, hidden), one engine each. The first `--senders` members send;
+//! every member receives everything (a sender its own messages too) and checks each message
+//! (`payload`: the right length and bytes for the next message of its sender, so loss,
+//! duplication and reordering are caught), measures send-to-delivery latency from the stamp
+//! every message carries, and counts. Each reports its group counters, from which the parent
+//! derives one-sided writes per multicast (data, committed counts, acknowledgements).
+//!
+//! Parent and child talk over the child's stdin and stdout, one line each way at a time:
+//! the child prints its segment name; the parent sends `join NAME,NAME,...` (every member, in
+//! member order); the child joins and prints `joined` (or `error TEXT`); the parent sends
+//! `start T_START T_WARM T_END` (monotonic ns; `T_END` 0 when `--messages` bounds the run);
+//! the child runs and prints its report as one JSON line, then exits. Nothing else goes to a
+//! child's stdout. End of stdin before `start` makes a child exit.
+//!
+//! `--kill-member I --kill-after T` kills member I (a child) with SIGKILL (or freezes it with
+//! SIGSTOP, `--kill-signal stop`) T into the run: the report then says when each other member
+//! saw the failure and what it named.
+
+mod local;
+mod member;
+mod payload;
+mod report;
+mod serve;
+
+use std::path::Path;
+use std::thread;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use multirail::{Config, Delivery, GroupConfig, TransportChoice};
+
+use crate::units;
+use crate::Failure;
+use payload::Sizes;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
+enum Transport {
+    Shm,
+    Tcp,
+}
+
+impl Transport {
+    fn name(self) -> &'static str {
+        match self {
+            Transport::Shm => "shm",
+            Transport::Tcp => "tcp",
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
+enum DeliveryArg {
+    /// Each sender's messages in order, no order across senders.
+    Unordered,
+    /// One total order at every member (round robin with null messages, delivered when
+    /// stable).
+    Ordered,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
+enum KillSignal {
+    /// SIGKILL.
+    Kill,
+    /// SIGSTOP.
+    Stop,
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct McastBenchArgs {
+    /// Run every member on this host: this process is member 0, the others child processes.
+    /// The only mode so far, so required.
+    #[arg(long, required_unless_present = "serve_member")]
+    local: bool,
+    /// Members of the group, at least 2. Default: 3.
+    #[arg(long, default_value_t = 3)]
+    members: usize,
+    /// Members that send (the first S), at least 1 and at most --members. Default: 1.
+    #[arg(long, default_value_t = 1)]
+    senders: usize,
+    /// Of the senders, how many (the last ones) send nothing but their end marker at the end
+    /// of the run: with --delivery ordered, the others' messages must still be delivered
+    /// while they idle (null messages). Default: 0.
+    #[arg(long, default_value_t = 0)]
+    idle_senders: usize,
+    /// Message size in bytes (e.g. 64, 4KiB), or a range MIN-MAX whose sizes are drawn
+    /// log-uniformly; at least 8 (the send stamp). Default: 64.
+    #[arg(long, default_value = "64", value_parser = Sizes::parse)]
+    size: Sizes,
+    /// Batching: off (a push and acknowledgements per message), opportunistic (everything
+    /// committed since the last push in one) or k:N (push at N pending or after --flush-us).
+    /// Default: the configuration's transports.<t>.multicast.batching (opportunistic).
+    #[arg(long)]
+    batching: Option<String>,
+    /// Longest a held-back push or acknowledgement waits under k:N, microseconds. Default: the
+    /// configuration's transports.<t>.multicast.flush_us (150).
+    #[arg(long)]
+    flush_us: Option<u64>,
+    /// Messages a sender may have unacknowledged. Default: the configuration's
+    /// transports.<t>.multicast.window_size (16).
+    #[arg(long)]
+    window: Option<u64>,
+    /// unordered (per-sender FIFO) or ordered (one total order). Default: unordered.
+    #[arg(long, value_enum, default_value_t = DeliveryArg::Unordered)]
+    delivery: DeliveryArg,
+    /// Transport of every engine: shm or tcp. Default: shm.
+    #[arg(long, value_enum, default_value_t = Transport::Shm)]
+    transport: Transport,
+    /// Messages per second each sender sends. Default: as fast as its window allows.
+    #[arg(long)]
+    rate: Option<f64>,
+    /// How long the senders send (seconds, or e.g. 500ms). Default: 5.
+    #[arg(long, default_value = "5", value_parser = units::parse_duration)]
+    duration: Duration,
+    /// The first part of --duration not measured (rates and latency count after it; 0 for
+    /// none). Default: 0.5.
+    #[arg(long, default_value = "0.5", value_parser = parse_warmup)]
+    warmup: Duration,
+    /// Send this many messages in all (spread over the senders) instead of sending for
+    /// --duration; everything is measured. Default: off.
+    #[arg(long, conflicts_with = "duration")]
+    messages: Option<u64>,
+    /// Kill member I (1.. : a child) with SIGKILL --kill-after into the run, to see the others
+    /// fail with an error naming it. Default: off.
+    #[arg(long, requires = "kill_after")]
+    kill_member: Option<usize>,
+    /// When to kill --kill-member, after the start (seconds, or e.g. 500ms).
+    #[arg(long, value_parser = units::parse_duration, requires = "kill_member")]
+    kill_after: Option<Duration>,
+    /// How --kill-member is killed: kill (SIGKILL: its connections close at once) or stop
+    /// (SIGSTOP: it hangs with its connections open, so only the timeout finds it; killed at
+    /// the end). Default: kill.
+    #[arg(long, value_enum, default_value_t = KillSignal::Kill)]
+    kill_signal: KillSignal,
+    /// Print one JSON object instead of tables. Default: off.
+    #[arg(long)]
+    json: bool,
+    /// Run as a member of a --local run (commands on stdin, report on stdout).
+    #[arg(long, hide = true, conflicts_with = "local")]
+    serve_member: bool,
+}
+
+/// Like `units::parse_duration`, and 0 is allowed.
+fn parse_warmup(s: &str) -> Result<Duration, String> {
+    let t = s.trim().trim_end_matches("ms").trim_end_matches('s');
+    if t.parse::<f64>().is_ok_and(|v| v == 0.0) {
+        return Ok(Duration::ZERO);
+    }
+    units::parse_duration(s)
+}
+
+impl McastBenchArgs {
+    fn validate(&self) -> Result<(), Failure> {
+        let usage = |m: String| Err(Failure::Usage(m));
+        if self.members < 2 {
+            return usage(format!(
+                "--members must be at least 2, got {}",
+                self.members
+            ));
+        }
+        if self.members > 64 {
+            return usage(format!(
+                "--members must be at most 64 on one host, got {}",
+                self.members
+            ));
+        }
+        if self.senders == 0 || self.senders > self.members {
+            return usage(format!(
+                "--senders must be within [1, --members ({})], got {}",
+                self.members, self.senders
+            ));
+        }
+        if self.idle_senders >= self.senders {
+            return usage(format!(
+                "--idle-senders ({}) must leave at least one of the {} senders sending",
+                self.idle_senders, self.senders
+            ));
+        }
+        if let Some(r) = self.rate {
+            if !(r.is_finite() && r > 0.0) {
+                return usage(format!("--rate must be a positive number, got {r}"));
+            }
+        }
+        if self.messages.is_none() && self.duration <= self.warmup {
+            return usage(format!(
+                "--duration ({} s) must exceed --warmup ({} s)",
+                self.duration.as_secs_f64(),
+                self.warmup.as_secs_f64()
+            ));
+        }
+        if self.messages == Some(0) {
+            return usage("--messages must be at least 1".into());
+        }
+        if let Some(k) = self.kill_member {
+            if k == 0 || k >= self.members {
+                return usage(format!(
+                    "--kill-member must name a child member, 1 to {}, got {k}",
+                    self.members - 1
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn apply(&self, config: &mut Config) {
+        config.transport = match self.transport {
+            Transport::Shm => TransportChoice::Shm,
+            Transport::Tcp => TransportChoice::Tcp,
+        };
+    }
+
+    /// The group every member joins.
+    fn group_config(&self, names: &[String]) -> GroupConfig {
+        let mut g = GroupConfig::new("mcast-bench", names.to_vec());
+        g.senders = names[..self.senders].to_vec();
+        g.window_size = self.window;
+        // The default 10240 unless the messages (or the 16-byte end marker) need more.
+        let need = self.size.max.max(payload::MARKER_BYTES) as u64;
+        g.max_payload = (need > 10240).then_some(need);
+        g.delivery = match self.delivery {
+            DeliveryArg::Unordered => Delivery::Unordered,
+            DeliveryArg::Ordered => Delivery::Ordered,
+        };
+        g.batching = self.batching.clone();
+        g.flush_us = self.flush_us;
+        g
+    }
+
+    /// Senders that send data.
+    fn active_senders(&self) -> usize {
+        self.senders - self.idle_senders
+    }
+
+    /// True when sender `rank` sends nothing but its end marker.
+    fn is_idle(&self, rank: usize) -> bool {
+        (self.active_senders()..self.senders).contains(&rank)
+    }
+
+    /// Messages sender `rank` sends when `--messages` bounds the run (idle senders: 0).
+    fn quota(&self, rank: usize) -> Option<u64> {
+        let total = self.messages?;
+        let s = self.active_senders() as u64;
+        Some(if rank < self.active_senders() {
+            total / s + u64::from((rank as u64) < total % s)
+        } else {
+            0
+        })
+    }
+
+    /// The flags a child member needs to match this run.
+    fn member_flags(&self) -> Vec<String> {
+        let mut f = vec![
+            "--members".into(),
+            self.members.to_string(),
+            "--senders".into(),
+            self.senders.to_string(),
+            "--idle-senders".into(),
+            self.idle_senders.to_string(),
+            "--size".into(),
+            self.size.to_string(),
+            "--delivery".into(),
+            match self.delivery {
+                DeliveryArg::Unordered => "unordered".into(),
+                DeliveryArg::Ordered => "ordered".into(),
+            },
+            "--transport".into(),
+            self.transport.name().into(),
+        ];
+        let mut opt = |k: &str, v: Option<String>| {
+            if let Some(v) = v {
+                f.push(k.into());
+                f.push(v);
+            }
+        };
+        opt("--batching", self.batching.clone());
+        opt("--flush-us", self.flush_us.map(|v| v.to_string()));
+        opt("--window", self.window.map(|v| v.to_string()));
+        opt("--rate", self.rate.map(|v| v.to_string()));
+        opt("--messages", self.messages.map(|v| v.to_string()));
+        f
+    }
+}
+
+/// Runs `multirail mcast-bench`.
+pub fn run(
+    mut config: Config,
+    config_path: Option<&Path>,
+    args: McastBenchArgs,
+) -> Result<(), Failure> {
+    args.validate()?;
+    args.apply(&mut config);
+    config
+        .validate()
+        .map_err(|e| Failure::Usage(e.to_string()))?;
+    if args.serve_member {
+        return serve::serve(config, &args);
+    }
+    // Bad group settings are a usage error, found before any member starts.
+    let placeholder: Vec<String> = (0..args.members).map(|i| format!("member-{i}")).collect();
+    args.group_config(&placeholder)
+        .check(&config)
+        .map_err(|e| {
+            Failure::Usage(format!(
+                "{e} (from --batching, --flush-us, --window or --size)"
+            ))
+        })?;
+    local::run(config, config_path, &args)
+}
+
+/// Nanoseconds of `CLOCK_MONOTONIC`: the same clock in every process of this host.
+fn mono_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes only into `ts`, a valid timespec on this stack.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+fn sleep_until_ns(t: u64) {
+    let now = mono_ns();
+    if t > now {
+        thread::sleep(Duration::from_nanos(t - now));
+    }
+}
+
+/// How long a member waits with nothing arriving before it gives up on the run: past the
+/// group's own failure detection (`transports.tcp.timeout_ms`), so that answers first.
+fn stall_limit(config: &Config) -> Duration {
+    Duration::from_millis(config.transports.tcp.timeout_ms.saturating_mul(2))
+        + Duration::from_secs(5)
+}
