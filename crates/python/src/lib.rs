@@ -18,6 +18,7 @@ use pyo3::types::{PyDict, PyList};
 /// Keys of per-priority figures in the dicts handed to Python, in priority order.
 const PRIORITY_NAMES: [&str; 3] = ["high", "medium", "low"];
 
+mod group;
 mod view;
 
 create_exception!(
@@ -134,6 +135,24 @@ create_exception!(
     Error,
     "This engine and the peer do not share the membership token (auth.token / MULTIRAIL_TOKEN)."
 );
+create_exception!(
+    multirail,
+    GroupError,
+    Error,
+    "A multicast group refused an operation (message over max_payload, not a sender, group left, a window that stayed full)."
+);
+create_exception!(
+    multirail,
+    GroupJoinError,
+    GroupError,
+    "Joining a multicast group failed: a member joined with different settings (named) or did not join in time."
+);
+create_exception!(
+    multirail,
+    GroupMemberFailedError,
+    GroupError,
+    "A member of the multicast group died or stopped answering; the group cannot go on. Attributes `group` and `member` name them."
+);
 
 /// Turns an engine error into the matching `multirail.Error` subclass, keeping its message.
 fn to_py(e: multirail::Error) -> PyErr {
@@ -159,6 +178,17 @@ fn to_py(e: multirail::Error) -> PyErr {
         E::WaitTimeout { .. } => WaitTimeoutError::new_err(msg),
         E::Io { .. } => IoError::new_err(msg),
         E::NotAMember { .. } => NotAMemberError::new_err(msg),
+        E::GroupJoin { .. } => GroupJoinError::new_err(msg),
+        E::Group { .. } => GroupError::new_err(msg),
+        E::GroupMemberFailed(f) => {
+            let err = GroupMemberFailedError::new_err(msg);
+            Python::with_gil(|py| {
+                let value = err.value(py);
+                let _ = value.setattr("group", f.group.as_str());
+                let _ = value.setattr("member", f.member.as_str());
+            });
+            err
+        }
         // Variants added to the engine later still reach Python as multirail.Error.
         _ => Error::new_err(msg),
     }
@@ -685,6 +715,42 @@ impl NativeEngine {
             .map_err(to_py)
     }
 
+    /// Joins multicast group `name` of `members` (segment names) and returns once every member
+    /// joined (GIL released meanwhile). `None` settings come from `transports.<t>.multicast`.
+    #[pyo3(signature = (name, members, senders=None, window_size=None, max_payload=None, delivery="unordered", batching=None, flush_us=None, transport=None, join_timeout_ms=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn join_group(
+        &self,
+        py: Python<'_>,
+        name: String,
+        members: Vec<String>,
+        senders: Option<Vec<String>>,
+        window_size: Option<u64>,
+        max_payload: Option<u64>,
+        delivery: &str,
+        batching: Option<String>,
+        flush_us: Option<u64>,
+        transport: Option<String>,
+        join_timeout_ms: Option<u64>,
+    ) -> PyResult<group::NativeGroup> {
+        group::join(
+            py,
+            &self.engine,
+            group::JoinArgs {
+                name,
+                members,
+                senders,
+                window_size,
+                max_payload,
+                delivery: group::parse_delivery(delivery)?,
+                batching,
+                flush_us,
+                transport,
+                join_timeout_ms,
+            },
+        )
+    }
+
     /// Stops serving: closes the control port and every connection.
     fn shutdown(&self, py: Python<'_>) {
         let engine = self.engine.clone();
@@ -954,6 +1020,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeBuffer>()?;
     m.add_class::<NativeRequest>()?;
     m.add_class::<NativeBatch>()?;
+    m.add_class::<group::NativeGroup>()?;
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
     m.add("PRIO_HIGH", multirail::PRIO_HIGH.as_u8())?;
     m.add("PRIO_MEDIUM", multirail::PRIO_MEDIUM.as_u8())?;
@@ -981,7 +1048,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         TransportUnavailableError,
         WaitTimeoutError,
         IoError,
-        NotAMemberError
+        NotAMemberError,
+        GroupError,
+        GroupJoinError,
+        GroupMemberFailedError
     );
     Ok(())
 }

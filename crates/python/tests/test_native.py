@@ -158,7 +158,7 @@ def test_closed_engine_stops_serving(spawn_peer):
 
 def test_every_error_is_a_multirail_error():
     names = [n for n in multirail.__all__ if n.endswith("Error")]
-    assert len(names) == 19
+    assert len(names) == 22
     for n in names:
         assert issubclass(getattr(multirail, n), multirail.Error)
     assert issubclass(multirail.Error, Exception)

@@ -14,7 +14,13 @@
 
 Every error the engine reports is raised as a subclass of :class:`multirail.Error` whose message
 is the engine's. Calls that wait for the network or for memory (``Engine()``, ``allocate``,
-``open_segment``, ``submit``, ``Batch.wait``) release the GIL.
+``open_segment``, ``submit``, ``Batch.wait``, every blocking :class:`Group` call) release the GIL.
+
+Group multicast (every member runs this, in its own process or thread)::
+
+    with engine.join_group("g", [a.segment_name, b.segment_name, c.segment_name]) as group:
+        group.send(b"hello")                             # to every member, this one included
+        sender, index, data = group.recv(timeout=5)      # None after 5 s without a message
 
 :mod:`multirail.mooncake` offers ``TransferEngine``, a drop-in for Mooncake's
 ``mooncake.engine.TransferEngine``.
@@ -27,7 +33,7 @@ import enum
 import ipaddress
 import json
 import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _native
 from ._native import (
@@ -40,6 +46,9 @@ from ._native import (
     ConfigError,
     Error,
     InvalidArgumentError,
+    GroupError,
+    GroupJoinError,
+    GroupMemberFailedError,
     IoError,
     NotAMemberError,
     PeerDisconnectedError,
@@ -61,6 +70,7 @@ __all__ = [
     "Segment",
     "Request",
     "Batch",
+    "Group",
     "Status",
     "READ",
     "WRITE",
@@ -86,6 +96,9 @@ __all__ = [
     "WaitTimeoutError",
     "IoError",
     "NotAMemberError",
+    "GroupError",
+    "GroupJoinError",
+    "GroupMemberFailedError",
 ]
 
 _native.init_logging()
@@ -289,6 +302,157 @@ class Batch:
 
     def __repr__(self) -> str:
         return f"<multirail.Batch id={self._native.id} requests={len(self)} status={self.status().value}>"
+
+
+def _opt_uint(value: Any, what: str) -> Optional[int]:
+    """An optional count or size argument: None or a non-negative int."""
+    return None if value is None else _uint(value, what)
+
+
+def _opt_str(value: Any, what: str) -> Optional[str]:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{what} must be a str or None, got {type(value).__name__}")
+    return value
+
+
+def _names(value: Any, what: str) -> List[str]:
+    """A list of segment names: any iterable of str except a str itself."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{what} must be a list of segment names, not a single {type(value).__name__}")
+    try:
+        names = list(value)
+    except TypeError:
+        raise TypeError(f"{what} must be a list of segment names, got {type(value).__name__}") from None
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"{what} must hold segment names (str), got {type(n).__name__}")
+    return names
+
+
+class Group:
+    """A multicast group this engine joined with :meth:`Engine.join_group`.
+
+    Every message a sender sends reaches every member, the sender included, exactly once, in
+    the order its sender sent it (``delivery="unordered"``) or in one order identical at every
+    member (``delivery="ordered"``). All methods may be called from several threads at once;
+    every call that waits releases the GIL.
+
+    Membership is fixed: when a member dies or stops answering for
+    ``transports.tcp.timeout_ms``, every later :meth:`send`, :meth:`recv` and :meth:`flush`
+    raises :class:`GroupMemberFailedError` naming it (messages that arrived before are still
+    returned first). Leave with :meth:`leave` or a ``with`` block; after that every call raises
+    :class:`GroupError` ("group X was left"). A group that is garbage-collected without leaving
+    stops at once, and the other members see it fail.
+    """
+
+    __slots__ = ("_native",)
+
+    def __init__(self, native: Any) -> None:
+        self._native = native
+
+    @property
+    def name(self) -> str:
+        """The group's name."""
+        return self._native.name
+
+    @property
+    def members(self) -> List[str]:
+        """The members' segment names, in the order given to :meth:`Engine.join_group`."""
+        return self._native.members
+
+    @property
+    def max_payload(self) -> int:
+        """Largest message this group carries, in bytes."""
+        return self._native.max_payload
+
+    def send(self, data: Any) -> int:
+        """Sends ``data`` to every member and returns the message's index among this member's
+        messages (0, 1, ...).
+
+        ``data`` is any C-contiguous object with the buffer protocol (``bytes``, ``bytearray``,
+        ``memoryview``, a NumPy array...): its bytes are copied once, straight into the group's
+        ring, with no copy in Python. Waits while the window is full, up to
+        ``transports.tcp.timeout_ms``. Raises :class:`GroupError` when ``data`` is longer than
+        :attr:`max_payload`, this member is not a sender, the window stayed full, or the group
+        was left; :class:`GroupMemberFailedError` when a member failed; TypeError or BufferError
+        for an object without contiguous bytes."""
+        return self._native.send(data)
+
+    def send_into(self, length: int, fill: Callable[[memoryview], Any]) -> int:
+        """Sends a message of ``length`` bytes that ``fill`` writes in place, in the group's
+        ring (no copy at all); returns its index as :meth:`send` does.
+
+        ``fill`` is called once with a writable ``memoryview`` of exactly ``length`` bytes,
+        e.g. ``lambda mv: mv.__setitem__(slice(None), payload)`` or
+        ``numpy.frombuffer(mv, numpy.uint8)[:] = ...``. The view is valid only during the call:
+        it is released when ``fill`` returns, and keeping a slice of it or an array over it
+        raises BufferError (the message is sent regardless). ``fill`` must not call
+        :meth:`send`, :meth:`send_into`, :meth:`flush` or :meth:`leave` of this group
+        (:class:`GroupError`), and should be quick: other senders of this member wait for it.
+        If ``fill`` raises, its exception propagates, but the message is still sent, with its
+        bytes zeroed (a slot is committed before ``fill`` runs). Raises as :meth:`send` does
+        (``fill`` is then not called)."""
+        return self._native.send_into(_uint(length, "length"), fill)
+
+    def recv(self, timeout: Optional[float] = None) -> Optional[Tuple[str, int, bytes]]:
+        """The next message delivered to this member, as ``(sender, index, data)``: the
+        sender's segment name, the message's index among the sender's messages and its bytes.
+
+        Waits up to ``timeout`` seconds (None: until a message comes; Ctrl-C interrupts) and
+        returns None when none came. Raises :class:`GroupMemberFailedError` once a member
+        failed and the messages that arrived before were returned, :class:`GroupError` when the
+        group was left (also by another thread while this one waits)."""
+        return self._native.recv(timeout)
+
+    def flush(self) -> None:
+        """Pushes everything this member sent so far at once (without waiting for batching's
+        ``k`` messages or ``flush_us``) and returns once every member can see it. Raises
+        :class:`GroupMemberFailedError` or :class:`GroupError` (not done within
+        ``transports.tcp.timeout_ms``; group left)."""
+        self._native.flush()
+
+    def stats(self) -> Dict[str, int]:
+        """What the group did at this member: ``sent``, ``sent_bytes``, ``delivered`` (its own
+        messages included), ``pushes``, ``data_writes``, ``counter_writes``, ``ack_writes``,
+        ``heartbeat_writes``, ``window_stalls``, ``null_records`` (ordered delivery). Raises
+        :class:`GroupError` after :meth:`leave` (which returns the final figures)."""
+        return self._native.stats()
+
+    def leave(self) -> Dict[str, int]:
+        """Leaves the group together with the other members (a barrier: each member's messages
+        are acknowledged by all, then all leave) and returns the final :meth:`stats`.
+
+        Waits for calls other threads have in flight on this group to return first. Raises
+        :class:`GroupMemberFailedError` when a member failed before everyone left,
+        :class:`GroupError` when the barrier did not complete within
+        ``transports.tcp.timeout_ms`` or the group was already left; the group is released
+        either way."""
+        return self._native.leave()
+
+    @property
+    def left(self) -> bool:
+        """True once :meth:`leave` was called."""
+        return self._native.left
+
+    def __enter__(self) -> "Group":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """Leaves the group unless it was left already. When the block raised, an error of
+        ``leave`` is dropped so the block's exception propagates."""
+        if self._native.left:
+            return
+        if exc_type is None:
+            self.leave()
+        else:
+            try:
+                self.leave()
+            except Error:
+                pass
+
+    def __repr__(self) -> str:
+        state = " (left)" if self._native.left else ""
+        return f"<multirail.Group {self.name!r} members={len(self.members)}{state}>"
 
 
 class _Closed:
@@ -531,6 +695,58 @@ class Engine:
     def notifications(self) -> List[Tuple[str, str]]:
         """Notifications received since the last call: ``[(sender segment name, msg), ...]``."""
         return self._native.receive_notifications()
+
+    def join_group(
+        self,
+        name: str,
+        members: Sequence[str],
+        senders: Optional[Sequence[str]] = None,
+        *,
+        window_size: Optional[int] = None,
+        max_payload: Optional[int] = None,
+        delivery: str = "unordered",
+        batching: Optional[str] = None,
+        flush_us: Optional[int] = None,
+        transport: Optional[str] = None,
+        join_timeout_ms: Optional[int] = None,
+    ) -> Group:
+        """Joins multicast group ``name`` and returns the :class:`Group` once every member
+        joined. Every member calls this (each in its own process or thread) with the same
+        settings.
+
+        ``members``: the segment names (:attr:`segment_name`) of every member, this engine
+        included, in one order all members agree on (at least 2). ``senders``: the members
+        that send, None for all. ``window_size``: messages a sender may have unacknowledged;
+        ``max_payload``: largest message in bytes; ``delivery``: ``"unordered"`` (per-sender
+        FIFO) or ``"ordered"`` (one total order, the same at every member); ``batching``:
+        ``"off"``, ``"opportunistic"`` or ``"k:N"`` (push every N messages or after
+        ``flush_us`` microseconds); ``transport``: ``"tcp"``, ``"shm"``, ``"rdma"``,
+        ``"auto"`` or None (the engine's). Settings left None come from
+        ``transports.<transport>.multicast`` of the configuration. ``join_timeout_ms``: how long
+        to wait for the other members (default 30000).
+
+        Raises :class:`InvalidArgumentError` naming the argument for a bad setting (negative or
+        out of range, unknown ``delivery`` or ``batching``...), :class:`GroupJoinError` when
+        this engine is not among ``members``, a member joined with different settings (naming
+        it and the setting) or members did not join in time (naming them), TypeError for
+        arguments of the wrong type."""
+        if not isinstance(name, str):
+            raise TypeError(f"group name must be a str, got {type(name).__name__}")
+        if not isinstance(delivery, str):
+            raise TypeError(f"delivery must be \"unordered\" or \"ordered\", got {delivery!r}")
+        native = self._native.join_group(
+            name,
+            _names(members, "members"),
+            None if senders is None else _names(senders, "senders"),
+            window_size=_opt_uint(window_size, "window_size"),
+            max_payload=_opt_uint(max_payload, "max_payload"),
+            delivery=delivery,
+            batching=_opt_str(batching, "batching"),
+            flush_us=_opt_uint(flush_us, "flush_us"),
+            transport=_opt_str(transport, "transport"),
+            join_timeout_ms=_opt_uint(join_timeout_ms, "join_timeout_ms"),
+        )
+        return Group(native)
 
     def close(self) -> None:
         """Stops serving (the port and every connection close) and releases the engine: later

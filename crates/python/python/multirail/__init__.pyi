@@ -2,7 +2,7 @@
 
 import enum
 import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _native
 
@@ -73,6 +73,23 @@ class IoError(Error):
 
 class NotAMemberError(Error):
     """This engine and the peer do not share the membership token (auth.token / MULTIRAIL_TOKEN)."""
+
+class GroupError(Error):
+    """A multicast group refused an operation: a message over max_payload, this member is not
+    a sender, the window stayed full, the group was left."""
+
+class GroupJoinError(GroupError):
+    """Joining failed: this engine is not a member, a member joined with different settings
+    (the message names it and the setting), or members did not join in time (named)."""
+
+class GroupMemberFailedError(GroupError):
+    """A member died or stopped answering for transports.tcp.timeout_ms; the group cannot go
+    on and every later send, recv and flush raises this."""
+
+    group: str
+    """The group's name."""
+    member: str
+    """The failed member's segment name."""
 
 class Status(str, enum.Enum):
     """State of one request or of a whole batch."""
@@ -153,6 +170,45 @@ class Batch:
     def free(self) -> None:
         """Frees the batch now; BatchBusyError while requests are in flight."""
 
+class Group:
+    """A multicast group joined with Engine.join_group; usable from several threads at once,
+    every waiting call releases the GIL. A `with` block leaves it on exit."""
+
+    @property
+    def name(self) -> str:
+        """The group's name."""
+    @property
+    def members(self) -> List[str]:
+        """The members' segment names, in member order."""
+    @property
+    def max_payload(self) -> int:
+        """Largest message, bytes."""
+    @property
+    def left(self) -> bool:
+        """True once leave() was called."""
+    def send(self, data: Any) -> int:
+        """Sends the bytes of a C-contiguous buffer-protocol object (bytes, bytearray,
+        memoryview, NumPy array) to every member, copied once into the ring; returns the
+        message index. Raises GroupError (over max_payload, not a sender, window full, left),
+        GroupMemberFailedError."""
+    def send_into(self, length: int, fill: Callable[[memoryview], Any]) -> int:
+        """Sends `length` bytes that fill(memoryview) writes in place in the ring (no copy);
+        the view is valid only during the call (keeping it raises BufferError). If fill raises,
+        the message is still sent, zeroed, and the exception propagates. Returns the index."""
+    def recv(self, timeout: Optional[float] = None) -> Optional[Tuple[str, int, bytes]]:
+        """(sender segment name, index, bytes) of the next message, or None after `timeout`
+        seconds (None: no limit). Raises GroupMemberFailedError, GroupError (left)."""
+    def flush(self) -> None:
+        """Pushes everything sent so far and waits until every member can see it."""
+    def stats(self) -> Dict[str, int]:
+        """sent, sent_bytes, delivered, pushes, data_writes, counter_writes, ack_writes,
+        heartbeat_writes, window_stalls, null_records. Raises GroupError once left."""
+    def leave(self) -> Dict[str, int]:
+        """Leaves with the other members (a barrier); returns the final stats. Raises
+        GroupMemberFailedError or GroupError; the group is released either way."""
+    def __enter__(self) -> "Group": ...
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None: ...
+
 ConfigArg = Union[None, Mapping[str, Any], str, "os.PathLike[str]"]
 
 class Engine:
@@ -200,6 +256,25 @@ class Engine:
         """Lanes of small messages: {"dynamic", "max_dedicated", "receive_bytes", "outgoing":
         [{peer, lane, score, promotions, demotions, denials}], "incoming": [...], "requesting":
         {...}, "granting": {...}}."""
+    def join_group(
+        self,
+        name: str,
+        members: Sequence[str],
+        senders: Optional[Sequence[str]] = None,
+        *,
+        window_size: Optional[int] = None,
+        max_payload: Optional[int] = None,
+        delivery: str = "unordered",
+        batching: Optional[str] = None,
+        flush_us: Optional[int] = None,
+        transport: Optional[str] = None,
+        join_timeout_ms: Optional[int] = None,
+    ) -> Group:
+        """Joins multicast group `name` of `members` (segment names, this engine included);
+        returns once every member joined. delivery "unordered" or "ordered"; batching "off",
+        "opportunistic" or "k:N"; None settings come from transports.<t>.multicast. Raises
+        InvalidArgumentError naming a bad argument, GroupJoinError (not a member, a member with
+        different settings, members missing after join_timeout_ms)."""
     def close(self) -> None:
         """Stops serving and releases the engine; later calls raise Error."""
     def __enter__(self) -> "Engine": ...
