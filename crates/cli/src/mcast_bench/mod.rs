@@ -41,6 +41,8 @@ use payload::Sizes;
 enum Transport {
     Shm,
     Tcp,
+    /// RDMA WRITEs (needs RDMA ports: soft-RoCE in scripts/test-rdma's VM).
+    Rdma,
 }
 
 impl Transport {
@@ -48,6 +50,7 @@ impl Transport {
         match self {
             Transport::Shm => "shm",
             Transport::Tcp => "tcp",
+            Transport::Rdma => "rdma",
         }
     }
 }
@@ -106,7 +109,7 @@ pub struct McastBenchArgs {
     /// unordered (per-sender FIFO) or ordered (one total order). Default: unordered.
     #[arg(long, value_enum, default_value_t = DeliveryArg::Unordered)]
     delivery: DeliveryArg,
-    /// Transport of every engine: shm or tcp. Default: shm.
+    /// Transport of every engine: shm, tcp or rdma. Default: shm.
     #[arg(long, value_enum, default_value_t = Transport::Shm)]
     transport: Transport,
     /// Messages per second each sender sends. Default: as fast as its window allows.
@@ -209,6 +212,7 @@ impl McastBenchArgs {
         config.transport = match self.transport {
             Transport::Shm => TransportChoice::Shm,
             Transport::Tcp => TransportChoice::Tcp,
+            Transport::Rdma => TransportChoice::Rdma,
         };
     }
 
