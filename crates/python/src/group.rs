@@ -645,8 +645,9 @@ impl NativeGroup {
         let Some(shared) = self.group.lock().unwrap_or_else(|e| e.into_inner()).take() else {
             return Err(self.left_error());
         };
-        // Calls in flight in other threads return within the timeout (recv within a slice).
-        let patience = self.timeout + Duration::from_secs(1);
+        // Calls in flight in other threads return in time: recv within a slice, a send waiting
+        // for room within 1.5 x the timeout, flush within the timeout.
+        let patience = self.timeout * 2 + Duration::from_secs(1);
         let outcome = py.allow_threads(move || {
             let start = Instant::now();
             let mut shared = shared;

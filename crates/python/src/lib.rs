@@ -139,7 +139,7 @@ create_exception!(
     multirail,
     GroupError,
     Error,
-    "A multicast group refused an operation (message over max_payload, not a sender, group left, a window that stayed full)."
+    "A multicast group refused an operation (message over max_payload, not a sender, group left, flush or leave not done in time)."
 );
 create_exception!(
     multirail,
@@ -151,7 +151,7 @@ create_exception!(
     multirail,
     GroupMemberFailedError,
     GroupError,
-    "A member of the multicast group died or stopped answering; the group cannot go on. Attributes `group` and `member` name them."
+    "A member of the multicast group died, stopped answering or stopped acknowledging (the window stayed full); the group cannot go on. Attributes `group` and `member` name them."
 );
 
 /// Turns an engine error into the matching `multirail.Error` subclass, keeping its message.

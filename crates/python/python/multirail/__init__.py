@@ -371,11 +371,12 @@ class Group:
 
         ``data`` is any C-contiguous object with the buffer protocol (``bytes``, ``bytearray``,
         ``memoryview``, a NumPy array...): its bytes are copied once, straight into the group's
-        ring, with no copy in Python. Waits while the window is full, up to
-        ``transports.tcp.timeout_ms``. Raises :class:`GroupError` when ``data`` is longer than
-        :attr:`max_payload`, this member is not a sender, the window stayed full, or the group
-        was left; :class:`GroupMemberFailedError` when a member failed; TypeError or BufferError
-        for an object without contiguous bytes."""
+        ring, with no copy in Python. Waits while the window is full. Raises
+        :class:`GroupError` when ``data`` is longer than :attr:`max_payload`, this member is not
+        a sender, or the group was left; :class:`GroupMemberFailedError` when a member failed,
+        also when the window stayed full for 1.5 x ``transports.tcp.timeout_ms`` (the members
+        that did not acknowledge are failed); TypeError or BufferError for an object without
+        contiguous bytes."""
         return self._native.send(data)
 
     def send_into(self, length: int, fill: Callable[[memoryview], Any]) -> int:

@@ -76,15 +76,16 @@ class NotAMemberError(Error):
 
 class GroupError(Error):
     """A multicast group refused an operation: a message over max_payload, this member is not
-    a sender, the window stayed full, the group was left."""
+    a sender, flush or leave not done in time, the group was left."""
 
 class GroupJoinError(GroupError):
     """Joining failed: this engine is not a member, a member joined with different settings
     (the message names it and the setting), or members did not join in time (named)."""
 
 class GroupMemberFailedError(GroupError):
-    """A member died or stopped answering for transports.tcp.timeout_ms; the group cannot go
-    on and every later send, recv and flush raises this."""
+    """A member died, stopped answering for transports.tcp.timeout_ms, or did not acknowledge
+    while a sender's window stayed full; the group cannot go on and every later send, recv,
+    flush and leave raises this. `member` may name several members, comma-separated."""
 
     group: str
     """The group's name."""
@@ -189,8 +190,9 @@ class Group:
     def send(self, data: Any) -> int:
         """Sends the bytes of a C-contiguous buffer-protocol object (bytes, bytearray,
         memoryview, NumPy array) to every member, copied once into the ring; returns the
-        message index. Raises GroupError (over max_payload, not a sender, window full, left),
-        GroupMemberFailedError."""
+        message index; waits while the window is full. Raises GroupError (over max_payload,
+        not a sender, left), GroupMemberFailedError (also when the window stays full: the
+        members that do not acknowledge are failed)."""
     def send_into(self, length: int, fill: Callable[[memoryview], Any]) -> int:
         """Sends `length` bytes that fill(memoryview) writes in place in the ring (no copy);
         the view is valid only during the call (keeping it raises BufferError). If fill raises,
