@@ -370,3 +370,39 @@ fn bad_sends_and_mismatched_joins_are_refused() {
     assert!(err.contains("not among the group's senders"), "{err}");
     leave_all(groups);
 }
+
+#[test]
+fn a_fill_that_fails_sends_nothing_and_the_next_message_takes_its_place() {
+    let es = engines(2, 5000);
+    let members = names(&es);
+    let mut config = GroupConfig::new("fallible", members.clone());
+    config.transport = Some(TransportChoice::Shm);
+    let groups = join_all(&es, &config);
+    let refused: Result<Result<u64, &str>, Error> = groups[0].try_send_with(16, |slot| {
+        slot.fill(0xEE);
+        Err("the source ran dry")
+    });
+    assert_eq!(refused.unwrap(), Err("the source ran dry"));
+    assert_eq!(groups[0].send(b"first").unwrap(), 0);
+    assert_eq!(
+        groups[0]
+            .try_send_with(6, |slot| {
+                slot.copy_from_slice(b"second");
+                Ok::<(), ()>(())
+            })
+            .unwrap(),
+        Ok(1)
+    );
+    for g in &groups {
+        let got: Vec<(u64, Vec<u8>)> = (0..2)
+            .map(|_| {
+                let m = g.recv(Some(Duration::from_secs(5))).unwrap().unwrap();
+                (m.index, m.bytes)
+            })
+            .collect();
+        assert_eq!(got, vec![(0, b"first".to_vec()), (1, b"second".to_vec())]);
+        assert_eq!(g.recv(Some(Duration::from_millis(50))).unwrap(), None);
+    }
+    let stats = leave_all(groups);
+    assert_eq!(stats[0].sent, 2);
+}

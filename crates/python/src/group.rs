@@ -7,7 +7,7 @@
 //! left"), waits for the calls in flight to return and then leaves. `recv` waits in slices of
 //! [`RECV_SLICE`], between which it notices a `leave` from another thread and Ctrl-C.
 //!
-//! **send_into.** `Group::send_with` lends the message's slot in the ring as `&mut [u8]` for
+//! **send_into.** `Group::try_send_with` lends the message's slot in the ring as `&mut [u8]` for
 //! the duration of a Rust closure; the closure takes the GIL back and calls the Python `fill`
 //! with a writable memoryview over the slot. The memoryview's exporter (`SlotView`, built by
 //! hand like `BufferView`, see `view.rs`) counts the buffers it exported and refuses new ones
@@ -191,7 +191,7 @@ unsafe extern "C" fn slot_getbuffer(
         return -1;
     }
     // SAFETY: while `valid` is set, run_fill is inside `fill`, so the slot of `len` bytes at
-    // `addr` is lent to us by send_with and nothing else touches it.
+    // `addr` is lent to us by try_send_with and nothing else touches it.
     let rc = PyBuffer_FillInfo(view, obj, (*s).addr as *mut c_void, (*s).len, 0, flags);
     if rc == 0 {
         (*s).exports += 1;
@@ -285,17 +285,25 @@ impl Drop for Filling {
     }
 }
 
-/// Calls `fill(memoryview of slot)`, then revokes the view. Errors: what `fill` raised (the
-/// slot is zeroed then: the message goes out regardless), or a `BufferError` when a view of
-/// the slot outlived the call.
+/// Why `fill` did not hand back a clean slot.
+enum FillError {
+    /// `fill` raised: the message is not sent.
+    Raised(PyErr),
+    /// A view of the slot outlived the call (`BufferError`): the message is sent as written,
+    /// since writes through that view would otherwise land in the next message.
+    Escaped(PyErr),
+}
+
+/// Calls `fill(memoryview of slot)`, then revokes the view. Errors: what `fill` raised, or a
+/// `BufferError` when a view of the slot outlived the call.
 fn run_fill(
     py: Python<'_>,
     slot: &mut [u8],
     fill: &PyObject,
     keep: Arc<Group>,
     group_name: &str,
-) -> PyResult<()> {
-    let tp = slot_type(py)?.bind(py);
+) -> Result<(), FillError> {
+    let tp = slot_type(py).map_err(FillError::Raised)?.bind(py);
     let tp_ptr = tp.as_ptr() as *mut ffi::PyTypeObject;
     // SAFETY: `tp` is the SlotView heap type, alive (the static holds it). Its tp_alloc (or
     // the generic allocator) returns a zeroed object of `basicsize` = size_of::<RawSlot>()
@@ -310,7 +318,7 @@ fn run_fill(
         };
         let obj = alloc(tp_ptr, 0);
         if obj.is_null() {
-            return Err(PyErr::fetch(py));
+            return Err(FillError::Raised(PyErr::fetch(py)));
         }
         let s = obj as *mut RawSlot;
         (*s).addr = slot.as_mut_ptr() as usize;
@@ -324,7 +332,8 @@ fn run_fill(
     // SAFETY: `exporter` is a live object with the buffer protocol; the call returns a new
     // reference or null with an exception set.
     let view = unsafe {
-        Bound::from_owned_ptr_or_err(py, ffi::PyMemoryView_FromObject(exporter.as_ptr()))?
+        Bound::from_owned_ptr_or_err(py, ffi::PyMemoryView_FromObject(exporter.as_ptr()))
+            .map_err(FillError::Raised)?
     };
     let called = fill.call1(py, (view.clone(),));
     // SAFETY: `raw` points into `exporter`, which we still hold; only threads holding the GIL
@@ -346,17 +355,11 @@ fn run_fill(
         if let Err(cause) = called {
             err.set_cause(py, Some(cause));
         }
-        return Err(err);
+        return Err(FillError::Escaped(err));
     }
-    match called {
-        Ok(_) => Ok(()),
-        Err(e) => {
-            // No view of the slot is left (checked above), so `slot` is ours again. The record
-            // is committed whatever happens: zero it rather than send stale ring bytes.
-            slot.fill(0);
-            Err(e)
-        }
-    }
+    // No view of the slot is left (checked above): on an exception the slot is simply not
+    // committed, and the next message takes it.
+    called.map(|_| ()).map_err(FillError::Raised)
 }
 
 /// Final or current stats as a dict of counters.
@@ -557,23 +560,29 @@ impl NativeGroup {
         let key = Arc::as_ptr(&group) as usize;
         let keep = group.clone();
         let name = self.name.as_str();
-        let mut failed: Option<PyErr> = None;
+        let mut escaped: Option<PyErr> = None;
         let sent = py.allow_threads(|| {
-            group.send_with(length, |slot| {
+            group.try_send_with(length, |slot| {
                 Python::with_gil(|py| {
                     let _filling = Filling::enter(key);
-                    failed = run_fill(py, slot, &fill, keep, name).err();
+                    match run_fill(py, slot, &fill, keep, name) {
+                        Ok(()) => Ok(()),
+                        Err(FillError::Raised(e)) => Err(e),
+                        Err(FillError::Escaped(e)) => {
+                            escaped = Some(e);
+                            Ok(())
+                        }
+                    }
                 })
             })
         });
-        let index = sent.map_err(to_py)?;
-        match failed {
+        let index = sent.map_err(to_py)??;
+        match escaped {
             None => Ok(index),
             Some(e) => {
                 if let Ok(note) = e.value(py).getattr("add_note") {
                     let _ = note.call1((format!(
-                        "message {index} of group {} was sent anyway: a committed slot cannot \
-                         be taken back",
+                        "message {index} of group {} was sent as the view left it",
                         self.name
                     ),));
                 }

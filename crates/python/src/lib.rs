@@ -236,7 +236,9 @@ fn status_str(s: &Status) -> &'static str {
 fn timeout_arg(timeout: Option<f64>) -> PyResult<Option<Duration>> {
     match timeout {
         None => Ok(None),
-        Some(t) if t.is_finite() && t >= 0.0 => Ok(Some(Duration::from_secs_f64(t))),
+        // `from_secs_f64` panics past what a Duration holds (about 5.8e11 years); such a wait
+        // means "no limit", as None does.
+        Some(t) if t.is_finite() && t >= 0.0 => Ok(Duration::try_from_secs_f64(t).ok()),
         Some(t) => Err(InvalidArgumentError::new_err(format!(
             "invalid argument `timeout`: must be a non-negative number of seconds or None, got {t}"
         ))),

@@ -390,9 +390,9 @@ class Group:
         raises BufferError (the message is sent regardless). ``fill`` must not call
         :meth:`send`, :meth:`send_into`, :meth:`flush` or :meth:`leave` of this group
         (:class:`GroupError`), and should be quick: other senders of this member wait for it.
-        If ``fill`` raises, its exception propagates, but the message is still sent, with its
-        bytes zeroed (a slot is committed before ``fill`` runs). Raises as :meth:`send` does
-        (``fill`` is then not called)."""
+        If ``fill`` raises, its exception propagates and nothing is sent (the message is
+        committed only after ``fill`` returns). Raises as :meth:`send` does (``fill`` is then
+        not called)."""
         return self._native.send_into(_uint(length, "length"), fill)
 
     def recv(self, timeout: Optional[float] = None) -> Optional[Tuple[str, int, bytes]]:

@@ -196,7 +196,7 @@ class Group:
     def send_into(self, length: int, fill: Callable[[memoryview], Any]) -> int:
         """Sends `length` bytes that fill(memoryview) writes in place in the ring (no copy);
         the view is valid only during the call (keeping it raises BufferError). If fill raises,
-        the message is still sent, zeroed, and the exception propagates. Returns the index."""
+        nothing is sent and the exception propagates. Returns the index."""
     def recv(self, timeout: Optional[float] = None) -> Optional[Tuple[str, int, bytes]]:
         """(sender segment name, index, bytes) of the next message, or None after `timeout`
         seconds (None: no limit). Raises GroupMemberFailedError, GroupError (left)."""

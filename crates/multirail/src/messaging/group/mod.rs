@@ -459,6 +459,24 @@ impl Group {
     /// member's ring (Derecho's `get_sendbuffer_ptr`): no copy before the push. Fails as
     /// [`Group::send`] does; on failure `fill` is not called.
     pub fn send_with(&self, len: usize, fill: impl FnOnce(&mut [u8])) -> Result<u64> {
+        match self.try_send_with(len, |slot| {
+            fill(slot);
+            Ok::<(), std::convert::Infallible>(())
+        })? {
+            Ok(index) => Ok(index),
+            Err(never) => match never {},
+        }
+    }
+
+    /// As [`Group::send_with`], with a `fill` that may fail: the message is committed only
+    /// once `fill` returned `Ok`, so on `Err(e)` nothing is sent and the outcome is
+    /// `Ok(Err(e))` (a binding whose callback raised, a source that ran dry). The slot is free
+    /// for the next message. The group's own failures are the outer `Err`.
+    pub fn try_send_with<E>(
+        &self,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]) -> std::result::Result<(), E>,
+    ) -> Result<std::result::Result<u64, E>> {
         let s = &self.shared;
         if len as u64 > s.settings.max_payload {
             return Err(s.group_error(format!(
@@ -498,15 +516,25 @@ impl Group {
         if let Some(e) = s.failure_error() {
             return Err(e);
         }
-        let now_ns = progress::now_ns();
-        let record = state.planner.commit(now_ns).expect("room was checked");
+        // Records are numbered in commit order, and the lock is held until the commit.
+        let record = state.planner.committed();
         let pos = state.next_pos;
         let index = state.messages;
         let header = ring + pos;
         // SAFETY: the record at `pos` is not committed yet, and the window keeps every
         // unacknowledged record clear of it (see `table`), so nothing reads or writes these
-        // bytes while `fill` runs: the group thread pushes only committed records.
-        fill(unsafe { s.table.bytes_mut(header + table::RECORD_HEADER, len as u64) });
+        // bytes while `fill` runs: the group thread pushes only committed records, and this
+        // thread holds the send lock, which every commit takes.
+        if let Err(e) =
+            fill(unsafe { s.table.bytes_mut(header + table::RECORD_HEADER, len as u64) })
+        {
+            return Ok(Err(e));
+        }
+        let committed = state
+            .planner
+            .commit(progress::now_ns())
+            .expect("room was checked");
+        debug_assert_eq!(committed, record);
         s.table.write_header(
             header,
             RecordHeader {
@@ -532,7 +560,7 @@ impl Group {
             .sent_bytes
             .fetch_add(len as u64, Ordering::Relaxed);
         s.wake();
-        Ok(index)
+        Ok(Ok(index))
     }
 
     /// Pushes everything sent so far at once and asks receivers to acknowledge at once (the

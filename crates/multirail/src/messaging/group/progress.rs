@@ -95,6 +95,7 @@ impl<'a> Progress<'a> {
         let senders = s.settings.senders.len();
         let members = s.settings.members.len();
         let window = s.settings.window;
+        let heartbeat_every = (s.settings.timeout / 4).max(Duration::from_millis(1));
         Progress {
             s,
             consumed: vec![0; senders],
@@ -107,14 +108,23 @@ impl<'a> Progress<'a> {
             received: vec![vec![0; senders]; members],
             left: vec![false; members],
             gone: vec![false; members],
-            last_write: vec![Instant::now(); members],
+            // Due at once: the first round writes to every member, so connections are made
+            // while every member just proved alive by joining. A connection made later to a
+            // member that froze would wait `connect_timeout_ms` inside the submit, past the
+            // timeout this thread promises to detect it in.
+            last_write: vec![
+                Instant::now()
+                    .checked_sub(heartbeat_every)
+                    .unwrap_or_else(Instant::now);
+                members
+            ],
             row_seen: vec![Vec::new(); members],
             last_heard: vec![Instant::now(); members],
             order: (s.settings.delivery == Delivery::Ordered).then(|| RoundRobin::new(senders)),
             pending_count: None,
             announce_sent: false,
             announcing: false,
-            heartbeat_every: (s.settings.timeout / 4).max(Duration::from_millis(1)),
+            heartbeat_every,
             inbox_limit: (window as usize * senders * 4).max(4096),
             staged: Vec::new(),
             scratch: Vec::new(),
