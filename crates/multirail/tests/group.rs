@@ -406,3 +406,31 @@ fn a_fill_that_fails_sends_nothing_and_the_next_message_takes_its_place() {
     let stats = leave_all(groups);
     assert_eq!(stats[0].sent, 2);
 }
+
+#[test]
+fn a_member_that_drops_its_group_without_leaving_is_named_with_why() {
+    let es = engines(3, 1000);
+    let members = names(&es);
+    let mut config = GroupConfig::new("dropped", members.clone());
+    config.transport = Some(TransportChoice::Tcp);
+    let mut groups = join_all(&es, &config);
+    // Member 2 drops its group (its engine lives on): its table is freed.
+    drop(groups.pop().unwrap());
+    let start = Instant::now();
+    let err = loop {
+        match groups[0].send(b"to a gone table") {
+            Err(e) => break e,
+            Ok(_) => {
+                assert!(start.elapsed() < Duration::from_secs(5), "no failure seen");
+                thread::sleep(Duration::from_millis(10));
+            }
+        }
+    };
+    match &err {
+        Error::GroupMemberFailed(f) => {
+            assert_eq!(f.member, members[2], "{err}");
+            assert!(f.reason.contains("without leave()"), "{err}");
+        }
+        other => panic!("expected the member named, got {other}"),
+    }
+}

@@ -45,6 +45,19 @@ struct Write {
     request: Request,
 }
 
+/// What a failed write says about its member. A refused write means the member's table is
+/// gone: its group was dropped without `leave()` (or its engine freed the memory), which the
+/// transport's words (an unknown buffer or key) would not make plain.
+fn failure_reason(err: &crate::error::Error) -> String {
+    match err {
+        crate::error::Error::RemoteRejected { reason, .. } => format!(
+            "its group table is gone (it dropped the group without leave(), or its memory was \
+             freed): the write was refused, {reason}"
+        ),
+        e => e.to_string(),
+    }
+}
+
 /// Runs the group thread until the group stops or fails.
 pub(super) fn run(s: Arc<Shared>) {
     // The thread parks for tens of µs at a time (one-sided writes raise no event, so arrivals
@@ -617,7 +630,7 @@ impl<'a> Progress<'a> {
         if let Err(e) = engine.wait(batch, Some(s.settings.timeout)) {
             for (j, &m) in submitted.iter().enumerate() {
                 match engine.status(batch, j) {
-                    Ok(Status::Failed(err)) => failed.push((m, err.to_string())),
+                    Ok(Status::Failed(err)) => failed.push((m, failure_reason(&err))),
                     Ok(Status::Pending) => failed.push((
                         m,
                         format!("no answer within {} ms", s.settings.timeout.as_millis()),
