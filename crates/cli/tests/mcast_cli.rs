@@ -150,6 +150,35 @@ fn ordered_delivery_with_an_idle_sender_is_identical_everywhere_tcp() {
     ordered_with_an_idle_sender("tcp");
 }
 
+/// Eight members all sending, ordered, as fast as their windows allow: the total order holds
+/// many messages while it waits for the slowest sender's next message or nulls, and must keep
+/// reading that sender meanwhile (it once stopped reading everyone past 4096 held messages,
+/// and every window filled: the group hung until the timeout failed it).
+#[test]
+fn ordered_delivery_with_eight_busy_senders_does_not_hang_shm() {
+    let (code, v) = mcast(
+        &[
+            "--members",
+            "8",
+            "--senders",
+            "8",
+            "--delivery",
+            "ordered",
+            "--size",
+            "8-10240",
+            "--messages",
+            "600000",
+        ],
+        None,
+    );
+    assert_eq!(v["problems"], serde_json::json!([]), "{v}");
+    assert_eq!(code, 0, "{v}");
+    assert_eq!(v["order_identical"], true, "{v}");
+    for m in v["per_member"].as_array().unwrap() {
+        assert_eq!(u(&m["delivered"]), 600_000, "{m}");
+    }
+}
+
 /// Member 2 is killed (or frozen) 1 s into the run: every other member's group fails with an
 /// error naming it, within the timeout (plus one heartbeat interval when the member that sees
 /// it was waiting on a write to it).

@@ -49,6 +49,7 @@ impl RoundRobin {
     }
 
     /// Messages held, received but not yet delivered (nulls not counted).
+    #[cfg(test)]
     pub fn held(&self) -> usize {
         self.queues
             .iter()

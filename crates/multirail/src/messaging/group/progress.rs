@@ -99,6 +99,8 @@ struct Progress<'a> {
     announcing: bool,
     heartbeat_every: Duration,
     inbox_limit: usize,
+    /// The sender rank the next consuming pass starts at.
+    first_rank: usize,
     staged: Vec<GroupMessage>,
     scratch: Vec<u8>,
 }
@@ -139,6 +141,7 @@ impl<'a> Progress<'a> {
             announcing: false,
             heartbeat_every,
             inbox_limit: (window as usize * senders * 4).max(4096),
+            first_rank: 0,
             staged: Vec::new(),
             scratch: Vec::new(),
         }
@@ -223,11 +226,21 @@ impl<'a> Progress<'a> {
     fn consume(&mut self, now_ns: u64) -> Result<u64, (String, String)> {
         let s = self.s;
         let window = s.settings.window;
-        let held = s.inbox.lock().expect("group inbox poisoned").len()
-            + self.order.as_ref().map_or(0, |o| o.held());
+        // Only what waits for the application counts against the limit (a caller that stops
+        // calling `recv` stops consumption, so acknowledgements, so the senders). Messages the
+        // total order holds do not: the order may be waiting for the very sender (its next
+        // message or its nulls) that the limit would stop reading, and the group would hang
+        // with every window full. The order holds at most about a window per sender anyway:
+        // senders run at most a window past the slowest member, and nulls fill every gap.
+        let held = s.inbox.lock().expect("group inbox poisoned").len();
         let mut room = self.inbox_limit.saturating_sub(held + self.staged.len());
         let mut total = 0;
-        for rank in 0..s.settings.senders.len() {
+        let senders = s.settings.senders.len();
+        // Each pass starts at the next sender, so a limited room is shared, not taken by the
+        // first sender every time.
+        let first = self.first_rank;
+        self.first_rank = (first + 1) % senders;
+        for rank in (first..senders).chain(0..first) {
             let m = s.settings.senders[rank];
             if m == s.me {
                 continue;
