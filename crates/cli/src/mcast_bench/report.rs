@@ -92,6 +92,11 @@ pub(super) fn finish(
         ));
     }
     let mut detections = Vec::new();
+    if let (Some(m), None) = (args.kill_member, kill) {
+        problems.push(format!(
+            "member {m} was not killed: the run ended before --kill-after"
+        ));
+    }
     match kill {
         None => {
             for r in &present {
