@@ -733,6 +733,10 @@ mod senders {
     /// What the senders' side adds to the report.
     struct SentSide {
         requesting: multirail::LanesStats,
+        /// Hot senders' sends that found no credit in hand and waited, over the whole run.
+        hot_credit_waits: u64,
+        /// Hot senders' messages sent, over the whole run.
+        hot_sent: u64,
         switches_after_warmup: u64,
         failures: u64,
         first_failure: Option<String>,
@@ -836,6 +840,11 @@ mod senders {
             ));
         }
         let end = requesting(&peers);
+        let hot_stats: Vec<multirail::MessageStats> = peers
+            .iter()
+            .filter(|p| args.is_hot(p.index as usize))
+            .map(|p| p.engine.message_stats())
+            .collect();
         progress.set_message("collecting");
         let mut failures = Failures::default();
         for h in threads {
@@ -851,6 +860,8 @@ mod senders {
 
         let sent = SentSide {
             requesting: end,
+            hot_credit_waits: hot_stats.iter().map(|s| s.credit_waits).sum(),
+            hot_sent: hot_stats.iter().map(|s| s.sent).sum(),
             switches_after_warmup: end.switches - warm.unwrap_or(end).switches.min(end.switches),
             failures: failures.count,
             first_failure: failures.first.clone(),
@@ -934,6 +945,8 @@ mod senders {
             "all_hot_dedicated_after_s": r.all_hot_dedicated_after_ns.map(|ns| ns as f64 / 1e9),
             "receive_bytes": r.end.receive_bytes,
             "switches_after_warmup": receiver_switches + sent.switches_after_warmup,
+            "hot_credit_waits": sent.hot_credit_waits,
+            "hot_credit_waits_per_message": sent.hot_credit_waits as f64 / sent.hot_sent.max(1) as f64,
             "receiver_switches_after_warmup": receiver_switches,
             "sender_switches_after_warmup": sent.switches_after_warmup,
             "receiver_granting": r.end.granting,

@@ -49,6 +49,13 @@ pub struct TcpConfig {
     pub keepalive_ms: u64,
     /// Receive path of two-sided messages over TCP.
     pub receive: ReceiveConfig,
+    /// When the last few polls of `recv` all took in messages from tcp connections (a stream,
+    /// not a ping-pong), `recv` waits this long, spinning, before it reads the sockets again
+    /// (default 6; 0: never), so one read takes in several messages instead of one a system
+    /// call: with 4 streaming senders on this 2-core host, 0.83 of the rate of a receiver with
+    /// 32 connections to scan (which batches by being slow) became 0.98. A ping-pong never
+    /// waits (a poll that finds its message is followed by empty ones); at most 1000.
+    pub stream_pause_us: u64,
     /// Group multicast defaults for groups whose writes go over tcp.
     pub multicast: MulticastConfig,
 }
@@ -66,6 +73,7 @@ impl Default for TcpConfig {
             max_pending_connections: 256,
             serve_threads: 4,
             keepalive_ms: 15000,
+            stream_pause_us: 6,
             receive: ReceiveConfig::default(),
             multicast: MulticastConfig::default(),
         }
@@ -106,6 +114,12 @@ impl TcpConfig {
         }
         within_count(prefix, "serve_threads", self.serve_threads)?;
         at_least_one(prefix, "keepalive_ms", self.keepalive_ms)?;
+        if self.stream_pause_us > 1000 {
+            return Err(ConfigError::new(
+                format!("{prefix}.stream_pause_us"),
+                format!("must be within [0, 1000], got {}", self.stream_pause_us),
+            ));
+        }
         self.receive.validate(&format!("{prefix}.receive"))?;
         self.multicast.validate(&format!("{prefix}.multicast"))?;
         Ok(())

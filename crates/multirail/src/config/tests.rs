@@ -1252,3 +1252,21 @@ fn a_metadata_server_argument_replaces_the_configured_store() {
         assert!(e.contains("P2PHANDSHAKE") && e.contains("etcd://"), "{e}");
     }
 }
+
+#[test]
+fn stream_pause_and_shm_inline_bytes_have_defaults_and_bounds() {
+    let c = Config::default();
+    assert_eq!(c.transports.tcp.stream_pause_us, 6);
+    assert_eq!(c.transports.shm.inline_bytes, 16 << 10);
+    let c = Config::from_json_str(
+        r#"{"transports": {"tcp": {"stream_pause_us": 0}, "shm": {"inline_bytes": 0}}}"#,
+        "t",
+    )
+    .unwrap();
+    assert_eq!(c.transports.tcp.stream_pause_us, 0);
+    assert_eq!(c.transports.shm.inline_bytes, 0);
+    let err = Config::from_json_str(r#"{"transports": {"tcp": {"stream_pause_us": 1001}}}"#, "t")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("transports.tcp.stream_pause_us"), "{err}");
+}

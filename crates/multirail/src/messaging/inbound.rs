@@ -171,6 +171,10 @@ impl Delivered {
 
 #[derive(Default)]
 pub(super) struct Rx {
+    /// Polls in a row that took in messages from tcp connections (see [`STREAM_STREAK`]).
+    pub(super) tcp_streak: u32,
+    /// The last poll took in messages from a tcp connection.
+    pub(super) tcp_took_in: bool,
     pub(super) conns: Vec<InConn>,
     pub(super) pools: Pools,
     pub(super) delivered: Delivered,
@@ -196,6 +200,23 @@ pub(super) struct Rx {
     /// The generation the next shared ring gets.
     pub(super) shared_shm_generation: u32,
 }
+
+/// Spins for `d` without a system call (the pause is a few µs: a sleep would take tens).
+fn pause(d: Duration) {
+    let until = Instant::now() + d;
+    loop {
+        for _ in 0..32 {
+            std::hint::spin_loop();
+        }
+        if Instant::now() >= until {
+            return;
+        }
+    }
+}
+
+/// After this many polls in a row took in tcp messages, `recv` waits
+/// `transports.tcp.stream_pause_us` before the next poll (see there).
+const STREAM_STREAK: u32 = 4;
 
 /// The epoll set of the shared lane's tcp connections and its event buffer.
 pub(super) struct SharedTcp {
@@ -571,10 +592,12 @@ impl Messaging {
             lanes_dirty,
             shared_tcp,
             shared_shm,
+            tcp_took_in,
             ..
         } = rx;
         let liveness = std::mem::take(liveness_due);
         touched.clear();
+        *tcp_took_in = false;
         let mut take = |c: &mut InConn| {
             let pool = pools.get_mut(&c.pool).expect("connection's pool");
             let before = delivered.count();
@@ -587,6 +610,7 @@ impl Messaging {
             }
             if c.dead || delivered.count() != before {
                 touched.push(c.pool);
+                *tcp_took_in |= matches!(c.io, InIo::Tcp { .. });
             }
         };
         for c in conns.iter_mut().filter(|c| !c.dead && c.polled_alone()) {
@@ -794,7 +818,17 @@ impl Messaging {
                 if let Some(m) = self.take_ready(&mut rx) {
                     return Ok(Some(m));
                 }
+                if rx.tcp_streak >= STREAM_STREAK && !self.stream_pause.is_zero() {
+                    drop(rx);
+                    pause(self.stream_pause);
+                    rx = self.rx.lock().expect("rx poisoned");
+                }
                 self.poll(&mut rx);
+                rx.tcp_streak = if rx.tcp_took_in {
+                    rx.tcp_streak.saturating_add(1)
+                } else {
+                    0
+                };
                 if let Some(m) = self.take_ready(&mut rx) {
                     return Ok(Some(m));
                 }

@@ -338,6 +338,8 @@ pub(crate) struct Messaging {
     shm_enabled: bool,
     timeout: Duration,
     connect_timeout: Duration,
+    /// `transports.tcp.stream_pause_us`.
+    stream_pause: Duration,
     membership: Membership,
     rx: Mutex<Rx>,
     /// Whether `Rx::after_reply` holds buffers (read without taking the lock on every send).
@@ -413,8 +415,11 @@ impl Messaging {
             shm_enabled: t.shm.enable,
             timeout: Duration::from_millis(t.tcp.timeout_ms),
             connect_timeout: Duration::from_millis(t.tcp.connect_timeout_ms),
+            stream_pause: Duration::from_micros(t.tcp.stream_pause_us),
             membership,
             rx: Mutex::new(Rx {
+                tcp_streak: 0,
+                tcp_took_in: false,
                 // Under dynamic lanes the shared lane is the one many peers use.
                 shared_tcp: if config.lanes.dynamic {
                     Some(SharedTcp::new().map_err(|e| Error::io("creating an epoll set", e))?)
