@@ -47,6 +47,7 @@ use hdrhistogram::Histogram;
 use multirail::{Config, Engine, Lane, SegmentId, TransportChoice};
 use serde::{Deserialize, Serialize};
 
+use crate::clock::{mono_ns, sleep_until_ns};
 use crate::units;
 use crate::Failure;
 
@@ -153,7 +154,7 @@ pub struct LanesBenchArgs {
     duration: Duration,
     /// The first part of --duration not measured (seconds, or e.g. 500ms; 0 for none): rates,
     /// latencies and switches count from its end. Default: 2.
-    #[arg(long, default_value = "2", value_parser = parse_warmup)]
+    #[arg(long, default_value = "2", value_parser = units::parse_duration_or_zero)]
     warmup: Duration,
     /// Print one JSON object instead of a table. Default: off.
     #[arg(long)]
@@ -161,15 +162,6 @@ pub struct LanesBenchArgs {
     /// Run as the receiver of a --local run (commands on stdin, report on stdout).
     #[arg(long, hide = true, conflicts_with = "local")]
     serve_receiver: bool,
-}
-
-/// Like `units::parse_duration`, and 0 is allowed.
-fn parse_warmup(s: &str) -> Result<Duration, String> {
-    let t = s.trim().trim_end_matches("ms").trim_end_matches('s');
-    if t.parse::<f64>().is_ok_and(|v| v == 0.0) {
-        return Ok(Duration::ZERO);
-    }
-    units::parse_duration(s)
 }
 
 impl LanesBenchArgs {
@@ -247,17 +239,6 @@ impl LanesBenchArgs {
     }
 }
 
-/// Nanoseconds of `CLOCK_MONOTONIC`: the same clock in every process of this host.
-fn mono_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes only into `ts`.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 /// Every counter of one negotiation, for the JSON report.
 fn stats_json(s: &multirail::LanesStats) -> serde_json::Value {
     serde_json::json!({
@@ -280,13 +261,6 @@ fn stats_json(s: &multirail::LanesStats) -> serde_json::Value {
         "switches": s.switches,
         "peers_gone": s.peers_gone,
     })
-}
-
-fn sleep_until_ns(t: u64) {
-    let now = mono_ns();
-    if t > now {
-        thread::sleep(Duration::from_nanos(t - now));
-    }
 }
 
 pub fn run(
@@ -635,16 +609,7 @@ mod senders {
     impl Drop for LocalReceiver {
         fn drop(&mut self) {
             // End of stdin asks the receiver to report and exit; it gets a moment for that.
-            drop(self.stdin.take());
-            let deadline = Instant::now() + Duration::from_secs(3);
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = self.child.try_wait() {
-                    return;
-                }
-                thread::sleep(Duration::from_millis(10));
-            }
-            let _ = self.child.kill();
-            let _ = self.child.wait();
+            crate::child::stop(&mut self.child, self.stdin.take());
         }
     }
 

@@ -1,5 +1,7 @@
 //! Pieces of the `multirail` command that its tests and benchmarks share: flag units and the
 //! position-determined byte pattern both ends of a benchmark check bytes with.
 
+pub mod child;
+pub mod clock;
 pub mod pattern;
 pub mod units;

@@ -11,7 +11,7 @@ mod target;
 mod ticks;
 mod topo;
 
-use multirail_cli::{pattern, units};
+use multirail_cli::{child, clock, pattern, units};
 
 use std::path::PathBuf;
 use std::process::ExitCode;

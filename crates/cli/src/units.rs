@@ -49,6 +49,16 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Duration::try_from_secs_f64(v * scale).map_err(|_| format!("duration {s:?} is out of range"))
 }
 
+/// Like [`parse_duration`], and 0 (`0`, `0s`, `0ms`) is allowed: for warm-ups that may be
+/// left out.
+pub fn parse_duration_or_zero(s: &str) -> Result<Duration, String> {
+    let t = s.trim().trim_end_matches("ms").trim_end_matches('s');
+    if t.parse::<f64>().is_ok_and(|v| v == 0.0) {
+        return Ok(Duration::ZERO);
+    }
+    parse_duration(s)
+}
+
 /// Formats a byte count with a binary unit, e.g. `64 KiB`.
 pub fn format_size(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];

@@ -27,12 +27,12 @@ mod report;
 mod serve;
 
 use std::path::Path;
-use std::thread;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use multirail::{Config, Delivery, GroupConfig, TransportChoice};
 
+use crate::clock::{mono_ns, sleep_until_ns};
 use crate::units;
 use crate::Failure;
 use payload::Sizes;
@@ -120,7 +120,7 @@ pub struct McastBenchArgs {
     duration: Duration,
     /// The first part of --duration not measured (rates and latency count after it; 0 for
     /// none). Default: 0.5.
-    #[arg(long, default_value = "0.5", value_parser = parse_warmup)]
+    #[arg(long, default_value = "0.5", value_parser = units::parse_duration_or_zero)]
     warmup: Duration,
     /// Send this many messages in all (spread over the senders) instead of sending for
     /// --duration; everything is measured. Default: off.
@@ -144,15 +144,6 @@ pub struct McastBenchArgs {
     /// Run as a member of a --local run (commands on stdin, report on stdout).
     #[arg(long, hide = true, conflicts_with = "local")]
     serve_member: bool,
-}
-
-/// Like `units::parse_duration`, and 0 is allowed.
-fn parse_warmup(s: &str) -> Result<Duration, String> {
-    let t = s.trim().trim_end_matches("ms").trim_end_matches('s');
-    if t.parse::<f64>().is_ok_and(|v| v == 0.0) {
-        return Ok(Duration::ZERO);
-    }
-    units::parse_duration(s)
 }
 
 impl McastBenchArgs {
@@ -312,24 +303,6 @@ pub fn run(
             ))
         })?;
     local::run(config, config_path, &args)
-}
-
-/// Nanoseconds of `CLOCK_MONOTONIC`: the same clock in every process of this host.
-fn mono_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes only into `ts`, a valid timespec on this stack.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
-fn sleep_until_ns(t: u64) {
-    let now = mono_ns();
-    if t > now {
-        thread::sleep(Duration::from_nanos(t - now));
-    }
 }
 
 /// How long a member waits with nothing arriving before it gives up on the run: past the
