@@ -350,6 +350,20 @@ fn client(config: Config, args: &PingpongArgs, target: &str) -> Result<(), Failu
             }
         }
     }
+    // The lanes the round trips ended on (dynamic lanes promote a busy peer after a while).
+    let lanes = engine.lanes();
+    let lane_of = |l: &[multirail::PeerLaneReport]| {
+        l.first().map(|p| {
+            serde_json::json!({
+                "lane": format!("{:?}", p.lane).to_lowercase(),
+                "duplex": p.duplex,
+            })
+        })
+    };
+    let lanes_json = serde_json::json!({
+        "outgoing": lane_of(&lanes.outgoing),
+        "incoming": lane_of(&lanes.incoming),
+    });
     engine.send(seg, &[])?;
     let ns_per_tick = clock.ns_per_tick();
     for v in rtt.iter_mut() {
@@ -392,6 +406,7 @@ fn client(config: Config, args: &PingpongArgs, target: &str) -> Result<(), Failu
                 })).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),
             "others_round_trip_us": patterns.others_ns / 1000.0,
+            "lanes": lanes_json,
         });
         println!("{}", serde_json::to_string_pretty(&json).expect("json"));
     } else {

@@ -636,7 +636,7 @@ impl NativeEngine {
     }
 
     /// Lanes of small messages: `{"dynamic", "max_dedicated", "receive_bytes",
-    /// "outgoing": [{peer, lane, score, promotions, demotions, denials}], "incoming": [...],
+    /// "outgoing": [{peer, lane, score, promotions, demotions, denials, duplex}], "incoming": [...],
     /// "requesting": {counter: n}, "granting": {counter: n}}`; `lane` is "shared" or
     /// "dedicated", `score` None when untracked.
     fn lanes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -655,6 +655,7 @@ impl NativeEngine {
                 d.set_item("promotions", p.promotions)?;
                 d.set_item("demotions", p.demotions)?;
                 d.set_item("denials", p.denials)?;
+                d.set_item("duplex", p.duplex)?;
                 out.append(d)?;
             }
             Ok(out)

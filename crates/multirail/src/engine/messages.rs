@@ -65,7 +65,11 @@ impl Engine {
 
     /// For each peer sending messages to this engine, by segment name, the lane it uses.
     pub fn incoming_lanes(&self) -> Vec<(String, Lane)> {
-        self.messaging().incoming_lanes()
+        self.messaging()
+            .incoming_lanes()
+            .into_iter()
+            .map(|(peer, lane, _)| (peer, lane))
+            .collect()
     }
 
     /// Submits `requests` like [`Engine::submit`] and, once every one of them completed (its

@@ -63,6 +63,9 @@ pub struct PeerLane {
     /// Requests for a dedicated lane denied: received from the peer (outgoing) or sent to it
     /// (incoming).
     pub denials: u64,
+    /// The lane shares its tcp connection with the lane the other way (a duplex dedicated
+    /// lane: one socket, so each message carries the acknowledgement of the last one).
+    pub duplex: bool,
 }
 
 /// The lanes of an engine: what it sends (outgoing) and receives (incoming), and the counters
@@ -219,6 +222,8 @@ pub(super) struct Retiring {
     pub(super) partial: Vec<u8>,
     pub(super) lanes: Vec<LaneMsg>,
     pub(super) open: bool,
+    /// A duplex lane: the receive poll reads its socket and hands the answers over here.
+    pub(super) duplex: Option<Arc<Duplex>>,
 }
 
 /// Takes the whole frames of what a receiver wrote back out of `buf`: credit frames (counted
@@ -240,7 +245,7 @@ pub(super) fn parse_back(
                 granted += h.len as usize;
                 at += MSG_HEADER_LEN;
             }
-            MsgKind::Lane => {
+            MsgKind::LaneAnswer => {
                 let end = at + MSG_HEADER_LEN + h.len as usize;
                 if buf.len() < end {
                     break;
@@ -262,12 +267,12 @@ pub(super) fn parse_back(
     Ok(granted)
 }
 
-/// A lane message as a frame on a stream: header and the 18 bytes.
+/// A lane answer as a frame on a stream back to a sender: header and the 18 bytes.
 fn lane_frame(m: &LaneMsg) -> [u8; MSG_HEADER_LEN + LaneMsg::ENCODED_LEN] {
     let mut f = [0u8; MSG_HEADER_LEN + LaneMsg::ENCODED_LEN];
     let mut h = [0u8; MSG_HEADER_LEN];
     MsgHeader {
-        kind: MsgKind::Lane,
+        kind: MsgKind::LaneAnswer,
         len: LaneMsg::ENCODED_LEN as u32,
     }
     .encode(&mut h);
@@ -378,10 +383,58 @@ impl Messaging {
             self.reset_lane(id);
             d.outgoing_gone(id);
         }
+        active |= self.pair_duplex(engine);
         (
             active,
             due.map(|t| Duration::from_nanos(t.saturating_sub(now))),
         )
+    }
+
+    /// Two engines that promoted each other at the same moment each opened a dedicated tcp
+    /// lane, so their lanes take two sockets. The end with the greater name moves its lane
+    /// onto the other's socket (a switch to the same lane: a fence, then a reverse lane
+    /// there), so that one socket carries both (see `duplex`). Returns whether it moved one.
+    fn pair_duplex(&self, engine: &dyn Peers) -> bool {
+        let me = engine.local_name();
+        let pending: Vec<Arc<str>> = {
+            let rx = self.rx.lock().expect("rx poisoned");
+            rx.conns
+                .iter()
+                .filter(|c| {
+                    *c.from < *me
+                        && c.lane == Lane::Dedicated
+                        && !(c.dead || c.fenced)
+                        && c.duplex
+                            .as_ref()
+                            .is_some_and(|d| !d.attached() && !d.closed())
+                })
+                .map(|c| c.from.clone())
+                .collect()
+        };
+        if pending.is_empty() {
+            return false;
+        }
+        let ours: Vec<u64> = self
+            .out
+            .lock()
+            .expect("out poisoned")
+            .iter()
+            .filter(|(_, c)| {
+                c.try_lock().is_ok_and(|c| {
+                    !c.retired
+                        && c.lane == Lane::Dedicated
+                        && pending.iter().any(|p| **p == *c.peer)
+                        && matches!(&c.io, OutIo::TcpDuplex { duplex, .. } if !duplex.both_ways())
+                })
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for &id in &ours {
+            if let Err(e) = self.move_lane(engine, SegmentId(id), Lane::Dedicated, true) {
+                tracing::debug!(error = %e, "moving a lane onto a duplex connection failed");
+            }
+        }
+        !ours.is_empty()
     }
 
     /// How long the lanes driver sleeps between passes.
@@ -450,6 +503,7 @@ impl Messaging {
             .filter(|(id, _)| all || watched.contains(id))
             .map(|(id, c)| (*id, c.clone()))
             .collect();
+        let mut poked = false;
         for (id, conn) in conns {
             let Ok(mut c) = conn.try_lock() else {
                 // A sender holds it and reads what came back itself (tcp) or soon lets go.
@@ -457,6 +511,11 @@ impl Messaging {
             };
             if c.retired {
                 continue;
+            }
+            if !poked && matches!(c.io, OutIo::TcpDuplex { .. }) {
+                // A duplex lane's answers come in through the receive poll.
+                self.poke();
+                poked = true;
             }
             match c.read_back() {
                 Ok(()) if !blocked.contains(&id) => {
@@ -518,7 +577,12 @@ impl Messaging {
             else {
                 continue;
             };
-            if let Err(e) = (&c.stream).write_all(&lane_frame(&m)) {
+            let frame = lane_frame(&m);
+            let written = match &c.duplex {
+                Some(d) => d.control(&c.stream, &frame),
+                None => (&c.stream).write_all(&frame),
+            };
+            if let Err(e) = written {
                 tracing::warn!(peer = %c.from, error = %e, "cannot answer a lane request");
                 c.dead = true;
             }
@@ -571,6 +635,21 @@ impl Messaging {
             .iter()
             .map(|(id, l)| (*id, l.lane))
             .collect();
+        let both_ways: HashSet<u64> = {
+            let out = self.out.lock().expect("out poisoned");
+            lanes
+                .iter()
+                .filter(|(id, _)| {
+                    out.get(id).is_some_and(|c| {
+                        // A sender holding it is sending: the lane is as it was.
+                        c.try_lock().is_ok_and(|c| {
+                            matches!(&c.io, OutIo::TcpDuplex { duplex, .. } if duplex.both_ways())
+                        })
+                    })
+                })
+                .map(|(id, _)| *id)
+                .collect()
+        };
         let s = self.dynamic.state.lock().expect("lanes poisoned");
         let mut outgoing: Vec<PeerLane> = lanes
             .into_iter()
@@ -583,13 +662,14 @@ impl Messaging {
                     promotions: c.promotions,
                     demotions: c.demotions,
                     denials: c.denials,
+                    duplex: both_ways.contains(&id),
                 })
             })
             .collect();
         outgoing.sort_by(|a, b| a.peer.cmp(&b.peer));
         let incoming = incoming_lanes
             .into_iter()
-            .map(|(peer, lane)| {
+            .map(|(peer, lane, duplex)| {
                 let c = s.incoming.get(peer.as_str()).copied().unwrap_or_default();
                 PeerLane {
                     peer,
@@ -598,6 +678,7 @@ impl Messaging {
                     promotions: c.promotions,
                     demotions: c.demotions,
                     denials: c.denials,
+                    duplex,
                 }
             })
             .collect();

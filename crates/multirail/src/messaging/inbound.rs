@@ -1,6 +1,7 @@
 //! The receiving side of messages: accepted connections, receive buffers and credits,
 //! and the caller's polling of them (`recv`, notifications).
 
+use super::duplex;
 use super::*;
 
 pub(super) enum InIo {
@@ -52,11 +53,56 @@ pub(super) struct InConn {
     /// A tcp connection on the shared lane, read when the receive poll's epoll set says it
     /// is readable rather than tried on every poll.
     pub(super) watched: bool,
-    /// Counts the connection against the port's `max_connections` until it is dropped.
-    pub(super) _permit: ConnPermit,
+    /// A dedicated tcp lane's socket, which may carry a lane of ours the other way (see
+    /// `duplex`): what it shares with that lane.
+    pub(super) duplex: Option<Arc<Duplex>>,
+    /// The sender closed the stream (its end was read).
+    pub(super) ended: bool,
+    /// Counts an accepted connection against the port's `max_connections` until it is
+    /// dropped (a reverse lane on a socket we opened has none).
+    pub(super) _permit: Option<ConnPermit>,
 }
 
 impl InConn {
+    /// What is left of a dead connection on a duplex socket that did not end: a reader of the
+    /// socket's other lane and end (see `duplex`). Anything else closes (the queue pair of an
+    /// RDMA lane goes now: nothing lands in the buffers granted to it any more).
+    fn into_reader(self) -> Option<Reader> {
+        let InConn {
+            from,
+            stream,
+            io,
+            duplex,
+            ended,
+            fenced,
+            _permit,
+            ..
+        } = self;
+        let duplex = duplex?;
+        duplex.set_in_carried(false);
+        match io {
+            InIo::Tcp {
+                staging,
+                start,
+                end,
+            } if fenced && !ended => Some(Reader {
+                from,
+                stream,
+                staging,
+                start,
+                end,
+                duplex,
+                may_open: false,
+                shut: false,
+                _permit,
+            }),
+            _ => {
+                duplex.set_closed();
+                None
+            }
+        }
+    }
+
     /// Read on every poll by itself, rather than through the shared lane's epoll set or
     /// shared ring, or the RDMA completion queues.
     fn polled_alone(&self) -> bool {
@@ -72,7 +118,7 @@ impl InConn {
         stream: TcpStream,
         io: InIo,
         (lane, epoch): (Lane, u32),
-        permit: ConnPermit,
+        permit: Option<ConnPermit>,
     ) -> InConn {
         InConn {
             id,
@@ -86,6 +132,8 @@ impl InConn {
             fenced: false,
             held_back: false,
             watched: false,
+            duplex: None,
+            ended: false,
             _permit: permit,
         }
     }
@@ -199,6 +247,8 @@ pub(super) struct Rx {
     pub(super) shared_shm: Option<SharedShm>,
     /// The generation the next shared ring gets.
     pub(super) shared_shm_generation: u32,
+    /// Duplex tcp sockets while they carry no lane to us (see `duplex`).
+    pub(super) readers: Vec<Reader>,
 }
 
 /// Spins for `d` without a system call (the pause is a few µs: a sleep would take tens).
@@ -323,8 +373,7 @@ impl Messaging {
         }
         let io = match ring_buf {
             None => InIo::Tcp {
-                staging: vec![0u8; (64 << 10).max(2 * (MSG_HEADER_LEN + settings.buffer_size))]
-                    .into_boxed_slice(),
+                staging: duplex::staging(settings.buffer_size),
                 start: 0,
                 end: 0,
             },
@@ -335,7 +384,12 @@ impl Messaging {
                 ring_buf,
             },
         };
-        let conn = InConn::new(id, from, key, stream, io, lane, permit);
+        let dedicated_tcp = !shm && lane.0 == Lane::Dedicated;
+        let mut conn = InConn::new(id, from, key, stream, io, lane, Some(permit));
+        if dedicated_tcp {
+            // Our own dedicated lane to this sender may start on this socket (see `duplex`).
+            conn.duplex = Some(Duplex::new(false, 0));
+        }
         self.admit(rx, conn, |pool, io| {
             let mut reply = Vec::new();
             if let InIo::Shm { ring_buf, .. } = io {
@@ -484,7 +538,7 @@ impl Messaging {
             credits: Box::new(credits),
             port,
         };
-        let conn = InConn::new(id, from, key, stream, io, lane, permit);
+        let conn = InConn::new(id, from, key, stream, io, lane, Some(permit));
         self.admit(rx, conn, |_, _| Ok(local.encode().to_vec()))
     }
 
@@ -669,6 +723,9 @@ impl Messaging {
                 }
             }
         }
+        if !rx.readers.is_empty() {
+            self.poll_readers(rx);
+        }
         if std::mem::take(&mut rx.lanes_dirty) {
             rx.settle_lanes();
         }
@@ -688,6 +745,91 @@ impl Messaging {
         for &key in touched.iter() {
             grant(conns, pools, key);
         }
+    }
+
+    /// Polls the duplex sockets that carry no lane to us; one whose other end starts a lane
+    /// on it becomes that lane's connection.
+    fn poll_readers(&self, rx: &mut Rx) {
+        let mut i = 0;
+        while i < rx.readers.len() {
+            match rx.readers[i].poll() {
+                Ok(ReaderEvent::Nothing) => i += 1,
+                Ok(ReaderEvent::Ended) => {
+                    rx.readers.swap_remove(i);
+                }
+                Ok(ReaderEvent::Open(epoch, from)) => {
+                    let r = rx.readers.swap_remove(i);
+                    self.open_reverse(rx, r, from, epoch);
+                }
+                Err(reason) => {
+                    let r = rx.readers.swap_remove(i);
+                    tracing::warn!(peer = %r.from, %reason, "closed a duplex message connection");
+                    r.duplex.set_closed();
+                }
+            }
+        }
+    }
+
+    /// The other end of duplex socket `r`, `from`, starts its dedicated lane of `epoch` to us
+    /// on it:
+    /// a receive pool of its own (our granting side agreed to the lane), the buffer size,
+    /// then credits. Refused, telling why, when the pool cannot be made; the reader stays.
+    fn open_reverse(&self, rx: &mut Rx, r: Reader, from: Arc<str>, epoch: u32) {
+        let settings = ReceiveSettings {
+            shared_receive_queue: false,
+            ..self.tcp
+        };
+        let id = ConnId(self.next_conn.fetch_add(1, Ordering::Relaxed));
+        let pool = Pool::new(&self.registry, settings, false).and_then(|mut p| {
+            p.queue
+                .add_connection(id)
+                .map_err(|e| Error::invalid("receive", e.to_string()))?;
+            Ok(p)
+        });
+        let pool = match pool {
+            Ok(p) => p,
+            Err(e) => {
+                let why = format!("receive pool: {e}");
+                tracing::warn!(peer = %r.from, reason = %why, "refused a reverse lane");
+                if let Err(e) = r.duplex.control(&r.stream, &duplex::refuse_frame(&why)) {
+                    tracing::warn!(peer = %r.from, error = %e, "cannot refuse a reverse lane");
+                    r.duplex.set_closed();
+                    return;
+                }
+                rx.readers.push(r);
+                return;
+            }
+        };
+        let accept = duplex::frame_header(MsgKind::ReverseAccept, settings.buffer_size as u32);
+        if let Err(e) = r.duplex.control(&r.stream, &accept) {
+            tracing::warn!(peer = %r.from, error = %e, "cannot accept a reverse lane");
+            r.duplex.set_closed();
+            pool.release(&self.registry);
+            return;
+        }
+        let key = id.0;
+        rx.pools.insert(key, pool);
+        let Reader {
+            stream,
+            staging,
+            start,
+            end,
+            duplex,
+            _permit,
+            ..
+        } = r;
+        let io = InIo::Tcp {
+            staging,
+            start,
+            end,
+        };
+        let mut conn = InConn::new(id, from, key, stream, io, (Lane::Dedicated, epoch), _permit);
+        duplex.set_in_carried(true);
+        conn.duplex = Some(duplex);
+        rx.add_conn(conn);
+        rx.lanes_dirty = true;
+        let Rx { conns, pools, .. } = rx;
+        grant(conns, pools, key);
     }
 
     /// Whether a connection on `lane` takes its buffers from the shared pool: a shared lane
@@ -720,8 +862,11 @@ impl Messaging {
                 let _ = self.registry.unregister(ring_buf.addr());
             }
             release_tag(rx.shared_shm.as_mut(), &c.io);
-            // The queue pair goes now: nothing lands in the buffers granted to it any more.
-            drop(c);
+            if let Some(r) = c.into_reader() {
+                // A duplex socket whose lane to us ended: it is read on until its other end
+                // closes, for our lane the other way and so that nothing is lost to a reset.
+                rx.readers.push(r);
+            }
             if let Some(p) = rx.pools.get_mut(&key) {
                 p.queue.remove_connection(id);
             }
@@ -851,19 +996,20 @@ impl Messaging {
     }
 
     /// The lane each sender's current connection to us is on, by sender name (its latest
-    /// lane while a switch is under way).
-    pub(crate) fn incoming_lanes(&self) -> Vec<(String, Lane)> {
+    /// lane while a switch is under way), and whether our lane to it shares the socket.
+    pub(crate) fn incoming_lanes(&self) -> Vec<(String, Lane, bool)> {
         let rx = self.rx.lock().expect("rx poisoned");
-        let mut latest: HashMap<&str, (u32, Lane)> = HashMap::new();
+        let mut latest: HashMap<&str, (u32, Lane, bool)> = HashMap::new();
         for c in rx.conns.iter().filter(|c| !c.dead) {
-            let e = latest.entry(&c.from).or_insert((c.epoch, c.lane));
+            let both = c.duplex.as_ref().is_some_and(|d| d.both_ways());
+            let e = latest.entry(&c.from).or_insert((c.epoch, c.lane, both));
             if c.epoch >= e.0 {
-                *e = (c.epoch, c.lane);
+                *e = (c.epoch, c.lane, both);
             }
         }
-        let mut out: Vec<(String, Lane)> = latest
+        let mut out: Vec<(String, Lane, bool)> = latest
             .into_iter()
-            .map(|(k, (_, l))| (k.to_owned(), l))
+            .map(|(k, (_, l, d))| (k.to_owned(), l, d))
             .collect();
         out.sort_by(|a, b| a.0.cmp(&b.0));
         out
@@ -895,13 +1041,13 @@ pub(super) fn grant(conns: &mut [InConn], pools: &mut Pools, key: u64) {
                 }
             }
             InIo::Tcp { .. } => {
-                let mut h = [0u8; MSG_HEADER_LEN];
-                MsgHeader {
-                    kind: MsgKind::Credit,
-                    len: pool.granting.len() as u32,
-                }
-                .encode(&mut h);
-                if let Err(e) = (&c.stream).write_all(&h) {
+                let h = duplex::frame_header(MsgKind::Credit, pool.granting.len() as u32);
+                let told = match &c.duplex {
+                    // The socket's writers share it: never wait for one of them here.
+                    Some(d) => d.credits(&c.stream, pool.granting.len()),
+                    None => (&c.stream).write_all(&h),
+                };
+                if let Err(e) = told {
                     tracing::warn!(peer = %c.from, error = %e, "cannot send credits");
                     c.dead = true;
                 }
@@ -969,10 +1115,22 @@ fn receive_io(
                 *end -= *start;
                 *start = 0;
             }
+            if let Some(d) = &c.duplex {
+                // What the socket's writers could not write at once (see `duplex`).
+                d.try_flush(&c.stream)
+                    .map_err(|e| format!("writing on a duplex lane: {e}"))?;
+            }
+            // A reverse opening leaves the lane's first frames staged: take them in first.
+            let staged = *end > *start;
             match sockio::recv_nonblocking(c.stream.as_raw_fd(), &mut staging[*end..]) {
-                Ok(None) => return Ok(()),
+                Ok(None) if !staged => return Ok(()),
+                Ok(None) => {}
                 Ok(Some(0)) => {
                     c.dead = true;
+                    c.ended = true;
+                    if let Some(d) = &c.duplex {
+                        d.set_closed();
+                    }
                     return if start == end {
                         Ok(())
                     } else {
@@ -984,14 +1142,39 @@ fn receive_io(
             }
             while *end - *start >= MSG_HEADER_LEN {
                 let h = MsgHeader::decode(&staging[*start..*end], max_len)?;
-                if h.kind == MsgKind::Credit {
-                    return Err("a sender sent credits".into());
-                }
-                let total = MSG_HEADER_LEN + h.len as usize;
+                let total = MSG_HEADER_LEN + duplex::payload_len(&h);
                 if *end - *start < total {
                     break;
                 }
                 let body = &staging[*start + MSG_HEADER_LEN..*start + total];
+                if let Some(d) = &c.duplex {
+                    // Credits and answers for our lane the other way.
+                    if d.on_control(h, body)? {
+                        *start += total;
+                        continue;
+                    }
+                    if h.kind == MsgKind::Fence {
+                        // Fences take no credit here; the lane ends both ways (see `duplex`).
+                        if fenced.get() {
+                            return Err("a second fence".into());
+                        }
+                        fenced.set(true);
+                        d.fence_soon(&c.stream)
+                            .map_err(|e| format!("fencing our lane: {e}"))?;
+                        *start += total;
+                        continue;
+                    }
+                }
+                match h.kind {
+                    MsgKind::Credit => return Err("a sender sent credits".into()),
+                    MsgKind::LaneAnswer
+                    | MsgKind::ReverseOpen
+                    | MsgKind::ReverseAccept
+                    | MsgKind::ReverseRefuse => {
+                        return Err(format!("a sender sent a {:?} frame", h.kind))
+                    }
+                    _ => {}
+                }
                 deliver(pool, h.kind, None, Some(body), h.len as usize)?;
                 *start += total;
             }
@@ -1102,7 +1285,11 @@ fn take_in(
             pool.consumed(buf)?;
             HeldItem::Lane(from.clone(), m.map_err(|e| format!("lane message: {e}"))?)
         }
-        MsgKind::Credit => return Err("a sender sent credits".into()),
+        k @ (MsgKind::Credit
+        | MsgKind::LaneAnswer
+        | MsgKind::ReverseOpen
+        | MsgKind::ReverseAccept
+        | MsgKind::ReverseRefuse) => return Err(format!("a sender sent a {k:?} frame")),
     };
     hand_out(item, hold, out);
     Ok(false)
@@ -1131,7 +1318,11 @@ pub(super) fn take_in_bytes(
             from.clone(),
             LaneMsg::decode(bytes).map_err(|e| format!("lane message: {e}"))?,
         ),
-        MsgKind::Credit => return Err("a sender sent credits".into()),
+        k @ (MsgKind::Credit
+        | MsgKind::LaneAnswer
+        | MsgKind::ReverseOpen
+        | MsgKind::ReverseAccept
+        | MsgKind::ReverseRefuse) => return Err(format!("a sender sent a {k:?} frame")),
     };
     hand_out(item, hold, out);
     Ok(false)

@@ -29,6 +29,7 @@
 //! Receiving is polled by the caller's thread (`recv`, `receive_notifications`): no thread
 //! hand-off on the receive path, which keeps round trips short.
 
+mod duplex;
 mod dynamic;
 pub mod group;
 mod inbound;
@@ -44,7 +45,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -70,6 +71,7 @@ use crate::transport::rdma::messages::{
 };
 use crate::transport::sockio;
 use crate::transport::wire::{self, ConnKind, MsgHeader, MsgKind, MSG_HEADER_LEN};
+use duplex::{Duplex, Reader, ReaderEvent, Sent};
 use dynamic::{parse_back, Dynamic, Retiring};
 use inbound::*;
 use outbound::*;

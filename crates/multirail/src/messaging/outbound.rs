@@ -1,9 +1,17 @@
 //! The sending side of messages: one connection per peer, credits, and sending against them.
 
+use super::duplex;
 use super::*;
 
 pub(super) enum OutIo {
     Tcp,
+    /// Our dedicated lane on a duplex tcp socket (see `duplex`): credits and answers come
+    /// through the receive poll, which reads the socket.
+    TcpDuplex {
+        duplex: Arc<Duplex>,
+        /// Credits taken from the receiver's total so far.
+        seen: u64,
+    },
     Rdma {
         qp: Box<SendQueuePair>,
         /// Credits taken from the receiver's total so far.
@@ -105,6 +113,26 @@ impl Messaging {
     /// message timeout. Under dynamic lanes every transport's stream is read so, since the
     /// receiver may have answered a lane request on it before it saw the fence.
     fn retire(&self, conn: &OutConn, peer: u64) {
+        if let OutIo::TcpDuplex { duplex, .. } = &conn.io {
+            // The receive poll reads the socket on (and shuts it once both lanes are over);
+            // answers it reads come here until then.
+            if let (true, Ok(s)) = (self.dynamic.enabled(), conn.stream.try_clone()) {
+                self.retiring
+                    .lock()
+                    .expect("retiring poisoned")
+                    .push(Retiring {
+                        peer,
+                        stream: s,
+                        give_up: Instant::now() + self.timeout,
+                        partial: Vec::new(),
+                        lanes: conn.lanes_in.clone(),
+                        open: true,
+                        duplex: Some(duplex.clone()),
+                    });
+                self.retiring_any.store(true, Ordering::Release);
+            }
+            return;
+        }
         let tcp = matches!(conn.io, OutIo::Tcp);
         if !tcp && !self.dynamic.enabled() {
             return;
@@ -124,6 +152,7 @@ impl Messaging {
                     partial: conn.reverse.clone(),
                     lanes: conn.lanes_in.clone(),
                     open: true,
+                    duplex: None,
                 });
             self.retiring_any.store(true, Ordering::Release);
         }
@@ -136,7 +165,19 @@ impl Messaging {
         let now = Instant::now();
         let mut scratch = [0u8; 256];
         let keep_lanes = self.dynamic.enabled();
+        if r.iter().any(|e| e.open && e.duplex.is_some()) {
+            // Their sockets are read by the receive poll.
+            self.poke();
+        }
         for e in r.iter_mut().filter(|e| e.open) {
+            if let Some(d) = &e.duplex {
+                d.take_answers(&mut e.lanes);
+                e.open = !d.closed() && now < e.give_up;
+                if !keep_lanes {
+                    e.lanes.clear();
+                }
+                continue;
+            }
             e.open = loop {
                 match sockio::recv_nonblocking(e.stream.as_raw_fd(), &mut scratch) {
                     Ok(Some(n)) if n > 0 => e.partial.extend_from_slice(&scratch[..n]),
@@ -164,6 +205,21 @@ impl Messaging {
         peer: &Arc<Peer>,
         l: (Lane, u32),
     ) -> Result<OutConn> {
+        let tcp = match self.transport {
+            TransportChoice::Tcp => true,
+            // Auto takes shm on one host, verbs where both ends have them, else tcp.
+            TransportChoice::Auto => {
+                let shm = peer.same_host && self.shm_enabled;
+                let rdma = self.verbs.is_ok() && !peer.descriptor().rdma.is_empty();
+                !shm && !rdma
+            }
+            _ => false,
+        };
+        if tcp && l.0 == Lane::Dedicated {
+            if let Some(c) = self.attach_reverse(peer, &engine.local_name(), l.1)? {
+                return Ok(c);
+            }
+        }
         match self.transport {
             TransportChoice::Tcp => self.connect(engine, peer, MODE_TCP, l),
             TransportChoice::Rdma => self.connect_rdma(engine, peer, l),
@@ -193,6 +249,64 @@ impl Messaging {
         }
     }
 
+    /// Our dedicated lane of `epoch` to `peer` on the socket of its dedicated lane to us, when
+    /// there is one that carries no lane of ours yet (see `duplex`): its first frame says so,
+    /// with our name `local_name`, which our other connections to `peer` carry too.
+    /// `None` when there is none. Fails when the socket does.
+    fn attach_reverse(
+        &self,
+        peer: &Arc<Peer>,
+        local_name: &str,
+        epoch: u32,
+    ) -> Result<Option<OutConn>> {
+        let rx = self.rx.lock().expect("rx poisoned");
+        let Some((c, d)) = rx.conns.iter().find_map(|c| {
+            let d = c.duplex.as_ref()?;
+            let usable = *c.from == *peer.name
+                && c.lane == Lane::Dedicated
+                && !(c.dead || c.fenced || d.closed() || d.attached());
+            usable.then_some((c, d))
+        }) else {
+            return Ok(None);
+        };
+        let broken = |e: std::io::Error| Error::PeerDisconnected {
+            peer: peer.name.clone(),
+            reason: format!("opening a lane on its duplex connection: {e}"),
+        };
+        let stream = c.stream.try_clone().map_err(broken)?;
+        if !d.attach() {
+            return Ok(None);
+        }
+        d.control(&stream, &duplex::open_frame(epoch, local_name))
+            .map_err(broken)?;
+        tracing::debug!(peer = %peer.name, epoch, "dedicated lane on the peer's duplex connection");
+        Ok(Some(OutConn {
+            peer: peer.name.clone(),
+            stream,
+            credits: Credits::default(),
+            // Told by the receiver's answer, before its first credits.
+            max_len: 0,
+            io: OutIo::TcpDuplex {
+                duplex: d.clone(),
+                seen: 0,
+            },
+            lane: Lane::Dedicated,
+            retired: false,
+            reverse: Vec::new(),
+            lanes_in: Vec::new(),
+            unread_sends: 0,
+            credit_waits: 0,
+        }))
+    }
+
+    /// Polls the receive side unless another thread is at it: what a sender waiting on a
+    /// duplex lane needs read (credits, answers, its end) comes through there.
+    pub(super) fn poke(&self) {
+        if let Ok(mut rx) = self.rx.try_lock() {
+            self.poll(&mut rx);
+        }
+    }
+
     /// Moves messages to `segment` onto `lane`: a fence ends the current connection and the
     /// next message goes on a fresh one of that lane; the receiver delivers everything sent
     /// before the fence first. Nothing to do when the peer is on `lane` already. Fails when
@@ -202,6 +316,18 @@ impl Messaging {
         engine: &dyn Peers,
         segment: SegmentId,
         lane: Lane,
+    ) -> Result<()> {
+        self.move_lane(engine, segment, lane, false)
+    }
+
+    /// [`Messaging::switch_lane`]; with `again`, also when the peer is on `lane` already (a
+    /// new connection of the same lane).
+    pub(super) fn move_lane(
+        &self,
+        engine: &dyn Peers,
+        segment: SegmentId,
+        lane: Lane,
+        again: bool,
     ) -> Result<()> {
         let peer = engine.peer(segment)?;
         loop {
@@ -222,12 +348,12 @@ impl Messaging {
                 // Another switch got here first: apply ours to what it made.
                 continue;
             }
-            if g.lane == lane {
+            if g.lane == lane && !again {
                 return Ok(());
             }
             // The fence takes a credit like a message; on a connection that cannot take it
             // (broken), the receiver counts the connection's end as its fence.
-            match g.send(MsgKind::Fence, &[], self.timeout) {
+            match g.send(MsgKind::Fence, &[], self.timeout, &|| self.poke()) {
                 Ok(()) => self.retire(&g, peer.id),
                 Err(e) => {
                     tracing::debug!(peer = %peer.name, error = %e, "no fence on a broken lane")
@@ -402,7 +528,25 @@ impl Messaging {
         } else {
             None
         };
-        let io = if format.is_none() {
+        let mut opener_reader = None;
+        let io = if format.is_none() && lane.0 == Lane::Dedicated {
+            // The receiver may start its own dedicated lane to us on this socket: our receive
+            // poll reads it from now on (see `duplex`).
+            let d = Duplex::new(true, max_len);
+            let reader = Reader {
+                from: peer.name.as_str().into(),
+                stream: stream.try_clone().map_err(unreachable)?,
+                staging: duplex::staging(self.tcp.buffer_size),
+                start: 0,
+                end: 0,
+                duplex: d.clone(),
+                may_open: true,
+                shut: false,
+                _permit: None,
+            };
+            opener_reader = Some(reader);
+            OutIo::TcpDuplex { duplex: d, seen: 0 }
+        } else if format.is_none() {
             OutIo::Tcp
         } else if format == Some(SHM_SHARED_RING) {
             let (ring, tag, _maps) = connect_shared(&mut stream, peer)?;
@@ -463,6 +607,9 @@ impl Messaging {
             }
         };
         stream.set_read_timeout(None).map_err(unreachable)?;
+        if let Some(r) = opener_reader {
+            self.rx.lock().expect("rx poisoned").readers.push(r);
+        }
         Ok(OutConn {
             peer: p.clone(),
             stream,
@@ -500,8 +647,22 @@ impl Messaging {
         };
         let outcome = loop {
             let mut g = conn.lock().expect("message connection poisoned");
+            if !g.retired && g.ended_by_peer() {
+                // The other end fenced our duplex lane (with its own) or did not take it:
+                // the message goes on a new connection, after what the lane carried.
+                g.retired = true;
+                self.retire(&g, segment.0);
+                let mut out = self.out.lock().expect("out poisoned");
+                if out.get(&segment.0).is_some_and(|c| Arc::ptr_eq(c, &conn)) {
+                    out.remove(&segment.0);
+                }
+            }
             if !g.retired {
-                let sent = g.send(kind, data, self.timeout);
+                let sent = g.send(kind, data, self.timeout, &|| self.poke());
+                if sent.is_err() && g.ended_by_peer() {
+                    // Nothing was sent: go round again, onto the next connection.
+                    continue;
+                }
                 if g.credit_waits > 0 {
                     let waits = std::mem::take(&mut g.credit_waits);
                     self.counters
@@ -565,8 +726,18 @@ impl Messaging {
 }
 
 impl OutConn {
-    pub(super) fn send(&mut self, kind: MsgKind, data: &[u8], timeout: Duration) -> Result<()> {
-        let sent = self.send_inner(kind, data, timeout);
+    /// Sends one frame of `kind` against a credit, waiting up to `timeout` for one; `poke`
+    /// polls our receive side, which reads a duplex lane's credits. Fails on a timeout, a
+    /// broken connection, bytes over the receiver's buffer size, and on a duplex lane the
+    /// other end fenced or refused ([`OutConn::ended_by_peer`] says so: nothing was sent).
+    pub(super) fn send(
+        &mut self,
+        kind: MsgKind,
+        data: &[u8],
+        timeout: Duration,
+        poke: &dyn Fn(),
+    ) -> Result<()> {
+        let sent = self.send_inner(kind, data, timeout, poke);
         if sent.is_ok() && !matches!(self.io, OutIo::Tcp) {
             // Answers to lane requests come on the stream, which nothing else reads while
             // credits keep coming: look once in so many sends (one system call).
@@ -586,7 +757,36 @@ impl OutConn {
         sent
     }
 
-    fn send_inner(&mut self, kind: MsgKind, data: &[u8], timeout: Duration) -> Result<()> {
+    /// A duplex lane the other end fenced (it fenced its own) or never accepted: it takes no
+    /// more messages, and the next go on a new connection.
+    pub(super) fn ended_by_peer(&self) -> bool {
+        match &self.io {
+            OutIo::TcpDuplex { duplex, .. } => duplex.out_fenced() || duplex.refused(),
+            _ => false,
+        }
+    }
+
+    fn send_inner(
+        &mut self,
+        kind: MsgKind,
+        data: &[u8],
+        timeout: Duration,
+        poke: &dyn Fn(),
+    ) -> Result<()> {
+        if let OutIo::TcpDuplex { duplex, .. } = &self.io {
+            if kind == MsgKind::Fence {
+                // Fences take no credit on a duplex lane: the other end may have stopped
+                // granting (its own lane's fence came first).
+                let d = duplex.clone();
+                return d
+                    .send_lane(&self.stream, kind, data)
+                    .map(|_| ())
+                    .map_err(|e| self.broken("fencing a lane", e));
+            }
+            if self.max_len == 0 {
+                self.await_accept(timeout, poke)?;
+            }
+        }
         if data.len() > self.max_len {
             return Err(Error::invalid(
                 "bytes",
@@ -600,8 +800,13 @@ impl OutConn {
         if let OutIo::ShmShared { .. } = self.io {
             return self.send_shared(kind, data, timeout);
         }
-        let buf = self.credit(timeout)?;
+        let buf = self.credit(timeout, poke)?;
         match &mut self.io {
+            OutIo::TcpDuplex { duplex, .. } => match duplex.send_lane(&self.stream, kind, data) {
+                Ok(Sent::Written) => Ok(()),
+                Ok(Sent::Fenced) => Err(self.broken("sending a message", "the lane was fenced")),
+                Err(e) => Err(self.broken("sending a message", e)),
+            },
             OutIo::Tcp => {
                 let mut h = [0u8; MSG_HEADER_LEN];
                 MsgHeader {
@@ -705,8 +910,53 @@ impl OutConn {
         }
     }
 
-    /// One credit, waiting for the receiver to grant one if none is in hand.
-    pub(super) fn credit(&mut self, timeout: Duration) -> Result<BufferId> {
+    fn broken(&self, doing: &str, e: impl std::fmt::Display) -> Error {
+        Error::PeerDisconnected {
+            peer: self.peer.clone(),
+            reason: format!("{doing}: {e}"),
+        }
+    }
+
+    /// Waits up to `timeout` for the other end of a duplex lane to accept it (its buffer
+    /// size). Fails when it refused, fenced, or went away, or on the timeout.
+    fn await_accept(&mut self, timeout: Duration, poke: &dyn Fn()) -> Result<()> {
+        let OutIo::TcpDuplex { duplex, .. } = &self.io else {
+            return Ok(());
+        };
+        let d = duplex.clone();
+        let start = Instant::now();
+        let mut idle = 0u32;
+        loop {
+            if let Some(n) = d.peer_max_len() {
+                self.max_len = n;
+                return Ok(());
+            }
+            if d.refused() || d.out_fenced() {
+                return Err(self.broken("opening a lane", "the receiver did not take it"));
+            }
+            if d.closed() {
+                return Err(self.broken("opening a lane", "the connection closed"));
+            }
+            poke();
+            let waited = start.elapsed();
+            if waited >= timeout {
+                return Err(Error::Timeout {
+                    peer: self.peer.clone(),
+                    timeout_ms: timeout.as_millis() as u64,
+                });
+            }
+            idle = idle.wrapping_add(1);
+            if waited > SPIN && idle.is_multiple_of(16) {
+                back_off(waited);
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// One credit, waiting for the receiver to grant one if none is in hand; `poke` polls our
+    /// receive side (a duplex lane's credits come through it).
+    pub(super) fn credit(&mut self, timeout: Duration, poke: &dyn Fn()) -> Result<BufferId> {
         if let Some(b) = self.credits.take() {
             return Ok(b);
         }
@@ -718,6 +968,12 @@ impl OutConn {
             self.collect_credits()?;
             if let Some(b) = self.credits.take() {
                 return Ok(b);
+            }
+            if let OutIo::TcpDuplex { duplex, .. } = &self.io {
+                if duplex.out_fenced() {
+                    return Err(self.broken("waiting for a credit", "the lane was fenced"));
+                }
+                poke();
             }
             let waited = start.elapsed();
             if waited >= timeout {
@@ -739,6 +995,16 @@ impl OutConn {
     /// lane messages (into `lanes_in`). Fails when the receiver closed the stream or wrote a
     /// frame it may not.
     pub(super) fn read_back(&mut self) -> Result<()> {
+        if let OutIo::TcpDuplex { duplex, .. } = &self.io {
+            duplex.take_answers(&mut self.lanes_in);
+            if duplex.closed() {
+                return Err(Error::PeerDisconnected {
+                    peer: self.peer.clone(),
+                    reason: "the receiver closed the message connection".into(),
+                });
+            }
+            return Ok(());
+        }
         let mut b = [0u8; 256];
         match sockio::recv_nonblocking(self.stream.as_raw_fd(), &mut b) {
             Ok(None) => return Ok(()),
@@ -777,6 +1043,20 @@ impl OutConn {
                 }
             }
             OutIo::Tcp => self.read_back()?,
+            OutIo::TcpDuplex { duplex, seen } => {
+                let total = duplex.granted();
+                if total > *seen {
+                    self.credits
+                        .on_grant(std::iter::repeat_n(BufferId(0), (total - *seen) as usize));
+                    *seen = total;
+                }
+                if duplex.closed() {
+                    return Err(Error::PeerDisconnected {
+                        peer: self.peer.clone(),
+                        reason: "the receiver closed the message connection".into(),
+                    });
+                }
+            }
             OutIo::Shm { ring, .. } => {
                 let credits = &mut self.credits;
                 ring.take_grants(|id| credits.on_grant([id]));

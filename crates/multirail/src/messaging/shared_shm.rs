@@ -182,7 +182,15 @@ impl Messaging {
             generation: shared.generation,
             closing_at: None,
         };
-        rx.add_conn(InConn::new(id, from, SHARED_SHM, stream, io, lane, permit));
+        rx.add_conn(InConn::new(
+            id,
+            from,
+            SHARED_SHM,
+            stream,
+            io,
+            lane,
+            Some(permit),
+        ));
         Ok(())
     }
 }

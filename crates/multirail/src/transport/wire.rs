@@ -240,6 +240,19 @@ pub enum MsgKind {
     /// scores, demotions), on the stream back from receiver to sender (answers, evictions).
     /// The engine takes them in itself; the application never sees one.
     Lane = 5,
+    /// Receiver to sender, 18 bytes: a [`multirail_policy::lanes::LaneMsg`] answering the
+    /// sender's lane request or evicting its lane. Kept apart from [`MsgKind::Lane`] because
+    /// a duplex socket carries both ends' requests and answers in each direction.
+    LaneAnswer = 6,
+    /// On a duplex dedicated tcp lane, the end that accepted the socket to the end that opened
+    /// it, 4 bytes: the epoch of the lane it starts on this socket in the other direction
+    /// (see `messaging::duplex`).
+    ReverseOpen = 7,
+    /// Answer to [`MsgKind::ReverseOpen`], no payload: `len` is the size of the receive
+    /// buffers posted for the reverse lane; credits follow.
+    ReverseAccept = 8,
+    /// Answer to [`MsgKind::ReverseOpen`]: `len` bytes of UTF-8 saying why not.
+    ReverseRefuse = 9,
 }
 
 /// A message-connection frame header.
@@ -272,9 +285,14 @@ impl MsgHeader {
             3 => MsgKind::Credit,
             4 => MsgKind::Fence,
             5 => MsgKind::Lane,
+            6 => MsgKind::LaneAnswer,
+            7 => MsgKind::ReverseOpen,
+            8 => MsgKind::ReverseAccept,
+            9 => MsgKind::ReverseRefuse,
             k => return Err(format!("unknown message kind {k}")),
         };
-        if kind != MsgKind::Credit && len > max_len {
+        // Credit and ReverseAccept carry a count in `len`, not a payload.
+        if !matches!(kind, MsgKind::Credit | MsgKind::ReverseAccept) && len > max_len {
             return Err(format!(
                 "message of {len} bytes above the {max_len}-byte receive buffers"
             ));
