@@ -3,6 +3,10 @@
 use super::duplex;
 use super::*;
 
+/// How long a sender waits for the other end of a duplex socket to take the lane it starts
+/// there before it fences that lane and opens a connection of its own (see `await_accept`).
+const ACCEPT_WAIT: Duration = Duration::from_millis(50);
+
 pub(super) enum OutIo {
     Tcp,
     /// Our dedicated lane on a duplex tcp socket (see `duplex`): credits and answers come
@@ -917,13 +921,17 @@ impl OutConn {
         }
     }
 
-    /// Waits up to `timeout` for the other end of a duplex lane to accept it (its buffer
-    /// size). Fails when it refused, fenced, or went away, or on the timeout.
+    /// Waits for the other end of a duplex lane to accept it (its buffer size). Its receive
+    /// poll reads the opening, so an application that does not poll for a while would hold
+    /// our send: after [`ACCEPT_WAIT`] (or `timeout`, if shorter) we fence the lane instead
+    /// and the message takes a connection of its own. Fails when the lane was refused,
+    /// fenced (also by us, so), or the connection went away.
     fn await_accept(&mut self, timeout: Duration, poke: &dyn Fn()) -> Result<()> {
         let OutIo::TcpDuplex { duplex, .. } = &self.io else {
             return Ok(());
         };
         let d = duplex.clone();
+        let timeout = timeout.min(ACCEPT_WAIT);
         let start = Instant::now();
         let mut idle = 0u32;
         loop {
@@ -940,10 +948,10 @@ impl OutConn {
             poke();
             let waited = start.elapsed();
             if waited >= timeout {
-                return Err(Error::Timeout {
-                    peer: self.peer.clone(),
-                    timeout_ms: timeout.as_millis() as u64,
-                });
+                // A fence takes no credit: the other end closes the lane when it gets to it.
+                d.send_lane(&self.stream, MsgKind::Fence, &[])
+                    .map_err(|e| self.broken("leaving an unanswered lane", e))?;
+                return Err(self.broken("opening a lane", "no answer in time"));
             }
             idle = idle.wrapping_add(1);
             if waited > SPIN && idle.is_multiple_of(16) {

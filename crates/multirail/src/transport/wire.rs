@@ -361,9 +361,20 @@ mod tests {
         h.encode(&mut b);
         assert_eq!(MsgHeader::decode(&b, 100).unwrap(), h);
         assert!(MsgHeader::decode(&b, 99).is_err());
-        b[4] = 9;
+        b[4] = 10;
         assert!(MsgHeader::decode(&b, 100).is_err());
         assert!(MsgHeader::decode(&b[..3], 100).is_err());
+        // Counts, not payloads: above the buffer size is fine.
+        for kind in [MsgKind::Credit, MsgKind::ReverseAccept] {
+            MsgHeader { kind, len: 4096 }.encode(&mut b);
+            assert_eq!(MsgHeader::decode(&b, 100).unwrap().len, 4096);
+        }
+        MsgHeader {
+            kind: MsgKind::ReverseRefuse,
+            len: 4096,
+        }
+        .encode(&mut b);
+        assert!(MsgHeader::decode(&b, 100).is_err());
         assert_eq!(
             decode_hello(&encode_hello(ConnKind::Message)).unwrap(),
             ConnKind::Message
