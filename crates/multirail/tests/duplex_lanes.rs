@@ -147,8 +147,8 @@ fn busy_side(
         };
         let mut shared_socket = 0;
         for i in 0..n {
-            if i % every == 0 {
-                let to_lane = if (i / every) % 2 == 0 {
+            if i.is_multiple_of(every) {
+                let to_lane = if (i / every).is_multiple_of(2) {
                     Lane::Dedicated
                 } else {
                     Lane::Shared
