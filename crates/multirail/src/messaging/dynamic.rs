@@ -514,7 +514,7 @@ impl Messaging {
             }
             if !poked && matches!(c.io, OutIo::TcpDuplex { .. }) {
                 // A duplex lane's answers come in through the receive poll.
-                self.poke();
+                self.poke_if_idle();
                 poked = true;
             }
             match c.read_back() {

@@ -388,7 +388,7 @@ impl Messaging {
         let mut conn = InConn::new(id, from, key, stream, io, lane, Some(permit));
         if dedicated_tcp {
             // Our own dedicated lane to this sender may start on this socket (see `duplex`).
-            conn.duplex = Some(Duplex::new(false, 0));
+            conn.duplex = Some(Duplex::new(false, 0, self.dynamic.enabled()));
         }
         self.admit(rx, conn, |pool, io| {
             let mut reply = Vec::new();
@@ -635,6 +635,9 @@ impl Messaging {
 
     /// Receives what arrived on every connection into receive buffers.
     pub(super) fn poll(&self, rx: &mut Rx) {
+        // Only the holder of the receive lock writes it: no atomic add on every poll.
+        let polls = self.polls.load(Ordering::Relaxed);
+        self.polls.store(polls.wrapping_add(1), Ordering::Relaxed);
         let Rx {
             conns,
             pools,
@@ -830,6 +833,14 @@ impl Messaging {
         rx.lanes_dirty = true;
         let Rx { conns, pools, .. } = rx;
         grant(conns, pools, key);
+        // The first credits go at once: the other end waits for them to send anything.
+        if let Some(c) = conns.iter().find(|c| c.id == id) {
+            if let Some(d) = &c.duplex {
+                if let Err(e) = d.try_flush(&c.stream) {
+                    tracing::warn!(peer = %c.from, error = %e, "cannot grant a reverse lane");
+                }
+            }
+        }
     }
 
     /// Whether a connection on `lane` takes its buffers from the shared pool: a shared lane
@@ -1043,8 +1054,8 @@ pub(super) fn grant(conns: &mut [InConn], pools: &mut Pools, key: u64) {
             InIo::Tcp { .. } => {
                 let h = duplex::frame_header(MsgKind::Credit, pool.granting.len() as u32);
                 let told = match &c.duplex {
-                    // The socket's writers share it: never wait for one of them here.
-                    Some(d) => d.credits(&c.stream, pool.granting.len()),
+                    // Maybe with our next frame (see `Duplex::grant`).
+                    Some(d) => d.grant(&c.stream, pool.granting.len()),
                     None => (&c.stream).write_all(&h),
                 };
                 if let Err(e) = told {
@@ -1149,6 +1160,7 @@ fn receive_io(
                 let body = &staging[*start + MSG_HEADER_LEN..*start + total];
                 if let Some(d) = &c.duplex {
                     // Credits and answers for our lane the other way.
+                    d.on_piggyback(&staging[*start..]);
                     if d.on_control(h, body)? {
                         *start += total;
                         continue;

@@ -357,6 +357,10 @@ pub(crate) struct Messaging {
     /// Answers to lane requests that senders read, by peer, in order, for the lanes driver.
     parked: Mutex<Vec<(u64, LaneMsg)>>,
     next_conn: AtomicU64,
+    /// Receive polls so far, and as many as the last background look saw (see
+    /// `Messaging::poke_if_idle`).
+    polls: AtomicU64,
+    polls_seen: AtomicU64,
     /// Dynamic lanes: the usage tracker and both negotiations.
     dynamic: Dynamic,
     counters: MessageCounters,
@@ -437,6 +441,8 @@ impl Messaging {
             retiring_any: AtomicBool::new(false),
             parked: Mutex::default(),
             next_conn: AtomicU64::new(2),
+            polls: AtomicU64::new(0),
+            polls_seen: AtomicU64::new(u64::MAX),
             dynamic: Dynamic::new(&config.lanes)?,
             counters: MessageCounters::default(),
         })

@@ -171,7 +171,7 @@ impl Messaging {
         let keep_lanes = self.dynamic.enabled();
         if r.iter().any(|e| e.open && e.duplex.is_some()) {
             // Their sockets are read by the receive poll.
-            self.poke();
+            self.poke_if_idle();
         }
         for e in r.iter_mut().filter(|e| e.open) {
             if let Some(d) = &e.duplex {
@@ -308,6 +308,16 @@ impl Messaging {
     pub(super) fn poke(&self) {
         if let Ok(mut rx) = self.rx.try_lock() {
             self.poll(&mut rx);
+        }
+    }
+
+    /// [`Messaging::poke`] for the background (the lanes driver): only when nobody polled
+    /// since the last time it looked, so that it never takes the receive lock from an
+    /// application polling it (which would then sleep on the lock, tens of µs).
+    pub(super) fn poke_if_idle(&self) {
+        let polls = self.polls.load(Ordering::Relaxed);
+        if self.polls_seen.swap(polls, Ordering::Relaxed) == polls {
+            self.poke();
         }
     }
 
@@ -536,7 +546,7 @@ impl Messaging {
         let io = if format.is_none() && lane.0 == Lane::Dedicated {
             // The receiver may start its own dedicated lane to us on this socket: our receive
             // poll reads it from now on (see `duplex`).
-            let d = Duplex::new(true, max_len);
+            let d = Duplex::new(true, max_len, self.dynamic.enabled());
             let reader = Reader {
                 from: peer.name.as_str().into(),
                 stream: stream.try_clone().map_err(unreachable)?,
