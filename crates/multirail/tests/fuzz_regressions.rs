@@ -124,16 +124,25 @@ fn message_header_limits() {
         MsgHeader { kind, len }.encode(&mut b);
         b
     };
-    for kind in [MsgKind::Message, MsgKind::Notification, MsgKind::Lane] {
+    for kind in [
+        MsgKind::Message,
+        MsgKind::Notification,
+        MsgKind::Lane,
+        MsgKind::LaneAnswer,
+        MsgKind::ReverseOpen,
+        MsgKind::ReverseRefuse,
+    ] {
         assert!(MsgHeader::decode(&encode(kind, 8192), 8192).is_ok());
         assert!(MsgHeader::decode(&encode(kind, 8193), 8192).is_err());
         assert!(MsgHeader::decode(&encode(kind, 0), 0).is_ok());
         assert!(MsgHeader::decode(&encode(kind, u32::MAX), u32::MAX).is_ok());
     }
     // Credits count buffers, not bytes: the receive-buffer limit does not apply.
-    let h = MsgHeader::decode(&encode(MsgKind::Credit, u32::MAX), 0).unwrap();
-    assert_eq!((h.kind, h.len), (MsgKind::Credit, u32::MAX));
-    for kind in [0u8, 6, 255] {
+    for kind in [MsgKind::Credit, MsgKind::ReverseAccept] {
+        let h = MsgHeader::decode(&encode(kind, u32::MAX), 0).unwrap();
+        assert_eq!((h.kind, h.len), (kind, u32::MAX));
+    }
+    for kind in [0u8, 10, 255] {
         let mut b = encode(MsgKind::Message, 1);
         b[4] = kind;
         assert!(MsgHeader::decode(&b, 8192).unwrap_err().contains("kind"));

@@ -12,7 +12,9 @@
 //!
 //! * **tcp**: frames are an 8-byte header (length, kind) and the bytes, one `writev` per
 //!   message; credits come back on the same connection in 8-byte frames, batched: one frame
-//!   when the sender holds at most half its share.
+//!   when the sender holds at most half its share. When two engines each give the other a
+//!   dedicated lane, one socket carries both lanes (`duplex`): the second lane starts on the
+//!   first one's socket, and credits ride in the headers of the frames going that way.
 //! * **shm**: the receive buffers are memfd-backed registered chunks the sender maps; per
 //!   connection a ring region holds the grant ring (buffer ids the receiver posted for this
 //!   sender) and the completion ring (buffer id, length, kind of each message written). Both

@@ -1037,8 +1037,20 @@ impl OutConn {
         }
         let tcp = matches!(self.io, OutIo::Tcp);
         let granted = parse_back(&self.peer, &mut self.reverse, tcp, &mut self.lanes_in)?;
+        self.take_credits(granted as u64)
+    }
+
+    /// Adds `n` credits the receiver granted. Fails when that puts more in hand than any
+    /// receive queue holds (a broken or hostile receiver), instead of holding that many.
+    fn take_credits(&mut self, n: u64) -> Result<()> {
+        if self.credits.available() as u64 + n > multirail_policy::receive::MAX_QUEUE_DEPTH as u64 {
+            return Err(protocol(
+                &self.peer,
+                format!("{n} credits granted, more than a receive queue holds"),
+            ));
+        }
         self.credits
-            .on_grant(std::iter::repeat_n(BufferId(0), granted));
+            .on_grant(std::iter::repeat_n(BufferId(0), n as usize));
         Ok(())
     }
 
@@ -1063,12 +1075,13 @@ impl OutConn {
             OutIo::Tcp => self.read_back()?,
             OutIo::TcpDuplex { duplex, seen } => {
                 let total = duplex.granted();
+                let closed = duplex.closed();
                 if total > *seen {
-                    self.credits
-                        .on_grant(std::iter::repeat_n(BufferId(0), (total - *seen) as usize));
+                    let n = total - *seen;
                     *seen = total;
+                    self.take_credits(n)?;
                 }
-                if duplex.closed() {
+                if closed {
                     return Err(Error::PeerDisconnected {
                         peer: self.peer.clone(),
                         reason: "the receiver closed the message connection".into(),
