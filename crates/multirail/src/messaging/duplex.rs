@@ -274,6 +274,15 @@ impl Duplex {
         let owed = {
             let mut o = self.owed.lock().expect("duplex owed poisoned");
             self.owed_any.store(false, Ordering::Release);
+            if o.frames.is_empty() && !o.fence && o.credits <= u32::MAX as u64 {
+                // Credits alone, the usual case: one frame from the stack, no allocation.
+                let n = std::mem::take(&mut o.credits) as u32;
+                drop(o);
+                if n > 0 {
+                    (&*stream).write_all(&frame_header(MsgKind::Credit, n))?;
+                }
+                return Ok(());
+            }
             std::mem::take(&mut *o)
         };
         let mut bytes = owed.frames;
