@@ -174,7 +174,7 @@ pub(super) fn run(
     let delivered = AtomicU64::new(0);
     let done = AtomicBool::new(false);
     let mut kill: Option<Kill> = None;
-    let own = thread::scope(|scope| {
+    let (own, own_failed_group) = thread::scope(|scope| {
         let worker = scope.spawn(|| {
             let r = member::run(group, &run, plan, &delivered);
             done.store(true, Ordering::Release);
@@ -227,7 +227,10 @@ pub(super) fn run(
             .with_context(|| format!("member {}'s report {line:?}", c.index))?;
         reports.push(Some(r));
     }
+    // The children leave once their stdin closes; a failed group of ours goes after them
+    // (see `member::run`).
     drop(children);
+    drop(own_failed_group);
     report::finish(args, &reports, kill.as_ref())
 }
 

@@ -130,8 +130,16 @@ impl FirstFailure {
 }
 
 /// Runs this member's part of the run on a joined group and reports. `delivered` counts
-/// delivered messages as they arrive (for a progress bar).
-pub fn run(group: Group, run: &Run<'_>, plan: Plan, delivered: &AtomicU64) -> MemberReport {
+/// delivered messages as they arrive (for a progress bar). Returns the group too when it
+/// failed (a group that did not fail is left): a member whose group failed keeps it until
+/// the run ends, or the others, not all of which have seen the failure yet, would see this
+/// one drop its table and name it instead of the member that failed.
+pub fn run(
+    group: Group,
+    run: &Run<'_>,
+    plan: Plan,
+    delivered: &AtomicU64,
+) -> (MemberReport, Option<Group>) {
     let pool = Pool::new(run.sizes.max.max(payload::MARKER_BYTES));
     let failure = FirstFailure::default();
     let sent = AtomicU64::new(0);
@@ -154,6 +162,7 @@ pub fn run(group: Group, run: &Run<'_>, plan: Plan, delivered: &AtomicU64) -> Me
     let mut report = tally.report(run, &plan);
     report.sent = sent.load(Ordering::Relaxed);
     let failed = failure.take();
+    let mut kept = None;
     report.stats = match failed {
         None => match group.leave() {
             Ok(s) => s.into(),
@@ -166,10 +175,12 @@ pub fn run(group: Group, run: &Run<'_>, plan: Plan, delivered: &AtomicU64) -> Me
         Some((what, at)) => {
             report.failure = Some(what);
             report.failure_at_ns = Some(at);
-            group.stats().into()
+            let stats = group.stats().into();
+            kept = Some(group);
+            stats
         }
     };
-    report
+    (report, kept)
 }
 
 /// Sends this member's messages, then its end marker, then flushes. Returns how many data

@@ -85,9 +85,13 @@ pub(super) fn serve(config: Config, args: &McastBenchArgs) -> Result<(), Failure
         names: &names,
         me,
     };
-    let report = member::run(group, &run, plan, &AtomicU64::new(0));
+    let (report, _failed_group) = member::run(group, &run, plan, &AtomicU64::new(0));
     let line = serde_json::to_string(&report).expect("a report serializes");
     // The parent may be gone: nothing to tell then.
     let _ = say(&line);
+    // Stay (with the engine, and a failed group's table) until the parent has every report
+    // and closes our stdin: a member that exited at once would look failed to the members
+    // still waiting to see the failure this one saw.
+    while next_line(&mut lines).is_some() {}
     Ok(())
 }
