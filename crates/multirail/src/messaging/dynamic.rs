@@ -217,13 +217,18 @@ impl Dynamic {
 /// messages the receiver wrote before it saw the fence come first.
 pub(super) struct Retiring {
     pub(super) peer: u64,
-    pub(super) stream: TcpStream,
+    pub(super) from: RetiringFrom,
     pub(super) give_up: Instant,
-    pub(super) partial: Vec<u8>,
     pub(super) lanes: Vec<LaneMsg>,
     pub(super) open: bool,
-    /// A duplex lane: the receive poll reads its socket and hands the answers over here.
-    pub(super) duplex: Option<Arc<Duplex>>,
+}
+
+/// Where a fenced lane's answers come from.
+pub(super) enum RetiringFrom {
+    /// Its stream, read here; `partial` holds what is not a whole frame yet.
+    Stream { stream: TcpStream, partial: Vec<u8> },
+    /// A duplex socket, which the receive poll reads and hands the answers over through.
+    Duplex(Arc<Duplex>),
 }
 
 /// Takes the whole frames of what a receiver wrote back out of `buf`: credit frames (counted

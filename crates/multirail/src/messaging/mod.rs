@@ -74,7 +74,7 @@ use crate::transport::rdma::messages::{
 use crate::transport::sockio;
 use crate::transport::wire::{self, ConnKind, MsgHeader, MsgKind, MSG_HEADER_LEN};
 use duplex::{Duplex, Reader, ReaderEvent, Sent};
-use dynamic::{parse_back, Dynamic, Retiring};
+use dynamic::{parse_back, Dynamic, Retiring, RetiringFrom};
 use inbound::*;
 use outbound::*;
 use ring::{Ring, INLINE_MAX};

@@ -117,49 +117,42 @@ impl Messaging {
     /// message timeout. Under dynamic lanes every transport's stream is read so, since the
     /// receiver may have answered a lane request on it before it saw the fence.
     fn retire(&self, conn: &OutConn, peer: u64) {
-        if let OutIo::TcpDuplex { duplex, .. } = &conn.io {
+        let from = match &conn.io {
             // The receive poll reads the socket on (and shuts it once both lanes are over);
             // answers it reads come here until then.
-            if let (true, Ok(s)) = (self.dynamic.enabled(), conn.stream.try_clone()) {
-                self.retiring
-                    .lock()
-                    .expect("retiring poisoned")
-                    .push(Retiring {
-                        peer,
-                        stream: s,
-                        give_up: Instant::now() + self.timeout,
-                        partial: Vec::new(),
-                        lanes: conn.lanes_in.clone(),
-                        open: true,
-                        duplex: Some(duplex.clone()),
-                    });
-                self.retiring_any.store(true, Ordering::Release);
+            OutIo::TcpDuplex { duplex, .. } if self.dynamic.enabled() => {
+                RetiringFrom::Duplex(duplex.clone())
             }
-            return;
-        }
-        let tcp = matches!(conn.io, OutIo::Tcp);
-        if !tcp && !self.dynamic.enabled() {
-            return;
-        }
-        if tcp {
-            let _ = conn.stream.shutdown(std::net::Shutdown::Write);
-        }
-        if let Ok(s) = conn.stream.try_clone() {
-            let _ = s.set_nonblocking(true);
-            self.retiring
-                .lock()
-                .expect("retiring poisoned")
-                .push(Retiring {
-                    peer,
-                    stream: s,
-                    give_up: Instant::now() + self.timeout,
+            OutIo::TcpDuplex { .. } => return,
+            io => {
+                let tcp = matches!(io, OutIo::Tcp);
+                if !tcp && !self.dynamic.enabled() {
+                    return;
+                }
+                if tcp {
+                    let _ = conn.stream.shutdown(std::net::Shutdown::Write);
+                }
+                let Ok(stream) = conn.stream.try_clone() else {
+                    return;
+                };
+                let _ = stream.set_nonblocking(true);
+                RetiringFrom::Stream {
+                    stream,
                     partial: conn.reverse.clone(),
-                    lanes: conn.lanes_in.clone(),
-                    open: true,
-                    duplex: None,
-                });
-            self.retiring_any.store(true, Ordering::Release);
-        }
+                }
+            }
+        };
+        self.retiring
+            .lock()
+            .expect("retiring poisoned")
+            .push(Retiring {
+                peer,
+                from,
+                give_up: Instant::now() + self.timeout,
+                lanes: conn.lanes_in.clone(),
+                open: true,
+            });
+        self.retiring_any.store(true, Ordering::Release);
     }
 
     /// Reads what fenced lanes received, closing each once its receiver closed it (or its
@@ -169,30 +162,32 @@ impl Messaging {
         let now = Instant::now();
         let mut scratch = [0u8; 256];
         let keep_lanes = self.dynamic.enabled();
-        if r.iter().any(|e| e.open && e.duplex.is_some()) {
+        if r.iter()
+            .any(|e| e.open && matches!(e.from, RetiringFrom::Duplex(_)))
+        {
             // Their sockets are read by the receive poll.
             self.poke_if_idle();
         }
         for e in r.iter_mut().filter(|e| e.open) {
-            if let Some(d) = &e.duplex {
-                d.take_answers(&mut e.lanes);
-                e.open = !d.closed() && now < e.give_up;
-                if !keep_lanes {
-                    e.lanes.clear();
+            match &mut e.from {
+                RetiringFrom::Duplex(d) => {
+                    d.take_answers(&mut e.lanes);
+                    e.open = !d.closed() && now < e.give_up;
                 }
-                continue;
-            }
-            e.open = loop {
-                match sockio::recv_nonblocking(e.stream.as_raw_fd(), &mut scratch) {
-                    Ok(Some(n)) if n > 0 => e.partial.extend_from_slice(&scratch[..n]),
-                    Ok(None) => break now < e.give_up,
-                    _ => break false,
+                RetiringFrom::Stream { stream, partial } => {
+                    e.open = loop {
+                        match sockio::recv_nonblocking(stream.as_raw_fd(), &mut scratch) {
+                            Ok(Some(n)) if n > 0 => partial.extend_from_slice(&scratch[..n]),
+                            Ok(None) => break now < e.give_up,
+                            _ => break false,
+                        }
+                    };
+                    if let Err(err) = parse_back("", partial, true, &mut e.lanes) {
+                        tracing::debug!(error = %err, "bad frame on a fenced lane");
+                        partial.clear();
+                        e.open = false;
+                    }
                 }
-            };
-            if let Err(err) = parse_back("", &mut e.partial, true, &mut e.lanes) {
-                tracing::debug!(error = %err, "bad frame on a fenced lane");
-                e.partial.clear();
-                e.open = false;
             }
             if !keep_lanes {
                 e.lanes.clear();
