@@ -35,14 +35,14 @@ const REASON_MAX: usize = 64;
 /// Credits one frame header carries at most (its three spare bytes, see `send_lane`).
 const PIGGYBACK_MAX: u32 = (1 << 24) - 1;
 
-/// Frames the receive side could not write at once (the write lock was held).
+/// Frames the receive side could not write at once (the write lock was held). Credits owed
+/// are counted apart, in [`Duplex::owed_credits`]: they are owed on every message taken in,
+/// and an atomic add costs that path less than this lock.
 #[derive(Default)]
 struct Owed {
     /// Whole frames, in order.
     frames: Vec<u8>,
-    /// Credits, told after `frames`.
-    credits: u64,
-    /// This end's lane is to be fenced after them.
+    /// This end's lane is to be fenced after them (and after the credits owed).
     fence: bool,
 }
 
@@ -51,7 +51,10 @@ pub(super) struct Duplex {
     /// Held while whole frames are written.
     wr: Mutex<()>,
     owed: Mutex<Owed>,
+    /// `owed` holds a frame or a fence.
     owed_any: AtomicBool,
+    /// Credits owed to the other end's lane, told after the frames owed.
+    owed_credits: AtomicU64,
     /// Credits the other end granted this end's lane, in total.
     granted: AtomicU64,
     /// Lane answers for this end's lane, in order.
@@ -91,6 +94,7 @@ impl Duplex {
             wr: Mutex::new(()),
             owed: Mutex::default(),
             owed_any: AtomicBool::new(false),
+            owed_credits: AtomicU64::new(0),
             granted: AtomicU64::new(0),
             answers: Mutex::default(),
             answers_any: AtomicBool::new(false),
@@ -171,26 +175,15 @@ impl Duplex {
         data: &[u8],
     ) -> std::io::Result<Sent> {
         let _w = self.wr.lock().expect("duplex writer poisoned");
-        // Credits owed ride in the frame's header; anything else owed goes first.
-        let mut piggyback = 0u32;
+        // Anything else owed goes first, with the credits; else credits owed ride in the
+        // frame's header.
         if self.owed_any.load(Ordering::Acquire) {
-            let mut o = self.owed.lock().expect("duplex owed poisoned");
-            if o.frames.is_empty() && !o.fence {
-                piggyback = o.credits.min(PIGGYBACK_MAX as u64) as u32;
-                o.credits -= piggyback as u64;
-                self.owed_any.store(o.credits > 0, Ordering::Release);
-            } else {
-                drop(o);
-                self.flush_locked(stream)?;
-            }
+            self.flush_locked(stream)?;
         }
         if self.out_fenced() {
-            if piggyback > 0 {
-                // Not written after all: owed again.
-                self.owe(|o| o.credits += piggyback as u64);
-            }
             return Ok(Sent::Fenced);
         }
+        let piggyback = self.take_credits(PIGGYBACK_MAX);
         let mut h = [0u8; MSG_HEADER_LEN];
         MsgHeader {
             kind,
@@ -198,20 +191,34 @@ impl Duplex {
         }
         .encode(&mut h);
         h[5..8].copy_from_slice(&piggyback.to_le_bytes()[..3]);
-        let mut iov = [
-            sockio::iovec(h.as_ptr(), h.len()),
-            sockio::iovec(data.as_ptr(), data.len()),
-        ];
-        let n = if data.is_empty() { 1 } else { 2 };
-        sockio::write_all_vectored(stream.as_raw_fd(), &mut iov[..n])?;
+        sockio::send_frame(stream.as_raw_fd(), &h, data)?;
         if kind == MsgKind::Fence {
             self.out_fenced.store(true, Ordering::Release);
         }
-        if self.owed_any.load(Ordering::Acquire) {
+        if self.owes() {
             // Owed while we wrote: nobody else may come by to write it.
             self.flush_locked(stream)?;
         }
         Ok(Sent::Written)
+    }
+
+    /// Something is owed: frames, a fence or credits.
+    fn owes(&self) -> bool {
+        self.owed_any.load(Ordering::Acquire) || self.owed_credits.load(Ordering::Acquire) > 0
+    }
+
+    /// Takes up to `max` of the credits owed (none without an atomic write when none are).
+    fn take_credits(&self, max: u32) -> u32 {
+        if self.owed_credits.load(Ordering::Acquire) == 0 {
+            return 0;
+        }
+        let n = self.owed_credits.swap(0, Ordering::AcqRel);
+        if n > max as u64 {
+            self.owed_credits
+                .fetch_add(n - max as u64, Ordering::AcqRel);
+            return max;
+        }
+        n as u32
     }
 
     /// Owes `frame` (whole) and writes what is owed if the write lock is free.
@@ -229,7 +236,7 @@ impl Duplex {
     /// Deferring costs the other end nothing while this end polls; one that stops polling
     /// leaves the other end the half of its share it still held when the grant was due.
     pub(super) fn grant(&self, stream: &TcpStream, n: usize) -> std::io::Result<()> {
-        self.owe(|o| o.credits += n as u64);
+        self.owed_credits.fetch_add(n as u64, Ordering::AcqRel);
         if self.defer_credits && self.both_ways() {
             return Ok(());
         }
@@ -261,7 +268,7 @@ impl Duplex {
 
     /// Writes what is owed unless a writer holds the lock (it writes it after its frame).
     pub(super) fn try_flush(&self, stream: &TcpStream) -> std::io::Result<()> {
-        if !self.owed_any.load(Ordering::Acquire) {
+        if !self.owes() {
             return Ok(());
         }
         match self.wr.try_lock() {
@@ -271,22 +278,23 @@ impl Duplex {
     }
 
     fn flush_locked(&self, stream: &TcpStream) -> std::io::Result<()> {
-        let owed = {
+        let owed = if self.owed_any.load(Ordering::Acquire) {
             let mut o = self.owed.lock().expect("duplex owed poisoned");
             self.owed_any.store(false, Ordering::Release);
-            if o.frames.is_empty() && !o.fence && o.credits <= u32::MAX as u64 {
-                // Credits alone, the usual case: one frame from the stack, no allocation.
-                let n = std::mem::take(&mut o.credits) as u32;
-                drop(o);
-                if n > 0 {
-                    (&*stream).write_all(&frame_header(MsgKind::Credit, n))?;
-                }
-                return Ok(());
-            }
             std::mem::take(&mut *o)
+        } else {
+            Owed::default()
         };
+        // After the frames: the credits owed once they were taken.
+        let mut credits = self.take_credits(u32::MAX) as u64;
+        if owed.frames.is_empty() && !owed.fence {
+            // Credits alone, the usual case: one frame from the stack, no allocation.
+            if credits > 0 {
+                (&*stream).write_all(&frame_header(MsgKind::Credit, credits as u32))?;
+            }
+            return Ok(());
+        }
         let mut bytes = owed.frames;
-        let mut credits = owed.credits;
         while credits > 0 {
             let n = credits.min(u32::MAX as u64);
             bytes.extend_from_slice(&frame_header(MsgKind::Credit, n as u32));

@@ -823,12 +823,7 @@ impl OutConn {
                     len: data.len() as u32,
                 }
                 .encode(&mut h);
-                let mut iov = [
-                    sockio::iovec(h.as_ptr(), h.len()),
-                    sockio::iovec(data.as_ptr(), data.len()),
-                ];
-                let n = if data.is_empty() { 1 } else { 2 };
-                sockio::write_all_vectored(self.stream.as_raw_fd(), &mut iov[..n]).map_err(|e| {
+                sockio::send_frame(self.stream.as_raw_fd(), &h, data).map_err(|e| {
                     Error::PeerDisconnected {
                         peer: self.peer.clone(),
                         reason: format!("sending a message: {e}"),

@@ -24,11 +24,22 @@ pub(crate) fn retry_eintr(mut call: impl FnMut() -> isize) -> io::Result<usize> 
 }
 
 /// [`retry_eintr`] for a call on a non-blocking socket: `Ok(None)` when it would block.
-pub(crate) fn nonblocking(call: impl FnMut() -> isize) -> io::Result<Option<usize>> {
-    match retry_eintr(call) {
-        Ok(n) => Ok(Some(n)),
-        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
-        Err(e) => Err(e),
+#[inline]
+pub(crate) fn nonblocking(mut call: impl FnMut() -> isize) -> io::Result<Option<usize>> {
+    loop {
+        let rc = call();
+        if rc >= 0 {
+            return Ok(Some(rc as usize));
+        }
+        // The errno itself, not an `io::Error` built and matched: a busy-polling receiver
+        // comes here on nearly every call, between the reads that find its messages.
+        // SAFETY: __errno_location returns this thread's errno slot, valid while it runs.
+        let errno = unsafe { *libc::__errno_location() };
+        match errno {
+            libc::EAGAIN => return Ok(None),
+            libc::EINTR => continue,
+            _ => return Err(io::Error::from_raw_os_error(errno)),
+        }
     }
 }
 
@@ -49,6 +60,50 @@ pub(crate) fn write_all_vectored(fd: RawFd, mut iov: &mut [libc::iovec]) -> io::
             ));
         }
         iov = advance(iov, written);
+    }
+    Ok(())
+}
+
+/// Frames up to this many bytes (header and payload) are sent from one stack buffer.
+pub(crate) const SMALL_FRAME: usize = 1024;
+
+/// Writes `header` then `data` on blocking socket `fd`, every byte, through partial writes.
+/// A frame of at most [`SMALL_FRAME`] bytes is copied into one buffer and goes out with
+/// `send`: on loopback one contiguous `send` costs about 50 ns less a message than a
+/// two-iovec `writev` (bench/latency's raw loop varied this way: 2.70 µs vs 2.75 µs one
+/// way), more than the copy. Larger frames go out as they are. A closed peer is an error,
+/// never SIGPIPE.
+pub(crate) fn send_frame(fd: RawFd, header: &[u8], data: &[u8]) -> io::Result<()> {
+    let total = header.len() + data.len();
+    if total > SMALL_FRAME {
+        let mut iov = [
+            iovec(header.as_ptr(), header.len()),
+            iovec(data.as_ptr(), data.len()),
+        ];
+        return write_all_vectored(fd, &mut iov);
+    }
+    let mut frame = [0u8; SMALL_FRAME];
+    frame[..header.len()].copy_from_slice(header);
+    frame[header.len()..total].copy_from_slice(data);
+    let mut sent = 0;
+    while sent < total {
+        let rest = &frame[sent..total];
+        // SAFETY: `rest` is a live stack slice; send only reads it.
+        let n = retry_eintr(|| unsafe {
+            libc::send(
+                fd,
+                rest.as_ptr() as *const libc::c_void,
+                rest.len(),
+                libc::MSG_NOSIGNAL,
+            )
+        })?;
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::WriteZero,
+                "socket accepted no bytes",
+            ));
+        }
+        sent += n;
     }
     Ok(())
 }
@@ -134,6 +189,7 @@ pub(crate) fn read_exact_raw(fd: RawFd, ptr: *mut u8, len: usize) -> io::Result<
 }
 
 /// A read that does not block: `Ok(None)` when nothing is waiting.
+#[inline]
 pub(crate) fn recv_nonblocking(fd: RawFd, buf: &mut [u8]) -> io::Result<Option<usize>> {
     let (ptr, len) = (buf.as_mut_ptr(), buf.len());
     // SAFETY: `buf` is a valid, exclusively borrowed slice for the call's duration.
