@@ -443,6 +443,12 @@ impl Reader {
                 return Ok(ReaderEvent::Ended);
             }
             Ok(Some(n)) => self.end += n,
+            // Between frames, a reset is the other end closing with our frames unread (see
+            // `inbound::receive_io`).
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset && self.start == self.end => {
+                self.duplex.set_closed();
+                return Ok(ReaderEvent::Ended);
+            }
             Err(e) => {
                 self.duplex.set_closed();
                 return Err(format!("reading a duplex lane: {e}"));
