@@ -222,3 +222,31 @@ fn a_sender_dying_while_dedicated_frees_its_lane_shm() {
 fn a_sender_dying_while_dedicated_frees_its_lane_tcp() {
     a_sender_dying_while_dedicated_frees_its_lane("tcp");
 }
+
+/// A receiver that is not polling (busy elsewhere) still takes the shared lane's messages in
+/// as they come: its lanes thread waits on the shared lane's connections and reads them into
+/// the shared pool, granting credits, so a sender on the shared lane is not held to the one
+/// credit a new connection starts with until the application polls. Every message arrives
+/// once and in order when it does.
+#[test]
+fn a_receiver_that_is_not_polling_still_takes_in_the_shared_tcp_lane() {
+    let json = r#"{"transport": "tcp", "transports": {"tcp": {"timeout_ms": 2000}}}"#;
+    let rx = Engine::new(Config::from_json_str(json, "t").unwrap(), "127.0.0.1:0").unwrap();
+    let tx = Engine::new(Config::from_json_str(json, "t").unwrap(), "127.0.0.1:0").unwrap();
+    let seg = tx.open_segment(&rx.name()).unwrap();
+    // Fewer than the shared pool's buffers (64): they all fit before the application takes one.
+    let count = 48u64;
+    for n in 0..count {
+        tx.send(seg, &n.to_le_bytes())
+            .unwrap_or_else(|e| panic!("send {n} to a receiver that is not polling: {e}"));
+    }
+    assert_eq!(tx.lanes().outgoing[0].lane, Lane::Shared);
+    for n in 0..count {
+        let m = rx
+            .recv(Some(Duration::from_secs(5)))
+            .unwrap()
+            .expect("a message");
+        assert_eq!(u64::from_le_bytes(m.data[..8].try_into().unwrap()), n);
+    }
+    assert!(rx.recv(Some(Duration::from_millis(50))).unwrap().is_none());
+}

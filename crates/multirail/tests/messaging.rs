@@ -142,11 +142,13 @@ fn exhausted_credits_block_the_sender_until_buffers_return_shm() {
     credits_block_then_resume("shm");
 }
 
-/// On the shared lane a new sender is granted one credit, and more as it spends them: a
-/// burst to a receiver that is not polling stops after the first message until it polls,
-/// then every message arrives in order.
+/// On the shared lane a new sender starts with one credit and is granted more as it spends
+/// them. While the application does not poll, the lanes thread takes the lane's messages in
+/// (granting as they land) until the shared pool is full: a burst to a receiver that is not
+/// polling stops at the pool's depth, not at the first message, and every message arrives in
+/// order once it polls.
 #[test]
-fn lanes_start_small_on_the_shared_pool() {
+fn a_burst_to_a_receiver_not_polling_stops_at_the_shared_pools_depth() {
     let (a, b) = pair("tcp", r#"{"queue_depth": 8}"#);
     let seg = a.open_segment(&b.name()).unwrap();
     let (tx, rx) = mpsc::channel();
@@ -159,10 +161,12 @@ fn lanes_start_small_on_the_shared_pool() {
             }
         })
     };
-    assert_eq!(rx.recv_timeout(Duration::from_secs(5)).unwrap(), 0);
+    for i in 0u8..8 {
+        assert_eq!(rx.recv_timeout(Duration::from_secs(5)).unwrap(), i);
+    }
     assert!(
         rx.recv_timeout(Duration::from_millis(300)).is_err(),
-        "a second message without a second credit"
+        "a ninth message with the eight buffers full"
     );
     for i in 0u8..20 {
         assert_eq!(

@@ -120,10 +120,17 @@ impl Peers for Engine {
 /// Doublings of the lanes driver's sleep after passes with nothing to do (up to 2^3 = 8 ticks).
 const QUIET_STEPS: u32 = 3;
 
+/// Least time between two reads of the shared tcp lane by the lanes thread: what arrives
+/// while the application does not poll waits at most this long, and a lane whose bytes cannot
+/// be taken in (its receive pool full) wakes the thread no more often.
+const SHARED_LANE_GAP: Duration = Duration::from_micros(200);
+
 /// The thread that drives dynamic lanes (`crate::messaging` dynamic module): every tick (up
 /// to 8 ticks while the lanes are settled) it reads receivers' answers, scores peers and
-/// negotiates, and performs lane switches. Runs until the engine is dropped; logs and gives
-/// up dynamic lanes when it cannot be spawned.
+/// negotiates, and performs lane switches. Between passes it waits on the shared tcp lane's
+/// connections and, while the application is not polling, reads them into the shared
+/// receive pool itself (see [`wait_serving_the_shared_lane`]). Runs until the engine is
+/// dropped; logs and gives up dynamic lanes when it cannot be spawned.
 pub(super) fn spawn_lanes_driver(inner: Weak<Inner>) {
     let spawned = thread::Builder::new()
         .name("mr-lanes".into())
@@ -134,12 +141,17 @@ pub(super) fn spawn_lanes_driver(inner: Weak<Inner>) {
             // clock (idle progress, which keeps a quiet sender's scores decaying, and request
             // timeouts) still runs on time: the sleep ends when it falls due.
             let mut quiet = 0u32;
+            let shared_lane = match inner.upgrade() {
+                Some(inner) => Engine { inner }.messaging().shared_lane_fd(),
+                None => return,
+            };
             loop {
-                let (active, due, tick) = {
+                let (active, due, tick, polls) = {
                     let Some(inner) = inner.upgrade() else { return };
                     let engine = Engine { inner };
                     let (active, due) = engine.messaging().drive_lanes(&engine);
-                    (active, due, engine.messaging().lanes_tick())
+                    let m = engine.messaging();
+                    (active, due, m.lanes_tick(), m.polls())
                 };
                 quiet = if active {
                     0
@@ -150,10 +162,84 @@ pub(super) fn spawn_lanes_driver(inner: Weak<Inner>) {
                 if let Some(due) = due {
                     sleep = sleep.min(due.max(Duration::from_millis(1)));
                 }
-                thread::sleep(sleep);
+                match &shared_lane {
+                    Some(fd) => wait_serving_the_shared_lane(&inner, fd, sleep, polls),
+                    None => thread::sleep(sleep),
+                }
             }
         });
     if let Err(e) = spawned {
         tracing::error!(error = %e, "cannot spawn the lanes thread: lanes stay as they are");
     }
+}
+
+/// Waits `sleep` on the shared tcp lane's epoll set `fd`. When one of its connections has
+/// bytes while the application has not polled since `polls` (it is busy elsewhere, or gone
+/// from `recv`), reads them into the shared receive pool (a receive poll, taken only when the
+/// application does not hold the receive lock). Otherwise the application's own poll reads
+/// them and the wait goes on as a sleep. Without this a receiver that did not poll held every
+/// sender on its shared lane to the one credit a new connection starts with: a sender's second
+/// message timed out against a receiver busy for longer than `transports.tcp.timeout_ms`.
+fn wait_serving_the_shared_lane(
+    inner: &Weak<Inner>,
+    fd: &std::os::fd::OwnedFd,
+    sleep: Duration,
+    mut polls: u64,
+) {
+    let until = Instant::now() + sleep;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
+        }
+        match readable_within(fd, left) {
+            Ok(true) => {}
+            Ok(false) => return,
+            Err(e) => {
+                tracing::debug!(error = %e, "waiting on the shared tcp lane");
+                thread::sleep(left);
+                return;
+            }
+        }
+        {
+            let Some(inner) = inner.upgrade() else { return };
+            let m = Engine { inner }.messaging().clone();
+            if m.polls() != polls {
+                // The application polls: its polls read the lane.
+                drop(m);
+                thread::sleep(left);
+                return;
+            }
+            m.poke();
+            polls = m.polls();
+        }
+        thread::sleep(SHARED_LANE_GAP.min(left));
+    }
+}
+
+/// Whether `fd` becomes readable within `timeout`. Fails when the wait does (not on a
+/// signal: that reads as not readable yet).
+fn readable_within(fd: &std::os::fd::OwnedFd, timeout: Duration) -> std::io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    let mut pfd = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `pfd` and `ts` are live locals for the call; one pollfd is passed and no
+    // signal mask.
+    let rc = unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
+    if rc < 0 {
+        let e = std::io::Error::last_os_error();
+        return if e.kind() == std::io::ErrorKind::Interrupted {
+            Ok(false)
+        } else {
+            Err(e)
+        };
+    }
+    Ok(rc > 0 && pfd.revents & libc::POLLIN != 0)
 }

@@ -642,6 +642,26 @@ impl Messaging {
         }
     }
 
+    /// A second descriptor of the shared tcp lane's epoll set (readable while one of its
+    /// connections has bytes to read), for the lanes thread to wait on; `None` without dynamic
+    /// lanes (there is no shared tcp lane then) or when the descriptor cannot be duplicated.
+    pub(crate) fn shared_lane_fd(&self) -> Option<std::os::fd::OwnedFd> {
+        let rx = self.rx.lock().expect("rx poisoned");
+        let set = rx.shared_tcp.as_ref()?;
+        match set.epoll.0.try_clone() {
+            Ok(fd) => Some(fd),
+            Err(e) => {
+                tracing::warn!(error = %e, "the shared tcp lane is read only when the application polls");
+                None
+            }
+        }
+    }
+
+    /// Receive polls so far (the application's and the background's).
+    pub(crate) fn polls(&self) -> u64 {
+        self.polls.load(Ordering::Relaxed)
+    }
+
     /// Receives what arrived on every connection into receive buffers.
     pub(super) fn poll(&self, rx: &mut Rx) {
         // Only the holder of the receive lock writes it: no atomic add on every poll.

@@ -300,7 +300,7 @@ impl Messaging {
 
     /// Polls the receive side unless another thread is at it: what a sender waiting on a
     /// duplex lane needs read (credits, answers, its end) comes through there.
-    pub(super) fn poke(&self) {
+    pub(crate) fn poke(&self) {
         if let Ok(mut rx) = self.rx.try_lock() {
             self.poll(&mut rx);
         }
