@@ -1237,21 +1237,19 @@ fn receive_io(
             }
             // A reverse opening leaves the lane's first frames staged: take them in first.
             let staged = *end > *start;
-            match sockio::recv_nonblocking(c.stream.as_raw_fd(), &mut staging[*end..]) {
-                Ok(None) if !staged => return Ok(()),
-                Ok(None) => {}
+            let read = match sockio::recv_nonblocking(c.stream.as_raw_fd(), &mut staging[*end..]) {
                 // A peer that closes with our credits or answers unread resets instead of
                 // ending: everything it wrote before was read first, so between frames that is
                 // its end like any other (a process that exits or dies closes the same way).
                 Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset && start == end => {
                     tracing::debug!(peer = %c.from, "message connection reset between frames");
-                    c.dead = true;
-                    c.ended = true;
-                    if let Some(d) = &c.duplex {
-                        d.set_closed();
-                    }
-                    return Ok(());
+                    Ok(Some(0))
                 }
+                read => read,
+            };
+            match read {
+                Ok(None) if !staged => return Ok(()),
+                Ok(None) => {}
                 Ok(Some(0)) => {
                     c.dead = true;
                     c.ended = true;
