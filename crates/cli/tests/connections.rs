@@ -262,3 +262,79 @@ fn config_show_redacts_the_token() {
     assert!(!shown.contains("another-secret-token-here"), "{shown}");
     assert!(shown.contains("<redacted>"), "{shown}");
 }
+
+/// `multirail ARGS` with `MULTIRAIL_TOKEN` set to `token` (and no other configuration).
+fn with_env_token(args: &[&str], token: &str) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_multirail"))
+        .args(args)
+        .env_remove("MULTIRAIL_CONF")
+        .env("MULTIRAIL_TOKEN", token)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn an_empty_or_blank_token_from_any_source_fails_closed_naming_it() {
+    // Exported but empty: before, membership was silently off and any stranger was served.
+    for token in ["", "   ", "\t\n"] {
+        for args in [&["target", "--size", "1MiB"][..], &["config", "show"][..]] {
+            let out = with_env_token(args, token);
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{args:?} {token:?}: {err}");
+            assert!(
+                err.contains("MULTIRAIL_TOKEN") && err.contains("empty"),
+                "{args:?} {token:?}: {err}"
+            );
+        }
+    }
+    for token in ["", "                     "] {
+        let conf = format!(r#"{{"auth": {{"token": "{token}"}}}}"#);
+        let out = Command::new(env!("CARGO_BIN_EXE_multirail"))
+            .args(["config", "show"])
+            .env("MULTIRAIL_CONF", &conf)
+            .env_remove("MULTIRAIL_TOKEN")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{conf}: {err}");
+        assert!(err.contains("auth.token"), "{conf}: {err}");
+    }
+}
+
+#[test]
+fn config_show_says_the_token_came_from_the_environment_without_printing_it() {
+    let token = "environment-token-0123456789";
+    let out = with_env_token(&["config", "show"], token);
+    assert!(out.status.success(), "{out:?}");
+    let shown: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        shown["auth"]["token"], "<redacted, from MULTIRAIL_TOKEN>",
+        "{shown}"
+    );
+    assert!(!String::from_utf8_lossy(&out.stdout).contains(token));
+    // A token in the configuration wins over the environment and says so.
+    let out = Command::new(env!("CARGO_BIN_EXE_multirail"))
+        .args(["config", "show"])
+        .env(
+            "MULTIRAIL_CONF",
+            r#"{"auth": {"token": "configured-token-0123456789"}}"#,
+        )
+        .env("MULTIRAIL_TOKEN", token)
+        .output()
+        .unwrap();
+    let shown: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(shown["auth"]["token"], "<redacted>", "{shown}");
+    // What config show printed is refused as a token, whichever form it took.
+    let out = Command::new(env!("CARGO_BIN_EXE_multirail"))
+        .args(["config", "show"])
+        .env(
+            "MULTIRAIL_CONF",
+            r#"{"auth": {"token": "<redacted, from MULTIRAIL_TOKEN>"}}"#,
+        )
+        .env_remove("MULTIRAIL_TOKEN")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("placeholder"));
+}

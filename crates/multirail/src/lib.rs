@@ -44,7 +44,7 @@ pub use error::{Error, Result};
 pub use memory::{Buffer, Location};
 pub use messaging::group::{Delivery, Group, GroupConfig, GroupMessage, GroupStats};
 pub use messaging::{Lane, LanesReport, Message, MessageStats, Notification, PeerLaneReport};
-pub use metadata::MetadataStats;
+pub use metadata::{MetadataStats, StoreState};
 pub use metrics_http::MetricsServer;
 pub use multirail_policy::lanes::LanesStats;
 pub use multirail_policy::qos::Priority;

@@ -13,14 +13,19 @@ use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
 use multirail::segment::SegmentDescriptor;
-use multirail::{Config, Engine, Error, Location, TransportChoice};
+use multirail::{Config, Engine, Error, Location, StoreState, TransportChoice};
 use multirail_metadata_server::{Limits, MetadataServer, ServerConfig};
 use percent_encoding::{utf8_percent_encode, NON_ALPHANUMERIC};
 use xxhash_rust::xxh3::xxh3_64;
 
 fn start_server() -> MetadataServer {
+    start_server_on("127.0.0.1:0")
+}
+
+/// A server without persistence on `listen` (port 0: a free one).
+fn start_server_on(listen: &str) -> MetadataServer {
     MetadataServer::start(ServerConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
+        listen: listen.parse().unwrap(),
         data_dir: None,
         limits: Limits::default(),
     })
@@ -244,4 +249,62 @@ fn bad_servers_are_configuration_errors() {
         Err(e) => panic!("expected a configuration error, got {e}"),
         Ok(_) => panic!("expected a configuration error"),
     }
+}
+
+/// Waits until `key` is stored, for at most `limit`; returns how long it took.
+fn stored_within(url: &str, key: &str, limit: Duration) -> Duration {
+    let t0 = Instant::now();
+    while stored(url, key).is_none() {
+        assert!(t0.elapsed() < limit, "{key} not stored within {limit:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    t0.elapsed()
+}
+
+#[test]
+fn an_engine_whose_server_is_down_at_start_or_restarts_empty_publishes_again_by_itself() {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let listen = format!("127.0.0.1:{port}");
+    let url = format!("http://{listen}/metadata");
+    // lease_ttl_s 3: a PUT every second while the server answers.
+    let extra = r#", "lease_ttl_s": 3, "timeout_ms": 300, "segment_name": "late-b""#;
+    let target = engine(http_config(&url, extra));
+    let stats = target.metadata_stats();
+    assert_eq!(stats.store, StoreState::Down, "{stats:?}");
+    assert_eq!(stats.publish_failures, 1, "{stats:?}");
+    // Down for a while: the keeper backs off, but never beyond the refresh period.
+    std::thread::sleep(Duration::from_secs(2));
+    let server = start_server_on(&listen);
+    let bound = Duration::from_secs(2) + Duration::from_millis(500);
+    let took = stored_within(&url, "multirail/late-b", bound);
+    eprintln!("published {took:?} after the server came up");
+    let stats = target.metadata_stats();
+    assert_eq!(stats.store, StoreState::Up, "{stats:?}");
+    assert!(stats.republishes >= 1, "{stats:?}");
+
+    // Restarted without its data: the key is back within a refresh period.
+    drop(server);
+    let server = start_server_on(&listen);
+    let took = stored_within(&url, "multirail/late-b", bound);
+    eprintln!("back {took:?} after the server restarted empty");
+
+    // A peer finds it by name and moves verified bytes.
+    let dst = target.allocate(1 << 20, Location::Any).unwrap();
+    let peer = engine(http_config(&url, ""));
+    let segment = peer.open_segment("late-b").unwrap();
+    let want = write_and_read_back(
+        &peer,
+        segment,
+        dst.addr(),
+        1 << 20,
+        11,
+        TransportChoice::Tcp,
+    );
+    // SAFETY: the transfers completed; nothing writes `dst` now.
+    assert_eq!(unsafe { xxh3_64(dst.as_slice()) }, want);
+    drop(server);
 }

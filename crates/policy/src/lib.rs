@@ -4,6 +4,7 @@
 //! it owns no thread, socket, clock or global, so the engine, the simulator and the tests drive
 //! the same code.
 
+pub mod backoff;
 pub mod coalesce;
 pub mod dispatch;
 pub mod health;

@@ -230,6 +230,11 @@ pub const DEFAULT_METADATA_PREFIX: &str = "multirail/";
 
 /// Default of `metadata.timeout_ms`.
 pub const DEFAULT_METADATA_TIMEOUT_MS: u64 = 2000;
+/// Largest `metadata.timeout_ms`: ten minutes, beyond which a lookup is a hang.
+pub const MAX_METADATA_TIMEOUT_MS: u64 = 600_000;
+/// Largest `metadata.lease_ttl_s`: an hour, beyond which a dead engine lingers in the store
+/// for longer than any operator would wait.
+pub const MAX_LEASE_TTL_S: u64 = 3600;
 
 /// Metadata service settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -247,13 +252,17 @@ pub struct MetadataConfig {
     /// Optional cluster id: keys then live under `prefix + cluster_id + "/"`, as with
     /// Mooncake's `MC_METADATA_CLUSTER_ID`, so clusters sharing a store do not see each other.
     pub cluster_id: Option<String>,
-    /// How long one request to the HTTP metadata store may take, connecting included, before
-    /// the lookup (or publish) fails; default 2000. P2P lookups keep `transports.tcp`'s
-    /// `connect_timeout_ms` and `timeout_ms`.
+    /// How long one request to the metadata store may take, connecting included, before
+    /// the lookup (or publish) fails; default 2000, at most 600000 (10 minutes). P2P lookups
+    /// keep `transports.tcp`'s `connect_timeout_ms` and `timeout_ms`.
     pub timeout_ms: u64,
     /// With etcd, how soon the keys of an engine that dies without withdrawing them are gone,
     /// in seconds: they hang on a lease the engine keeps alive, granted a second shorter so
-    /// etcd's half-second expiry pass fits within it. Default 10.
+    /// etcd's half-second expiry pass fits within it. With either store, the engine renews
+    /// what it published every third of this (etcd: the lease; HTTP: a PUT of its
+    /// descriptor, which a server restarted without its data, or one that expires keys,
+    /// needs), and retries with capped exponential back-off while the store does not
+    /// answer. Default 10, range 1 to 3600.
     pub lease_ttl_s: u64,
     /// The name this engine is published under in a store (`http`, `etcd`), which peers pass
     /// to `open_segment`, as Mooncake's `local_hostname`; default: its `host:port`. A name
@@ -332,7 +341,7 @@ impl MetadataConfig {
                 ));
             }
         }
-        at_least_one(prefix, "lease_ttl_s", self.lease_ttl_s)?;
+        within(prefix, "lease_ttl_s", self.lease_ttl_s, 1..=MAX_LEASE_TTL_S)?;
         if let Some(id) = &self.cluster_id {
             if id.is_empty() || id.contains('/') || id.chars().any(char::is_whitespace) {
                 return Err(ConfigError::new(
@@ -341,7 +350,7 @@ impl MetadataConfig {
                 ));
             }
         }
-        at_least_one(prefix, "timeout_ms", self.timeout_ms)
+        within(prefix, "timeout_ms", self.timeout_ms, 1..=MAX_METADATA_TIMEOUT_MS)
     }
 }
 
@@ -399,8 +408,16 @@ impl Config {
     /// `MULTIRAIL_CONF` is inline JSON when its first non-space character is `{`, else a
     /// path; an empty or all-space value counts as unset so `MULTIRAIL_CONF= cmd` works.
     /// Errors are those of [`Config::from_file`] / [`Config::from_json_str`]; for a path
-    /// taken from the variable the origin reads `PATH (from MULTIRAIL_CONF)`.
+    /// taken from the variable the origin reads `PATH (from MULTIRAIL_CONF)`. Also fails when
+    /// the membership token in force is unusable ([`AuthConfig::effective_token`]), so an
+    /// empty `MULTIRAIL_TOKEN` stops a command before it starts an open engine.
     pub fn load(explicit_path: Option<&Path>) -> Result<Config, ConfigError> {
+        let config = Self::load_unchecked_token(explicit_path)?;
+        config.auth.effective_token()?;
+        Ok(config)
+    }
+
+    fn load_unchecked_token(explicit_path: Option<&Path>) -> Result<Config, ConfigError> {
         if let Some(path) = explicit_path {
             tracing::debug!(path = %path.display(), "loading configuration from --config");
             return Self::from_file(path);
@@ -648,6 +665,27 @@ pub(crate) fn at_least_one(prefix: &str, name: &str, value: u64) -> Result<(), C
         Err(ConfigError::new(
             format!("{prefix}.{name}"),
             format!("must be at least 1, got {value}"),
+        ))
+    }
+}
+
+/// Checks that `value` of key `prefix.name` lies in `range`; the error names the key and range.
+pub(crate) fn within(
+    prefix: &str,
+    name: &str,
+    value: u64,
+    range: std::ops::RangeInclusive<u64>,
+) -> Result<(), ConfigError> {
+    if range.contains(&value) {
+        Ok(())
+    } else {
+        Err(ConfigError::new(
+            format!("{prefix}.{name}"),
+            format!(
+                "must be within [{}, {}], got {value}",
+                range.start(),
+                range.end()
+            ),
         ))
     }
 }

@@ -454,8 +454,15 @@ fn etcd_metadata_section() {
         assert_eq!(e.key, "metadata.servers", "{bad}");
         assert!(e.message.contains(says), "{bad}: {e}");
     }
-    let e = parse_err(r#"{"metadata": {"type": "etcd", "servers": "h:1", "lease_ttl_s": 0}}"#);
-    assert_eq!(e.key, "metadata.lease_ttl_s");
+    for (key, value) in [("lease_ttl_s", 0), ("lease_ttl_s", 3601), ("timeout_ms", 0)] {
+        let e = parse_err(&format!(
+            r#"{{"metadata": {{"type": "etcd", "servers": "h:1", "{key}": {value}}}}}"#
+        ));
+        assert_eq!(e.key, format!("metadata.{key}"));
+        assert!(e.message.contains("must be within"), "{e}");
+    }
+    let e = parse_err(r#"{"metadata": {"timeout_ms": 18446744073709551615}}"#);
+    assert_eq!(e.key, "metadata.timeout_ms");
     // The last is a tab, escaped in the JSON.
     for bad in ["", "a b", "x\\ty"] {
         let e = parse_err(&format!(

@@ -517,7 +517,7 @@ impl Engine {
     /// Counts of this engine's use of its metadata store: lookups, publishes, watch updates
     /// (and their failures). Never fails.
     pub fn metadata_stats(&self) -> metadata::MetadataStats {
-        self.inner.metadata_counters.snapshot()
+        self.inner.metadata_counters.snapshot(self.inner.metadata.health())
     }
 
     /// How the tcp paths to connected peers stand on each rail this engine sends on: how
@@ -893,7 +893,7 @@ impl Inner {
         let name = descriptor.published_name();
         let outcome = self.metadata.publish(name, &descriptor);
         if let Err(e) = self.metadata_counters.publish(outcome) {
-            tracing::warn!(segment = %name, error = %e, "cannot publish this engine's descriptor; peers keep the one they have");
+            tracing::warn!(segment = %name, error = %e, "cannot publish this engine's descriptor now; retrying in the background with back-off, and peers keep the one they have");
         }
     }
 

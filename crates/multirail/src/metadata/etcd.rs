@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 
 use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
 
-use super::ChangeListener;
+use super::keeper::{self, Schedule};
+use super::{ChangeListener, HealthCell, StoreHealth};
 use crate::config::{ConfigError, MetadataConfig};
 use crate::error::{Error, Result};
 use crate::segment::SegmentDescriptor;
@@ -37,7 +38,7 @@ fn granted_ttl(lease_ttl_s: u64) -> i64 {
     lease_ttl_s.saturating_sub(1).max(1) as i64
 }
 
-/// How long the watch and the lease keeper wait before trying etcd again after a failure.
+/// How long the watch waits before trying etcd again after a failure.
 const RETRY_AFTER: Duration = Duration::from_millis(500);
 
 /// Parses `metadata.servers` for etcd: `etcd://HOST:PORT[,HOST:PORT...]`, or the same without
@@ -94,8 +95,15 @@ struct Shared {
     client: tokio::sync::Mutex<Option<Client>>,
     /// Key to value of everything this engine published and has not withdrawn.
     published: Mutex<HashMap<String, Vec<u8>>>,
-    /// The lease the published keys hang on; 0 before the first publish.
+    /// The lease the published keys hang on; 0 before the first publish, and after one that
+    /// could not get a lease.
     lease: tokio::sync::Mutex<i64>,
+    /// Some published key may be missing from etcd (its put failed): the keeper's next pass
+    /// puts everything again.
+    unsynced: AtomicBool,
+    /// How often the keeper renews the lease: a third of `metadata.lease_ttl_s`.
+    refresh_every: Duration,
+    health: HealthCell,
     keeper_started: AtomicBool,
     watch_started: AtomicBool,
 }
@@ -149,6 +157,9 @@ impl EtcdMetadata {
                 client: tokio::sync::Mutex::new(None),
                 published: Mutex::new(HashMap::new()),
                 lease: tokio::sync::Mutex::new(0),
+                unsynced: AtomicBool::new(false),
+                refresh_every: keeper::refresh_period(lease_ttl_s),
+                health: HealthCell::default(),
                 keeper_started: AtomicBool::new(false),
                 watch_started: AtomicBool::new(false),
             }),
@@ -208,8 +219,10 @@ impl EtcdMetadata {
             let _ = tx.send(answer);
         });
         // The task answers by the timeout; the margin only covers a runtime slow to schedule.
-        rx.recv_timeout(timeout + Duration::from_millis(500))
-            .unwrap_or_else(|_| Err(self.shared.late()))
+        let answer = rx
+            .recv_timeout(timeout + Duration::from_millis(500))
+            .unwrap_or_else(|_| Err(self.shared.late()));
+        self.shared.health.record(answer)
     }
 }
 
@@ -301,33 +314,98 @@ impl Shared {
         }
     }
 
-    /// Keeps the lease alive every third of its time to live. A lease etcd no longer knows
-    /// (it expired while etcd was unreachable) is replaced and everything this engine
-    /// published is put again on the new one.
-    async fn keep_lease(self: Arc<Self>) {
-        let every = Duration::from_millis((self.lease_ttl_s as u64 * 1000 / 3).max(100));
+    /// Keeps what this engine published in etcd, every third of the lease's time to live
+    /// ([`Shared::maintain`]); a pass that fails is retried with capped exponential back-off
+    /// and jitter, so a store that was unreachable (at start or later), restarted without its
+    /// data, or let the lease expire has everything back within a back-off step of answering.
+    /// `landed`: whether the publish that started the keeper reached etcd.
+    async fn keep_lease(self: Arc<Self>, landed: bool) {
+        let mut schedule = Schedule::new(self.refresh_every);
+        let mut delay = if landed {
+            self.refresh_every
+        } else {
+            schedule.after(false)
+        };
         let mut last_warning: Option<Instant> = None;
         loop {
-            tokio::time::sleep(every).await;
-            let lease = *self.lease.lock().await;
-            if lease == 0 {
-                continue;
-            }
-            let outcome = tokio::time::timeout(self.timeout, self.refresh(lease)).await;
-            let failure = match outcome {
-                Ok(Ok(())) => continue,
-                Ok(Err(e)) => e,
-                Err(_) => self.late(),
-            };
-            if last_warning.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
-                last_warning = Some(Instant::now());
-                tracing::warn!(error = %failure, "cannot keep this engine's metadata lease alive; retrying (logged at most every 10 s)");
+            tokio::time::sleep(delay).await;
+            let outcome = tokio::time::timeout(self.timeout, self.maintain())
+                .await
+                .unwrap_or_else(|_| Err(self.late()));
+            let outcome = self.health.record(outcome);
+            delay = schedule.after(outcome.is_ok());
+            match outcome {
+                Ok(republished) => {
+                    self.health.refreshed();
+                    if republished {
+                        self.health.republished();
+                    }
+                }
+                Err(failure) => {
+                    if last_warning.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+                        last_warning = Some(Instant::now());
+                        tracing::warn!(error = %failure, retry_in = ?delay, "cannot keep this engine's metadata in etcd; retrying with back-off (logged at most every 10 s)");
+                    }
+                }
             }
         }
     }
 
+    /// One keeper pass: with no lease yet (the store was unreachable when the engine first
+    /// published), takes one and puts everything; otherwise renews the lease, putting
+    /// everything again on a new one when etcd no longer knows it, or on the same one when a
+    /// put had failed. Returns whether everything was put again.
+    async fn maintain(&self) -> std::result::Result<bool, String> {
+        let lease = *self.lease.lock().await;
+        if lease == 0 {
+            if self
+                .published
+                .lock()
+                .expect("published poisoned")
+                .is_empty()
+            {
+                return Ok(false);
+            }
+            let mut client = self.client().await?;
+            let fresh = self.lease(&mut client).await?;
+            self.put_all(&mut client, fresh).await?;
+            tracing::info!("the metadata store answers; published this engine's descriptors");
+            return Ok(true);
+        }
+        let renewed = self.refresh(lease).await?;
+        if !renewed && self.unsynced.load(Ordering::Acquire) {
+            let mut client = self.client().await?;
+            self.put_all(&mut client, lease).await?;
+            return Ok(true);
+        }
+        Ok(renewed)
+    }
+
+    /// Puts every published key on `lease`; clears [`Shared::unsynced`] when all landed.
+    async fn put_all(&self, client: &mut Client, lease: i64) -> std::result::Result<(), String> {
+        self.unsynced.store(false, Ordering::Release);
+        let entries: Vec<(String, Vec<u8>)> = self
+            .published
+            .lock()
+            .expect("published poisoned")
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for (key, value) in entries {
+            let put = client
+                .put(key, value, Some(PutOptions::new().with_lease(lease)))
+                .await;
+            if let Err(e) = put {
+                self.unsynced.store(true, Ordering::Release);
+                return Err(self.failed(e));
+            }
+        }
+        Ok(())
+    }
+
     /// One keep-alive of `lease`, or a new lease with everything published again.
-    async fn refresh(&self, lease: i64) -> std::result::Result<(), String> {
+    /// Returns whether it took a new lease and put everything again.
+    async fn refresh(&self, lease: i64) -> std::result::Result<bool, String> {
         let mut client = self.client().await?;
         let answer = async {
             let (mut keeper, mut answers) = client.lease_keep_alive(lease).await?;
@@ -349,31 +427,12 @@ impl Shared {
             Err(e) => return Err(self.failed(e)),
         };
         if ttl > 0 {
-            return Ok(());
+            return Ok(false);
         }
         let fresh = self.renew_lease(&mut client, lease).await?;
-        let entries: Vec<(String, Vec<u8>)> = self
-            .published
-            .lock()
-            .expect("published poisoned")
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        for (key, value) in &entries {
-            client
-                .put(
-                    key.as_str(),
-                    value.clone(),
-                    Some(PutOptions::new().with_lease(fresh)),
-                )
-                .await
-                .map_err(|e| self.failed(e))?;
-        }
-        tracing::info!(
-            keys = entries.len(),
-            "the metadata lease had expired; published again on a new lease"
-        );
-        Ok(())
+        self.put_all(&mut client, fresh).await?;
+        tracing::info!("the metadata lease had expired; published again on a new lease");
+        Ok(true)
     }
 
     /// Follows every change under the key prefix and tells `listener`, resuming after the
@@ -546,9 +605,12 @@ impl super::MetadataStore for EtcdMetadata {
             let mut client = s.client().await?;
             s.put_on_lease(&mut client, &key, value).await
         });
+        if outcome.is_err() {
+            self.shared.unsynced.store(true, Ordering::Release);
+        }
         if !self.shared.keeper_started.swap(true, Ordering::AcqRel) {
             if let Some(rt) = &self.runtime {
-                rt.spawn(self.shared.clone().keep_lease());
+                rt.spawn(self.shared.clone().keep_lease(outcome.is_ok()));
             }
         }
         outcome.map_err(|e| {
@@ -596,6 +658,10 @@ impl super::MetadataStore for EtcdMetadata {
         if let Some(rt) = &self.runtime {
             rt.spawn(self.shared.clone().follow(listener));
         }
+    }
+
+    fn health(&self) -> StoreHealth {
+        self.shared.health.snapshot()
     }
 }
 

@@ -5,7 +5,7 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::time::Duration;
 
 use crate::config::{MetadataConfig, MetadataKind};
@@ -16,6 +16,7 @@ use crate::transport::wire::{self, ConnKind};
 
 mod etcd;
 mod http;
+mod keeper;
 
 pub(crate) use etcd::parse_endpoints as check_etcd_servers;
 pub use etcd::{EtcdMetadata, DEFAULT_LEASE_TTL_S};
@@ -36,6 +37,114 @@ pub struct MetadataStats {
     pub publish_failures: u64,
     /// Open segments updated from the store's watch (etcd): new buffers, or a new process.
     pub watch_updates: u64,
+    /// Whether the store answered its last request (lookup, publish or keep-alive).
+    pub store: StoreState,
+    /// Requests to the store that failed since it last answered (0 while it answers).
+    pub store_failures_in_a_row: u64,
+    /// Keep-alives of what this engine published: etcd lease renewals, or the HTTP store's
+    /// periodic PUTs, that the store took.
+    pub refreshes: u64,
+    /// Times this engine found its published keys lost or never stored (the store was
+    /// unreachable at start, restarted without its data, or let the lease expire) and
+    /// published everything again once the store answered.
+    pub republishes: u64,
+}
+
+/// Whether an engine's metadata store answers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum StoreState {
+    /// The engine keeps no descriptors in a store (peer-to-peer lookups).
+    #[default]
+    NotUsed,
+    /// No request has been made yet.
+    Unknown,
+    /// The last request was answered.
+    Up,
+    /// The last request failed (unreachable, too late, or refused); the engine keeps
+    /// retrying with capped exponential back-off and publishes again once it answers.
+    Down,
+}
+
+impl StoreState {
+    /// The state as metrics and reports name it: `not_used`, `unknown`, `up` or `down`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StoreState::NotUsed => "not_used",
+            StoreState::Unknown => "unknown",
+            StoreState::Up => "up",
+            StoreState::Down => "down",
+        }
+    }
+}
+
+/// What a store saw of itself: its state and the keeper's counts (see [`MetadataStats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreHealth {
+    /// As [`MetadataStats::store`].
+    pub state: StoreState,
+    /// As [`MetadataStats::store_failures_in_a_row`].
+    pub failures_in_a_row: u64,
+    /// As [`MetadataStats::refreshes`].
+    pub refreshes: u64,
+    /// As [`MetadataStats::republishes`].
+    pub republishes: u64,
+}
+
+/// The counters behind [`StoreHealth`], shared by a store's callers and its keeper.
+#[derive(Default)]
+pub(crate) struct HealthCell {
+    /// 0 unknown, 1 up, 2 down.
+    state: AtomicU8,
+    failures_in_a_row: AtomicU64,
+    refreshes: AtomicU64,
+    republishes: AtomicU64,
+}
+
+impl HealthCell {
+    /// Records an answer from the store.
+    pub(crate) fn answered(&self) {
+        self.state.store(1, Ordering::Relaxed);
+        self.failures_in_a_row.store(0, Ordering::Relaxed);
+    }
+
+    /// Records a request the store did not answer (or refused).
+    pub(crate) fn failed(&self) {
+        self.state.store(2, Ordering::Relaxed);
+        self.failures_in_a_row.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records `outcome` as answered or failed and passes it on.
+    pub(crate) fn record<T, E>(
+        &self,
+        outcome: std::result::Result<T, E>,
+    ) -> std::result::Result<T, E> {
+        match &outcome {
+            Ok(_) => self.answered(),
+            Err(_) => self.failed(),
+        }
+        outcome
+    }
+
+    pub(crate) fn refreshed(&self) {
+        self.refreshes.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn republished(&self) {
+        self.republishes.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn snapshot(&self) -> StoreHealth {
+        StoreHealth {
+            state: match self.state.load(Ordering::Relaxed) {
+                0 => StoreState::Unknown,
+                1 => StoreState::Up,
+                _ => StoreState::Down,
+            },
+            failures_in_a_row: self.failures_in_a_row.load(Ordering::Relaxed),
+            refreshes: self.refreshes.load(Ordering::Relaxed),
+            republishes: self.republishes.load(Ordering::Relaxed),
+        }
+    }
 }
 
 /// The counters behind [`MetadataStats`].
@@ -71,7 +180,8 @@ impl MetadataCounters {
         self.watch_updates.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub(crate) fn snapshot(&self) -> MetadataStats {
+    /// The counts, with what the store saw of itself (`health`).
+    pub(crate) fn snapshot(&self, health: StoreHealth) -> MetadataStats {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         MetadataStats {
             lookups: get(&self.lookups),
@@ -79,6 +189,10 @@ impl MetadataCounters {
             publishes: get(&self.publishes),
             publish_failures: get(&self.publish_failures),
             watch_updates: get(&self.watch_updates),
+            store: health.state,
+            store_failures_in_a_row: health.failures_in_a_row,
+            refreshes: health.refreshes,
+            republishes: health.republishes,
         }
     }
 }
@@ -135,6 +249,12 @@ pub trait MetadataStore: Send + Sync {
     /// that cannot watch right now keeps trying.
     fn watch(&self, listener: ChangeListener) {
         let _ = listener;
+    }
+
+    /// Whether the store answers, and its keeper's counts. The default, for stores that keep
+    /// nothing (peer-to-peer), is [`StoreState::NotUsed`].
+    fn health(&self) -> StoreHealth {
+        StoreHealth::default()
     }
 }
 

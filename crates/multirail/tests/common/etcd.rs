@@ -79,6 +79,14 @@ impl Etcd {
     /// Starts etcd and waits until it answers `/health`. Panics (failing the test) when etcd
     /// is not installed or does not come up within 30 s.
     pub fn start() -> Etcd {
+        let mut etcd = Etcd::stopped();
+        etcd.restart();
+        etcd
+    }
+
+    /// An etcd with its ports and directory chosen but not started: engines configured with
+    /// [`Etcd::url`] find nothing there until [`Etcd::restart`].
+    pub fn stopped() -> Etcd {
         let dir = std::env::temp_dir().join(format!(
             "multirail-etcd-{}-{}",
             std::process::id(),
@@ -86,16 +94,25 @@ impl Etcd {
         ));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("etcd directory");
-        let (port, peer) = (free_port(), free_port());
-        let child = spawn(&dir, port, peer);
-        let mut etcd = Etcd {
-            child: Some(child),
+        Etcd {
+            child: None,
             dir,
-            port,
-            peer_port: peer,
-        };
-        etcd.wait_healthy(Duration::from_secs(30));
-        etcd
+            port: free_port(),
+            peer_port: free_port(),
+        }
+    }
+
+    /// Kills etcd if it runs and starts it again on the same ports with the data it had
+    /// (none the first time). Waits until it is healthy.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.child = Some(spawn(&self.dir, self.port, self.peer_port));
+        self.wait_healthy(Duration::from_secs(30));
+    }
+
+    /// Whether etcd was started and not killed since.
+    pub fn running(&self) -> bool {
+        self.child.is_some()
     }
 
     fn wait_healthy(&mut self, limit: Duration) {
