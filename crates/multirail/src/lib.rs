@@ -50,6 +50,9 @@ pub use multirail_policy::lanes::LanesStats;
 pub use multirail_policy::qos::Priority;
 pub use qos::{PriorityTraffic, QosTraffic};
 pub use server::ConnectionStats;
-pub use stats::{RailTraffic, Traffic};
+pub use stats::{
+    RailTraffic, ServedCount, ServedLatency, ServedOpTraffic, ServedPeerTraffic, ServedRailTraffic,
+    ServedTraffic, Traffic, MAX_SERVED_PEERS,
+};
 pub use transport::rdma::{probe as rdma_probe, RdmaProbe, RdmaStats};
 pub use transport::Opcode;

@@ -58,14 +58,30 @@
 //! | `multirail_metadata_lookups_total` | counter | `outcome` | descriptor lookups in the metadata store, `ok` or `failed` |
 //! | `multirail_metadata_publishes_total` | counter | `outcome` | publishes of this engine's descriptor |
 //! | `multirail_metadata_watch_updates_total` | counter | | open segments updated from the store's watch |
+//! | `multirail_served_bytes_total` | counter | `rail`, `op`, `priority` | payload bytes peers read from (`op="read"`) and wrote into (`op="write"`) this engine's memory over tcp |
+//! | `multirail_served_requests_total` | counter | `rail`, `op`, `priority` | requests (slices) served |
+//! | `multirail_served_refused_total` | counter | `rail`, `op` | requests refused (no buffer, wrong key, out of bounds) |
+//! | `multirail_served_peer_bytes_total` | counter | `peer`, `op` | payload bytes served per peer address (at most 64, then `peer="other"`) |
+//! | `multirail_served_peer_requests_total` | counter | `peer`, `op` | requests served per peer address |
+//! | `multirail_served_latency_seconds` | histogram | `op`, `priority`, `le` | from a request's frame being read to its bytes in place (write) or its answer sent (read), 1 µs to 10 s buckets |
+//! | `multirail_served_latency_p50_seconds`, `multirail_served_latency_p99_seconds` | gauge | `op`, `priority` | that latency's median and 99th percentile, estimated within its bucket |
 //!
-//! `priority` is `high`, `medium` or `low`; `direction` is `outgoing` (what this engine sends)
-//! or `incoming` (what it receives). Rail counters are kept by the engine that initiates a
-//! transfer: an engine serving reads and writes of its peers counts them in its connections,
-//! not in its rails. `rail` is the name the engine counts under: bytes, slices and errors count
-//! on the interface that carried them (a routed path's, e.g. `lo` for a peer on loopback, or
-//! `shm`), the scheduler's gauges on the rail it scheduled (as [`crate::Engine::traffic_stats`]
-//! reports them).
+//! `priority` is `high`, `medium` or `low`; `op` is `read` or `write`; `direction` is
+//! `outgoing` (what this engine sends) or `incoming` (what it receives) for lanes, `sent` or
+//! `received` for messages. `rail` is the name the engine counts under: bytes, slices and
+//! errors count on the interface that carried them (a routed path's, e.g. `lo` for a peer on
+//! loopback, or `shm`), the scheduler's gauges on the rail it scheduled (as
+//! [`crate::Engine::traffic_stats`] reports them).
+//!
+//! Rail counters (`multirail_rail_*`) are kept by the engine that initiates a transfer; what
+//! an engine serves to peers that read and write its memory counts in `multirail_served_*`
+//! instead, so a target whose memory peers read at GB/s shows it there. Served traffic is what
+//! reaches the target's CPU: tcp slices. Same-host shm copies and one-sided RDMA reads and
+//! writes are done by the initiator (its CPU, or the NICs) without the target seeing them, so
+//! only the initiator counts them. A served `rail` is the rail this engine publishes for the
+//! local address a peer's connection reached (else the interface holding that address);
+//! `peer` is the address the connection came from, so a peer with several rails shows once per
+//! address. After the engine shuts down the served figures read 0.
 
 use std::fmt;
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
@@ -421,7 +437,6 @@ impl Families<'_> {
     }
 }
 
-/// Bytes per second of `gbps` gigabits per second.
 /// The queue-wait histogram of one priority, as the engine keeps it.
 struct WaitHistogram<'a>(&'a crate::qos::PriorityTraffic);
 
@@ -447,6 +462,31 @@ impl EncodeMetric for WaitHistogram<'_> {
     }
 }
 
+/// The serving-latency histogram of one operation at one priority, as the engine keeps it.
+struct ServedLatencyHistogram<'a>(&'a crate::stats::ServedLatency);
+
+impl fmt::Debug for ServedLatencyHistogram<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("ServedLatencyHistogram").finish()
+    }
+}
+
+impl EncodeMetric for ServedLatencyHistogram<'_> {
+    fn encode(&self, mut encoder: prometheus_client::encoding::MetricEncoder) -> fmt::Result {
+        encoder.encode_histogram::<prometheus_client::encoding::NoLabelSet>(
+            self.0.sum_seconds,
+            self.0.count,
+            &self.0.buckets,
+            None,
+        )
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}
+
+/// Bytes per second of `gbps` gigabits per second.
 fn bytes_per_second(gbps: f64) -> f64 {
     gbps * 1e9 / 8.0
 }
@@ -475,7 +515,8 @@ impl Collector for Snapshot {
         self.encode_lanes(&mut f)?;
         self.encode_health(&mut f)?;
         self.encode_messages(&mut f)?;
-        self.encode_metadata(&mut f)
+        self.encode_metadata(&mut f)?;
+        self.encode_served(&mut f)
     }
 }
 
@@ -896,6 +937,119 @@ impl Snapshot {
             "Receive buffers this engine holds for messages now: the shared pools and every dedicated lane's own",
             Some(Unit::Bytes),
             l.receive_bytes,
+        )
+    }
+}
+
+const OPS: [&str; 2] = ["read", "write"];
+
+impl Snapshot {
+    fn encode_served(&self, f: &mut Families<'_>) -> fmt::Result {
+        let served = &self.traffic.served;
+        // The rails served on, then the engine's own rails not served on yet (at 0), so a
+        // target's series exist before its first peer comes.
+        let mut names: Vec<&str> = served.rails.iter().map(|r| r.name.as_str()).collect();
+        for r in &self.rails {
+            if !names.contains(&r.name.as_str()) {
+                names.push(&r.name);
+            }
+        }
+        let rail = |name: &str| served.rails.iter().find(|r| r.name == name);
+        let op_of = |r: &crate::stats::ServedRailTraffic, op: usize| {
+            if op == 0 {
+                r.read.clone()
+            } else {
+                r.write.clone()
+            }
+        };
+        let mut bytes = Vec::with_capacity(names.len() * OPS.len() * PRIORITIES.len());
+        let mut requests = Vec::with_capacity(bytes.capacity());
+        let mut refused = Vec::with_capacity(names.len() * OPS.len());
+        for n in &names {
+            for (o, op) in OPS.iter().enumerate() {
+                let t = rail(n).map(|r| op_of(r, o)).unwrap_or_default();
+                for (p, prio) in PRIORITIES.iter().enumerate() {
+                    let labels = vec![("rail", *n), ("op", *op), ("priority", *prio)];
+                    bytes.push((labels.clone(), t.priority_bytes[p]));
+                    requests.push((labels, t.priority_requests[p]));
+                }
+                refused.push((vec![("rail", *n), ("op", *op)], t.refused));
+            }
+        }
+        f.counters(
+            "multirail_served",
+            "Payload bytes this engine served to peers over tcp on each rail: read (sent out of its memory) and write (written into it), by the priority the peer gave each slice; shm and RDMA transfers never reach this engine's CPU and count only at the initiator",
+            Some(Unit::Bytes),
+            &bytes,
+        )?;
+        f.counters(
+            "multirail_served_requests",
+            "Requests (slices) this engine served to peers over tcp on each rail, by operation and priority",
+            None,
+            &requests,
+        )?;
+        f.counters(
+            "multirail_served_refused",
+            "Requests from peers this engine refused on each rail (no buffer at that address, wrong key, range out of bounds), by operation",
+            None,
+            &refused,
+        )?;
+
+        let mut peer_bytes = Vec::with_capacity(served.peers.len() * OPS.len());
+        let mut peer_requests = Vec::with_capacity(peer_bytes.capacity());
+        for p in &served.peers {
+            for (op, c) in OPS.iter().zip([p.read, p.write]) {
+                peer_bytes.push((vec![("peer", p.peer.as_str()), ("op", *op)], c.bytes));
+                peer_requests.push((vec![("peer", p.peer.as_str()), ("op", *op)], c.requests));
+            }
+        }
+        f.counters(
+            "multirail_served_peer",
+            "Payload bytes this engine served to each peer address over tcp, by operation; past the first 64 peers, every other peer counts as peer=\"other\"",
+            Some(Unit::Bytes),
+            &peer_bytes,
+        )?;
+        f.counters(
+            "multirail_served_peer_requests",
+            "Requests this engine served to each peer address over tcp, by operation; past the first 64 peers, every other peer counts as peer=\"other\"",
+            None,
+            &peer_requests,
+        )?;
+
+        let mut latencies = Vec::with_capacity(OPS.len() * PRIORITIES.len());
+        for (op, per_priority) in OPS
+            .iter()
+            .zip([&served.read_latency, &served.write_latency])
+        {
+            for (prio, l) in PRIORITIES.iter().zip(per_priority) {
+                latencies.push((vec![("op", *op), ("priority", *prio)], l));
+            }
+        }
+        for (family, help, quantile) in [
+            (
+                "multirail_served_latency_p50",
+                "Median serving latency since the engine started (frame read to bytes in place for write, to answer sent for read), estimated within its histogram bucket",
+                0usize,
+            ),
+            (
+                "multirail_served_latency_p99",
+                "99th percentile of the serving latency since the engine started, estimated within its histogram bucket",
+                1,
+            ),
+        ] {
+            let values: Vec<_> = latencies
+                .iter()
+                .map(|(labels, l)| (labels.clone(), [l.p50_us, l.p99_us][quantile] / 1e6))
+                .collect();
+            f.gauges(family, help, Some(Unit::Seconds), &values)?;
+        }
+        f.family(
+            "multirail_served_latency",
+            "Serving latency of every request served over tcp since the engine started: from its frame being read to its bytes being in place (write) or its answer being sent (read), by operation and priority",
+            Some(Unit::Seconds),
+            &latencies,
+            |l| ServedLatencyHistogram(l),
+            MetricType::Histogram,
         )
     }
 }

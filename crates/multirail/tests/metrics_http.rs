@@ -340,12 +340,43 @@ fn rail_byte_counters_cover_the_bytes_moved_and_grow_with_the_next_transfer() {
     // SAFETY: both transfers completed; nothing writes these buffers now.
     unsafe { assert!(src.as_slice() == dst.as_slice(), "every byte landed") };
 
-    // The target serves the transfers: it counts the connections, and no rail traffic of its
-    // own (rail counters belong to the engine that initiates a transfer).
+    // The target serves the transfers: it counts the connections, no rail traffic of its own
+    // (rail counters belong to the engine that initiates a transfer), and every byte written
+    // into its memory as served, at the priority each write was given.
     let target_metrics = target.serve_metrics("127.0.0.1:0").unwrap();
     let t = scrape(target_metrics.local_addr());
     assert!(t.sum("multirail_connections_accepted_total") >= 1.0);
     assert_eq!(t.sum("multirail_rail_bytes_total"), 0.0);
+    assert_eq!(
+        t.sum_where("multirail_served_bytes_total", "op", "write"),
+        (FIRST + SECOND) as f64
+    );
+    assert_eq!(
+        t.sum_where("multirail_served_bytes_total", "priority", "low"),
+        SECOND as f64
+    );
+    assert_eq!(
+        t.sum_where("multirail_served_bytes_total", "op", "read"),
+        0.0
+    );
+    let served_writes = t.sum_where("multirail_served_requests_total", "op", "write");
+    assert!(served_writes >= 2.0, "{served_writes} write slices served");
+    assert_eq!(
+        t.sum_where("multirail_served_peer_requests_total", "op", "write"),
+        served_writes
+    );
+    assert_eq!(
+        t.types
+            .get("multirail_served_latency_seconds")
+            .map(String::as_str),
+        Some("histogram")
+    );
+    assert_eq!(
+        t.sum_where("multirail_served_latency_seconds_count", "op", "write"),
+        served_writes
+    );
+    // The initiator served nothing.
+    assert_eq!(after.sum("multirail_served_bytes_total"), 0.0);
 }
 
 #[test]

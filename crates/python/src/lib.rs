@@ -593,25 +593,95 @@ impl NativeEngine {
     }
 
     /// Per rail: name, bytes, slices, errors, ewma_gbps, inflight_bytes, window_bytes and
-    /// priority_bytes (a dict: high, medium, low).
+    /// priority_bytes (a dict: high, medium, low), which count what this engine initiates; and
+    /// served: what peers read and wrote of this engine's memory over tcp on that rail,
+    /// `{"read": {bytes, requests, refused, priority_bytes, priority_requests}, "write": {...}}`
+    /// (all 0 on a rail nothing was served on). A rail only served on (it carried nothing this
+    /// engine initiated) has its own entry with the other figures 0 and ewma_gbps None.
+    /// `served_stats()` has the per-peer counts and the serving latency too.
     fn traffic_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);
-        for r in self.engine.traffic_stats().rails {
+        let traffic = self.engine.traffic_stats();
+        let served_on = |name: &str| traffic.served.rails.iter().find(|s| s.name == name);
+        for r in &traffic.rails {
             let d = PyDict::new(py);
-            d.set_item("name", r.name)?;
+            d.set_item("name", &r.name)?;
             d.set_item("bytes", r.bytes)?;
             d.set_item("slices", r.slices)?;
             d.set_item("errors", r.errors)?;
             d.set_item("ewma_gbps", r.ewma_gbps)?;
             d.set_item("inflight_bytes", r.inflight_bytes)?;
             d.set_item("window_bytes", r.window_bytes)?;
-            let by_priority = PyDict::new(py);
-            for (name, bytes) in PRIORITY_NAMES.iter().zip(r.priority_bytes) {
-                by_priority.set_item(*name, bytes)?;
-            }
-            d.set_item("priority_bytes", by_priority)?;
+            d.set_item("priority_bytes", priority_dict(py, r.priority_bytes)?)?;
+            let served = served_on(&r.name).cloned().unwrap_or_default();
+            d.set_item("served", served_rail_dict(py, &served)?)?;
             out.append(d)?;
         }
+        for s in &traffic.served.rails {
+            if traffic.rails.iter().any(|r| r.name == s.name) {
+                continue;
+            }
+            let d = PyDict::new(py);
+            d.set_item("name", &s.name)?;
+            for key in [
+                "bytes",
+                "slices",
+                "errors",
+                "inflight_bytes",
+                "window_bytes",
+            ] {
+                d.set_item(key, 0u64)?;
+            }
+            d.set_item("ewma_gbps", None::<f64>)?;
+            d.set_item("priority_bytes", priority_dict(py, [0; 3])?)?;
+            d.set_item("served", served_rail_dict(py, s)?)?;
+            out.append(d)?;
+        }
+        Ok(out)
+    }
+
+    /// What peers read and wrote of this engine's memory over tcp (shm and RDMA transfers never
+    /// reach this engine's CPU and are not counted): `{"rails": {name: {"read": {...},
+    /// "write": {...}}}, "peers": {address: {"read": {bytes, requests}, "write": {...}}},
+    /// "latency": {"read": {"high": {count, p50_us, p99_us}, ...}, "write": {...}},
+    /// "max_peers": n}`. Past `max_peers` peer addresses, the rest count under "other".
+    fn served_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let served = self.engine.traffic_stats().served;
+        let rails = PyDict::new(py);
+        for r in &served.rails {
+            rails.set_item(&r.name, served_rail_dict(py, r)?)?;
+        }
+        let peers = PyDict::new(py);
+        for p in &served.peers {
+            let d = PyDict::new(py);
+            for (op, c) in [("read", p.read), ("write", p.write)] {
+                let o = PyDict::new(py);
+                o.set_item("bytes", c.bytes)?;
+                o.set_item("requests", c.requests)?;
+                d.set_item(op, o)?;
+            }
+            peers.set_item(&p.peer, d)?;
+        }
+        let latency = PyDict::new(py);
+        for (op, per_priority) in [
+            ("read", &served.read_latency),
+            ("write", &served.write_latency),
+        ] {
+            let d = PyDict::new(py);
+            for (name, l) in PRIORITY_NAMES.iter().zip(per_priority) {
+                let e = PyDict::new(py);
+                e.set_item("count", l.count)?;
+                e.set_item("p50_us", l.p50_us)?;
+                e.set_item("p99_us", l.p99_us)?;
+                d.set_item(*name, e)?;
+            }
+            latency.set_item(op, d)?;
+        }
+        let out = PyDict::new(py);
+        out.set_item("rails", rails)?;
+        out.set_item("peers", peers)?;
+        out.set_item("latency", latency)?;
+        out.set_item("max_peers", served.max_peers)?;
         Ok(out)
     }
 
@@ -1057,4 +1127,31 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         GroupMemberFailedError
     );
     Ok(())
+}
+
+/// `{"high": v, "medium": v, "low": v}` of per-priority figures.
+fn priority_dict(py: Python<'_>, values: [u64; 3]) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    for (name, v) in PRIORITY_NAMES.iter().zip(values) {
+        d.set_item(*name, v)?;
+    }
+    Ok(d)
+}
+
+/// `{"read": {...}, "write": {...}}` of what one rail served.
+fn served_rail_dict<'py>(
+    py: Python<'py>,
+    r: &multirail::ServedRailTraffic,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (op, t) in [("read", &r.read), ("write", &r.write)] {
+        let o = PyDict::new(py);
+        o.set_item("bytes", t.bytes)?;
+        o.set_item("requests", t.requests)?;
+        o.set_item("refused", t.refused)?;
+        o.set_item("priority_bytes", priority_dict(py, t.priority_bytes)?)?;
+        o.set_item("priority_requests", priority_dict(py, t.priority_requests)?)?;
+        d.set_item(op, o)?;
+    }
+    Ok(d)
 }

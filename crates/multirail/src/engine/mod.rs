@@ -771,8 +771,12 @@ impl Engine {
 
     /// What the engine has carried since it started. Per rail: bytes, slices and errors, bytes
     /// per priority, and for network rails the scheduler's EWMA bandwidth, the bytes in flight
-    /// and the bound on them (`window_bytes`). Per priority: queue depth, wait time (p50/p99),
-    /// slices dequeued, and promotions.
+    /// and the bound on them (`window_bytes`); these count only transfers this engine
+    /// initiates. Per priority: queue depth, wait time (p50/p99), slices dequeued, and
+    /// promotions. In `served`: what peers read and wrote of this engine's memory over tcp, per
+    /// rail, operation, priority and peer, and the serving latency (shm and RDMA transfers
+    /// never reach this engine's CPU and are not in it: see [`crate::stats::ServedTraffic`]).
+    /// Never fails; `served` is all zero once the engine has shut down.
     pub fn traffic_stats(&self) -> Traffic {
         let mut rails = self.inner.stats.snapshot();
         let schedulers = std::iter::once(&self.inner.scheduler).chain(self.inner.rdma.scheduler());
@@ -788,7 +792,19 @@ impl Engine {
         Traffic {
             rails,
             qos: self.inner.qos.snapshot(),
+            served: self.served_stats(),
         }
+    }
+
+    /// The served part of [`Engine::traffic_stats`]: what the listening port served to peers.
+    fn served_stats(&self) -> crate::stats::ServedTraffic {
+        self.inner
+            .server
+            .lock()
+            .expect("engine poisoned")
+            .as_ref()
+            .map(Server::served)
+            .unwrap_or_default()
     }
 
     /// The priority part of [`Engine::traffic_stats`]: per-priority queue depth, wait time
@@ -812,7 +828,10 @@ impl Engine {
 
     /// The scheduler's view of the rails in TENT's format: `=== Device Traffic Statistics ===`,
     /// then `Dev N: Total=… GB, EWMA BW=… Gbps, Inflight=… bytes` per rail, in rail order;
-    /// then the priority queues: `=== Priority Queue Statistics ===` and one line per priority.
+    /// then the priority queues: `=== Priority Queue Statistics ===` and one line per priority;
+    /// then what this engine served to peers over tcp: `=== Served Traffic Statistics ===`,
+    /// one line per rail and per peer served, and the serving latency per operation and
+    /// priority (see [`crate::stats::ServedTraffic::report`]).
     pub fn traffic_stats_report(&self) -> String {
         let stats: Vec<_> = self
             .inner
@@ -823,6 +842,7 @@ impl Engine {
             .collect();
         let mut out = multirail_policy::selector::format_traffic_stats(&stats);
         out.push_str(&self.inner.qos.snapshot().report());
+        out.push_str(&self.served_stats().report());
         out
     }
 

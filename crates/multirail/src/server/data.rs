@@ -3,11 +3,20 @@
 //! buffer's key and bounds before a byte lands, WRITE payloads are received straight into
 //! registered memory, READ payloads are sent straight from it. A connection waiting for bytes
 //! holds no thread.
+//!
+//! Each connection counts what it serves in its own [`ServedTally`] (plain integers; one clock
+//! read per socket read that brings request headers, per WRITE completed and per socket write
+//! that completes READ answers) and folds it into the engine's shared counters before it
+//! sends acknowledgements and after a write completes READ answers.
 
 use std::os::fd::RawFd;
 use std::sync::Arc;
+use std::time::Instant;
+
+use multirail_policy::qos::Priority;
 
 use crate::memory::{MemoryRegistry, Region};
+use crate::stats::{ServedOp, ServedTally};
 use crate::transport::cpu_priority::ThreadNice;
 use crate::transport::sockio::{self, iovec};
 use crate::transport::staging::Staging;
@@ -46,6 +55,14 @@ struct Responses {
     payloads: Vec<Option<(usize, usize)>>,
     /// Regions whose bytes READ responses send: kept registered until written.
     held: Vec<Arc<Region>>,
+    /// The READs answered with bytes in this batch, counted as served once their answer is
+    /// written.
+    reads: Vec<ReadAnswer>,
+    /// Of those, the ones counted already.
+    reads_counted: usize,
+    /// Bytes of this batch (headers and payloads) queued, and written so far.
+    queued: u64,
+    written: u64,
     bytes: usize,
     iov: Vec<libc::iovec>,
     /// A write is under way (`iov` is built and partly sent).
@@ -58,6 +75,10 @@ impl Responses {
             headers: Vec::with_capacity(RESPONSES_PER_WRITE),
             payloads: Vec::with_capacity(RESPONSES_PER_WRITE),
             held: Vec::with_capacity(RESPONSES_PER_WRITE),
+            reads: Vec::with_capacity(RESPONSES_PER_WRITE),
+            reads_counted: 0,
+            queued: 0,
+            written: 0,
             bytes: 0,
             iov: Vec::with_capacity(RESPONSES_PER_WRITE * 2),
             writing: false,
@@ -65,6 +86,17 @@ impl Responses {
     }
 
     fn push(&mut self, status: Status, id: u64, payload: Option<(usize, usize, Arc<Region>)>) {
+        self.push_timed(status, id, payload, None);
+    }
+
+    /// As `push`; `read` is the priority and frame time of a READ whose payload this sends.
+    fn push_timed(
+        &mut self,
+        status: Status,
+        id: u64,
+        payload: Option<(usize, usize, Arc<Region>)>,
+        read: Option<(Priority, Instant)>,
+    ) {
         let mut h = [0u8; wire::RESPONSE_LEN];
         let len = payload.as_ref().map_or(0, |p| p.1);
         ResponseHeader {
@@ -75,10 +107,40 @@ impl Responses {
         .encode(&mut h);
         self.headers.push(h);
         self.payloads.push(payload.as_ref().map(|p| (p.0, p.1)));
+        self.queued += wire::RESPONSE_LEN as u64;
         if let Some((_, len, region)) = payload {
             self.bytes += len;
+            self.queued += len as u64;
             self.held.push(region);
+            if let Some((priority, read_at)) = read {
+                self.reads.push(ReadAnswer {
+                    priority,
+                    len: len as u32,
+                    read_at,
+                    end: self.queued,
+                });
+            }
         }
+    }
+
+    /// Counts the READs whose answers are now written in full, and folds them in.
+    fn count_written_reads(&mut self, served: &mut ServedTally) {
+        let pending = &self.reads[self.reads_counted..];
+        let done = pending.iter().take_while(|r| r.end <= self.written).count();
+        if done == 0 {
+            return;
+        }
+        let now = Instant::now();
+        for r in &pending[..done] {
+            served.served(
+                ServedOp::Read,
+                r.priority,
+                u64::from(r.len),
+                now.saturating_duration_since(r.read_at),
+            );
+        }
+        self.reads_counted += done;
+        served.fold();
     }
 
     fn due(&self) -> bool {
@@ -87,11 +149,15 @@ impl Responses {
 
     /// Writes what is queued without blocking. `Ok(true)` when everything went out, `Ok(false)`
     /// when the socket is full (the rest goes out on the next call, before anything new).
-    fn flush(&mut self, fd: RawFd) -> Result<bool, String> {
+    /// Folds `served` in before a batch starts out, so a peer that sees its WRITE acknowledged
+    /// finds it counted, and counts each READ once its answer is out.
+    fn flush(&mut self, fd: RawFd, served: &mut ServedTally) -> Result<bool, String> {
         if self.headers.is_empty() {
+            served.fold();
             return Ok(true);
         }
         if !self.writing {
+            served.fold();
             self.iov.clear();
             for (h, p) in self.headers.iter().zip(&self.payloads) {
                 self.iov.push(iovec(h.as_ptr(), h.len()));
@@ -115,10 +181,18 @@ impl Responses {
                     let left = sockio::advance(&mut self.iov, n).len();
                     let drop_front = self.iov.len() - left;
                     self.iov.drain(..drop_front);
+                    self.written += n as u64;
+                    if self.reads_counted < self.reads.len() {
+                        self.count_written_reads(served);
+                    }
                 }
                 Err(e) => return Err(format!("sending responses: {e}")),
             }
         }
+        self.reads.clear();
+        self.reads_counted = 0;
+        self.queued = 0;
+        self.written = 0;
         self.headers.clear();
         self.payloads.clear();
         self.held.clear();
@@ -126,6 +200,16 @@ impl Responses {
         self.writing = false;
         Ok(true)
     }
+}
+
+/// A READ answered with bytes: counted as served once `end`, its last byte's place in the
+/// batch, is written.
+struct ReadAnswer {
+    priority: Priority,
+    len: u32,
+    /// When its request frame was read.
+    read_at: Instant,
+    end: u64,
 }
 
 /// A WRITE payload being received.
@@ -137,6 +221,9 @@ struct Payload {
     done: usize,
     id: u64,
     status: Status,
+    priority: Priority,
+    /// When its request frame was read.
+    read_at: Instant,
 }
 
 /// One data connection's serving state.
@@ -147,6 +234,10 @@ pub(crate) struct DataConn {
     out: Responses,
     last_was_read: bool,
     payload: Option<Payload>,
+    /// When the last socket read that brought request header bytes returned: the time the
+    /// headers in staging were read.
+    read_at: Instant,
+    served: ServedTally,
 }
 
 // SAFETY: the raw destination pointer in `payload` points into a region kept alive by the Arc
@@ -154,14 +245,17 @@ pub(crate) struct DataConn {
 unsafe impl Send for DataConn {}
 
 impl DataConn {
-    /// A connection whose first `early` bytes (read with the handshake) are already here.
-    pub(crate) fn new(early: &[u8]) -> DataConn {
+    /// A connection whose first `early` bytes (read with the handshake) are already here,
+    /// counting what it serves in `served`.
+    pub(crate) fn new(early: &[u8], served: ServedTally) -> DataConn {
         DataConn {
             staging: Staging::new(STAGING, early),
             scratch: Vec::new(),
             out: Responses::new(),
             last_was_read: false,
             payload: None,
+            read_at: Instant::now(),
+            served,
         }
     }
 
@@ -176,12 +270,12 @@ impl DataConn {
     ) -> Result<Option<Wait>, String> {
         let mut received = 0usize;
         loop {
-            if self.out.writing && !self.out.flush(fd)? {
+            if self.out.writing && !self.out.flush(fd, &mut self.served)? {
                 return Ok(Some(Wait::Write));
             }
             if received >= TURN_BYTES {
                 // Answer what is done before stepping aside for the other connections.
-                return if self.out.flush(fd)? {
+                return if self.out.flush(fd, &mut self.served)? {
                     Ok(Some(Wait::Again))
                 } else {
                     Ok(Some(Wait::Write))
@@ -197,7 +291,7 @@ impl DataConn {
             if self.staging.available() < wire::REQUEST_LEN {
                 match self.read_headers(fd)? {
                     Some(0) => {
-                        self.out.flush(fd).ok();
+                        self.out.flush(fd, &mut self.served).ok();
                         return if self.staging.available() == 0 {
                             Ok(None)
                         } else {
@@ -224,22 +318,28 @@ impl DataConn {
                         done: 0,
                         id: h.id,
                         status,
+                        priority: h.priority,
+                        read_at: self.read_at,
                     });
                     self.take_staged_payload();
                 }
                 RequestOp::Read => {
                     self.last_was_read = true;
                     match check(registry, &h) {
-                        Ok(region) => self.out.push(
+                        Ok(region) => self.out.push_timed(
                             Status::Ok,
                             h.id,
                             Some((h.addr as usize, h.len as usize, region)),
+                            Some((h.priority, self.read_at)),
                         ),
-                        Err(status) => self.out.push(status, h.id, None),
+                        Err(status) => {
+                            self.served.refused(ServedOp::Read);
+                            self.out.push(status, h.id, None);
+                        }
                     }
                 }
             }
-            if self.out.due() && !self.out.flush(fd)? {
+            if self.out.due() && !self.out.flush(fd, &mut self.served)? {
                 return Ok(Some(Wait::Write));
             }
         }
@@ -248,7 +348,7 @@ impl DataConn {
     /// Nothing more to read now: answer what is finished before waiting, so a slow payload or
     /// a quiet peer never holds back acknowledgements of slices already in place.
     fn idle(&mut self, fd: RawFd) -> Result<Option<Wait>, String> {
-        if self.out.flush(fd)? {
+        if self.out.flush(fd, &mut self.served)? {
             Ok(Some(Wait::Read))
         } else {
             Ok(Some(Wait::Write))
@@ -269,6 +369,9 @@ impl DataConn {
         match sockio::recv_nonblocking(fd, &mut st.tail()[..want]) {
             Ok(Some(n)) => {
                 st.filled(n);
+                if n > 0 {
+                    self.read_at = Instant::now();
+                }
                 Ok(Some(n))
             }
             Ok(None) => Ok(None),
@@ -292,14 +395,25 @@ impl DataConn {
             None => self.staging.consume(n),
         }
         p.done += n;
-        self.finish_payload_if_done();
+        if p.done == p.len {
+            self.finish_payload(Instant::now());
+        }
     }
 
-    fn finish_payload_if_done(&mut self) {
-        if self.payload.as_ref().is_some_and(|p| p.done == p.len) {
-            let p = self.payload.take().expect("checked");
-            self.out.push(p.status, p.id, None);
+    /// Acknowledges the payload under way, whose last byte arrived at `now`.
+    fn finish_payload(&mut self, now: Instant) {
+        let p = self.payload.take().expect("payload under way");
+        if p.dst.is_some() {
+            self.served.served(
+                ServedOp::Write,
+                p.priority,
+                p.len as u64,
+                now.saturating_duration_since(p.read_at),
+            );
+        } else {
+            self.served.refused(ServedOp::Write);
         }
+        self.out.push(p.status, p.id, None);
     }
 
     /// Receives payload bytes straight into their destination, picking up the next request
@@ -337,13 +451,20 @@ impl DataConn {
             Some(0) => return Err("connection closed inside a payload".into()),
             Some(n) => n,
         };
-        if n <= chunk {
-            p.done += n;
-        } else {
-            p.done += chunk;
-            self.staging.filled(n - chunk);
+        let header_bytes = n.saturating_sub(chunk);
+        p.done += n - header_bytes;
+        let finished = p.done == p.len;
+        if header_bytes > 0 || finished {
+            // One clock read for both: the payload's end and the next header's arrival.
+            let now = Instant::now();
+            if header_bytes > 0 {
+                self.staging.filled(header_bytes);
+                self.read_at = now;
+            }
+            if finished {
+                self.finish_payload(now);
+            }
         }
-        self.finish_payload_if_done();
         Ok(Some(n))
     }
 }

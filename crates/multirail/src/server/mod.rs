@@ -10,14 +10,17 @@
 //! `connect_timeout_ms`). When the process runs out of fds, the oldest unproven connection is
 //! shed, then the member connection idle the longest, and accepting backs off; members'
 //! connections are otherwise kept however long they stay idle.
+//!
+//! What data connections serve is counted per rail (the local address a connection arrived
+//! on), operation, priority and peer address ([`crate::stats::ServedTraffic`]).
 
 mod data;
 
 use std::fs::File;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -27,6 +30,7 @@ use slab::Slab;
 
 use crate::error::{Error, Result};
 use crate::memory::MemoryRegistry;
+use crate::stats::{ServedStats, ServedTally, ServedTraffic};
 use crate::transport::cpu_priority::{NiceTable, ThreadNice};
 use crate::transport::handshake::{self, Membership, Outcome, ServerHandshake};
 use crate::transport::sockio;
@@ -196,6 +200,11 @@ struct Shared {
     last_refusal_log: Mutex<Option<Instant>>,
     /// Last time a failed accept was logged, for the same reason.
     last_accept_log: Mutex<Option<Instant>>,
+    /// What data connections served.
+    served: Arc<ServedStats>,
+    /// The rails this engine publishes (address, name), read from its descriptor when the
+    /// first data connection needs a rail's name: rails do not change while the engine runs.
+    published_rails: OnceLock<Vec<(IpAddr, String)>>,
 }
 
 /// A running listener and the threads that serve its connections.
@@ -265,6 +274,8 @@ impl Server {
             listener_paused: AtomicBool::new(false),
             last_refusal_log: Mutex::new(None),
             last_accept_log: Mutex::new(None),
+            served: Arc::default(),
+            published_rails: OnceLock::new(),
             settings,
         });
         let mut threads = Vec::new();
@@ -313,6 +324,12 @@ impl Server {
             accept_errors: c.accept_errors.load(Ordering::Relaxed),
             serve_threads: self.threads.len(),
         }
+    }
+
+    /// What data connections have served so far (connections still open fold their counts in
+    /// before each batch of acknowledgements and after each batch of READ answers).
+    pub(crate) fn served(&self) -> ServedTraffic {
+        self.shared.served.snapshot()
     }
 }
 
@@ -716,7 +733,9 @@ impl Shared {
                         Some(Outcome::Accepted(kind)) => {
                             *st = match kind {
                                 ConnKind::Control => State::Control { out: Vec::new() },
-                                ConnKind::Data => State::Data(Box::new(DataConn::new(&[]))),
+                                ConnKind::Data => {
+                                    State::Data(Box::new(DataConn::new(&[], self.served_tally(e))))
+                                }
                                 ConnKind::Message => State::Opening { buf: Vec::new() },
                                 ConnKind::Rdma => return Ok(Next::HandOffRdma),
                             };
@@ -810,6 +829,46 @@ impl Shared {
                 }
             }
         }
+    }
+
+    /// The served counters of a data connection: its rail from the local address it reached,
+    /// its peer from the address it came from. Once per connection.
+    fn served_tally(&self, e: &Entry) -> ServedTally {
+        let local = e
+            .stream
+            .lock()
+            .expect("connection poisoned")
+            .as_ref()
+            .and_then(|s| s.local_addr().ok())
+            .map(|a| a.ip().to_canonical())
+            .unwrap_or(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
+        self.served
+            .tally(local, e.peer.ip().to_canonical(), || self.rail_name(local))
+    }
+
+    /// The rail holding local address `local`: the name this engine publishes for it, else the
+    /// interface holding it, else `tcp`.
+    fn rail_name(&self, local: IpAddr) -> String {
+        let published = self.published_rails.get_or_init(|| {
+            #[derive(serde::Deserialize)]
+            struct Rails {
+                rails: Vec<crate::segment::RailDescriptor>,
+            }
+            serde_json::from_slice::<Rails>(&(self.descriptor)())
+                .map(|d| {
+                    d.rails
+                        .into_iter()
+                        .filter_map(|r| Some((r.address.parse::<IpAddr>().ok()?, r.name)))
+                        .collect()
+                })
+                .unwrap_or_default()
+        });
+        published
+            .iter()
+            .find(|(a, _)| *a == local)
+            .map(|(_, n)| n.clone())
+            .or_else(|| crate::topology::interface_for_address(local))
+            .unwrap_or_else(|| "tcp".to_owned())
     }
 
     /// Gives a message connection (with its `opening`) to messaging, which polls it from the
