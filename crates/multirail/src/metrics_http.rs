@@ -58,6 +58,10 @@
 //! | `multirail_metadata_lookups_total` | counter | `outcome` | descriptor lookups in the metadata store, `ok` or `failed` |
 //! | `multirail_metadata_publishes_total` | counter | `outcome` | publishes of this engine's descriptor |
 //! | `multirail_metadata_watch_updates_total` | counter | | open segments updated from the store's watch |
+//! | `multirail_metadata_store_state` | gauge | `state` | 1 for the store's state, `up`, `down`, `unknown` (nothing asked yet) or `not_used` (peer-to-peer lookups), 0 for the others |
+//! | `multirail_metadata_store_failures_in_a_row` | gauge | | requests to the store that failed since it last answered |
+//! | `multirail_metadata_refreshes_total` | counter | | renewals of what this engine published (etcd lease keep-alives, HTTP re-PUTs) the store took |
+//! | `multirail_metadata_republishes_total` | counter | | times this engine's keys were lost or never stored and were published again once the store answered |
 //! | `multirail_served_bytes_total` | counter | `rail`, `op`, `priority` | payload bytes peers read from (`op="read"`) and wrote into (`op="write"`) this engine's memory over tcp |
 //! | `multirail_served_requests_total` | counter | `rail`, `op`, `priority` | requests (slices) served |
 //! | `multirail_served_refused_total` | counter | `rail`, `op` | requests refused (no buffer, wrong key, out of bounds) |
@@ -88,6 +92,7 @@ use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::sync::Arc;
 use std::thread::{self, JoinHandle};
 
+use crate::metadata::StoreState;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeGaugeValue, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
@@ -875,6 +880,38 @@ impl Snapshot {
             "multirail_metadata_watch_updates",
             "Open segments updated from the store's watch (etcd)",
             m.watch_updates,
+        )?;
+        let states = [
+            StoreState::Up,
+            StoreState::Down,
+            StoreState::Unknown,
+            StoreState::NotUsed,
+        ];
+        let samples: Vec<(Labels<'_>, i64)> = states
+            .iter()
+            .map(|s| (vec![("state", s.as_str())], i64::from(*s == m.store)))
+            .collect();
+        f.gauges(
+            "multirail_metadata_store_state",
+            "1 for the metadata store's state (up, down, unknown before any request, not_used with peer-to-peer lookups), 0 for the others",
+            None,
+            &samples,
+        )?;
+        f.gauge(
+            "multirail_metadata_store_failures_in_a_row",
+            "Requests to the metadata store that failed since it last answered",
+            None,
+            m.store_failures_in_a_row as i64,
+        )?;
+        f.counter(
+            "multirail_metadata_refreshes",
+            "Renewals of this engine's published keys the store took (etcd lease keep-alives, HTTP re-PUTs)",
+            m.refreshes,
+        )?;
+        f.counter(
+            "multirail_metadata_republishes",
+            "Times this engine's keys were lost or never stored and were published again once the store answered",
+            m.republishes,
         )
     }
 

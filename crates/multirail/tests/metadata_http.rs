@@ -64,6 +64,22 @@ fn get_key(url: &str, key: &str) -> (u16, Vec<u8>) {
     (answer.status().as_u16(), body)
 }
 
+/// The body of `GET url`.
+fn get_text(url: &str) -> String {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .proxy(None)
+        .timeout_global(Some(Duration::from_secs(10)))
+        .build()
+        .into();
+    agent
+        .get(url)
+        .call()
+        .unwrap()
+        .body_mut()
+        .read_to_string()
+        .unwrap()
+}
+
 /// The descriptor stored under `key`, if any.
 fn stored(url: &str, key: &str) -> Option<SegmentDescriptor> {
     let (status, body) = get_key(url, key);
@@ -276,6 +292,13 @@ fn an_engine_whose_server_is_down_at_start_or_restarts_empty_publishes_again_by_
     let stats = target.metadata_stats();
     assert_eq!(stats.store, StoreState::Down, "{stats:?}");
     assert_eq!(stats.publish_failures, 1, "{stats:?}");
+    let metrics = target.serve_metrics("127.0.0.1:0").unwrap();
+    let scrape = || get_text(&metrics.url());
+    assert!(
+        scrape().contains("multirail_metadata_store_state{state=\"down\"} 1"),
+        "{}",
+        scrape()
+    );
     // Down for a while: the keeper backs off, but never beyond the refresh period.
     std::thread::sleep(Duration::from_secs(2));
     let server = start_server_on(&listen);
@@ -285,6 +308,12 @@ fn an_engine_whose_server_is_down_at_start_or_restarts_empty_publishes_again_by_
     let stats = target.metadata_stats();
     assert_eq!(stats.store, StoreState::Up, "{stats:?}");
     assert!(stats.republishes >= 1, "{stats:?}");
+    let text = scrape();
+    assert!(
+        text.contains("multirail_metadata_store_state{state=\"up\"} 1")
+            && text.contains("multirail_metadata_republishes_total 1"),
+        "{text}"
+    );
 
     // Restarted without its data: the key is back within a refresh period.
     drop(server);

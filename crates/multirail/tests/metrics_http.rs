@@ -495,6 +495,15 @@ fn health_message_and_metadata_metrics_count_and_promtool_accepts_the_text_forma
         e.sum_where("multirail_metadata_lookups_total", "outcome", "failed"),
         1.0
     );
+    // Peer-to-peer lookups keep nothing in a store: its state says so, one-hot.
+    assert_eq!(
+        e.sum_where("multirail_metadata_store_state", "state", "not_used"),
+        1.0
+    );
+    assert_eq!(
+        e.sum_where("multirail_metadata_store_state", "state", "up"),
+        0.0
+    );
     assert_eq!(
         e.sum_where("multirail_messages_total", "direction", "sent"),
         3.0

@@ -685,6 +685,24 @@ impl NativeEngine {
         Ok(out)
     }
 
+    /// The metadata store as this engine sees it: `{"store": "up" | "down" | "unknown" |
+    /// "not_used", "store_failures_in_a_row", "lookups", "lookup_failures", "publishes",
+    /// "publish_failures", "watch_updates", "refreshes", "republishes"}`.
+    fn metadata_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let m = self.engine.metadata_stats();
+        let out = PyDict::new(py);
+        out.set_item("store", m.store.as_str())?;
+        out.set_item("store_failures_in_a_row", m.store_failures_in_a_row)?;
+        out.set_item("lookups", m.lookups)?;
+        out.set_item("lookup_failures", m.lookup_failures)?;
+        out.set_item("publishes", m.publishes)?;
+        out.set_item("publish_failures", m.publish_failures)?;
+        out.set_item("watch_updates", m.watch_updates)?;
+        out.set_item("refreshes", m.refreshes)?;
+        out.set_item("republishes", m.republishes)?;
+        Ok(out)
+    }
+
     /// Priority queues: `{"priorities": {"high": {queued, dequeued, wait_p50_us, wait_p99_us},
     /// "medium": ..., "low": ...}, "promotions": n, "global_slot": slot or None}`.
     fn qos_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

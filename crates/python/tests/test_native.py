@@ -351,3 +351,26 @@ def test_lanes_follow_the_traffic():
         assert got == [str(k) for k in range(i)]
     with pytest.raises(multirail.ConfigError, match="lanes.min_score"):
         multirail.Engine(config={"lanes": {"min_score": 2}})
+
+
+def test_a_target_sees_what_it_serves_and_the_metadata_store_state():
+    size = 1 << 20
+    with multirail.Engine(name="127.0.0.1", transport="tcp") as target, multirail.Engine(
+        name="127.0.0.1", transport="tcp"
+    ) as initiator:
+        dst = target.allocate(size)
+        src = initiator.allocate(size)
+        memoryview(src)[:] = b"\x3c" * size
+        seg = initiator.open_segment(target.name)
+        initiator.transfer(multirail.Request(multirail.WRITE, src, seg, dst.addr, size), timeout=10)
+        initiator.transfer(multirail.Request(multirail.READ, src, seg, dst.addr, size), timeout=10)
+        served = target.served_stats()
+        written = sum(r["write"]["bytes"] for r in served["rails"].values())
+        read = sum(r["read"]["bytes"] for r in served["rails"].values())
+        assert written == size and read == size, served
+        assert sum(p["write"]["bytes"] for p in served["peers"].values()) == size, served
+        # The initiator served nothing.
+        assert all(r["write"]["bytes"] == 0 for r in initiator.served_stats()["rails"].values())
+        meta = target.metadata_stats()
+        assert meta["store"] == "not_used" and meta["store_failures_in_a_row"] == 0, meta
+        assert initiator.metadata_stats()["lookups"] >= 1

@@ -671,6 +671,24 @@ class Engine:
             out[name] = r
         return out
 
+    def served_stats(self) -> Dict[str, Any]:
+        """What peers read and wrote of this engine's memory over TCP: ``{"rails": {name:
+        {"read": {bytes, requests, refused, priority_bytes, priority_requests}, "write":
+        {...}}}, "peers": {address: {"read": {bytes, requests}, "write": {...}}}, "latency":
+        {"read": {"high": {count, p50_us, p99_us}, ...}, "write": {...}}, "max_peers": n}``.
+        Same-host shm copies and one-sided RDMA never reach this engine's CPU and are not
+        counted here; past ``max_peers`` addresses, the rest count under ``"other"``."""
+        return self._native.served_stats()
+
+    def metadata_stats(self) -> Dict[str, Any]:
+        """The metadata store as this engine sees it: ``store`` (``"up"``, ``"down"``,
+        ``"unknown"`` before any request, ``"not_used"`` with peer-to-peer lookups),
+        ``store_failures_in_a_row``, and counts of ``lookups``, ``lookup_failures``,
+        ``publishes``, ``publish_failures``, ``watch_updates``, ``refreshes`` (renewals the
+        store took) and ``republishes`` (keys lost or never stored, published again once the
+        store answered)."""
+        return self._native.metadata_stats()
+
     def qos_stats(self) -> Dict[str, Any]:
         """The priority queues: ``{"priorities": {"high": {"queued", "dequeued", "wait_p50_us",
         "wait_p99_us"}, "medium": {...}, "low": {...}}, "promotions": n, "global_slot": slot}``

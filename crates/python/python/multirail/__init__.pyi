@@ -251,6 +251,13 @@ class Engine:
         """Notifications received since the last call: [(sender segment name, msg), ...]."""
     def traffic_stats(self) -> Dict[str, Dict[str, Any]]:
         """Per rail: bytes, slices, errors, priority_bytes, ewma_gbps, inflight_bytes, window_bytes."""
+    def served_stats(self) -> Dict[str, Any]:
+        """What peers read and wrote of this engine's memory over TCP: {"rails", "peers",
+        "latency", "max_peers"} (shm and one-sided RDMA are not counted at the target)."""
+    def metadata_stats(self) -> Dict[str, Any]:
+        """The metadata store as this engine sees it: {"store": "up"|"down"|"unknown"|"not_used",
+        "store_failures_in_a_row", "lookups", "lookup_failures", "publishes", "publish_failures",
+        "watch_updates", "refreshes", "republishes"}."""
     def qos_stats(self) -> Dict[str, Any]:
         """Priority queues: {"priorities": {"high"|"medium"|"low": {queued, dequeued, wait_p50_us,
         wait_p99_us}}, "promotions": n, "global_slot": slot or None}."""
