@@ -3,14 +3,13 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{ChildStdout, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{anyhow, bail, Context};
-use clap::builder::RangedU64ValueParser;
 use clap::{Args, ValueEnum};
 use hdrhistogram::Histogram;
 use multirail::{
@@ -18,6 +17,9 @@ use multirail::{
     TransportChoice,
 };
 
+use crate::child::{Guarded, Stop};
+use crate::limits::{self, MAX_BYTES, MAX_DURATION, MIN_DURATION};
+use crate::out::outln;
 use crate::pattern;
 use crate::units;
 use crate::Failure;
@@ -37,8 +39,8 @@ const MAX_BATCH: usize = 65_536;
 /// `--size` of a `--local` run when none is given, and the most a `--target` run takes from the
 /// target's largest buffer when none is given.
 const DEFAULT_SIZE: u64 = 1 << 30;
-/// Shortest `--duration` and `--interval`: the run loop cannot resolve less.
-const MIN_TICK: Duration = Duration::from_millis(1);
+/// Most bytes `--total` asks for: 64 TiB take hours at the speed of any one host.
+const MAX_TOTAL: u64 = 64 << 40;
 /// Largest request of the traffic around the timed run (seeding the target before a verified
 /// read, reading it back after a verified write), and the size of the read-back scratch buffer.
 const PIECE: u64 = 64 << 20;
@@ -55,35 +57,37 @@ pub struct BenchArgs {
     /// Operation. Default: write.
     #[arg(long, value_enum, default_value = "write")]
     op: Op,
-    /// Bytes per request, at least 1 and at most each thread's share of --size. Default: 1MiB.
-    #[arg(long, default_value = "1MiB", value_parser = units::parse_size)]
+    /// Bytes per request, 1 B to 1 TiB and at most each thread's share of --size. Default:
+    /// 1MiB.
+    #[arg(long, default_value = "1MiB", value_parser = limits::size(1, MAX_BYTES))]
     block_size: u64,
     /// Requests per batch, 1 to 65536. Default: 16.
     #[arg(long, default_value_t = 16,
-          value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_BATCH as u64))]
+          value_parser = limits::count::<usize>(1, MAX_BATCH as u64))]
     batch_size: usize,
     /// Submitting threads, 1 to 1024, each with its own region of the buffers. Default: 1.
     #[arg(long, default_value_t = 1,
-          value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_THREADS as u64))]
+          value_parser = limits::count::<usize>(1, MAX_THREADS as u64))]
     threads: usize,
-    /// How long to run (seconds, or e.g. 500ms; at least 1ms). Default: 5.
-    #[arg(long, default_value = "5", value_parser = units::parse_duration)]
+    /// How long to run (seconds, or e.g. 500ms, 2h), 1ms to 24h. Default: 5.
+    #[arg(long, default_value = "5", value_parser = limits::duration(MIN_DURATION, MAX_DURATION))]
     duration: Duration,
     /// Transport: auto, shm, tcp or rdma. Default: auto (shm on the same host, else rdma when
     /// both ends have RDMA devices, else tcp).
     #[arg(long, default_value = "auto", value_parser = parse_transport)]
     transport: TransportChoice,
-    /// Buffer size on each side (and of the `--local` target). Default: 1GiB with --local;
-    /// with --target, the target's largest buffer, at most 1GiB (said on stderr).
-    #[arg(long, value_parser = units::parse_size)]
+    /// Buffer size on each side (and of the `--local` target), 1 B to 1 TiB and within this
+    /// host's memory. Default: 1GiB with --local; with --target, the target's largest buffer,
+    /// at most 1GiB (said on stderr).
+    #[arg(long, value_parser = limits::size(1, MAX_BYTES))]
     size: Option<u64>,
-    /// Stop after moving this many bytes (e.g. 256MiB; at least one batch) instead of after
-    /// --duration. Default: off.
-    #[arg(long, value_parser = units::parse_size)]
+    /// Stop after moving this many bytes (e.g. 256MiB; at least one batch, at most 64 TiB)
+    /// instead of after --duration. Default: off.
+    #[arg(long, value_parser = limits::size(1, MAX_TOTAL))]
     total: Option<u64>,
-    /// Also report throughput per interval of this length (e.g. 250ms; at least 1ms and, without
+    /// Also report throughput per interval of this length (e.g. 250ms; 1ms to 24h and, without
     /// --total, at most --duration), counted per slice as the rails deliver them. Default: off.
-    #[arg(long, value_parser = units::parse_duration)]
+    #[arg(long, value_parser = limits::duration(MIN_DURATION, MAX_DURATION))]
     interval: Option<Duration>,
     /// After the run, check every byte that landed. With --op read, the target's regions are
     /// first written with a fresh pattern (whatever earlier benches left there). Default: off.
@@ -93,7 +97,7 @@ pub struct BenchArgs {
     #[arg(long, default_value = "high", value_parser = parse_priority)]
     priority: Priority,
     /// Mixed workload instead of --block-size/--threads/--priority: comma-separated
-    /// priority:block:submitters, at most 1024 submitters in all, e.g.
+    /// priority:block:submitters (blocks 1 B to 1 TiB), at most 1024 submitters in all, e.g.
     /// high:64KiB:1,low:4MiB:8. Default: off.
     #[arg(long, value_parser = parse_mix)]
     mix: Option<Mix>,
@@ -124,9 +128,11 @@ fn parse_transport(s: &str) -> Result<TransportChoice, String> {
     }
 }
 
-/// A `multirail target` child, stopped when dropped.
+/// A `multirail target` child: asked to stop with SIGTERM (killed if it lingers) when dropped.
 struct LocalTarget {
-    child: Child,
+    _child: Guarded,
+    /// Kept open while the target runs, so its banner after the name finds a reader.
+    _stdout: BufReader<ChildStdout>,
     name: String,
 }
 
@@ -137,21 +143,16 @@ impl LocalTarget {
         if let Some(p) = config_path {
             cmd.arg("--config").arg(p);
         }
-        cmd.args([
-            "target",
-            "--listen",
-            "127.0.0.1:0",
-            "--exit-with-parent",
-            "--size",
-        ])
-        .arg(size.to_string())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
-        let mut child = cmd.spawn().context("starting the local target")?;
-        let stdout = child.stdout.take().expect("piped");
+        cmd.args(["target", "--listen", "127.0.0.1:0", "--size"])
+            .arg(size.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child =
+            Guarded::spawn(&mut cmd, Stop::Terminate).context("starting the local target")?;
+        let mut stdout = BufReader::new(child.take_stdout().expect("piped"));
         let mut line = String::new();
-        BufReader::new(stdout)
+        stdout
             .read_line(&mut line)
             .context("reading the local target's segment name")?;
         let name = line.trim().to_owned();
@@ -159,15 +160,11 @@ impl LocalTarget {
             let status = child.wait()?;
             bail!("the local target exited ({status}) before printing its segment name");
         }
-        Ok(LocalTarget { child, name })
-    }
-}
-
-impl Drop for LocalTarget {
-    fn drop(&mut self) {
-        // SAFETY: kill only sends a signal to our own child process.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
-        let _ = self.child.wait();
+        Ok(LocalTarget {
+            _child: child,
+            _stdout: stdout,
+            name,
+        })
     }
 }
 
@@ -240,12 +237,8 @@ fn parse_mix(s: &str) -> Result<Mix, String> {
                         f[2]
                     )
                 })?;
-            let block = units::parse_size(f[1])?;
-            if block == 0 {
-                return Err(format!(
-                    "mix entry {part:?} needs a block size of at least 1 byte"
-                ));
-            }
+            let block = limits::size(1, MAX_BYTES)(f[1])
+                .map_err(|e| format!("block size {:?} in {part:?}: {e}", f[1]))?;
             Ok(Class {
                 priority: parse_priority(f[0])?,
                 block,
@@ -374,19 +367,7 @@ fn batch_bytes(c: &Class, batch: usize) -> Result<u64, Failure> {
 /// any target starts or any memory is allocated.
 fn check_flags(args: &BenchArgs, classes: &[Class]) -> Result<(), Failure> {
     let usage = |m: String| Err(Failure::Usage(m));
-    if args.block_size == 0 {
-        return usage("--block-size must be at least 1 byte".into());
-    }
-    if args.size == Some(0) {
-        return usage("--size must be at least 1 byte".into());
-    }
-    if args.duration < MIN_TICK {
-        return usage(format!("--duration must be at least {MIN_TICK:?}"));
-    }
     if let Some(interval) = args.interval {
-        if interval < MIN_TICK {
-            return usage(format!("--interval must be at least {MIN_TICK:?}"));
-        }
         if args.total.is_none() && interval > args.duration {
             return usage(format!(
                 "--interval {interval:?} is longer than --duration {:?}; no interval would end",
@@ -413,45 +394,10 @@ fn check_flags(args: &BenchArgs, classes: &[Class]) -> Result<(), Failure> {
     Ok(())
 }
 
-/// Physical memory of this host in bytes, if the OS says.
-fn host_memory() -> Option<u64> {
-    // SAFETY: sysconf only reads system parameters.
-    let (pages, page) = unsafe {
-        (
-            libc::sysconf(libc::_SC_PHYS_PAGES),
-            libc::sysconf(libc::_SC_PAGESIZE),
-        )
-    };
-    let (pages, page) = (u64::try_from(pages).ok()?, u64::try_from(page).ok()?);
-    pages.checked_mul(page)
-}
-
-/// Checks that buffers of `size` bytes (two of them with a `--local` target on this host) fit
-/// in this host's memory: both sides write every byte of their buffer, so a size beyond memory
-/// would end in the OOM killer rather than an error.
+/// Checks that buffers of `size` bytes (two of them with a `--local` target on this host: the
+/// initiator's and the target's) fit in this host's memory ([`limits::fits_in_memory`]).
 fn check_memory(size: u64, local: bool) -> Result<(), Failure> {
-    if usize::try_from(size).is_err() {
-        return Err(Failure::Usage(format!(
-            "--size {} does not fit in this host's address space",
-            units::format_size(size)
-        )));
-    }
-    let copies = if local { 2 } else { 1 };
-    let need = size.saturating_mul(copies);
-    match host_memory() {
-        Some(have) if need > have => Err(Failure::Usage(format!(
-            "--size {}: {} need {}, more than this host's {} of memory",
-            units::format_size(size),
-            if local {
-                "the initiator and its --local target"
-            } else {
-                "the initiator's buffer"
-            },
-            units::format_size(need),
-            units::format_size(have)
-        ))),
-        _ => Ok(()),
-    }
+    limits::fits_in_memory("--size", size, if local { 2 } else { 1 }).map_err(Failure::Usage)
 }
 
 /// Gives every submitter an equal share of `size` bytes and, within it, a region of whole
@@ -703,7 +649,10 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
     let rail_bytes = |e: &Engine| e.traffic_stats().rails.iter().map(|r| r.bytes).sum::<u64>();
     let mut timeline = Vec::new();
     let (mut mark, mut mark_bytes) = (start, rail_bytes(&engine));
-    while start.elapsed() < deadline && !handles.iter().all(|h| h.is_finished()) {
+    // A line that could not be printed ends the run, after the threads have stopped.
+    let mut printed = Ok(());
+    while printed.is_ok() && start.elapsed() < deadline && !handles.iter().all(|h| h.is_finished())
+    {
         thread::sleep(tick);
         if let Some(interval) = args.interval {
             if mark.elapsed() >= interval {
@@ -716,8 +665,8 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
                     // Live, one JSON object per line, for scripts that act during the run.
                     eprintln!("{}", serde_json::json!({"t": t, "gb_per_s": gbps}));
                 } else {
-                    progress.suspend(|| {
-                        println!("t={t:7.2}s {:8.3} GB/s {:9.1} Mbit/s", gbps, gbps * 8000.0)
+                    printed = progress.suspend(|| {
+                        outln!("t={t:7.2}s {:8.3} GB/s {:9.1} Mbit/s", gbps, gbps * 8000.0)
                     });
                 }
                 (mark, mark_bytes) = (now, bytes);
@@ -737,6 +686,7 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         .collect();
     let secs = start.elapsed().as_secs_f64();
     progress.finish_and_clear();
+    printed?;
     if let Some(e) = results.iter().find_map(|r| r.error.clone()) {
         return Err(Failure::Runtime(anyhow!("transfer failed: {e}")));
     }
@@ -817,15 +767,15 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         "rdma": engine.rdma_stats(),
     });
     if args.json {
-        println!("{report}");
+        outln!("{report}")?;
         if let Some(text) = tent_text {
             // stdout holds exactly one JSON object for scripts.
             eprint!("{text}");
         }
     } else {
-        print_human(&report, &rails);
+        print_human(&report, &rails)?;
         if let Some(text) = tent_text {
-            print!("{text}");
+            crate::out::print(format_args!("{text}"))?;
         }
     }
     drop(metrics);
@@ -916,7 +866,7 @@ fn tent_report(text: &str, assumed: &[(String, f64)], rails: &[RailTraffic]) -> 
     out
 }
 
-fn print_human(report: &serde_json::Value, rails: &[RailTraffic]) {
+fn print_human(report: &serde_json::Value, rails: &[RailTraffic]) -> Result<(), Failure> {
     use comfy_table::{presets::UTF8_FULL, Table};
     let mut t = Table::new();
     t.load_preset(UTF8_FULL);
@@ -944,7 +894,7 @@ fn print_human(report: &serde_json::Value, rails: &[RailTraffic]) {
         report["batch_latency_us"]["p50"].to_string(),
         report["batch_latency_us"]["p99"].to_string(),
     ]);
-    println!("{t}");
+    outln!("{t}")?;
     let mut r = Table::new();
     r.load_preset(UTF8_FULL);
     r.set_header(vec![
@@ -974,7 +924,7 @@ fn print_human(report: &serde_json::Value, rails: &[RailTraffic]) {
             rail.window_bytes.to_string(),
         ]);
     }
-    println!("{r}");
+    outln!("{r}")?;
     if let Some(classes) = report["classes"].as_array().filter(|c| c.len() > 1) {
         let mut c = Table::new();
         c.load_preset(UTF8_FULL);
@@ -998,7 +948,7 @@ fn print_human(report: &serde_json::Value, rails: &[RailTraffic]) {
                 k["batch_latency_us"]["p99"].to_string(),
             ]);
         }
-        println!("{c}");
+        outln!("{c}")?;
     }
     let mut q = Table::new();
     q.load_preset(UTF8_FULL);
@@ -1021,11 +971,12 @@ fn print_human(report: &serde_json::Value, rails: &[RailTraffic]) {
             p["wait_p99_us"].to_string(),
         ]);
     }
-    println!("{q}");
-    println!("promotions: {}", report["qos"]["promotions"]);
+    outln!("{q}")?;
+    outln!("promotions: {}", report["qos"]["promotions"])?;
     if let Some(v) = report["verified_bytes"].as_u64() {
-        println!("verified: {v} bytes match");
+        outln!("verified: {v} bytes match")?;
     }
+    Ok(())
 }
 
 /// Checks the bytes that landed, against the run's pattern (`plan.seed`): after reads, the

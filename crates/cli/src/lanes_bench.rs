@@ -35,7 +35,7 @@
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{ChildStdout, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
@@ -45,11 +45,19 @@ use anyhow::{anyhow, bail, Context};
 use clap::{Args, ValueEnum};
 use hdrhistogram::Histogram;
 use multirail::{Config, Engine, Lane, SegmentId, TransportChoice};
+use multirail_policy::lanes::MAX_DEDICATED_LIMIT;
 use serde::{Deserialize, Serialize};
 
+use crate::child::{Guarded, Stop};
 use crate::clock::{mono_ns, sleep_until_ns};
+use crate::limits::{self, MAX_DURATION, MIN_DURATION};
+use crate::out::outln;
 use crate::units;
 use crate::Failure;
+
+/// Most sending peers: each is an engine of this process with threads and sockets of its own
+/// (a thousand start in a few seconds; a few thousand exhaust a host's thread stacks).
+const MAX_PEERS: u64 = 1024;
 
 /// Bytes of every message.
 const MESSAGE_BYTES: usize = 128;
@@ -118,23 +126,25 @@ impl Transport {
     }
 }
 
+/// Flags of `multirail lanes-bench`.
 #[derive(Args, Clone)]
 pub struct LanesBenchArgs {
     /// Run the receiver as a child process on this host (one process, one engine) and the
     /// senders, one engine each, in this process. The only mode so far, so required.
     #[arg(long, required_unless_present = "serve_receiver")]
     local: bool,
-    /// Sending peers, at least 1. Default: 32.
-    #[arg(long, default_value_t = 32)]
+    /// Sending peers, 1 to 1024 (each an engine of this process). Default: 32.
+    #[arg(long, default_value_t = 32, value_parser = limits::count::<usize>(1, MAX_PEERS))]
     peers: usize,
-    /// Hot peers (mbw_mr: peers 0..hot send continuously, the others every 100 ms), at least 1
-    /// and at most --peers. In alltoall every peer is hot and this is the number of sending
-    /// threads the peers are spread over. Default: 4.
-    #[arg(long, default_value_t = 4)]
+    /// Hot peers (mbw_mr: peers 0..hot send continuously, the others every 100 ms), 1 to
+    /// --peers. In alltoall every peer is hot and this is the number of sending threads the
+    /// peers are spread over. Default: 4.
+    #[arg(long, default_value_t = 4, value_parser = limits::count::<usize>(1, MAX_PEERS))]
     hot: usize,
     /// `lanes.max_dedicated` of every engine: the most dedicated lanes the receiver grants
-    /// (and each sender holds). Default: 8.
-    #[arg(long, default_value_t = 8)]
+    /// (and each sender holds), 0 to 65536. Default: 8.
+    #[arg(long, default_value_t = 8,
+          value_parser = limits::count::<usize>(0, MAX_DEDICATED_LIMIT as u64))]
     max_dedicated: usize,
     /// Traffic: mbw_mr (hot peers continuously, the others one 128-byte message every
     /// 100 ms) or alltoall (every peer continuously, equally). Default: mbw_mr.
@@ -148,13 +158,13 @@ pub struct LanesBenchArgs {
     /// Transport of every engine: shm or tcp. Default: shm.
     #[arg(long, value_enum, default_value_t = Transport::Shm)]
     transport: Transport,
-    /// How long the senders send in all, warm-up included (seconds, or e.g. 500ms); more than
-    /// --warmup. Default: 10.
-    #[arg(long, default_value = "10", value_parser = units::parse_duration)]
+    /// How long the senders send in all, warm-up included (seconds, or e.g. 500ms, 2h), 1ms to
+    /// 24h and more than --warmup. Default: 10.
+    #[arg(long, default_value = "10", value_parser = limits::duration(MIN_DURATION, MAX_DURATION))]
     duration: Duration,
-    /// The first part of --duration not measured (seconds, or e.g. 500ms; 0 for none): rates,
-    /// latencies and switches count from its end. Default: 2.
-    #[arg(long, default_value = "2", value_parser = units::parse_duration_or_zero)]
+    /// The first part of --duration not measured (seconds, or e.g. 500ms; 0 for none), 0 to
+    /// 24h: rates, latencies and switches count from its end. Default: 2.
+    #[arg(long, default_value = "2", value_parser = limits::duration(Duration::ZERO, MAX_DURATION))]
     warmup: Duration,
     /// Print one JSON object instead of a table. Default: off.
     #[arg(long)]
@@ -167,20 +177,11 @@ pub struct LanesBenchArgs {
 impl LanesBenchArgs {
     fn validate(&self) -> Result<(), Failure> {
         let usage = |m: String| Err(Failure::Usage(m));
-        if self.peers == 0 {
-            return usage("--peers must be at least 1".into());
-        }
-        if self.hot == 0 {
-            return usage("--hot must be at least 1".into());
-        }
         if self.hot > self.peers {
             return usage(format!(
                 "--hot ({}) must not exceed --peers ({})",
                 self.hot, self.peers
             ));
-        }
-        if self.peers > u32::MAX as usize {
-            return usage("--peers is too large".into());
         }
         if self.duration <= self.warmup {
             return usage(format!(
@@ -263,6 +264,7 @@ fn stats_json(s: &multirail::LanesStats) -> serde_json::Value {
     })
 }
 
+/// Runs `multirail lanes-bench`: the senders of a `--local` run, or its receiver.
 pub fn run(
     mut config: Config,
     config_path: Option<&Path>,
@@ -457,11 +459,9 @@ mod receiver {
     }
 
     pub(super) fn serve(config: Config, args: &LanesBenchArgs) -> Result<(), Failure> {
-        // SAFETY: prctl(PR_SET_PDEATHSIG) only sets a flag on this process.
-        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) };
+        // The parent started this process to die with it (`child::Guarded`).
         let engine = Engine::new(config, "127.0.0.1:0")?;
-        println!("{}", engine.name());
-        std::io::stdout().flush().ok();
+        outln!("{}", engine.name())?;
         let args = Arc::new(args.clone());
         let shared = Arc::new(Shared {
             t_start: AtomicU64::new(0),
@@ -542,8 +542,7 @@ mod senders {
     /// The receiver child process; asked to stop (stdin closed) and killed if it lingers, when
     /// dropped.
     struct LocalReceiver {
-        child: Child,
-        stdin: Option<ChildStdin>,
+        child: Guarded,
         stdout: BufReader<ChildStdout>,
         name: String,
     }
@@ -560,9 +559,9 @@ mod senders {
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::inherit());
-            let mut child = cmd.spawn().context("starting the receiver")?;
-            let stdin = child.stdin.take();
-            let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
+            let mut child =
+                Guarded::spawn(&mut cmd, Stop::CloseStdin).context("starting the receiver")?;
+            let mut stdout = BufReader::new(child.take_stdout().expect("piped"));
             let mut line = String::new();
             stdout
                 .read_line(&mut line)
@@ -570,7 +569,6 @@ mod senders {
             let name = line.trim().to_owned();
             let mut r = LocalReceiver {
                 child,
-                stdin,
                 stdout,
                 name,
             };
@@ -582,7 +580,7 @@ mod senders {
         }
 
         fn command(&mut self, line: &str) -> anyhow::Result<()> {
-            let stdin = self.stdin.as_mut().expect("stdin open until dropped");
+            let stdin = self.child.stdin().expect("stdin open until dropped");
             writeln!(stdin, "{line}")
                 .and_then(|()| stdin.flush())
                 .context("writing to the receiver (did it exit?)")
@@ -602,14 +600,7 @@ mod senders {
         }
 
         fn exited(&mut self) -> Option<std::process::ExitStatus> {
-            self.child.try_wait().ok().flatten()
-        }
-    }
-
-    impl Drop for LocalReceiver {
-        fn drop(&mut self) {
-            // End of stdin asks the receiver to report and exit; it gets a moment for that.
-            crate::child::stop(&mut self.child, self.stdin.take());
+            self.child.try_wait()
         }
     }
 
@@ -833,9 +824,9 @@ mod senders {
         };
         let out = figures(args, &report, &sent);
         if args.json {
-            println!("{}", serde_json::to_string_pretty(&out).expect("json"));
+            outln!("{}", serde_json::to_string_pretty(&out).expect("json"))?;
         } else {
-            print_table(&out);
+            print_table(&out)?;
         }
         if report.malformed > 0 {
             tracing::warn!(
@@ -922,7 +913,7 @@ mod senders {
         })
     }
 
-    fn print_table(v: &serde_json::Value) {
+    fn print_table(v: &serde_json::Value) -> Result<(), Failure> {
         use comfy_table::{presets::UTF8_FULL, Table};
         let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
         let rates: Vec<f64> = v["hot_rates_msgs_per_s"]
@@ -1047,9 +1038,10 @@ mod senders {
                 ),
             ]);
         }
-        println!("{t}");
+        outln!("{t}")?;
         if let Some(note) = v["note"].as_str() {
-            println!("note: {note}");
+            outln!("note: {note}")?;
         }
+        Ok(())
     }
 }

@@ -5,13 +5,14 @@ mod lanes_bench;
 mod mcast_bench;
 mod membench;
 mod metadata_server;
+mod out;
 mod pingpong;
 mod sim;
 mod target;
 mod ticks;
 mod topo;
 
-use multirail_cli::{child, clock, pattern, units};
+use multirail_cli::{child, clock, limits, pattern, units};
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -87,6 +88,9 @@ pub enum Failure {
     Usage(String),
     /// Something went wrong while running: exit 1.
     Runtime(anyhow::Error),
+    /// Stdout was closed under the command (`| head -1`): exit 141 without a word, as a
+    /// process killed by SIGPIPE would (see [`out`]).
+    StdoutClosed,
 }
 
 impl From<anyhow::Error> for Failure {
@@ -107,6 +111,18 @@ impl From<multirail::Error> for Failure {
 }
 
 fn main() -> ExitCode {
+    out::install_panic_hook();
+    // Unwinding drops what the command holds (child processes, engines) before this
+    // returns; a panic on a closed pipe (a `println!` outside `out`) then ends as a closed
+    // stdout does, any other keeps its report and its exit status.
+    match std::panic::catch_unwind(run) {
+        Ok(code) => code,
+        Err(_) if out::closed_pipe_panicked() => ExitCode::from(out::EXIT_BROKEN_PIPE),
+        Err(panic) => std::panic::resume_unwind(panic),
+    }
+}
+
+fn run() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -143,13 +159,11 @@ fn main() -> ExitCode {
         Command::Topo(args) => topo::run(config, args),
         Command::Config {
             command: ConfigCommand::Show,
-        } => {
-            println!("{}", config.to_json_pretty());
-            Ok(())
-        }
+        } => out::outln!("{}", config.to_json_pretty()),
     };
-    match outcome {
+    match outcome.and_then(|()| out::flush()) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::StdoutClosed) => ExitCode::from(out::EXIT_BROKEN_PIPE),
         Err(Failure::Usage(msg)) => {
             eprintln!("error: {msg}");
             ExitCode::from(EXIT_USAGE)

@@ -4,31 +4,39 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 
+use crate::limits::{self, MAX_BYTES, MAX_DURATION, MIN_DURATION};
+use crate::out::outln;
 use crate::units;
 use crate::Failure;
 
+/// Flags of `multirail membench`.
 #[derive(Args)]
 pub struct MembenchArgs {
-    /// Bytes per memcpy call. Default: 1MiB.
-    #[arg(long, default_value = "1MiB", value_parser = units::parse_size)]
+    /// Bytes per memcpy call, 1 B to --buffer-size. Default: 1MiB.
+    #[arg(long, default_value = "1MiB", value_parser = limits::size(1, MAX_BYTES))]
     block_size: u64,
-    /// Size of each of the two buffers walked. Default: 1GiB.
-    #[arg(long, default_value = "1GiB", value_parser = units::parse_size)]
+    /// Size of each of the two buffers walked, 1 B to 1 TiB and both within this host's
+    /// memory. Default: 1GiB.
+    #[arg(long, default_value = "1GiB", value_parser = limits::size(1, MAX_BYTES))]
     buffer_size: u64,
-    /// How long to run (seconds, or e.g. 500ms). Default: 3.
-    #[arg(long, default_value = "3", value_parser = units::parse_duration)]
+    /// How long to run (seconds, or e.g. 500ms, 2h), 1ms to 24h. Default: 3.
+    #[arg(long, default_value = "3", value_parser = limits::duration(MIN_DURATION, MAX_DURATION))]
     duration: Duration,
     /// Print one JSON object instead of a sentence.
     #[arg(long)]
     json: bool,
 }
 
+/// Runs `multirail membench`.
 pub fn run(args: MembenchArgs) -> Result<(), Failure> {
-    if args.block_size == 0 || args.block_size > args.buffer_size {
-        return Err(Failure::Usage(
-            "--block-size must be in 1..=--buffer-size".into(),
-        ));
+    if args.block_size > args.buffer_size {
+        return Err(Failure::Usage(format!(
+            "--block-size {} is larger than --buffer-size {}",
+            units::format_size(args.block_size),
+            units::format_size(args.buffer_size)
+        )));
     }
+    limits::fits_in_memory("--buffer-size", args.buffer_size, 2).map_err(Failure::Usage)?;
     let (block, size) = (args.block_size as usize, args.buffer_size as usize);
     // Write every page of both buffers first (a zeroed Vec would map the shared zero page and
     // fault on first write) and copy once, so neither page faults nor first-touch costs are
@@ -52,16 +60,15 @@ pub fn run(args: MembenchArgs) -> Result<(), Failure> {
     let secs = start.elapsed().as_secs_f64();
     let gbps = bytes as f64 / secs / 1e9;
     if args.json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({"block_size": block, "buffer_size": size, "duration_s": secs, "bytes": bytes, "gb_per_s": gbps})
-        );
+        )
     } else {
-        println!(
+        outln!(
             "memcpy {} blocks over {} buffers: {gbps:.2} GB/s (single thread)",
             units::format_size(block as u64),
             units::format_size(size as u64)
-        );
+        )
     }
-    Ok(())
 }

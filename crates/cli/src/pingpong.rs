@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{ChildStdout, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,12 +15,21 @@ use clap::{Args, ValueEnum};
 use multirail::config::{ReturnOrder, ReturnPolicy};
 use multirail::{Config, Engine, TransportChoice};
 use multirail_policy::latency::{self, PatternReport, Summary};
+use multirail_policy::receive::{MAX_BUFFER_SIZE, MAX_QUEUE_DEPTH, MAX_SGE};
 
+use crate::child::{Guarded, Stop};
+use crate::limits;
+use crate::out::outln;
 use crate::ticks::Ticks;
 use crate::Failure;
 
 /// How long the client waits for one answer before giving up.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most round trips measured, and most before measuring: every measured one is kept (8 bytes
+/// each, sorted for the report), and ten million take minutes over tcp.
+const MAX_ITERATIONS: u64 = 10_000_000;
+/// Longest spin between an answer and the next message, µs (a second).
+const MAX_THINK_US: u64 = 1_000_000;
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Transport {
@@ -41,6 +50,7 @@ enum OrderArg {
     AfterReply,
 }
 
+/// Flags of `multirail pingpong`.
 #[derive(Args)]
 pub struct PingpongArgs {
     /// Serve: answer every message with one of the same size until interrupted. Prints the
@@ -56,31 +66,39 @@ pub struct PingpongArgs {
     /// Address the server listens on. Default: 127.0.0.1:0.
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: String,
-    /// Message size in bytes, each way. Default: 128.
-    #[arg(long, default_value_t = 128)]
+    /// Message size in bytes, each way, 1 to 67108864 (64 MiB, the largest receive buffer).
+    /// Default: 128.
+    #[arg(long, default_value_t = 128,
+          value_parser = limits::count::<usize>(1, MAX_BUFFER_SIZE as u64))]
     size: usize,
-    /// Round trips measured. Default: 10000.
-    #[arg(long, default_value_t = 10_000)]
+    /// Round trips measured, 1 to 10000000. Default: 10000.
+    #[arg(long, default_value_t = 10_000,
+          value_parser = limits::count::<usize>(1, MAX_ITERATIONS))]
     iterations: usize,
-    /// Round trips before measuring. Default: 1000.
-    #[arg(long, default_value_t = 1_000)]
+    /// Round trips before measuring, 0 to 10000000. Default: 1000.
+    #[arg(long, default_value_t = 1_000,
+          value_parser = limits::count::<usize>(0, MAX_ITERATIONS))]
     warmup: usize,
     /// Transport carrying the messages: shm, tcp, or rdma (SEND/RECV over verbs). Default: shm.
     #[arg(long, value_enum, default_value_t = Transport::Shm)]
     transport: Transport,
-    /// Receive buffers per connection or in the shared pool (N). Default: the configuration's
-    /// `transports.<transport>.receive.queue_depth` (64; 63 for rdma, RAMCloud's).
-    #[arg(long)]
+    /// Receive buffers per connection or in the shared pool (N), 1 to 1048576. Default: the
+    /// configuration's `transports.<transport>.receive.queue_depth` (64; 63 for rdma,
+    /// RAMCloud's).
+    #[arg(long, value_parser = limits::count_setting::<usize>(
+        1, MAX_QUEUE_DEPTH as u64, "transports.<transport>.receive.queue_depth"))]
     queue_depth: Option<usize>,
     /// One receive pool shared by all connections (SRQ). Default: the configuration's (false;
     /// true for rdma).
     #[arg(long)]
     shared_receive_queue: Option<bool>,
-    /// Registration chunks M (must divide N). Default: the configuration's (1).
-    #[arg(long)]
+    /// Registration chunks M, 1 to 1048576 (must divide N). Default: the configuration's (1).
+    #[arg(long, value_parser = limits::count_setting::<usize>(
+        1, MAX_QUEUE_DEPTH as u64, "transports.<transport>.receive.registration_chunks"))]
     registration_chunks: Option<usize>,
-    /// Most scatter/gather entries per receive. Default: the configuration's (1).
-    #[arg(long)]
+    /// Most scatter/gather entries per receive, 1 to 32. Default: the configuration's (1).
+    #[arg(long, value_parser = limits::count_setting::<usize>(
+        1, MAX_SGE as u64, "transports.<transport>.receive.max_sge"))]
     max_sge: Option<usize>,
     /// When consumed buffers go back. Default: the configuration's (individual).
     #[arg(long, value_enum)]
@@ -89,8 +107,9 @@ pub struct PingpongArgs {
     /// (before-reply).
     #[arg(long, value_enum)]
     return_order: Option<OrderArg>,
-    /// Microseconds the client spins between an answer and its next message. Default: 0.
-    #[arg(long, default_value_t = 0)]
+    /// Microseconds the client spins between an answer and its next message, 0 to 1000000.
+    /// Default: 0.
+    #[arg(long, default_value_t = 0, value_parser = limits::count::<u64>(0, MAX_THINK_US))]
     think_us: u64,
     /// Print JSON instead of tables.
     #[arg(long)]
@@ -101,8 +120,10 @@ pub struct PingpongArgs {
     /// Draw round trip against iteration (a window) and a histogram into this PNG. Default: none.
     #[arg(long)]
     plot: Option<PathBuf>,
-    /// Iterations in the plot's window, from the first measured one. Default: 128.
-    #[arg(long, default_value_t = 128)]
+    /// Iterations in the plot's window, from the first measured one, 1 to 10000000.
+    /// Default: 128.
+    #[arg(long, default_value_t = 128,
+          value_parser = limits::count::<usize>(1, MAX_ITERATIONS))]
     plot_window: usize,
     /// Exit after one client said goodbye (used by --local).
     #[arg(long, hide = true)]
@@ -202,19 +223,12 @@ impl PingpongArgs {
     }
 }
 
+/// Runs `multirail pingpong`: the server, or a client of one (started here with --local).
 pub fn run(
     mut config: Config,
     config_path: Option<&Path>,
     args: PingpongArgs,
 ) -> Result<(), Failure> {
-    if args.size == 0 {
-        return Err(Failure::Usage(
-            "--size must be at least 1 byte (an empty message ends a session)".into(),
-        ));
-    }
-    if !args.server && args.iterations == 0 {
-        return Err(Failure::Usage("--iterations must be at least 1".into()));
-    }
     args.apply(&mut config);
     config
         .validate()
@@ -222,34 +236,26 @@ pub fn run(
     if args.server {
         return serve(config, &args);
     }
-    let mut child = None;
+    // Stopped when dropped, on every way out of here: it exits by itself after the client's
+    // goodbye, and is killed if it has not.
+    let mut server = None;
     let target = match &args.connect {
         Some(name) => name.clone(),
         None => {
-            let (c, name) = start_server(config_path, &args)?;
-            child = Some(c);
+            let s = LocalServer::start(config_path, &args)?;
+            let name = s.name.clone();
+            server = Some(s);
             name
         }
     };
     let outcome = client(config, &args, &target);
-    if let Some(mut c) = child {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = c.try_wait() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let _ = c.kill();
-        let _ = c.wait();
-    }
+    drop(server);
     outcome
 }
 
 fn serve(config: Config, args: &PingpongArgs) -> Result<(), Failure> {
     let engine = Engine::new(config, &args.listen)?;
-    println!("{}", engine.name());
-    std::io::stdout().flush().ok();
+    outln!("{}", engine.name())?;
     let mut peers: HashMap<Arc<str>, multirail::SegmentId> = HashMap::new();
     // Every message of a connection shares one name: answering the same client again costs a
     // pointer comparison, not a hash of its name, inside the measured round trip.
@@ -285,31 +291,44 @@ fn serve(config: Config, args: &PingpongArgs) -> Result<(), Failure> {
     }
 }
 
-fn start_server(
-    config_path: Option<&Path>,
-    args: &PingpongArgs,
-) -> anyhow::Result<(Child, String)> {
-    let exe = std::env::current_exe().context("locating the multirail binary")?;
-    let mut cmd = Command::new(exe);
-    if let Some(p) = config_path {
-        cmd.arg("--config").arg(p);
+/// The `--local` server: a `pingpong --server --once` child, stopped when dropped.
+struct LocalServer {
+    _child: Guarded,
+    /// Kept open while the server runs.
+    _stdout: BufReader<ChildStdout>,
+    name: String,
+}
+
+impl LocalServer {
+    fn start(config_path: Option<&Path>, args: &PingpongArgs) -> anyhow::Result<LocalServer> {
+        let exe = std::env::current_exe().context("locating the multirail binary")?;
+        let mut cmd = Command::new(exe);
+        if let Some(p) = config_path {
+            cmd.arg("--config").arg(p);
+        }
+        cmd.args(["pingpong", "--server", "--once", "--listen", "127.0.0.1:0"])
+            .args(args.server_flags())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child =
+            Guarded::spawn(&mut cmd, Stop::Wait).context("starting the local server")?;
+        let mut stdout = BufReader::new(child.take_stdout().expect("piped"));
+        let mut line = String::new();
+        stdout
+            .read_line(&mut line)
+            .context("reading the local server's segment name")?;
+        let name = line.trim().to_owned();
+        if name.is_empty() {
+            let status = child.wait()?;
+            bail!("the local server exited ({status}) before printing its segment name");
+        }
+        Ok(LocalServer {
+            _child: child,
+            _stdout: stdout,
+            name,
+        })
     }
-    cmd.args(["pingpong", "--server", "--once", "--listen", "127.0.0.1:0"])
-        .args(args.server_flags())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
-    let mut child = cmd.spawn().context("starting the local server")?;
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("piped"))
-        .read_line(&mut line)
-        .context("reading the local server's segment name")?;
-    let name = line.trim().to_owned();
-    if name.is_empty() {
-        let status = child.wait()?;
-        bail!("the local server exited ({status}) before printing its segment name");
-    }
-    Ok((child, name))
 }
 
 fn client(config: Config, args: &PingpongArgs, target: &str) -> Result<(), Failure> {
@@ -413,11 +432,10 @@ fn client(config: Config, args: &PingpongArgs, target: &str) -> Result<(), Failu
             "others_round_trip_us": patterns.others_ns / 1000.0,
             "lanes": lanes_json,
         });
-        println!("{}", serde_json::to_string_pretty(&json).expect("json"));
+        outln!("{}", serde_json::to_string_pretty(&json).expect("json"))
     } else {
-        print_table(transport, args.size, &receive, &summary, &patterns);
+        print_table(transport, args.size, &receive, &summary, &patterns)
     }
-    Ok(())
 }
 
 fn print_table(
@@ -426,12 +444,12 @@ fn print_table(
     r: &multirail::config::ReceiveConfig,
     s: &Summary,
     patterns: &PatternReport,
-) {
-    println!(
+) -> Result<(), Failure> {
+    outln!(
         "transport {transport}, queue_depth {}, shared_receive_queue {}, registration_chunks {}, max_sge {}, return {:?} {:?}",
         r.queue_depth, r.shared_receive_queue, r.registration_chunks, r.max_sge, r.return_policy, r.return_order
-    );
-    println!(
+    )?;
+    outln!(
         " {:<7} {:<11} {:>12} {:>12} {:>16} {:>12} {:>14} {:>22} {:>24}",
         "#bytes",
         "#iterations",
@@ -442,15 +460,23 @@ fn print_table(
         "t_stdev[usec]",
         "99% percentile[usec]",
         "99.9% percentile[usec]"
-    );
-    println!(
+    )?;
+    outln!(
         " {:<7} {:<11} {:>12.2} {:>12.2} {:>16.2} {:>12.2} {:>14.2} {:>22.2} {:>24.2}",
-        size, s.iterations, s.t_min, s.t_max, s.t_typical, s.t_avg, s.t_stdev, s.p99, s.p999
-    );
-    println!(
+        size,
+        s.iterations,
+        s.t_min,
+        s.t_max,
+        s.t_typical,
+        s.t_avg,
+        s.t_stdev,
+        s.p99,
+        s.p999
+    )?;
+    outln!(
         "pattern: {}",
         patterns.describe().replace('\n', "\n         ")
-    );
+    )
 }
 
 fn write_trace(path: &Path, rtt: &[u64]) -> std::io::Result<()> {

@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 
+use crate::limits;
+use crate::out::{self, outln};
 use crate::Failure;
 
 /// Arguments of `multirail sim`.
@@ -19,8 +21,9 @@ pub struct SimArgs {
     /// Draw throughput per rail over time into this PNG file. Default: no plot.
     #[arg(long)]
     plot: Option<PathBuf>,
-    /// Override every run's simulated duration, ms. Default: the scenario's.
-    #[arg(long)]
+    /// Override every run's simulated duration, ms: 1 to 3600000 (an hour). Default: the
+    /// scenario's.
+    #[arg(long, value_parser = limits::count::<u64>(1, multirail_sim::scenario::MAX_DURATION_MS))]
     duration_ms: Option<u64>,
     /// Override every run's seed. Default: the scenario's (1 if it gives none).
     #[arg(long)]
@@ -35,11 +38,16 @@ pub fn run(args: SimArgs) -> Result<(), Failure> {
         .map_err(|e| Failure::Usage(format!("{}: {e}", args.scenario.display())))?;
     for run in &mut runs {
         if let Some(d) = args.duration_ms {
-            if d == 0 {
-                return Err(Failure::Usage("--duration-ms must be at least 1".into()));
-            }
             run.duration_ms = d;
             run.events.retain(|e| e.at_ms < d);
+            // A longer run may take more samples, or more arrivals, than the scenario's keys
+            // allow.
+            run.validate().map_err(|e| {
+                Failure::Usage(format!(
+                    "{} with --duration-ms {d}: {e}",
+                    args.scenario.display()
+                ))
+            })?;
         }
         if let Some(s) = args.seed {
             run.seed = s;
@@ -50,15 +58,15 @@ pub fn run(args: SimArgs) -> Result<(), Failure> {
         let report = multirail_sim::simulate(run)
             .map_err(|e| Failure::Usage(format!("{}: {e}", args.scenario.display())))?;
         if !args.json {
-            print!("{}", report.table());
+            out::print(format_args!("{}", report.table()))?;
         }
         reports.push(report);
     }
     if args.json {
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&reports).context("encoding the reports")?
-        );
+        )?;
     }
     if let Some(path) = &args.plot {
         multirail_sim::plot(&reports, path)

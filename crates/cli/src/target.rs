@@ -6,14 +6,18 @@ use clap::Args;
 use multirail::{Config, Engine, Location, MetricsServer};
 use nix::sys::signal::{SigSet, Signal};
 
+use crate::limits::{self, MAX_BYTES};
+use crate::out::outln;
 use crate::pattern;
 use crate::units;
 use crate::Failure;
 
+/// Flags of `multirail target`.
 #[derive(Args)]
 pub struct TargetArgs {
-    /// Size of the buffer to serve (e.g. 64MiB, 1GiB). Default: 1GiB.
-    #[arg(long, default_value = "1GiB", value_parser = units::parse_size)]
+    /// Size of the buffer to serve (e.g. 64MiB, 1GiB), 1 B to 1 TiB and within this host's
+    /// memory. Default: 1GiB.
+    #[arg(long, default_value = "1GiB", value_parser = limits::size(1, MAX_BYTES))]
     size: u64,
     /// Address and port to listen on. Default: every interface, a free port (0.0.0.0:0).
     #[arg(long, default_value = "0.0.0.0:0")]
@@ -30,9 +34,6 @@ pub struct TargetArgs {
     /// port); the URL is printed on stderr as `metrics: URL`. Default: off.
     #[arg(long, value_name = "ADDR:PORT")]
     metrics: Option<String>,
-    /// Exit when the parent process exits (used by `bench --local`). Default: off.
-    #[arg(long, hide = true)]
-    exit_with_parent: bool,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -59,11 +60,11 @@ pub(crate) fn serve_metrics(
     Ok(Some(server))
 }
 
+/// Runs `multirail target`: serves until SIGINT or SIGTERM.
 pub fn run(config: Config, args: TargetArgs) -> Result<(), Failure> {
-    if args.exit_with_parent {
-        // SAFETY: prctl(PR_SET_PDEATHSIG) only sets a flag on this process.
-        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) };
-    }
+    // Both sides of a transfer write every byte of their buffers: past the host's memory the
+    // fill below would meet the OOM killer.
+    limits::fits_in_memory("--size", args.size, 1).map_err(Failure::Usage)?;
     // Block the stop signals before any engine thread starts so they reach only sigwait below.
     let mut stop = SigSet::empty();
     stop.add(Signal::SIGINT);
@@ -87,17 +88,21 @@ pub fn run(config: Config, args: TargetArgs) -> Result<(), Failure> {
     };
     // SAFETY: the buffer is not published to anyone until `name()` is printed below.
     pattern::fill(unsafe { buffer.as_mut_slice() }, 0, pattern::TARGET_SEED);
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{}", engine.name());
-    let _ = writeln!(
-        out,
-        "serving buffer addr={:#x} len={} ({}) location={}; Ctrl-C to stop",
+    // The segment name is what a reader of stdout is after: without one, stop as any command
+    // whose stdout went away. Readers commonly take that line and close the pipe, so the
+    // banner after it may find no reader, and the target goes on serving.
+    outln!("{}", engine.name())?;
+    let banner = format!(
+        "serving buffer addr={:#x} len={} ({}) location={}; Ctrl-C to stop\n",
         buffer.addr(),
         buffer.len(),
         units::format_size(buffer.len() as u64),
         buffer.location()
     );
-    let _ = out.flush();
+    // One write of whole lines: one that fails leaves nothing behind in stdout's buffer for
+    // the flush at exit to fail on.
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(banner.as_bytes()).and_then(|()| out.flush());
     drop(out);
     let sig = stop.wait().map_err(|e| Failure::Runtime(e.into()))?;
     tracing::info!(signal = ?sig, "stopping");

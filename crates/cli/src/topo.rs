@@ -7,8 +7,10 @@ use comfy_table::{presets::UTF8_FULL, Table};
 use multirail::topology::Topology;
 use multirail::{Config, Location};
 
+use crate::out::outln;
 use crate::Failure;
 
+/// Flags of `multirail topo`.
 #[derive(Args)]
 pub struct TopoArgs {
     /// Address the engine would listen on; a specific address publishes only its rail.
@@ -20,6 +22,7 @@ pub struct TopoArgs {
     json: bool,
 }
 
+/// Runs `multirail topo`.
 pub fn run(config: Config, args: TopoArgs) -> Result<(), Failure> {
     let topo = Topology::discover(&config, args.listen)?;
     let rdma = multirail::rdma_probe(&config);
@@ -30,11 +33,10 @@ pub fn run(config: Config, args: TopoArgs) -> Result<(), Failure> {
             .iter()
             .map(|l| (l.to_string(), serde_json::json!(topo.tiers(*l))))
             .collect();
-        println!(
+        return outln!(
             "{}",
             serde_json::json!({"rails": topo.rails, "tiers": tiers, "rdma": rdma})
         );
-        return Ok(());
     }
     let mut rails = Table::new();
     rails.load_preset(UTF8_FULL);
@@ -61,7 +63,7 @@ pub fn run(config: Config, args: TopoArgs) -> Result<(), Failure> {
             format!("{} Gbps", r.bandwidth_gbps),
         ]);
     }
-    println!("{rails}");
+    outln!("{rails}")?;
     let mut tiers = Table::new();
     tiers.load_preset(UTF8_FULL);
     let mut header = vec!["memory location".to_owned()];
@@ -72,15 +74,14 @@ pub fn run(config: Config, args: TopoArgs) -> Result<(), Failure> {
         row.extend(topo.tiers(*l).iter().map(u8::to_string));
         tiers.add_row(row);
     }
-    println!("{tiers}");
-    print_rdma(&rdma);
-    Ok(())
+    outln!("{tiers}")?;
+    print_rdma(&rdma)
 }
 
 /// The RDMA rails, or why RDMA is off.
-fn print_rdma(rdma: &multirail::RdmaProbe) {
+fn print_rdma(rdma: &multirail::RdmaProbe) -> Result<(), Failure> {
     if let Some(why) = &rdma.off {
-        println!("RDMA: off: {why}");
+        outln!("RDMA: off: {why}")?;
     } else {
         let mut t = Table::new();
         t.load_preset(UTF8_FULL);
@@ -114,9 +115,10 @@ fn print_rdma(rdma: &multirail::RdmaProbe) {
                 format!("{} Gbps", r.bandwidth_gbps),
             ]);
         }
-        println!("{t}");
+        outln!("{t}")?;
     }
     for s in &rdma.skipped {
-        println!("RDMA port not used: {s}");
+        outln!("RDMA port not used: {s}")?;
     }
+    Ok(())
 }

@@ -1,4 +1,4 @@
-//! Parsing of sizes (`64KiB`, `1GiB`, `4M`) and durations (`5`, `5s`, `500ms`) for flags.
+//! Parsing of sizes (`64KiB`, `1GiB`, `4M`) and durations (`5`, `5s`, `500ms`, `2h`) for flags.
 
 use std::time::Duration;
 
@@ -27,11 +27,13 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
-/// Parses seconds (`5`, `2.5`, `5s`) or milliseconds (`500ms`).
+/// Parses seconds (`5`, `2.5`, `5s`), milliseconds (`500ms`) or hours (`2h`).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let t = s.trim();
     let (num, scale) = if let Some(n) = t.strip_suffix("ms") {
         (n, 1e-3)
+    } else if let Some(n) = t.strip_suffix('h') {
+        (n, 3600.0)
     } else if let Some(n) = t.strip_suffix('s') {
         (n, 1.0)
     } else {
@@ -40,7 +42,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let v: f64 = num
         .trim()
         .parse()
-        .map_err(|_| format!("{s:?} is not a duration like 5, 5s or 500ms"))?;
+        .map_err(|_| format!("{s:?} is not a duration like 5, 5s, 500ms or 2h"))?;
     if !v.is_finite() || v <= 0.0 {
         return Err(format!("duration {s:?} must be positive"));
     }
@@ -52,7 +54,11 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 /// Like [`parse_duration`], and 0 (`0`, `0s`, `0ms`) is allowed: for warm-ups that may be
 /// left out.
 pub fn parse_duration_or_zero(s: &str) -> Result<Duration, String> {
-    let t = s.trim().trim_end_matches("ms").trim_end_matches('s');
+    let t = s
+        .trim()
+        .trim_end_matches("ms")
+        .trim_end_matches('s')
+        .trim_end_matches('h');
     if t.parse::<f64>().is_ok_and(|v| v == 0.0) {
         return Ok(Duration::ZERO);
     }
@@ -93,6 +99,7 @@ mod tests {
         assert_eq!(parse_duration("5").unwrap(), Duration::from_secs(5));
         assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
         assert_eq!(parse_duration("2.5s").unwrap(), Duration::from_millis(2500));
+        assert_eq!(parse_duration("2h").unwrap(), Duration::from_secs(7200));
         assert!(parse_duration("-1").is_err());
         assert!(parse_duration("x").is_err());
         assert!(parse_duration("1e300").is_err());

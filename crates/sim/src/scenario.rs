@@ -6,6 +6,12 @@
 //! deep-merged into the base (so `{"name": "round-robin", "policy": {"enable_smart_scheduling":
 //! false}}` changes one key). Policy keys carry the engine's configuration names, and their
 //! defaults are the policy crate's, mapped to the policy structs in [`Policy`] only.
+//!
+//! Every count, size and duration key has a range, stated in its documentation and checked by
+//! [`parse_runs`], which names the key of a value outside it. The ranges leave room far past
+//! any real host or group, and keep a run's memory bounded: past them the simulator would
+//! allocate more than a host has (a timeline of millions of samples per rail, a million
+//! requests in flight) or spend hours on one run (200,000 rails, a million-member group).
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -60,25 +66,29 @@ pub struct Run {
     /// What the scenario shows.
     #[serde(default)]
     pub description: String,
-    /// Simulated time, milliseconds.
+    /// Simulated time, milliseconds: 1 to 3,600,000 (an hour; [`MAX_DURATION_MS`]).
     pub duration_ms: u64,
-    /// Width of a throughput sample (timeline and plot), milliseconds (default 10).
+    /// Width of a throughput sample (timeline and plot), milliseconds (default 10): 1 to
+    /// `duration_ms`'s maximum, and at most [`MAX_SAMPLES`] samples in a run (at most
+    /// [`MAX_TIMELINE_CELLS`] samples × rails in a rails scenario).
     #[serde(default = "default_sample_ms")]
     pub sample_ms: u64,
     /// Seed of the selector's jitter and of Poisson arrivals.
     #[serde(default = "default_seed")]
     pub seed: u64,
-    /// The initiator's NICs; the target reaches each (one path per rail). Required unless the
-    /// scenario is a lanes scenario, which has none.
+    /// The initiator's NICs; the target reaches each (one path per rail): 1 to 256
+    /// ([`MAX_RAILS`]). Required unless the scenario is a lanes or multicast scenario, which
+    /// has none.
     #[serde(default)]
     pub rails: Vec<Rail>,
     /// Policy settings.
     #[serde(default)]
     pub policy: Policy,
-    /// Who submits what. Required unless the scenario is a lanes scenario, which has none.
+    /// Who submits what: 1 to 256 workloads ([`MAX_WORKLOADS`]). Required unless the scenario
+    /// is a lanes or multicast scenario, which has none.
     #[serde(default)]
     pub workloads: Vec<Workload>,
-    /// Link changes during the run.
+    /// Link changes during the run: at most 100,000 ([`MAX_EVENTS`]).
     #[serde(default)]
     pub events: Vec<LinkEvent>,
     /// A lanes scenario instead of rails and workloads: processes negotiating dedicated
@@ -88,7 +98,7 @@ pub struct Run {
     /// A group multicast scenario instead of rails and workloads ([`MulticastScenario`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub multicast: Option<MulticastScenario>,
-    /// Variants to run (only in the file's base document).
+    /// Variants to run (only in the file's base document): at most 256 ([`MAX_RUNS`]).
     #[serde(default, skip_serializing)]
     pub runs: Vec<Value>,
 }
@@ -113,7 +123,7 @@ pub struct Rail {
     /// reports 10 whatever its shaping.
     #[serde(default)]
     pub reported_gbps: Option<f64>,
-    /// One-way latency, microseconds (default 2).
+    /// One-way latency, microseconds (default 2): 0 to 1,000,000 (a second).
     #[serde(default = "default_latency_us")]
     pub latency_us: f64,
     /// Message-rate limit, operations per second (0 = none).
@@ -158,19 +168,20 @@ pub struct Policy {
     pub min_bandwidth_gbps: f64,
     /// See `SelectorConfig::max_bandwidth_gbps`.
     pub max_bandwidth_gbps: f64,
-    /// The engine's `transports.rdma.bandwidth_sample_min_us`.
+    /// The engine's `transports.rdma.bandwidth_sample_min_us`: 0 to 1,000,000.
     pub bandwidth_sample_min_us: u64,
-    /// Promotion (`priority_promotion_timeout_us`, `priority_promotion_check_us`).
+    /// Promotion (`priority_promotion_timeout_us`, `priority_promotion_check_us`): each 1 to
+    /// 3,600,000,000 (an hour).
     pub priority_promotion_timeout_us: u64,
     /// See above.
     pub priority_promotion_check_us: u64,
     /// `qos_promote_only_when_starved`.
     pub qos_promote_only_when_starved: bool,
-    /// Slicing (`workers.*`).
+    /// Slicing (`workers.*`): 1 to 67,108,864 (64 MiB, the engine's largest).
     pub block_size: u64,
-    /// `workers.max_slices_per_request` (READ).
+    /// `workers.max_slices_per_request` (READ): 1 to 65,536.
     pub max_slices_per_request: u32,
-    /// `workers.max_slices_per_write`.
+    /// `workers.max_slices_per_write`: 1 to 65,536.
     pub max_slices_per_write: u32,
     /// Window controller (`workers.window.*`): `bdp` or `fixed`.
     pub window_controller: String,
@@ -178,29 +189,30 @@ pub struct Policy {
     pub window_bdps: f64,
     /// `workers.window.lean_bdps`.
     pub window_lean_bdps: f64,
-    /// `workers.window.max_queue_us`.
+    /// `workers.window.max_queue_us`: 1 to 1,000,000, as the engine takes it.
     pub window_max_queue_us: u64,
-    /// `workers.window.initial_bytes`.
+    /// `workers.window.initial_bytes`: 4096 to 1,073,741,824 (1 GiB), as the engine takes it.
     pub window_initial_bytes: u64,
-    /// `workers.window.fixed_bytes`.
+    /// `workers.window.fixed_bytes`: 4096 to 1,073,741,824 (1 GiB), as the engine takes it.
     pub window_fixed_bytes: u64,
-    /// `workers.bulk_chunk_wait_us`.
+    /// `workers.bulk_chunk_wait_us`: 1 to 1,000,000, as the engine takes it.
     pub bulk_chunk_wait_us: u64,
-    /// `workers.min_bulk_chunk`.
+    /// `workers.min_bulk_chunk`: 4096 to 67,108,864 (64 MiB), as the engine takes it.
     pub min_bulk_chunk: u64,
-    /// `transports.tcp.timeout_ms`.
+    /// `transports.tcp.timeout_ms`: 1 to 3,600,000.
     pub timeout_ms: u64,
-    /// `transports.tcp.max_retries`.
+    /// `transports.tcp.max_retries`: 0 to 1000.
     pub max_retries: u32,
-    /// `transports.tcp.connections_per_rail` (a path has one more, for HIGH).
+    /// `transports.tcp.connections_per_rail` (a path has one more, for HIGH): 1 to 64, as the
+    /// engine takes it.
     pub connections_per_rail: usize,
-    /// Rail health: errors that pause a rail.
+    /// Rail health: errors that pause a rail, 1 to 1,000,000.
     pub health_error_threshold: u32,
-    /// Rail health: first pause, ms.
+    /// Rail health: first pause, ms, 1 to 3,600,000.
     pub health_initial_pause_ms: u64,
-    /// Rail health: longest pause, ms.
+    /// Rail health: longest pause, ms, 1 to 3,600,000.
     pub health_max_pause_ms: u64,
-    /// The engine's link check interval (link state, reconnects), ms (50).
+    /// The engine's link check interval (link state, reconnects), ms (50): 1 to 3,600,000.
     pub link_check_ms: u64,
 }
 
@@ -298,6 +310,91 @@ impl Policy {
         }
     }
 
+    /// Checks the keys against their ranges; the error names the key under `policy`.
+    fn validate(&self) -> Result<(), ScenarioError> {
+        let key = |k: &str| format!("policy.{k}");
+        let hour_ms = MAX_DURATION_MS;
+        for (k, v, min, max) in [
+            (
+                "bandwidth_sample_min_us",
+                self.bandwidth_sample_min_us,
+                0,
+                1_000_000,
+            ),
+            (
+                "priority_promotion_timeout_us",
+                self.priority_promotion_timeout_us,
+                1,
+                hour_ms * 1000,
+            ),
+            (
+                "priority_promotion_check_us",
+                self.priority_promotion_check_us,
+                1,
+                hour_ms * 1000,
+            ),
+            ("block_size", self.block_size, 1, 64 << 20),
+            (
+                "max_slices_per_request",
+                self.max_slices_per_request.into(),
+                1,
+                1 << 16,
+            ),
+            (
+                "max_slices_per_write",
+                self.max_slices_per_write.into(),
+                1,
+                1 << 16,
+            ),
+            (
+                "window_max_queue_us",
+                self.window_max_queue_us,
+                1,
+                1_000_000,
+            ),
+            (
+                "window_initial_bytes",
+                self.window_initial_bytes,
+                4096,
+                1 << 30,
+            ),
+            ("window_fixed_bytes", self.window_fixed_bytes, 4096, 1 << 30),
+            ("bulk_chunk_wait_us", self.bulk_chunk_wait_us, 1, 1_000_000),
+            ("min_bulk_chunk", self.min_bulk_chunk, 4096, 64 << 20),
+            ("timeout_ms", self.timeout_ms, 1, hour_ms),
+            ("max_retries", self.max_retries.into(), 0, 1000),
+            (
+                "connections_per_rail",
+                self.connections_per_rail as u64,
+                1,
+                64,
+            ),
+            (
+                "health_error_threshold",
+                self.health_error_threshold.into(),
+                1,
+                1_000_000,
+            ),
+            (
+                "health_initial_pause_ms",
+                self.health_initial_pause_ms,
+                1,
+                hour_ms,
+            ),
+            ("health_max_pause_ms", self.health_max_pause_ms, 1, hour_ms),
+            ("link_check_ms", self.link_check_ms, 1, hour_ms),
+        ] {
+            within(key(k), v, min, max)?;
+        }
+        if !["bdp", "fixed"].contains(&self.window_controller.as_str()) {
+            return Err(bad(
+                key("window_controller"),
+                format!("must be bdp or fixed, got {:?}", self.window_controller),
+            ));
+        }
+        self.plans().map(|_| ())
+    }
+
     /// The slicing plans for READ and WRITE requests.
     pub fn plans(&self) -> Result<(SlicePlan, SlicePlan), ScenarioError> {
         let read = SlicePlan::new(self.block_size, self.max_slices_per_request)
@@ -332,12 +429,13 @@ pub struct Workload {
     /// `read` or `write` (decides the slicing cap).
     #[serde(default = "default_op")]
     pub op: String,
-    /// Request size, bytes.
+    /// Request size, bytes: 1 to 1,099,511,627,776 (1 TiB).
     pub size: u64,
-    /// Submitters (closed loop).
+    /// Submitters (closed loop): 1 to 1024.
     #[serde(default = "one_usize")]
     pub threads: usize,
-    /// Requests per batch (closed loop).
+    /// Requests per batch (closed loop): 1 to 65,536. Every closed-loop workload's threads ×
+    /// batch, summed, is at most [`MAX_IN_FLIGHT`]: each request in flight is held in memory.
     #[serde(default = "one_usize")]
     pub batch: usize,
     /// NUMA node of the buffers.
@@ -346,16 +444,19 @@ pub struct Workload {
     /// How requests arrive (default closed).
     #[serde(default = "default_arrival")]
     pub arrival: Arrival,
-    /// For `interval`: the gap, microseconds.
+    /// For `interval`: the gap, microseconds, 0.001 to 3,600,000,000 (an hour).
     #[serde(default)]
     pub interval_us: f64,
-    /// For `poisson`: requests per second.
+    /// For `poisson`: requests per second, above 0 and at most 1,000,000,000. The arrivals
+    /// of every `interval` and `poisson` workload of a run add up to at most
+    /// [`MAX_ARRIVALS`]: a request that arrives faster than the rails drain them waits in
+    /// memory.
     #[serde(default)]
     pub rate_per_sec: f64,
-    /// Starts at, ms (default 0).
+    /// Starts at, ms (default 0): 0 to 3,600,000.
     #[serde(default)]
     pub start_ms: u64,
-    /// Stops submitting at, ms (default: the end).
+    /// Stops submitting at, ms (default: the end): 0 to 3,600,000.
     #[serde(default)]
     pub stop_ms: Option<u64>,
 }
@@ -392,7 +493,7 @@ impl Workload {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LinkEvent {
-    /// When, ms.
+    /// When, ms: 0 to 3,600,000 (an event at or after the end does not happen).
     pub at_ms: u64,
     /// Which rail (index).
     pub rail: usize,
@@ -449,12 +550,6 @@ pub enum ReceiverView {
     MinScore,
 }
 
-/// A lanes scenario: `peers` processes, each driving its own `UsageTracker` (sampled on its
-/// send path: `should_sample`, then `on_sample`, which runs `progress` as the tracker's
-/// settings say) and two `Lanes` machines, one asking for lanes for what it sends and one
-/// granting lanes for what it receives, exchanging lane messages with a modelled one-way
-/// latency. Defaults are the policy crate's, except `usage.switch_interval_us` (the policy's
-/// default is off).
 /// A group multicast in the manner of Derecho's SMC ([`crate::multicast`]): `members`
 /// processes, `senders` of them sending `message_bytes` messages as fast as their ring of
 /// `window` slots allows, pushes and acknowledgements decided by the real
@@ -462,22 +557,23 @@ pub enum ReceiverView {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MulticastScenario {
-    /// Group members (at least 2).
+    /// Group members: 2 to 256 ([`MAX_MULTICAST_MEMBERS`]; the model steps every member's
+    /// planner for every sender each 20 ns of simulated time).
     #[serde(default = "default_members")]
     pub members: u64,
     /// Members that send (1 to `members`).
     #[serde(default = "default_senders")]
     pub senders: u64,
-    /// Payload of each message, bytes.
+    /// Payload of each message, bytes: 1 to 16,777,216 (16 MiB, the engine's largest).
     #[serde(default = "default_message_bytes")]
     pub message_bytes: u64,
-    /// Slots of each sender's ring.
+    /// Slots of each sender's ring: 1 to 65,536, as the engine takes it.
     #[serde(default = "default_mcast_window")]
     pub window: u64,
     /// `off`, `opportunistic` or `k:N`.
     #[serde(default = "default_batching")]
     pub batching: String,
-    /// With `k:N`: longest a held-back push or acknowledgement waits, µs.
+    /// With `k:N`: longest a held-back push or acknowledgement waits, µs: 1 to 1,000,000.
     #[serde(default = "default_flush_us")]
     pub flush_us: u64,
     /// The NIC's line rate, Gbps (each sender's payload to every other member counts).
@@ -552,18 +648,16 @@ impl MulticastScenario {
     }
 
     fn validate(&self) -> Result<(), ScenarioError> {
-        if self.members < 2 {
-            return Err(bad("members", "must be at least 2"));
-        }
+        within("members", self.members, 2, MAX_MULTICAST_MEMBERS)?;
         if self.senders == 0 || self.senders > self.members {
             return Err(bad(
                 "senders",
                 format!("must be within [1, members {}]", self.members),
             ));
         }
-        if self.message_bytes == 0 {
-            return Err(bad("message_bytes", "must be at least 1"));
-        }
+        within("message_bytes", self.message_bytes, 1, 16 << 20)?;
+        within("window", self.window, 1, 1 << 16)?;
+        within("flush_us", self.flush_us, 1, 1_000_000)?;
         if !positive(self.nic_gbps) {
             return Err(bad("nic_gbps", "must be > 0"));
         }
@@ -574,10 +668,16 @@ impl MulticastScenario {
     }
 }
 
+/// A lanes scenario: `peers` processes, each driving its own `UsageTracker` (sampled on its
+/// send path: `should_sample`, then `on_sample`, which runs `progress` as the tracker's
+/// settings say) and two `Lanes` machines, one asking for lanes for what it sends and one
+/// granting lanes for what it receives, exchanging lane messages with a modelled one-way
+/// latency. Defaults are the policy crate's, except `usage.switch_interval_us` (the policy's
+/// default is off).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LanesScenario {
-    /// Processes (at least 2).
+    /// Processes: 2 to 100,000 ([`MAX_LANES_PEERS`]).
     pub peers: usize,
     /// `mbw_mr` or `alltoall`.
     pub workload: LanesWorkload,
@@ -587,26 +687,30 @@ pub struct LanesScenario {
     /// mbw_mr: receivers (default 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub receivers: Option<usize>,
-    /// mbw_mr: messages a second of each hot sender (default 1,000,000).
+    /// mbw_mr: messages a second of each hot sender (default 1,000,000), above 0 and at most
+    /// 100,000,000 ([`MAX_LANES_RATE`]; every message is simulated).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hot_rate_per_sec: Option<f64>,
-    /// mbw_mr: gap between two messages of a cold sender, ms (default 100).
+    /// mbw_mr: gap between two messages of a cold sender, ms (default 100): 0.001 to
+    /// 3,600,000.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cold_interval_ms: Option<f64>,
     /// mbw_mr: the receiver answers every this-many-th message of a sender (default 64,
-    /// osu_mbw_mr's window); 0: it sends nothing.
+    /// osu_mbw_mr's window); 0: it sends nothing. At most 1,048,576.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reply_every: Option<u64>,
-    /// alltoall: messages a second of each process, over all its peers.
+    /// alltoall: messages a second of each process, over all its peers: above 0 and at most
+    /// 100,000,000 ([`MAX_LANES_RATE`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rate_per_sec: Option<f64>,
     /// alltoall: `round_robin` (default) or `random`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub order: Option<SendOrder>,
-    /// Bytes of an application message (default 128); counts the payload rate only.
+    /// Bytes of an application message (default 128); counts the payload rate only. 1 to
+    /// 67,108,864 (64 MiB, the engine's largest receive buffer).
     #[serde(default = "default_message_size")]
     pub message_size: u64,
-    /// One-way latency of a lane message, microseconds (default 2).
+    /// One-way latency of a lane message, microseconds (default 2): 0 to 1,000,000.
     #[serde(default = "default_latency_us")]
     pub latency_us: f64,
     /// Each lane message's latency is `latency_us` plus or minus up to this, uniformly,
@@ -614,7 +718,8 @@ pub struct LanesScenario {
     #[serde(default = "default_jitter_us")]
     pub jitter_us: f64,
     /// Sends are simulated in batches, one per process per tick of this many microseconds
-    /// (default 1000); each send of a batch still goes through `should_sample`.
+    /// (default 1000; 1 to 1,000,000); each send of a batch still goes through
+    /// `should_sample`.
     #[serde(default = "default_tick_us")]
     pub tick_us: u64,
     /// Whose score a process keeps for peers it accepted (default `request`).
@@ -624,7 +729,7 @@ pub struct LanesScenario {
     /// scoring rounds, as the engine's does (default true); false only to compare.
     #[serde(default = "default_idle_progress")]
     pub idle_progress: bool,
-    /// `LanesConfig::max_dedicated`.
+    /// `LanesConfig::max_dedicated`: 0 to 65,536.
     #[serde(default = "default_max_dedicated")]
     pub max_dedicated: usize,
     /// `LanesConfig::remove_thresh`.
@@ -633,10 +738,10 @@ pub struct LanesScenario {
     /// `LanesConfig::min_score`: the least score at which a process asks for a lane.
     #[serde(default = "default_lanes_min_score")]
     pub min_score: f64,
-    /// `LanesConfig::deny_backoff_ns`, in ms.
+    /// `LanesConfig::deny_backoff_ns`, in ms: 1 to 3,600,000.
     #[serde(default = "default_deny_backoff_ms")]
     pub deny_backoff_ms: u64,
-    /// `LanesConfig::request_timeout_ns`, in ms.
+    /// `LanesConfig::request_timeout_ns`, in ms: 1 to 3,600,000.
     #[serde(default = "default_request_timeout_ms")]
     pub request_timeout_ms: u64,
     /// The usage tracker's settings.
@@ -688,9 +793,9 @@ fn default_request_timeout_ms() -> u64 {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct UsageKeys {
-    /// `UsageConfig::promote_capacity`.
+    /// `UsageConfig::promote_capacity`: 1 to 65,536.
     pub promote_capacity: usize,
-    /// `UsageConfig::promote_thresh`.
+    /// `UsageConfig::promote_thresh`: 0 to `promote_capacity`.
     pub promote_thresh: usize,
     /// `UsageConfig::remove_thresh`.
     pub remove_thresh: f64,
@@ -699,11 +804,12 @@ pub struct UsageKeys {
     /// `UsageConfig::decay_adder`.
     pub decay_adder: f64,
     /// `UsageConfig::switch_interval_ns`, in µs (default 10,000: with the default
-    /// `progress_factor` a busy process progresses every 100 ms; the policy's default is off).
+    /// `progress_factor` a busy process progresses every 100 ms; the policy's default is off):
+    /// 1 to 3,600,000,000.
     pub switch_interval_us: u64,
-    /// `UsageConfig::progress_factor`.
+    /// `UsageConfig::progress_factor`: 1 to 1,000,000.
     pub progress_factor: u32,
-    /// `UsageConfig::sample_period`.
+    /// `UsageConfig::sample_period`: 1 to 1,000,000.
     pub sample_period: u32,
 }
 
@@ -725,6 +831,46 @@ impl Default for UsageKeys {
 
 /// Most processes a lanes scenario may model.
 pub const MAX_LANES_PEERS: usize = 100_000;
+
+/// Most messages a second of one process in a lanes scenario (`hot_rate_per_sec`,
+/// `rate_per_sec`): every message goes through its tracker's `should_sample`, one by one.
+pub const MAX_LANES_RATE: f64 = 1e8;
+
+/// Longest simulated time of a run, ms (an hour).
+pub const MAX_DURATION_MS: u64 = 3_600_000;
+
+/// Most throughput samples (`duration_ms` / `sample_ms`) in a run's timeline.
+pub const MAX_SAMPLES: u64 = 1_000_000;
+
+/// Most samples × rails in a rails scenario's timeline (one counter per rail per sample).
+pub const MAX_TIMELINE_CELLS: u64 = 1 << 24;
+
+/// Most rails of a rails scenario: more NICs than any host has, and each slice's rail choice
+/// looks at every rail (1,024 rails take half a minute per simulated 100 ms).
+pub const MAX_RAILS: usize = 256;
+
+/// Most workloads of a rails scenario.
+pub const MAX_WORKLOADS: usize = 256;
+
+/// Most link events of a run.
+pub const MAX_EVENTS: usize = 100_000;
+
+/// Most runs of a scenario file.
+pub const MAX_RUNS: usize = 256;
+
+/// Most closed-loop requests in flight at once (every closed-loop workload's threads × batch):
+/// each takes about a kilobyte and a half of the simulator's memory.
+pub const MAX_IN_FLIGHT: u64 = 1 << 20;
+
+/// Most requests the `interval` and `poisson` workloads of a run submit in all (rate × the
+/// time they submit): arrivals the rails cannot keep up with wait in memory, about a kilobyte
+/// and a half each.
+pub const MAX_ARRIVALS: f64 = 5e6;
+
+/// Most members of a multicast scenario: the model steps every member's acknowledgement
+/// planner for every sender each 20 ns of simulated time (256 members all sending take about
+/// 40 s of wall time per simulated 5 ms).
+pub const MAX_MULTICAST_MEMBERS: u64 = 256;
 
 impl LanesScenario {
     /// The usage tracker's settings.
@@ -799,6 +945,9 @@ impl LanesScenario {
         match self.workload {
             LanesWorkload::MbwMr => {
                 only("rate_per_sec", self.rate_per_sec.is_some(), "alltoall")?;
+                if let Some(every) = self.reply_every {
+                    within("reply_every", every, 0, 1 << 20)?;
+                }
                 only("order", self.order.is_some(), "alltoall")?;
                 let Some(hot) = self.hot else {
                     return Err(bad("hot", "the mbw_mr workload needs it"));
@@ -807,7 +956,10 @@ impl LanesScenario {
                 if receivers == 0 {
                     return Err(bad("receivers", "must be at least 1"));
                 }
-                if receivers + hot > self.peers {
+                if receivers >= self.peers {
+                    return Err(bad("receivers", "leaves no sender"));
+                }
+                if receivers.saturating_add(hot) > self.peers {
                     return Err(bad(
                         "hot",
                         format!(
@@ -816,14 +968,15 @@ impl LanesScenario {
                         ),
                     ));
                 }
-                if receivers == self.peers {
-                    return Err(bad("receivers", "leaves no sender"));
-                }
                 if !positive(self.hot_rate()) {
                     return Err(bad("hot_rate_per_sec", "must be > 0"));
                 }
+                within_f64("hot_rate_per_sec", self.hot_rate(), 0.0, MAX_LANES_RATE)?;
                 if !self.cold_interval_ms.is_none_or(positive) {
                     return Err(bad("cold_interval_ms", "must be > 0"));
+                }
+                if let Some(ms) = self.cold_interval_ms {
+                    within_f64("cold_interval_ms", ms, 0.001, MAX_DURATION_MS as f64)?;
                 }
             }
             LanesWorkload::Alltoall => {
@@ -845,16 +998,12 @@ impl LanesScenario {
                     Some(r) if !positive(r) => {
                         return Err(bad("rate_per_sec", format!("must be > 0, got {r}")))
                     }
-                    Some(_) => {}
+                    Some(r) => within_f64("rate_per_sec", r, 0.0, MAX_LANES_RATE)?,
                 }
             }
         }
-        if self.message_size == 0 {
-            return Err(bad("message_size", "must be at least 1"));
-        }
-        if !(self.latency_us >= 0.0 && self.latency_us.is_finite()) {
-            return Err(bad("latency_us", "must be >= 0"));
-        }
+        within("message_size", self.message_size, 1, 64 << 20)?;
+        within_f64("latency_us", self.latency_us, 0.0, MAX_LATENCY_US)?;
         if !(self.jitter_us >= 0.0 && self.jitter_us <= self.latency_us) {
             return Err(bad(
                 "jitter_us",
@@ -864,9 +1013,23 @@ impl LanesScenario {
                 ),
             ));
         }
-        if self.tick_us == 0 {
-            return Err(bad("tick_us", "must be at least 1"));
-        }
+        within("tick_us", self.tick_us, 1, 1_000_000)?;
+        within("deny_backoff_ms", self.deny_backoff_ms, 1, MAX_DURATION_MS)?;
+        within(
+            "request_timeout_ms",
+            self.request_timeout_ms,
+            1,
+            MAX_DURATION_MS,
+        )?;
+        let u = &self.usage;
+        within(
+            "usage.switch_interval_us",
+            u.switch_interval_us,
+            1,
+            MAX_DURATION_MS * 1000,
+        )?;
+        within("usage.progress_factor", u.progress_factor, 1, 1_000_000)?;
+        within("usage.sample_period", u.sample_period, 1, 1_000_000)?;
         self.lanes_config().validate().map_err(|e| match e {
             LanesError::Config { field, message } => {
                 let key = match field {
@@ -878,9 +1041,6 @@ impl LanesScenario {
             }
             other => bad("", other.to_string()),
         })?;
-        if self.usage.switch_interval_us == 0 {
-            return Err(bad("usage.switch_interval_us", "must be at least 1"));
-        }
         self.usage_config()
             .validate()
             .map_err(|e| bad(format!("usage.{}", e.key), e.message))?;
@@ -889,13 +1049,24 @@ impl LanesScenario {
 }
 
 impl Run {
-    fn validate(&self) -> Result<(), ScenarioError> {
-        if self.duration_ms == 0 {
-            return Err(bad("duration_ms", "must be at least 1"));
+    /// Checks every key as [`parse_runs`] does, naming the first one out of range: for a run
+    /// changed after parsing (a duration given on the command line).
+    pub fn validate(&self) -> Result<(), ScenarioError> {
+        within("duration_ms", self.duration_ms, 1, MAX_DURATION_MS)?;
+        within("sample_ms", self.sample_ms, 1, MAX_DURATION_MS)?;
+        let samples = self.duration_ms.div_ceil(self.sample_ms);
+        if samples > MAX_SAMPLES {
+            return Err(bad(
+                "sample_ms",
+                format!(
+                    "{} ms in samples of {} ms is {samples} samples, more than {MAX_SAMPLES}; \
+                     raise sample_ms",
+                    self.duration_ms, self.sample_ms
+                ),
+            ));
         }
-        if self.sample_ms == 0 {
-            return Err(bad("sample_ms", "must be at least 1"));
-        }
+        within("runs", self.runs.len(), 0, MAX_RUNS)?;
+        within("events", self.events.len(), 0, MAX_EVENTS)?;
         if let Some(mc) = &self.multicast {
             for (key, given) in [
                 ("rails", !self.rails.is_empty()),
@@ -939,6 +1110,18 @@ impl Run {
         if self.rails.is_empty() {
             return Err(bad("rails", "needs at least one rail"));
         }
+        within("rails", self.rails.len(), 1, MAX_RAILS)?;
+        let cells = samples.saturating_mul(self.rails.len() as u64);
+        if cells > MAX_TIMELINE_CELLS {
+            return Err(bad(
+                "sample_ms",
+                format!(
+                    "{samples} samples × {} rails is more than {MAX_TIMELINE_CELLS} timeline \
+                     entries; raise sample_ms",
+                    self.rails.len()
+                ),
+            ));
+        }
         for (i, r) in self.rails.iter().enumerate() {
             if !(r.gbps > 0.0 && r.gbps.is_finite()) {
                 return Err(bad(
@@ -946,9 +1129,12 @@ impl Run {
                     format!("must be > 0, got {}", r.gbps),
                 ));
             }
-            if !(r.latency_us >= 0.0 && r.latency_us.is_finite()) {
-                return Err(bad(format!("rails[{i}].latency_us"), "must be >= 0"));
-            }
+            within_f64(
+                format!("rails[{i}].latency_us"),
+                r.latency_us,
+                0.0,
+                MAX_LATENCY_US,
+            )?;
             if !(r.ops_per_sec >= 0.0 && r.ops_per_sec.is_finite()) {
                 return Err(bad(format!("rails[{i}].ops_per_sec"), "must be >= 0"));
             }
@@ -959,23 +1145,12 @@ impl Run {
                 ));
             }
         }
-        let p = &self.policy;
-        if !["bdp", "fixed"].contains(&p.window_controller.as_str()) {
-            return Err(bad(
-                "policy.window_controller",
-                format!("must be bdp or fixed, got {:?}", p.window_controller),
-            ));
-        }
-        if p.connections_per_rail == 0 {
-            return Err(bad("policy.connections_per_rail", "must be at least 1"));
-        }
-        if p.link_check_ms == 0 {
-            return Err(bad("policy.link_check_ms", "must be at least 1"));
-        }
-        p.plans()?;
+        self.policy.validate()?;
         if self.workloads.is_empty() {
             return Err(bad("workloads", "needs at least one workload"));
         }
+        within("workloads", self.workloads.len(), 1, MAX_WORKLOADS)?;
+        let (mut in_flight, mut arrivals) = (0u64, 0.0f64);
         for (i, w) in self.workloads.iter().enumerate() {
             let key = |k: &str| format!("workloads[{i}].{k}");
             if !["high", "medium", "low"].contains(&w.priority.as_str()) {
@@ -990,24 +1165,67 @@ impl Run {
                     format!("must be read or write, got {:?}", w.op),
                 ));
             }
-            if w.size == 0 {
-                return Err(bad(key("size"), "must be at least 1"));
+            within(key("size"), w.size, 1, 1 << 40)?;
+            within(key("threads"), w.threads, 1, 1024)?;
+            within(key("batch"), w.batch, 1, 1 << 16)?;
+            within(key("start_ms"), w.start_ms, 0, MAX_DURATION_MS)?;
+            if let Some(stop) = w.stop_ms {
+                within(key("stop_ms"), stop, 0, MAX_DURATION_MS)?;
             }
-            if w.threads == 0 || w.batch == 0 {
-                return Err(bad(key("threads"), "threads and batch must be at least 1"));
-            }
-            match w.arrival {
-                Arrival::Interval if !positive(w.interval_us) => {
-                    return Err(bad(key("interval_us"), "must be > 0 for interval arrivals"))
+            // The time this workload submits, in seconds.
+            let active = (w.stop_ms.unwrap_or(self.duration_ms).min(self.duration_ms))
+                .saturating_sub(w.start_ms) as f64
+                / 1000.0;
+            let (rate, rate_key) = match w.arrival {
+                Arrival::Closed => {
+                    in_flight += (w.threads * w.batch) as u64;
+                    if in_flight > MAX_IN_FLIGHT {
+                        return Err(bad(
+                            key("batch"),
+                            format!(
+                                "the closed-loop workloads keep more than {MAX_IN_FLIGHT} \
+                                 requests (threads × batch, summed) in flight"
+                            ),
+                        ));
+                    }
+                    continue;
                 }
-                Arrival::Poisson if !positive(w.rate_per_sec) => {
-                    return Err(bad(key("rate_per_sec"), "must be > 0 for poisson arrivals"))
+                Arrival::Interval => {
+                    if !positive(w.interval_us) {
+                        return Err(bad(key("interval_us"), "must be > 0 for interval arrivals"));
+                    }
+                    within_f64(
+                        key("interval_us"),
+                        w.interval_us,
+                        0.001,
+                        MAX_DURATION_MS as f64 * 1000.0,
+                    )?;
+                    (1e6 / w.interval_us, "interval_us")
                 }
-                _ => {}
+                Arrival::Poisson => {
+                    if !positive(w.rate_per_sec) {
+                        return Err(bad(key("rate_per_sec"), "must be > 0 for poisson arrivals"));
+                    }
+                    within_f64(key("rate_per_sec"), w.rate_per_sec, 0.0, 1e9)?;
+                    (w.rate_per_sec, "rate_per_sec")
+                }
+            };
+            arrivals += rate * active;
+            if arrivals > MAX_ARRIVALS {
+                return Err(bad(
+                    key(rate_key),
+                    format!(
+                        "the interval and poisson workloads would submit about {arrivals:.0} \
+                         requests in {} ms, more than {MAX_ARRIVALS}; lower the rate or \
+                         duration_ms",
+                        self.duration_ms
+                    ),
+                ));
             }
         }
         for (i, e) in self.events.iter().enumerate() {
             let key = |k: &str| format!("events[{i}].{k}");
+            within(key("at_ms"), e.at_ms, 0, MAX_DURATION_MS)?;
             if e.rail >= self.rails.len() {
                 return Err(bad(
                     key("rail"),
@@ -1033,6 +1251,38 @@ impl Run {
 /// True for a finite number above zero (false for NaN).
 fn positive(v: f64) -> bool {
     v.is_finite() && v > 0.0
+}
+
+/// Longest one-way latency of a rail or a lane message, µs (a second).
+const MAX_LATENCY_US: f64 = 1e6;
+
+/// Checks that `value` of `key` lies within `[min, max]`.
+fn within<T: PartialOrd + std::fmt::Display>(
+    key: impl Into<String>,
+    value: T,
+    min: T,
+    max: T,
+) -> Result<(), ScenarioError> {
+    if min <= value && value <= max {
+        Ok(())
+    } else {
+        Err(bad(
+            key,
+            format!("must be within [{min}, {max}], got {value}"),
+        ))
+    }
+}
+
+/// [`within`] for a number that may also be NaN or infinite, which no range holds.
+fn within_f64(key: impl Into<String>, value: f64, min: f64, max: f64) -> Result<(), ScenarioError> {
+    if value.is_finite() {
+        within(key, value, min, max)
+    } else {
+        Err(bad(
+            key,
+            format!("must be within [{min}, {max}], got {value}"),
+        ))
+    }
 }
 
 /// Merges `patch` into `base`: objects key by key, anything else replaced.
@@ -1141,6 +1391,121 @@ mod tests {
         assert_eq!(parse_runs("{").unwrap_err().key, "");
     }
 
+    #[test]
+    fn counts_sizes_and_durations_out_of_range_are_named() {
+        let key = |doc: &str| parse_runs(doc).unwrap_err().key;
+        let min_with = |from: &str, to: &str| MIN.replacen(from, to, 1);
+        assert_eq!(
+            key(&min_with(
+                "\"duration_ms\": 10",
+                "\"duration_ms\": 18446744073709551615"
+            )),
+            "duration_ms"
+        );
+        assert_eq!(
+            key(&min_with("\"duration_ms\": 10", "\"duration_ms\": 3600001")),
+            "duration_ms"
+        );
+        assert!(parse_runs(&min_with("\"duration_ms\": 10", "\"duration_ms\": 3600000")).is_ok());
+        // An hour in 1 ms samples is 3.6 million samples.
+        assert_eq!(
+            key(&min_with(
+                "\"duration_ms\": 10",
+                "\"duration_ms\": 3600000, \"sample_ms\": 1"
+            )),
+            "sample_ms"
+        );
+        let rails: Vec<String> = (0..=MAX_RAILS)
+            .map(|i| format!(r#"{{"name": "r{i}", "gbps": 1}}"#))
+            .collect();
+        let many = min_with(
+            r#"[{"name": "r0", "gbps": 100}]"#,
+            &format!("[{}]", rails.join(",")),
+        );
+        assert_eq!(key(&many), "rails");
+        // 256 rails in 1 ms samples over 100 s: 25.6 million timeline entries.
+        let wide = many
+            .replacen(r#"{"name": "r0", "gbps": 1},"#, "", 1)
+            .replacen(
+                "\"duration_ms\": 10",
+                "\"duration_ms\": 100000, \"sample_ms\": 1",
+                1,
+            );
+        assert_eq!(key(&wide), "sample_ms");
+        let workload = |extra: &str| min_with("\"size\": 1048576", extra);
+        assert_eq!(key(&workload("\"size\": 0")), "workloads[0].size");
+        assert_eq!(
+            key(&workload("\"size\": 1048576, \"threads\": 1025")),
+            "workloads[0].threads"
+        );
+        assert_eq!(
+            key(&workload(
+                "\"size\": 1048576, \"threads\": 1024, \"batch\": 1025"
+            )),
+            "workloads[0].batch"
+        );
+        assert_eq!(
+            key(&workload(
+                "\"size\": 1048576, \"arrival\": \"poisson\", \"rate_per_sec\": 1e12"
+            )),
+            "workloads[0].rate_per_sec"
+        );
+        assert_eq!(
+            key(&workload(
+                "\"size\": 1048576, \"arrival\": \"interval\", \"interval_us\": 0.001"
+            )),
+            "workloads[0].interval_us"
+        );
+        assert_eq!(
+            key(&workload(
+                "\"size\": 1048576, \"start_ms\": 18446744073709551615"
+            )),
+            "workloads[0].start_ms"
+        );
+        assert_eq!(
+            key(&min_with(
+                "\"gbps\": 100",
+                "\"gbps\": 100, \"latency_us\": 1e300"
+            )),
+            "rails[0].latency_us"
+        );
+        let policy = |p: &str| {
+            key(&(MIN.trim_end_matches('}').to_owned() + &format!(", \"policy\": {{{p}}}}}")))
+        };
+        assert_eq!(policy("\"block_size\": 0"), "policy.block_size");
+        assert_eq!(
+            policy("\"max_slices_per_request\": 4294967295"),
+            "policy.max_slices_per_request"
+        );
+        assert_eq!(
+            policy("\"timeout_ms\": 18446744073709551615"),
+            "policy.timeout_ms"
+        );
+        assert_eq!(
+            policy("\"connections_per_rail\": 65"),
+            "policy.connections_per_rail"
+        );
+        assert_eq!(policy("\"link_check_ms\": 0"), "policy.link_check_ms");
+        let events = MIN.trim_end_matches('}').to_owned()
+            + r#", "events": [{"at_ms": 18446744073709551615, "rail": 0, "action": "fail"}]}"#;
+        assert_eq!(key(&events), "events[0].at_ms");
+        let group = |m: &str| {
+            key(&format!(
+                r#"{{"name": "m", "duration_ms": 1, "multicast": {{{m}}}}}"#
+            ))
+        };
+        assert_eq!(group("\"members\": 1000000000000"), "multicast.members");
+        assert_eq!(
+            group("\"message_bytes\": 1073741824"),
+            "multicast.message_bytes"
+        );
+        assert_eq!(group("\"window\": 65537"), "multicast.window");
+        assert_eq!(
+            group("\"batching\": \"k:4\", \"flush_us\": 18446744073709551615"),
+            "multicast.flush_us"
+        );
+    }
+
     const LANES: &str = r#"{"name": "l", "duration_ms": 100,
         "lanes": {"peers": 20, "workload": "mbw_mr", "hot": 3, "max_dedicated": 4}}"#;
 
@@ -1222,6 +1587,39 @@ mod tests {
         );
         assert_eq!(key(&with(LANES, r#""jitter_us": 3"#)), "lanes.jitter_us");
         assert_eq!(key(&with(LANES, r#""tick_us": 0"#)), "lanes.tick_us");
+        assert_eq!(key(&with(LANES, r#""tick_us": 1000001"#)), "lanes.tick_us");
+        assert_eq!(
+            key(&with(LANES, r#""hot_rate_per_sec": 1e15"#)),
+            "lanes.hot_rate_per_sec"
+        );
+        assert_eq!(
+            key(&with(LANES, r#""cold_interval_ms": 1e-9"#)),
+            "lanes.cold_interval_ms"
+        );
+        assert_eq!(
+            key(&with(LANES, r#""reply_every": 18446744073709551615"#)),
+            "lanes.reply_every"
+        );
+        assert_eq!(
+            key(&with(LANES, r#""message_size": 18446744073709551615"#)),
+            "lanes.message_size"
+        );
+        assert_eq!(
+            key(&with(
+                LANES,
+                r#""request_timeout_ms": 18446744073709551615"#
+            )),
+            "lanes.request_timeout_ms"
+        );
+        assert_eq!(
+            key(&with(LANES, r#""receivers": 18446744073709551615"#)),
+            "lanes.receivers"
+        );
+        assert_eq!(
+            key(&with(LANES, r#""usage": {"progress_factor": 0}"#)),
+            "lanes.usage.progress_factor"
+        );
+        assert_eq!(key(&ALLTOALL.replace("4000", "1e12")), "lanes.rate_per_sec");
         assert_eq!(
             key(&with(LANES, r#""message_size": 0"#)),
             "lanes.message_size"

@@ -3,7 +3,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::thread;
@@ -15,6 +15,7 @@ use multirail::{Config, Engine};
 use super::member::{self, MemberReport, Plan, Run};
 use super::report::{self, Kill};
 use super::{mono_ns, stall_limit, KillSignal, McastBenchArgs};
+use crate::child::{self, Guarded, Stop};
 use crate::Failure;
 
 /// How long a child may take to start its engine, or to answer `join` past the join timeout.
@@ -26,10 +27,27 @@ const START_LEAD_NS: u64 = 50_000_000;
 /// A child member; asked to stop (stdin closed) and killed if it lingers, when dropped.
 struct ChildMember {
     index: usize,
-    child: Child,
-    stdin: Option<ChildStdin>,
+    child: Guarded,
     lines: Receiver<String>,
     name: String,
+}
+
+/// The child members, stopped together when dropped: asked at once and given one grace
+/// period between them, so an error with 63 members lingering takes seconds, not minutes.
+struct Members(Vec<ChildMember>);
+
+impl Drop for Members {
+    fn drop(&mut self) {
+        let mut children: Vec<Guarded> = self
+            .0
+            .drain(..)
+            .map(|m| {
+                let ChildMember { child, .. } = m;
+                child
+            })
+            .collect();
+        child::stop_all(&mut children);
+    }
 }
 
 impl ChildMember {
@@ -48,11 +66,9 @@ impl ChildMember {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
-        let mut child = cmd
-            .spawn()
+        let mut child = Guarded::spawn(&mut cmd, Stop::CloseStdin)
             .with_context(|| format!("starting member {index}"))?;
-        let stdin = child.stdin.take();
-        let stdout = BufReader::new(child.stdout.take().expect("piped"));
+        let stdout = BufReader::new(child.take_stdout().expect("piped"));
         let (tx, lines) = mpsc::channel();
         thread::Builder::new()
             .name(format!("mb-member-{index}"))
@@ -68,7 +84,6 @@ impl ChildMember {
         let mut m = ChildMember {
             index,
             child,
-            stdin,
             lines,
             name: String::new(),
         };
@@ -78,7 +93,7 @@ impl ChildMember {
 
     fn say(&mut self, line: &str) -> anyhow::Result<()> {
         let index = self.index;
-        let stdin = self.stdin.as_mut().expect("stdin open until dropped");
+        let stdin = self.child.stdin().expect("stdin open until dropped");
         writeln!(stdin, "{line}")
             .and_then(|()| stdin.flush())
             .with_context(|| format!("writing to member {index} (did it exit?)"))
@@ -106,12 +121,6 @@ impl ChildMember {
     }
 }
 
-impl Drop for ChildMember {
-    fn drop(&mut self) {
-        crate::child::stop(&mut self.child, self.stdin.take());
-    }
-}
-
 pub(super) fn run(
     config: Config,
     config_path: Option<&Path>,
@@ -120,21 +129,24 @@ pub(super) fn run(
     let stall = stall_limit(&config);
     // The group's default join timeout (the bench does not change it).
     let join_timeout = Duration::from_secs(30);
-    let mut children = Vec::with_capacity(args.members - 1);
+    let mut members = Members(Vec::with_capacity(args.members - 1));
     for index in 1..args.members {
-        children.push(ChildMember::start(config_path, args, index)?);
+        members
+            .0
+            .push(ChildMember::start(config_path, args, index)?);
     }
+    let children = &mut members.0;
     let engine = Engine::new(config, "127.0.0.1:0")?;
     let names: Vec<String> = std::iter::once(engine.segment_name())
         .chain(children.iter().map(|c| c.name.clone()))
         .collect();
     let join_line = format!("join {}", names.join(","));
-    for c in &mut children {
+    for c in children.iter_mut() {
         c.say(&join_line)?;
     }
     let group = member::join(&engine, args.group_config(&names))
         .map_err(|e| Failure::Runtime(anyhow!("member 0 could not join: {e}")))?;
-    for c in &mut children {
+    for c in children.iter_mut() {
         let answer = c.line(join_timeout + ANSWER_SLACK, "`joined`")?;
         if answer != "joined" {
             let why = answer.strip_prefix("error ").unwrap_or(&answer);
@@ -153,7 +165,7 @@ pub(super) fn run(
         ),
     };
     let start_line = format!("start {t_start} {t_warm} {t_end}");
-    for c in &mut children {
+    for c in children.iter_mut() {
         c.say(&start_line)?;
     }
     let plan = Plan {
@@ -196,14 +208,8 @@ pub(super) fn run(
                 if kill.is_none() && now >= at {
                     let c = &mut children[m - 1];
                     match args.kill_signal {
-                        KillSignal::Kill => {
-                            let _ = c.child.kill();
-                        }
-                        KillSignal::Stop => {
-                            // SAFETY: kill(2) on our own child's pid, which we have not
-                            // waited for, so it still names that process.
-                            unsafe { libc::kill(c.child.id() as i32, libc::SIGSTOP) };
-                        }
+                        KillSignal::Kill => c.child.kill(),
+                        KillSignal::Stop => c.child.signal(libc::SIGSTOP),
                     }
                     kill = Some(Kill {
                         member: m,
@@ -217,7 +223,7 @@ pub(super) fn run(
         worker.join().expect("the member thread does not panic")
     });
     let mut reports: Vec<Option<MemberReport>> = vec![Some(own)];
-    for c in &mut children {
+    for c in children.iter_mut() {
         if kill.as_ref().is_some_and(|k| k.member == c.index) {
             reports.push(None);
             continue;
@@ -229,7 +235,7 @@ pub(super) fn run(
     }
     // The children leave once their stdin closes; a failed group of ours goes after them
     // (see `member::run`).
-    drop(children);
+    drop(members);
     drop(own_failed_group);
     report::finish(args, &reports, kill.as_ref())
 }

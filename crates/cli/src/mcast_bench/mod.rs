@@ -33,9 +33,18 @@ use clap::{Args, ValueEnum};
 use multirail::{Config, Delivery, GroupConfig, TransportChoice};
 
 use crate::clock::{mono_ns, sleep_until_ns};
-use crate::units;
+use crate::limits::{self, MAX_DURATION, MIN_DURATION};
 use crate::Failure;
 use payload::Sizes;
+
+/// Most members on one host: each is a process with an engine and a connection to every
+/// other member.
+const MAX_MEMBERS: u64 = 64;
+/// Most messages of a `--messages` run: a billion take a quarter of an hour at a million a
+/// second.
+const MAX_MESSAGES: u64 = 1_000_000_000;
+/// Longest `--flush-us`, µs (a second; a push held back longer defeats small messages).
+const MAX_FLUSH_US: u64 = 1_000_000;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
 enum Transport {
@@ -72,25 +81,27 @@ enum KillSignal {
     Stop,
 }
 
+/// Flags of `multirail mcast-bench`.
 #[derive(Args, Clone, Debug)]
 pub struct McastBenchArgs {
     /// Run every member on this host: this process is member 0, the others child processes.
     /// The only mode so far, so required.
     #[arg(long, required_unless_present = "serve_member")]
     local: bool,
-    /// Members of the group, at least 2. Default: 3.
-    #[arg(long, default_value_t = 3)]
+    /// Members of the group, 2 to 64 (processes on this host). Default: 3.
+    #[arg(long, default_value_t = 3, value_parser = limits::count::<usize>(2, MAX_MEMBERS))]
     members: usize,
-    /// Members that send (the first S), at least 1 and at most --members. Default: 1.
-    #[arg(long, default_value_t = 1)]
+    /// Members that send (the first S), 1 to --members. Default: 1.
+    #[arg(long, default_value_t = 1, value_parser = limits::count::<usize>(1, MAX_MEMBERS))]
     senders: usize,
     /// Of the senders, how many (the last ones) send nothing but their end marker at the end
-    /// of the run: with --delivery ordered, the others' messages must still be delivered
-    /// while they idle (null messages). Default: 0.
-    #[arg(long, default_value_t = 0)]
+    /// of the run, 0 to --senders - 1: with --delivery ordered, the others' messages must
+    /// still be delivered while they idle (null messages). Default: 0.
+    #[arg(long, default_value_t = 0, value_parser = limits::count::<usize>(0, MAX_MEMBERS - 1))]
     idle_senders: usize,
     /// Message size in bytes (e.g. 64, 4KiB), or a range MIN-MAX whose sizes are drawn
-    /// log-uniformly; at least 8 (the send stamp). Default: 64.
+    /// log-uniformly; 8 B (the send stamp) to 16 MiB (the largest multicast payload).
+    /// Default: 64.
     #[arg(long, default_value = "64", value_parser = Sizes::parse)]
     size: Sizes,
     /// Batching: off (a push and acknowledgements per message), opportunistic (everything
@@ -98,13 +109,15 @@ pub struct McastBenchArgs {
     /// Default: the configuration's transports.<t>.multicast.batching (opportunistic).
     #[arg(long)]
     batching: Option<String>,
-    /// Longest a held-back push or acknowledgement waits under k:N, microseconds. Default: the
-    /// configuration's transports.<t>.multicast.flush_us (150).
-    #[arg(long)]
+    /// Longest a held-back push or acknowledgement waits under k:N, microseconds, 1 to
+    /// 1000000. Default: the configuration's transports.<t>.multicast.flush_us (150).
+    #[arg(long, value_parser = limits::count_setting::<u64>(
+        1, MAX_FLUSH_US, "transports.<t>.multicast.flush_us"))]
     flush_us: Option<u64>,
-    /// Messages a sender may have unacknowledged. Default: the configuration's
+    /// Messages a sender may have unacknowledged, 1 to 65536. Default: the configuration's
     /// transports.<t>.multicast.window_size (16).
-    #[arg(long)]
+    #[arg(long, value_parser = limits::count_setting::<u64>(
+        1, multirail::config::MAX_MULTICAST_WINDOW, "transports.<t>.multicast.window_size"))]
     window: Option<u64>,
     /// unordered (per-sender FIFO) or ordered (one total order). Default: unordered.
     #[arg(long, value_enum, default_value_t = DeliveryArg::Unordered)]
@@ -115,23 +128,25 @@ pub struct McastBenchArgs {
     /// Messages per second each sender sends. Default: as fast as its window allows.
     #[arg(long)]
     rate: Option<f64>,
-    /// How long the senders send (seconds, or e.g. 500ms). Default: 5.
-    #[arg(long, default_value = "5", value_parser = units::parse_duration)]
+    /// How long the senders send (seconds, or e.g. 500ms, 2h), 1ms to 24h. Default: 5.
+    #[arg(long, default_value = "5", value_parser = limits::duration(MIN_DURATION, MAX_DURATION))]
     duration: Duration,
     /// The first part of --duration not measured (rates and latency count after it; 0 for
-    /// none). Default: 0.5.
-    #[arg(long, default_value = "0.5", value_parser = units::parse_duration_or_zero)]
+    /// none), 0 to 24h. Default: 0.5.
+    #[arg(long, default_value = "0.5", value_parser = limits::duration(Duration::ZERO, MAX_DURATION))]
     warmup: Duration,
-    /// Send this many messages in all (spread over the senders) instead of sending for
-    /// --duration; everything is measured. Default: off.
-    #[arg(long, conflicts_with = "duration")]
+    /// Send this many messages in all (spread over the senders), 1 to 1000000000, instead of
+    /// sending for --duration; everything is measured. Default: off.
+    #[arg(long, conflicts_with = "duration", value_parser = limits::count::<u64>(1, MAX_MESSAGES))]
     messages: Option<u64>,
-    /// Kill member I (1.. : a child) with SIGKILL --kill-after into the run, to see the others
-    /// fail with an error naming it. Default: off.
-    #[arg(long, requires = "kill_after")]
+    /// Kill member I (1 to --members - 1: a child) with SIGKILL --kill-after into the run, to
+    /// see the others fail with an error naming it. Default: off.
+    #[arg(long, requires = "kill_after",
+          value_parser = limits::count::<usize>(1, MAX_MEMBERS - 1))]
     kill_member: Option<usize>,
-    /// When to kill --kill-member, after the start (seconds, or e.g. 500ms).
-    #[arg(long, value_parser = units::parse_duration, requires = "kill_member")]
+    /// When to kill --kill-member, after the start (seconds, or e.g. 500ms), 1ms to 24h.
+    #[arg(long, requires = "kill_member",
+          value_parser = limits::duration(MIN_DURATION, MAX_DURATION))]
     kill_after: Option<Duration>,
     /// How --kill-member is killed: kill (SIGKILL: its connections close at once) or stop
     /// (SIGSTOP: it hangs with its connections open, so only the timeout finds it; killed at
@@ -149,19 +164,7 @@ pub struct McastBenchArgs {
 impl McastBenchArgs {
     fn validate(&self) -> Result<(), Failure> {
         let usage = |m: String| Err(Failure::Usage(m));
-        if self.members < 2 {
-            return usage(format!(
-                "--members must be at least 2, got {}",
-                self.members
-            ));
-        }
-        if self.members > 64 {
-            return usage(format!(
-                "--members must be at most 64 on one host, got {}",
-                self.members
-            ));
-        }
-        if self.senders == 0 || self.senders > self.members {
+        if self.senders > self.members {
             return usage(format!(
                 "--senders must be within [1, --members ({})], got {}",
                 self.members, self.senders
@@ -185,11 +188,8 @@ impl McastBenchArgs {
                 self.warmup.as_secs_f64()
             ));
         }
-        if self.messages == Some(0) {
-            return usage("--messages must be at least 1".into());
-        }
         if let Some(k) = self.kill_member {
-            if k == 0 || k >= self.members {
+            if k >= self.members {
                 return usage(format!(
                     "--kill-member must name a child member, 1 to {}, got {k}",
                     self.members - 1
@@ -279,7 +279,7 @@ impl McastBenchArgs {
     }
 }
 
-/// Runs `multirail mcast-bench`.
+/// Runs `multirail mcast-bench`: a `--local` run from member 0, or one of its child members.
 pub fn run(
     mut config: Config,
     config_path: Option<&Path>,

@@ -36,7 +36,8 @@ pub struct Sizes {
 
 impl Sizes {
     /// Parses `BYTES` or `MIN-MAX` (each a size like `64`, `10KiB`). Fails on a size under
-    /// 8 bytes (the stamp), a range that runs backwards, or bad units.
+    /// 8 bytes (the stamp) or over 16 MiB (the largest multicast payload), a range that runs
+    /// backwards, or bad units.
     pub fn parse(s: &str) -> Result<Sizes, String> {
         let (min, max) = match s.split_once('-') {
             Some((a, b)) => (
@@ -55,6 +56,13 @@ impl Sizes {
         }
         if max < min {
             return Err(format!("--size {s:?}: the range runs backwards"));
+        }
+        let largest = multirail::config::MAX_MULTICAST_PAYLOAD;
+        if max as u64 > largest {
+            return Err(format!(
+                "--size {s:?}: messages of at most {} (the group's largest max_payload)",
+                crate::units::format_size(largest)
+            ));
         }
         Ok(Sizes { min, max })
     }
@@ -185,6 +193,9 @@ mod tests {
         assert!(Sizes::parse("4").unwrap_err().contains("at least 8"));
         assert!(Sizes::parse("100-10").unwrap_err().contains("backwards"));
         assert!(Sizes::parse("x").is_err());
+        assert!(Sizes::parse("8-17MiB")
+            .unwrap_err()
+            .contains("at most 16 MiB"));
         let lens: Vec<usize> = (0..100_000).map(|i| s.len_of(1, i)).collect();
         assert!(lens.iter().all(|&l| (8..=10240).contains(&l)));
         assert!(lens.contains(&8) && lens.iter().any(|&l| l > 10000));

@@ -7,6 +7,7 @@ use serde_json::{json, Value};
 
 use super::member::{histogram, MemberReport, StatsReport};
 use super::{DeliveryArg, McastBenchArgs};
+use crate::out::outln;
 use crate::Failure;
 
 /// The member a run killed, and when (monotonic ns).
@@ -188,9 +189,9 @@ pub(super) fn finish(
         "problems": problems,
     });
     if args.json {
-        println!("{v}");
+        outln!("{v}")?;
     } else {
-        print_tables(&v);
+        print_tables(&v)?;
     }
     if problems.is_empty() {
         Ok(())
@@ -199,7 +200,7 @@ pub(super) fn finish(
     }
 }
 
-fn print_tables(v: &Value) {
+fn print_tables(v: &Value) -> Result<(), Failure> {
     use comfy_table::{presets::UTF8_FULL, Table};
     let f = |x: &Value| x.as_f64().unwrap_or(0.0);
     let mut t = Table::new();
@@ -228,7 +229,7 @@ fn print_tables(v: &Value) {
             m["failure"].as_str().unwrap_or("-").to_owned(),
         ]);
     }
-    println!("{t}");
+    outln!("{t}")?;
     let w = &v["writes_per_multicast"];
     let mut s = Table::new();
     s.load_preset(UTF8_FULL);
@@ -287,5 +288,5 @@ fn print_tables(v: &Value) {
     for p in v["problems"].as_array().into_iter().flatten() {
         s.add_row(vec!["PROBLEM".into(), p.as_str().unwrap_or("").to_owned()]);
     }
-    println!("{s}");
+    outln!("{s}")
 }

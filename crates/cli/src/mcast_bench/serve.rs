@@ -25,8 +25,7 @@ fn say(line: &str) -> anyhow::Result<()> {
 
 /// Serves as one member until the run ends or the parent goes away.
 pub(super) fn serve(config: Config, args: &McastBenchArgs) -> Result<(), Failure> {
-    // SAFETY: prctl(PR_SET_PDEATHSIG) only sets a flag on this process.
-    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) };
+    // The parent started this process to die with it (`child::Guarded`).
     let stall = stall_limit(&config);
     let engine = Engine::new(config, "127.0.0.1:0")?;
     say(&engine.segment_name())?;
