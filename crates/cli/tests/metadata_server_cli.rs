@@ -203,3 +203,138 @@ fn metadata_flag_takes_etcd_and_refuses_other_schemes_with_a_reason() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("etcd://HOST:PORT"), "{err}");
 }
+
+/// Runs `multirail metadata-server ARGS` expecting it to exit at once; returns the exit code and
+/// standard error.
+fn run_failing(args: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_multirail"))
+        .arg("metadata-server")
+        .args(["--listen", "127.0.0.1:0"])
+        .args(args)
+        .stdout(Stdio::null())
+        .output()
+        .expect("run");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The only line of `stderr`, checked to say `words` and to carry no OS error twice.
+fn one_clear_line(stderr: &str, words: &[&str]) {
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    for w in words {
+        assert!(lines[0].contains(w), "{w:?} not in {stderr}");
+    }
+    if let Some(at) = lines[0].find("(os error") {
+        assert!(
+            !lines[0][at + 1..].contains("(os error"),
+            "the OS error is repeated: {stderr}"
+        );
+    }
+}
+
+#[test]
+fn a_data_dir_that_cannot_be_used_is_a_usage_error_naming_the_flag() {
+    let dir = std::env::temp_dir().join(format!("mr-meta-cli-bad-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    let file_arg = file.to_str().unwrap();
+
+    let (code, err) = run_failing(&["--data-dir", file_arg]);
+    assert_eq!(code, Some(2), "{err}");
+    one_clear_line(&err, &["--data-dir", file_arg, "not a directory"]);
+
+    let under = file.join("sub");
+    let (code, err) = run_failing(&["--data-dir", under.to_str().unwrap()]);
+    assert_eq!(code, Some(2), "{err}");
+    one_clear_line(
+        &err,
+        &[
+            "--data-dir",
+            "cannot be created",
+            &format!("{file_arg} is not a directory"),
+        ],
+    );
+
+    // Root writes anywhere: a read-only directory only stops other users.
+    if unsafe { libc::geteuid() } == 0 {
+        eprintln!("skipping the unwritable --data-dir case: running as root");
+    } else {
+        use std::os::unix::fs::PermissionsExt;
+        let locked = dir.join("locked");
+        std::fs::create_dir(&locked).unwrap();
+        std::fs::set_permissions(&locked, std::fs::Permissions::from_mode(0o500)).unwrap();
+        let (code, err) = run_failing(&["--data-dir", locked.to_str().unwrap()]);
+        assert_eq!(code, Some(2), "{err}");
+        one_clear_line(&err, &["--data-dir", "is not writable"]);
+        std::fs::set_permissions(&locked, std::fs::Permissions::from_mode(0o700)).unwrap();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn other_flag_errors_are_one_line() {
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = held.local_addr().unwrap().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_multirail"))
+        .args(["metadata-server", "--listen", &addr])
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    one_clear_line(
+        &String::from_utf8_lossy(&out.stderr),
+        &["cannot listen on", &addr, "os error"],
+    );
+    let (code, err) = run_failing(&["--max-connections", "0"]);
+    assert_eq!(code, Some(2), "{err}");
+    one_clear_line(&err, &["--max-connections"]);
+}
+
+#[test]
+fn key_ttl_out_of_its_range_is_a_usage_error_naming_the_flag() {
+    for bad in ["86401", "-1", "1.5", "soon"] {
+        let (code, err) = run_failing(&["--key-ttl-s", bad]);
+        assert_eq!(code, Some(2), "{bad}: {err}");
+        assert!(err.contains("--key-ttl-s"), "{bad}: {err}");
+    }
+    let help = Command::new(env!("CARGO_BIN_EXE_multirail"))
+        .args(["metadata-server", "--help"])
+        .output()
+        .expect("run");
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains("--key-ttl-s"), "{help}");
+    assert!(help.contains("1 to 86400"), "{help}");
+}
+
+#[test]
+fn with_key_ttl_a_key_not_put_again_is_gone() {
+    let server = start(&["--key-ttl-s", "1"]);
+    assert_eq!(request(&server.url, "PUT", "key=engine", b"v").0, 200);
+    let put_at = std::time::Instant::now();
+    assert_eq!(request(&server.url, "GET", "key=engine", b"").0, 200);
+    loop {
+        let code = request(&server.url, "GET", "key=engine", b"").0;
+        if code == 404 {
+            break;
+        }
+        assert_eq!(code, 200);
+        assert!(
+            put_at.elapsed() < Duration::from_secs(2),
+            "still there 2 s after its last PUT with --key-ttl-s 1"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(put_at.elapsed() >= Duration::from_millis(900));
+    let metrics_url = server.url.replace("/metadata", "/metrics");
+    let (code, body) = request(&metrics_url, "GET", "", b"");
+    assert_eq!(code, 200);
+    let text = String::from_utf8_lossy(&body);
+    assert!(
+        text.contains("multirail_metadata_keys_expired_total 1"),
+        "{text}"
+    );
+}

@@ -1,21 +1,16 @@
 //! Request handlers: `/metadata` (Mooncake's protocol), `/metrics`, `/health`.
 
+use std::borrow::Cow;
 use std::sync::Arc;
-use std::time::Duration;
-
-use axum::body::{Body, Bytes};
-use axum::extract::{Request, State};
-use axum::http::{header, HeaderValue, Method, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::routing::{any, get};
-use axum::Router;
-use http_body_util::BodyExt;
-use hyper::body::Body as _;
 
 use crate::metrics::Metrics;
 use crate::query::{self, BadQuery, Target};
-use crate::store::{PutOutcome, Store};
+use crate::request::{Head, Method};
+use crate::store::{PutOutcome, Store, Value};
 use crate::Limits;
+
+/// The path of Mooncake's protocol.
+pub(crate) const METADATA_PATH: &str = "/metadata";
 
 /// Mooncake's bodies, matched byte for byte: its engines only look at the
 /// status code, but scripts around them grep these texts.
@@ -29,6 +24,8 @@ const METHOD_NOT_ALLOWED: &str = "Method not allowed";
 /// Mooncake's servers label every `/metadata` answer as JSON, even the
 /// plain-text ones and binary values; clients may depend on it, so we do too.
 const METADATA_CONTENT_TYPE: &str = "application/json";
+/// Refusals, `/health` and unknown paths.
+const TEXT_CONTENT_TYPE: &str = "text/plain; charset=utf-8";
 /// prometheus-client writes the OpenMetrics flavour of the text format.
 const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
@@ -40,86 +37,177 @@ pub(crate) struct App {
     pub(crate) limits: Limits,
 }
 
-/// The server's routes; unknown paths get 404, wrong methods 405.
-pub(crate) fn router(app: Arc<App>) -> Router {
-    Router::new()
-        .route("/metadata", any(metadata))
-        .route("/metrics", get(metrics))
-        .route("/health", get(health))
-        .fallback(not_found)
-        .with_state(app)
+/// A response body: a text, or a stored value shared with the store.
+#[derive(Debug)]
+pub(crate) enum Body {
+    Text(Cow<'static, str>),
+    Value(Value),
+    Bytes(Vec<u8>),
 }
 
-async fn metadata(State(app): State<Arc<App>>, req: Request) -> Response {
-    let method = req.method().clone();
-    let response = handle_metadata(&app, req).await;
-    app.metrics.request(&method, response.status().as_u16());
-    response
+/// A response before it is written.
+#[derive(Debug)]
+pub(crate) struct Response {
+    pub(crate) status: u16,
+    content_type: &'static str,
+    body: Body,
+    allow: Option<&'static str>,
+    /// Close the connection after this answer.
+    pub(crate) close: bool,
 }
 
-async fn handle_metadata(app: &Arc<App>, req: Request) -> Response {
-    let (parts, body) = req.into_parts();
-    let method = parts.method;
-    let is_read = method == Method::GET || method == Method::HEAD;
-    if !(is_read || method == Method::PUT || method == Method::DELETE) {
-        let mut response = metadata_response(StatusCode::METHOD_NOT_ALLOWED, METHOD_NOT_ALLOWED);
-        response.headers_mut().insert(
-            header::ALLOW,
-            HeaderValue::from_static("GET, HEAD, PUT, DELETE"),
-        );
-        return response;
+impl Response {
+    fn new(status: u16, content_type: &'static str, body: Body) -> Response {
+        Response {
+            status,
+            content_type,
+            body,
+            allow: None,
+            close: false,
+        }
     }
-    let target = match query::parse(parts.uri.query(), app.limits.max_key_bytes) {
+
+    /// A plain-text answer, as refusals and the other paths give.
+    pub(crate) fn text(status: u16, text: impl Into<Cow<'static, str>>) -> Response {
+        Response::new(status, TEXT_CONTENT_TYPE, Body::Text(text.into()))
+    }
+
+    /// A `/metadata` answer: labelled JSON whatever it holds, as Mooncake's.
+    fn metadata(status: u16, body: Body) -> Response {
+        Response::new(status, METADATA_CONTENT_TYPE, body)
+    }
+
+    pub(crate) fn metadata_text(status: u16, text: impl Into<Cow<'static, str>>) -> Response {
+        Response::metadata(status, Body::Text(text.into()))
+    }
+
+    fn method_not_allowed(allow: &'static str, content_type: &'static str) -> Response {
+        let mut response = Response::new(
+            405,
+            content_type,
+            Body::Text(Cow::Borrowed(METHOD_NOT_ALLOWED)),
+        );
+        response.allow = Some(allow);
+        response
+    }
+
+    /// The body's bytes.
+    pub(crate) fn body(&self) -> &[u8] {
+        match &self.body {
+            Body::Text(text) => text.as_bytes(),
+            Body::Value(value) => value,
+            Body::Bytes(bytes) => bytes,
+        }
+    }
+
+    /// The status line and header fields, through the blank line.
+    pub(crate) fn head_bytes(&self, keep_alive: bool, http11: bool) -> Vec<u8> {
+        use std::fmt::Write as _;
+        let mut head = String::with_capacity(160);
+        let _ = write!(
+            head,
+            "HTTP/1.1 {} {}\r\ncontent-type: {}\r\ncontent-length: {}\r\n",
+            self.status,
+            reason_phrase(self.status),
+            self.content_type,
+            self.body().len()
+        );
+        if let Some(allow) = self.allow {
+            let _ = write!(head, "allow: {allow}\r\n");
+        }
+        if !keep_alive {
+            head.push_str("connection: close\r\n");
+        } else if !http11 {
+            // HTTP/1.0 closes unless told otherwise.
+            head.push_str("connection: keep-alive\r\n");
+        }
+        head.push_str("\r\n");
+        head.into_bytes()
+    }
+}
+
+fn reason_phrase(status: u16) -> &'static str {
+    match status {
+        200 => "OK",
+        400 => "Bad Request",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        408 => "Request Timeout",
+        413 => "Payload Too Large",
+        431 => "Request Header Fields Too Large",
+        500 => "Internal Server Error",
+        501 => "Not Implemented",
+        _ => "",
+    }
+}
+
+/// Answers one request whose head and body have been read.
+pub(crate) async fn handle(app: &Arc<App>, head: &Head, body: Vec<u8>) -> Response {
+    let is_read = matches!(head.method, Method::Get | Method::Head);
+    match head.path.as_str() {
+        METADATA_PATH => {
+            let response = metadata(app, head, body).await;
+            app.metrics.request(head.method, response.status);
+            response
+        }
+        "/metrics" if is_read => metrics(app),
+        // Mooncake's C++ metadata server answers `GET /health` with 200 "OK".
+        "/health" if is_read => Response::text(200, "OK"),
+        "/metrics" | "/health" => Response::method_not_allowed("GET, HEAD", TEXT_CONTENT_TYPE),
+        _ => Response::text(404, "not found"),
+    }
+}
+
+async fn metadata(app: &Arc<App>, head: &Head, body: Vec<u8>) -> Response {
+    let method = head.method;
+    let is_read = matches!(method, Method::Get | Method::Head);
+    if !(is_read || matches!(method, Method::Put | Method::Delete)) {
+        return Response::method_not_allowed("GET, HEAD, PUT, DELETE", METADATA_CONTENT_TYPE);
+    }
+    let target = match query::parse(head.query.as_deref(), app.limits.max_key_bytes) {
         Ok(target) => target,
-        Err(BadQuery(reason)) => return metadata_response(StatusCode::BAD_REQUEST, reason),
+        Err(BadQuery(reason)) => return Response::metadata_text(400, reason),
     };
     match target {
         Target::Key(key) if is_read => match app.store.get(&key) {
-            Some(value) => metadata_response(StatusCode::OK, value),
-            None => metadata_response(StatusCode::NOT_FOUND, NOT_FOUND),
+            Some(value) => Response::metadata(200, Body::Value(value)),
+            None => Response::metadata_text(404, NOT_FOUND),
         },
         Target::Prefix(prefix) if is_read => {
             let keys = app.store.keys_with_prefix(&prefix);
             match serde_json::to_vec(&keys) {
-                Ok(json) => metadata_response(StatusCode::OK, json),
-                Err(err) => metadata_response(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    format!("cannot encode the key list: {err}"),
-                ),
+                Ok(json) => Response::metadata(200, Body::Bytes(json)),
+                Err(err) => {
+                    Response::metadata_text(500, format!("cannot encode the key list: {err}"))
+                }
             }
         }
-        Target::Prefix(_) => metadata_response(
-            StatusCode::BAD_REQUEST,
+        Target::Prefix(_) => Response::metadata_text(
+            400,
             "prefix is only valid with GET; PUT and DELETE take a key",
         ),
-        Target::Key(key) if method == Method::PUT => put(app, key, body).await,
+        Target::Key(key) if method == Method::Put => put(app, key, body).await,
         Target::Key(key) => delete(app, key).await,
     }
 }
 
-async fn put(app: &Arc<App>, key: String, body: Body) -> Response {
-    let value = match read_body(body, app.limits.max_value_bytes, app.limits.request_timeout).await
-    {
-        Ok(value) => value,
-        Err(response) => return response,
-    };
-    // The write runs as its own task so that a client hanging up mid-request
-    // cannot cancel it between the disk write and the map update.
+async fn put(app: &Arc<App>, key: String, body: Vec<u8>) -> Response {
+    let value: Value = Arc::from(body);
+    // The write runs as its own task so that nothing cancelling this one
+    // (a runtime shutting down) can stop it between the disk write and the
+    // map update.
     let store = Arc::clone(&app.store);
     let key_for_log = key.clone();
     match tokio::spawn(async move { store.put(key, value).await }).await {
-        Ok(Ok(PutOutcome::Updated)) => metadata_response(StatusCode::OK, UPDATED),
-        Ok(Ok(PutOutcome::Unchanged)) => metadata_response(StatusCode::OK, UNCHANGED),
+        Ok(Ok(PutOutcome::Updated)) => Response::metadata_text(200, UPDATED),
+        Ok(Ok(PutOutcome::Unchanged)) => Response::metadata_text(200, UNCHANGED),
         Ok(Ok(PutOutcome::RpcMetaConflict)) => {
             tracing::warn!(key = %key_for_log, "PUT refused: rpc_meta key already holds another value");
-            metadata_response(StatusCode::BAD_REQUEST, RPC_META_CONFLICT)
+            Response::metadata_text(400, RPC_META_CONFLICT)
         }
         Ok(Err(err)) => {
             tracing::error!(key = %key_for_log, %err, "cannot persist metadata");
-            metadata_response(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("cannot persist metadata: {err}"),
-            )
+            Response::metadata_text(500, format!("cannot persist metadata: {err}"))
         }
         Err(err) => internal_task_error(err),
     }
@@ -129,14 +217,11 @@ async fn delete(app: &Arc<App>, key: String) -> Response {
     let store = Arc::clone(&app.store);
     let key_for_log = key.clone();
     match tokio::spawn(async move { store.delete(key).await }).await {
-        Ok(Ok(true)) => metadata_response(StatusCode::OK, DELETED),
-        Ok(Ok(false)) => metadata_response(StatusCode::NOT_FOUND, NOT_FOUND),
+        Ok(Ok(true)) => Response::metadata_text(200, DELETED),
+        Ok(Ok(false)) => Response::metadata_text(404, NOT_FOUND),
         Ok(Err(err)) => {
             tracing::error!(key = %key_for_log, %err, "cannot remove persisted metadata");
-            metadata_response(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("cannot remove persisted metadata: {err}"),
-            )
+            Response::metadata_text(500, format!("cannot remove persisted metadata: {err}"))
         }
         Err(err) => internal_task_error(err),
     }
@@ -144,87 +229,12 @@ async fn delete(app: &Arc<App>, key: String) -> Response {
 
 fn internal_task_error(err: tokio::task::JoinError) -> Response {
     tracing::error!(%err, "metadata store task failed");
-    metadata_response(StatusCode::INTERNAL_SERVER_ERROR, "internal error")
+    Response::metadata_text(500, "internal error")
 }
 
-/// Reads a request body of at most `max` bytes within `timeout`. On failure
-/// returns the response to send: 413 when too large, 408 when too slow, 400
-/// when the body is malformed or cut short.
-async fn read_body(mut body: Body, max: usize, timeout: Duration) -> Result<Bytes, Response> {
-    let too_large = || {
-        closing(metadata_response(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!("value is larger than the limit of {max} bytes"),
-        ))
-    };
-    // A Content-Length over the limit is refused before reading any of it.
-    let announced = body.size_hint().lower();
-    if announced > max as u64 {
-        return Err(too_large());
-    }
-    let collect = async {
-        let mut buf = Vec::with_capacity(announced as usize);
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|err| {
-                closing(metadata_response(
-                    StatusCode::BAD_REQUEST,
-                    format!("cannot read the request body: {err}"),
-                ))
-            })?;
-            if let Ok(data) = frame.into_data() {
-                if buf.len() + data.len() > max {
-                    return Err(too_large());
-                }
-                buf.extend_from_slice(&data);
-            }
-        }
-        Ok(Bytes::from(buf))
-    };
-    match tokio::time::timeout(timeout, collect).await {
-        Ok(result) => result,
-        Err(_) => Err(closing(metadata_response(
-            StatusCode::REQUEST_TIMEOUT,
-            format!("request body not received within {timeout:?}"),
-        ))),
-    }
-}
-
-/// Asks hyper to close the connection after this response: used when the
-/// request body was not read to its end, so the stream is no longer at a
-/// request boundary.
-fn closing(mut response: Response) -> Response {
-    response
-        .headers_mut()
-        .insert(header::CONNECTION, HeaderValue::from_static("close"));
-    response
-}
-
-fn metadata_response(status: StatusCode, body: impl Into<Body>) -> Response {
-    (
-        status,
-        [(header::CONTENT_TYPE, METADATA_CONTENT_TYPE)],
-        body.into(),
-    )
-        .into_response()
-}
-
-async fn metrics(State(app): State<Arc<App>>) -> Response {
+fn metrics(app: &Arc<App>) -> Response {
     match app.metrics.render(app.store.len(), app.store.value_bytes()) {
-        Ok(text) => (
-            StatusCode::OK,
-            [(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)],
-            text,
-        )
-            .into_response(),
-        Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "cannot encode metrics").into_response(),
+        Ok(text) => Response::new(200, METRICS_CONTENT_TYPE, Body::Text(text.into())),
+        Err(_) => Response::text(500, "cannot encode metrics"),
     }
-}
-
-/// Mooncake's C++ metadata server answers `GET /health` with 200 "OK".
-async fn health() -> &'static str {
-    "OK"
-}
-
-async fn not_found() -> (StatusCode, &'static str) {
-    (StatusCode::NOT_FOUND, "not found")
 }

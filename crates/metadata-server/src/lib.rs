@@ -31,12 +31,29 @@
 //!   `prefix` is a 400.
 //! - `GET /metrics`: Prometheus metrics (OpenMetrics text):
 //!   `multirail_metadata_keys`, `multirail_metadata_value_bytes`,
-//!   `multirail_metadata_connections` (gauges) and
+//!   `multirail_metadata_connections` (gauges),
 //!   `multirail_metadata_requests_total{method,code}` (requests to
-//!   `/metadata`).
+//!   `/metadata` by their answer, whoever gave it),
+//!   `multirail_metadata_rejected_total{code,reason}` (requests to any path
+//!   that the server refused before a handler saw them, with `reason` one
+//!   of `malformed_head`, `content_length`, `transfer_encoding`,
+//!   `head_too_large`, `head_incomplete`, `head_timeout`, `body_too_large`,
+//!   `body_malformed`, `body_incomplete`, `body_timeout`) and
+//!   `multirail_metadata_keys_expired_total`.
 //! - Bounds ([`Limits`]): a value over `max_value_bytes` gets 413, a key or
-//!   prefix over `max_key_bytes` 400, a body slower than `request_timeout`
-//!   408; connections beyond `max_connections` wait to be accepted.
+//!   prefix over `max_key_bytes` 400, a head or body slower than
+//!   `request_timeout` 408; connections beyond `max_connections` wait to be
+//!   accepted.
+//! - Every refusal carries a one-line reason as its body: a request that is
+//!   not valid HTTP/1.1 (request line, header fields, `Content-Length`,
+//!   chunked framing) gets 400 (431 for an oversized head, 501 for a
+//!   transfer coding other than chunked) saying what is wrong, and the
+//!   connection is closed.
+//! - Key expiry ([`Limits::key_ttl`], off by default): a key not stored
+//!   again within the TTL is gone, as etcd drops the keys of an expired
+//!   lease, so the keys of an engine that died without withdrawing them do
+//!   not stay forever. Reads answer 404 from the deadline on; a background
+//!   task removes the key's file and counts it within milliseconds.
 //! - Persistence: with [`ServerConfig::data_dir`], every PUT and DELETE
 //!   reaches the disk (written, fsynced, renamed into place) before it is
 //!   answered, and a restart serves every key again. Files there that
@@ -64,11 +81,13 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod conn;
 mod http;
 mod limits;
 mod metrics;
 mod persist;
-mod query;
+pub mod query;
+pub mod request;
 mod server;
 mod store;
 
@@ -101,20 +120,23 @@ pub struct ServerConfig {
 pub enum ServerError {
     /// The listen address could not be bound (in use, not local, no
     /// permission).
-    #[error("cannot listen on {addr}: {source}")]
+    #[error("cannot listen on {addr}")]
     Bind {
         /// The address from [`ServerConfig::listen`].
         addr: SocketAddr,
         /// The operating system's error.
         source: io::Error,
     },
-    /// The data directory could not be created, listed or written to.
-    #[error("metadata data directory {}: {source}", path.display())]
+    /// The data directory is not a directory, or could not be created,
+    /// listed or written to.
+    #[error("metadata data directory {} {problem}", path.display())]
     DataDir {
         /// The directory from [`ServerConfig::data_dir`].
         path: PathBuf,
-        /// The operating system's error.
-        source: io::Error,
+        /// What is wrong with it, e.g. `is not writable`.
+        problem: String,
+        /// The operating system's error, when there was one.
+        source: Option<io::Error>,
     },
     /// A [`Limits`] field has a value the server cannot work with.
     #[error("invalid metadata server limits: {0}")]
@@ -152,9 +174,10 @@ impl MetadataServer {
         let (persistence, entries) = match &data_dir {
             Some(dir) => {
                 let (persistence, entries) =
-                    persist::Persistence::open(dir).map_err(|source| ServerError::DataDir {
+                    persist::Persistence::open(dir).map_err(|err| ServerError::DataDir {
                         path: dir.clone(),
-                        source,
+                        problem: err.problem,
+                        source: err.source,
                     })?;
                 (Some(persistence), entries)
             }
@@ -183,24 +206,36 @@ impl MetadataServer {
         };
 
         let metrics = Arc::new(metrics::Metrics::new());
+        let store = Arc::new(store::Store::new(
+            entries,
+            persistence,
+            limits.key_ttl,
+            Arc::clone(&metrics),
+        ));
         let app = Arc::new(http::App {
-            store: Arc::new(store::Store::new(entries, persistence)),
-            metrics: Arc::clone(&metrics),
+            store: Arc::clone(&store),
+            metrics,
             limits: limits.clone(),
         });
-        let router = http::router(app);
         let (stop, stop_rx) = watch::channel(false);
         let runtime_grace = limits.request_timeout;
         let thread = std::thread::Builder::new()
             .name("multirail-metadata-server".into())
             .spawn(move || {
-                runtime.block_on(server::serve(listener, router, limits, metrics, stop_rx));
+                runtime.block_on(async move {
+                    let expiry = tokio::spawn({
+                        let stop = stop_rx.clone();
+                        async move { store.expire_keys(stop).await }
+                    });
+                    server::serve(listener, app, stop_rx).await;
+                    let _ = expiry.await;
+                });
                 // Blocking tasks are fsyncs already under way; give them the
                 // time to land, but do not hang on a dead disk.
                 runtime.shutdown_timeout(runtime_grace);
             })
             .map_err(ServerError::Runtime)?;
-        tracing::info!(%local_addr, data_dir = ?data_dir, "metadata server listening");
+        tracing::info!(%local_addr, data_dir = ?data_dir, key_ttl = ?limits.key_ttl, "metadata server listening");
         Ok(MetadataServer {
             local_addr,
             stop: Some(stop),

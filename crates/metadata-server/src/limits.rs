@@ -24,6 +24,15 @@ pub struct Limits {
     /// too. A body that does not arrive in time is answered with
     /// `408 Request Timeout`. Default: 30 seconds.
     pub request_timeout: Duration,
+    /// How long a key lives after its last `PUT`: a key not stored again
+    /// within this time is dropped (from memory and from the data
+    /// directory) and reads answer 404, as etcd drops the keys of a lease
+    /// that was not kept alive. Each `PUT` of the key, even one that
+    /// republishes an `rpc_meta` key unchanged, restarts its time; keys
+    /// loaded from the data directory at start get the full time. `None`
+    /// keeps keys until they are deleted, as Mooncake's servers do.
+    /// At most [`Limits::MAX_KEY_TTL`]. Default: `None`.
+    pub key_ttl: Option<Duration>,
 }
 
 impl Default for Limits {
@@ -33,11 +42,15 @@ impl Default for Limits {
             max_key_bytes: 4096,
             max_connections: 1024,
             request_timeout: Duration::from_secs(30),
+            key_ttl: None,
         }
     }
 }
 
 impl Limits {
+    /// The longest [`Limits::key_ttl`]: one day.
+    pub const MAX_KEY_TTL: Duration = Duration::from_secs(86_400);
+
     /// Checks the limits can serve anything at all; the error names the field.
     pub(crate) fn validate(&self) -> Result<(), String> {
         if self.max_connections == 0 {
@@ -48,6 +61,14 @@ impl Limits {
         }
         if self.request_timeout.is_zero() {
             return Err("request_timeout must be longer than zero".into());
+        }
+        if let Some(ttl) = self.key_ttl {
+            if ttl.is_zero() || ttl > Self::MAX_KEY_TTL {
+                return Err(format!(
+                    "key_ttl must be longer than zero and at most {} s (None: keys never expire), got {ttl:?}",
+                    Self::MAX_KEY_TTL.as_secs()
+                ));
+            }
         }
         Ok(())
     }

@@ -17,10 +17,12 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
-use axum::body::Bytes;
 use sha2::{Digest, Sha256};
 use xxhash_rust::xxh3::xxh3_64;
+
+use crate::store::Value;
 
 const MAGIC: &[u8; 8] = b"MRMETA1\n";
 const HEADER_LEN: usize = MAGIC.len() + 4 + 8;
@@ -37,6 +39,14 @@ pub(crate) struct Persistence {
     /// (they cannot today, the store serializes them, but a name clash would
     /// corrupt a file silently, so it costs nothing to rule out).
     tmp_counter: AtomicU64,
+}
+
+/// Why the data directory cannot be used: what is wrong with it, and the
+/// operating system's error.
+#[derive(Debug)]
+pub(crate) struct OpenError {
+    pub(crate) problem: String,
+    pub(crate) source: Option<io::Error>,
 }
 
 /// Why a file in the data directory was not loaded.
@@ -56,22 +66,58 @@ impl Persistence {
     /// Opens (creating if needed) `dir`, checks a file can be written there,
     /// and returns every key/value pair stored in it. Files that cannot be
     /// read or decoded are skipped with a warning; only a directory that
-    /// cannot be created, listed or written to is an error.
-    pub(crate) fn open(dir: &Path) -> io::Result<(Persistence, BTreeMap<String, Bytes>)> {
-        fs::create_dir_all(dir)?;
+    /// cannot be created, listed or written to is an error, which says
+    /// which of these failed.
+    pub(crate) fn open(dir: &Path) -> Result<(Persistence, BTreeMap<String, Value>), OpenError> {
+        let fail = |problem: String| {
+            move |source| OpenError {
+                problem,
+                source: Some(source),
+            }
+        };
+        match fs::metadata(dir) {
+            Ok(meta) if !meta.is_dir() => {
+                return Err(OpenError {
+                    problem: "exists and is not a directory".into(),
+                    source: None,
+                })
+            }
+            Ok(_) => {}
+            Err(_) => {
+                fs::create_dir_all(dir).map_err(|source| {
+                    // "Not a directory" from the OS does not say which part.
+                    let file = dir
+                        .ancestors()
+                        .skip(1)
+                        .find(|p| fs::metadata(p).is_ok_and(|m| !m.is_dir()));
+                    let problem = match file {
+                        Some(file) => {
+                            format!("cannot be created: {} is not a directory", file.display())
+                        }
+                        None => "cannot be created".into(),
+                    };
+                    OpenError {
+                        problem,
+                        source: Some(source),
+                    }
+                })?;
+            }
+        }
         let persistence = Persistence {
             dir: dir.to_path_buf(),
             tmp_counter: AtomicU64::new(0),
         };
         // Find a read-only or full directory now rather than at the first PUT.
         let probe = persistence.tmp_path("probe");
-        File::create(&probe)?;
-        fs::remove_file(&probe)?;
-        let entries = persistence.load()?;
+        File::create(&probe).map_err(fail("is not writable".into()))?;
+        fs::remove_file(&probe).map_err(fail("is not writable".into()))?;
+        let entries = persistence
+            .load()
+            .map_err(fail("cannot be listed".into()))?;
         Ok((persistence, entries))
     }
 
-    fn load(&self) -> io::Result<BTreeMap<String, Bytes>> {
+    fn load(&self) -> io::Result<BTreeMap<String, Value>> {
         let mut entries = BTreeMap::new();
         let mut skipped = 0usize;
         for entry in fs::read_dir(&self.dir)? {
@@ -117,7 +163,7 @@ impl Persistence {
         Ok(entries)
     }
 
-    fn load_file(&self, path: &Path, name: &str) -> Result<(String, Bytes), String> {
+    fn load_file(&self, path: &Path, name: &str) -> Result<(String, Value), String> {
         let meta = fs::symlink_metadata(path).map_err(|e| e.to_string())?;
         if !meta.is_file() {
             return Err("not a regular file".into());
@@ -198,7 +244,7 @@ pub(crate) fn encode(key: &str, value: &[u8]) -> Vec<u8> {
     out
 }
 
-pub(crate) fn decode(data: &[u8]) -> Result<(String, Bytes), DecodeError> {
+pub(crate) fn decode(data: &[u8]) -> Result<(String, Value), DecodeError> {
     if data.len() < HEADER_LEN + TRAILER_LEN || &data[..MAGIC.len()] != MAGIC {
         return Err(DecodeError::NotOurs);
     }
@@ -225,7 +271,7 @@ pub(crate) fn decode(data: &[u8]) -> Result<(String, Bytes), DecodeError> {
     let key = std::str::from_utf8(&data[HEADER_LEN..key_end])
         .map_err(|_| DecodeError::KeyNotUtf8)?
         .to_owned();
-    let value = Bytes::copy_from_slice(&data[key_end..body_end]);
+    let value: Value = Arc::from(&data[key_end..body_end]);
     Ok((key, value))
 }
 

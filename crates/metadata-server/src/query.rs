@@ -1,10 +1,13 @@
 //! Parsing `/metadata`'s query string: `key=K` or (extension) `prefix=P`.
+//!
+//! Public, like [`crate::request`], so the fuzz target reaches it without a
+//! socket.
 
 use percent_encoding::percent_decode;
 
 /// What a `/metadata` request addresses.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Target {
+pub enum Target {
     /// One key (`?key=K`).
     Key(String),
     /// Every key starting with this (`?prefix=P`, GET only).
@@ -13,12 +16,13 @@ pub(crate) enum Target {
 
 /// Why a query string was refused; the text is the 400 response's body.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct BadQuery(pub(crate) String);
+pub struct BadQuery(pub String);
 
 /// Mooncake's C++ server answers a missing or empty key with this body.
-pub(crate) const MISSING_KEY: &str = "Missing key parameter";
+pub const MISSING_KEY: &str = "Missing key parameter";
 
-/// Parses a raw query string (`None` when the URI has none).
+/// Parses a raw query string (`None` when the URI has none); keys and
+/// prefixes longer than `max_key_bytes` (decoded) are refused.
 ///
 /// Decoding follows `application/x-www-form-urlencoded`, as Mooncake's
 /// servers (aiohttp, Go's `url.Query`) do: `+` is a space and `%XX` a byte;
@@ -26,7 +30,7 @@ pub(crate) const MISSING_KEY: &str = "Missing key parameter";
 /// `key` or `prefix` is refused (which one was meant is unknowable), and an
 /// empty key is refused as missing, like Mooncake's servers. An empty prefix
 /// lists every key.
-pub(crate) fn parse(raw: Option<&str>, max_key_bytes: usize) -> Result<Target, BadQuery> {
+pub fn parse(raw: Option<&str>, max_key_bytes: usize) -> Result<Target, BadQuery> {
     let mut key = None;
     let mut prefix = None;
     for pair in raw.unwrap_or("").split('&').filter(|p| !p.is_empty()) {

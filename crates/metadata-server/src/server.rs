@@ -1,43 +1,31 @@
-//! The accept loop: connection limit, HTTP/1 settings, graceful shutdown.
+//! The accept loop: connection limit, graceful shutdown.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::Router;
-use hyper::server::conn::http1;
-use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
+use tokio::task::JoinSet;
 
-use crate::metrics::Metrics;
-use crate::Limits;
+use crate::conn;
+use crate::http::App;
 
 /// Pause after a failed accept (typically out of file descriptors) so the
 /// loop does not spin while the condition lasts.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
-/// Serves `router` on `listener` until `shutdown` turns true (or its sender
-/// is dropped), then stops accepting and lets open connections finish their
+/// Serves `app` on `listener` until `shutdown` turns true (or its sender is
+/// dropped), then stops accepting and lets open connections finish their
 /// current request, for at most one request timeout plus a margin.
 pub(crate) async fn serve(
     listener: TcpListener,
-    router: Router,
-    limits: Limits,
-    metrics: Arc<Metrics>,
+    app: Arc<App>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let permits = Arc::new(Semaphore::new(
-        limits.max_connections.min(Semaphore::MAX_PERMITS),
+        app.limits.max_connections.min(Semaphore::MAX_PERMITS),
     ));
-    let graceful = GracefulShutdown::new();
-    let mut http = http1::Builder::new();
-    // Besides bounding how long headers may take, this closes idle
-    // keep-alive connections: hyper arms it whenever it waits for a request
-    // head, so an idle client cannot hold a connection slot forever.
-    http.timer(TokioTimer::new())
-        .header_read_timeout(limits.request_timeout);
+    let mut connections = JoinSet::new();
 
     loop {
         // Taking the permit before accepting leaves connections past the
@@ -47,12 +35,20 @@ pub(crate) async fn serve(
                 Ok(permit) => permit,
                 Err(_) => break,
             },
+            Some(ended) = connections.join_next() => {
+                log_panic(ended);
+                continue;
+            }
             _ = stopping(&mut shutdown) => break,
         };
-        let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
-            _ = stopping(&mut shutdown) => break,
+        let accepted = loop {
+            tokio::select! {
+                accepted = listener.accept() => break Some(accepted),
+                Some(ended) = connections.join_next() => log_panic(ended),
+                _ = stopping(&mut shutdown) => break None,
+            }
         };
+        let Some(accepted) = accepted else { break };
         let (stream, peer) = match accepted {
             Ok(accepted) => accepted,
             Err(err) => {
@@ -66,35 +62,44 @@ pub(crate) async fn serve(
         };
         // Small request/response exchanges: do not let Nagle delay answers.
         let _ = stream.set_nodelay(true);
-        let service = TowerToHyperService::new(router.clone());
-        let connection = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
-        let metrics = Arc::clone(&metrics);
-        metrics.connection_opened();
-        tokio::spawn(async move {
-            // Errors here are the client's (garbage, hang-ups, timeouts):
-            // hyper has already answered what could be answered and the
-            // connection is closed when this task ends.
-            if let Err(err) = connection.await {
-                tracing::debug!(%peer, %err, "connection ended with an error");
-            }
-            metrics.connection_closed();
+        let app = Arc::clone(&app);
+        let stop = shutdown.clone();
+        app.metrics.connection_opened();
+        connections.spawn(async move {
+            conn::serve_connection(stream, peer, &app, stop).await;
+            app.metrics.connection_closed();
             drop(permit);
         });
     }
 
     drop(listener);
-    let grace = limits.request_timeout + Duration::from_secs(5);
-    tokio::select! {
-        _ = graceful.shutdown() => {}
-        _ = tokio::time::sleep(grace) => {
-            tracing::warn!(?grace, "connections still open after the shutdown grace period; closing them");
+    let grace = app.limits.request_timeout + Duration::from_secs(5);
+    let drained = tokio::time::timeout(grace, async {
+        while let Some(ended) = connections.join_next().await {
+            log_panic(ended);
+        }
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(
+            ?grace,
+            "connections still open after the shutdown grace period; closing them"
+        );
+        connections.shutdown().await;
+    }
+}
+
+fn log_panic(ended: Result<(), tokio::task::JoinError>) {
+    if let Err(err) = ended {
+        if err.is_panic() {
+            tracing::error!(%err, "a connection task panicked");
         }
     }
 }
 
 /// Resolves once shutdown is requested or the handle that could request it
 /// is gone.
-async fn stopping(shutdown: &mut watch::Receiver<bool>) {
+pub(crate) async fn stopping(shutdown: &mut watch::Receiver<bool>) {
     // `wait_for` also returns at once if the flag was set before the call.
     let _ = shutdown.wait_for(|stop| *stop).await;
 }

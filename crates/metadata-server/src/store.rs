@@ -1,15 +1,24 @@
-//! The key/value map, with its optional on-disk copy.
+//! The key/value map, with its optional on-disk copy and key expiry.
 
+use std::cmp::Reverse;
 use std::collections::hash_map::DefaultHasher;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BinaryHeap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::io;
 use std::sync::{Arc, PoisonError, RwLock};
+use std::time::{Duration, Instant};
 
-use axum::body::Bytes;
-use tokio::sync::Mutex;
+use tokio::sync::{watch, Mutex, Notify};
 
+use crate::metrics::Metrics;
 use crate::persist::Persistence;
+
+/// A stored value; cloning it for a reader shares the bytes.
+pub(crate) type Value = Arc<[u8]>;
+
+/// When the file of an expired key could not be removed, the next try
+/// comes this much later (the key is already invisible to readers).
+const EXPIRY_RETRY: Duration = Duration::from_secs(1);
 
 /// Writers of one key are serialized by one of these locks, held across the
 /// disk write and the map update, so disk and memory always end in the same
@@ -21,10 +30,43 @@ const STRIPES: usize = 64;
 /// Mooncake; see [`Store::put`].
 const RPC_META_MARK: &str = "rpc_meta";
 
+#[derive(Debug)]
+struct Entry {
+    value: Value,
+    /// When the key expires; `None` without a TTL.
+    expires: Option<Instant>,
+}
+
+impl Entry {
+    fn live(&self, now: Instant) -> bool {
+        !matches!(self.expires, Some(at) if at <= now)
+    }
+}
+
 #[derive(Debug, Default)]
 struct Map {
-    entries: BTreeMap<String, Bytes>,
+    entries: BTreeMap<String, Entry>,
     value_bytes: u64,
+    /// Expiry checks due, earliest first. Each key has at most one (see
+    /// `queued`): a key stored again is not queued again, its check finds
+    /// the later deadline and requeues it then, so rewriting a key
+    /// thousands of times within its TTL does not grow this.
+    expiry: BinaryHeap<Reverse<(Instant, String)>>,
+    /// The keys that have a check in `expiry`.
+    queued: HashSet<String>,
+}
+
+impl Map {
+    /// Queues an expiry check of `key` at `at` unless it has one; returns
+    /// whether it queued one.
+    fn schedule(&mut self, key: &str, at: Instant) -> bool {
+        if self.queued.contains(key) {
+            return false;
+        }
+        self.queued.insert(key.to_owned());
+        self.expiry.push(Reverse((at, key.to_owned())));
+        true
+    }
 }
 
 /// What a PUT did.
@@ -45,38 +87,65 @@ pub(crate) struct Store {
     map: RwLock<Map>,
     stripes: Vec<Mutex<()>>,
     persistence: Option<Arc<Persistence>>,
+    ttl: Option<Duration>,
+    /// Wakes the expiry task when a check is queued while it has none.
+    queued: Notify,
+    metrics: Arc<Metrics>,
 }
 
 impl Store {
-    /// A store holding `entries`, writing through to `persistence` if given.
-    pub(crate) fn new(entries: BTreeMap<String, Bytes>, persistence: Option<Persistence>) -> Store {
-        let value_bytes = entries.values().map(|v| v.len() as u64).sum();
+    /// A store holding `entries`, writing through to `persistence` if given;
+    /// with a `ttl`, every key expires `ttl` after its last PUT, and the
+    /// loaded ones `ttl` from now.
+    pub(crate) fn new(
+        entries: BTreeMap<String, Value>,
+        persistence: Option<Persistence>,
+        ttl: Option<Duration>,
+        metrics: Arc<Metrics>,
+    ) -> Store {
+        let mut map = Map::default();
+        let expires = ttl.map(|ttl| Instant::now() + ttl);
+        for (key, value) in entries {
+            map.value_bytes += value.len() as u64;
+            if let Some(at) = expires {
+                map.schedule(&key, at);
+            }
+            map.entries.insert(key, Entry { value, expires });
+        }
         Store {
-            map: RwLock::new(Map {
-                entries,
-                value_bytes,
-            }),
+            map: RwLock::new(map),
             stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
             persistence: persistence.map(Arc::new),
+            ttl,
+            queued: Notify::new(),
+            metrics,
         }
     }
 
-    /// The value stored under `key`, if any.
-    pub(crate) fn get(&self, key: &str) -> Option<Bytes> {
-        self.read(|map| map.entries.get(key).cloned())
+    /// The value stored under `key`, if any. A key past its expiry is gone
+    /// here at once, whenever the expiry task gets to removing it.
+    pub(crate) fn get(&self, key: &str) -> Option<Value> {
+        let now = Instant::now();
+        self.read(|map| {
+            map.entries
+                .get(key)
+                .filter(|entry| entry.live(now))
+                .map(|entry| Arc::clone(&entry.value))
+        })
     }
 
     /// Every key starting with `prefix`, in sorted order.
     pub(crate) fn keys_with_prefix(&self, prefix: &str) -> Vec<String> {
+        let now = Instant::now();
         self.read(|map| {
             map.entries
                 .range::<str, _>((
                     std::ops::Bound::Included(prefix),
                     std::ops::Bound::Unbounded,
                 ))
-                .map(|(k, _)| k)
-                .take_while(|k| k.starts_with(prefix))
-                .cloned()
+                .take_while(|(k, _)| k.starts_with(prefix))
+                .filter(|(_, entry)| entry.live(now))
+                .map(|(k, _)| k.clone())
                 .collect()
         })
     }
@@ -99,29 +168,50 @@ impl Store {
     ///
     /// Returns the I/O error if the value could not be persisted; the old
     /// value then stays in place, on disk and in memory.
-    pub(crate) async fn put(&self, key: String, value: Bytes) -> io::Result<PutOutcome> {
+    ///
+    /// With a TTL, an `Updated` or `Unchanged` PUT restarts the key's time.
+    pub(crate) async fn put(&self, key: String, value: Value) -> io::Result<PutOutcome> {
         let _writer = self.stripe(&key).lock().await;
         if key.contains(RPC_META_MARK) {
             if let Some(old) = self.get(&key) {
-                return Ok(if old == value {
-                    PutOutcome::Unchanged
-                } else {
-                    PutOutcome::RpcMetaConflict
+                if old != value {
+                    return Ok(PutOutcome::RpcMetaConflict);
+                }
+                // The owner republishing its endpoint is what keeps it.
+                let woke = self.write(|map| {
+                    let expires = self.ttl.map(|ttl| Instant::now() + ttl);
+                    let queued = expires.is_some_and(|at| map.schedule(&key, at));
+                    if let Some(entry) = map.entries.get_mut(&key) {
+                        entry.expires = expires;
+                    }
+                    queued
                 });
+                if woke {
+                    self.queued.notify_one();
+                }
+                return Ok(PutOutcome::Unchanged);
             }
         }
         if let Some(persistence) = &self.persistence {
             let persistence = Arc::clone(persistence);
-            let (k, v) = (key.clone(), value.clone());
+            let (k, v) = (key.clone(), Arc::clone(&value));
             run_blocking(move || persistence.write(&k, &v)).await?;
         }
-        self.write(|map| {
+        let woke = self.write(|map| {
+            // The time starts when the value is in place, not when the
+            // request arrived: a slow disk must not shorten it.
+            let expires = self.ttl.map(|ttl| Instant::now() + ttl);
+            let queued = expires.is_some_and(|at| map.schedule(&key, at));
             let new_len = value.len() as u64;
-            if let Some(old) = map.entries.insert(key, value) {
-                map.value_bytes -= old.len() as u64;
+            if let Some(old) = map.entries.insert(key, Entry { value, expires }) {
+                map.value_bytes -= old.value.len() as u64;
             }
             map.value_bytes += new_len;
+            queued
         });
+        if woke {
+            self.queued.notify_one();
+        }
         Ok(PutOutcome::Updated)
     }
 
@@ -140,10 +230,99 @@ impl Store {
         }
         self.write(|map| {
             if let Some(old) = map.entries.remove(&key) {
-                map.value_bytes -= old.len() as u64;
+                map.value_bytes -= old.value.len() as u64;
             }
         });
         Ok(true)
+    }
+
+    /// Drops expired keys as they fall due, until `stop`: readers already
+    /// stopped seeing them at their deadline; this removes their files (so a
+    /// restart does not bring them back), frees their memory and counts
+    /// them. Does nothing without a TTL.
+    pub(crate) async fn expire_keys(&self, mut stop: watch::Receiver<bool>) {
+        if self.ttl.is_none() {
+            return;
+        }
+        loop {
+            self.expire_due(Instant::now()).await;
+            let next = self.read(|map| map.expiry.peek().map(|Reverse((at, _))| *at));
+            let wait = async {
+                match next {
+                    Some(at) => tokio::time::sleep_until(at.into()).await,
+                    None => self.queued.notified().await,
+                }
+            };
+            tokio::select! {
+                _ = wait => {}
+                _ = stop.wait_for(|stop| *stop) => return,
+            }
+        }
+    }
+
+    /// Removes every key whose deadline is at or before `now`.
+    async fn expire_due(&self, now: Instant) {
+        let due = self.write(|map| {
+            let mut due = Vec::new();
+            while map.expiry.peek().is_some_and(|Reverse((at, _))| *at <= now) {
+                let Some(Reverse((_, key))) = map.expiry.pop() else {
+                    break;
+                };
+                map.queued.remove(&key);
+                match map.entries.get(&key).and_then(|entry| entry.expires) {
+                    Some(at) if at <= now => due.push(key),
+                    // Stored again since it was queued: check at the new
+                    // deadline.
+                    Some(at) => {
+                        map.schedule(&key, at);
+                    }
+                    // Deleted meanwhile.
+                    None => {}
+                }
+            }
+            due
+        });
+        for key in due {
+            self.expire(key).await;
+        }
+    }
+
+    async fn expire(&self, key: String) {
+        let _writer = self.stripe(&key).lock().await;
+        let now = Instant::now();
+        // A PUT between the check and the lock kept the key: it needs a
+        // check at its new deadline (scheduling one already queued is a
+        // no-op).
+        let expired =
+            self.write(
+                |map| match map.entries.get(&key).and_then(|entry| entry.expires) {
+                    Some(at) if at <= now => true,
+                    Some(at) => {
+                        map.schedule(&key, at);
+                        false
+                    }
+                    None => false,
+                },
+            );
+        if !expired {
+            return;
+        }
+        if let Some(persistence) = &self.persistence {
+            let persistence = Arc::clone(persistence);
+            let k = key.clone();
+            if let Err(err) = run_blocking(move || persistence.remove(&k)).await {
+                tracing::warn!(%key, %err, "cannot remove the file of an expired key; retrying");
+                self.write(|map| map.schedule(&key, now + EXPIRY_RETRY));
+                return;
+            }
+        }
+        self.write(|map| {
+            if let Some(old) = map.entries.remove(&key) {
+                map.value_bytes -= old.value.len() as u64;
+            }
+        });
+        self.metrics.key_expired();
+        tracing::info!(%key, "key expired: not stored again within the key TTL");
     }
 
     fn stripe(&self, key: &str) -> &Mutex<()> {

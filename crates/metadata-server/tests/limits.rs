@@ -225,6 +225,7 @@ fn default_limits_are_the_documented_ones() {
     assert_eq!(limits.max_key_bytes, 4096);
     assert_eq!(limits.max_connections, 1024);
     assert_eq!(limits.request_timeout, Duration::from_secs(30));
+    assert_eq!(limits.key_ttl, None, "keys never expire unless asked");
     // A value of exactly 1 MiB fits under the defaults.
     let server = common::start_default();
     let client = Client::new(&server);
