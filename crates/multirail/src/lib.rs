@@ -38,7 +38,8 @@ pub(crate) mod upkeep;
 pub use batch::Status;
 pub use config::{Config, ConfigError, TransportChoice};
 pub use engine::{
-    BatchId, Engine, RailHealth, Request, SegmentId, PRIO_HIGH, PRIO_LOW, PRIO_MEDIUM,
+    BatchId, Engine, PreparedEntry, PreparedListId, RailHealth, Request, SegmentId, PRIO_HIGH,
+    PRIO_LOW, PRIO_MEDIUM,
 };
 pub use error::{Error, Result};
 pub use memory::{Buffer, Location};

@@ -239,6 +239,9 @@ fn map_shared(fd: std::os::fd::RawFd, len: usize) -> std::io::Result<*mut libc::
 #[derive(Default)]
 pub(crate) struct MemoryRegistry {
     regions: RwLock<BTreeMap<usize, Arc<Region>>>,
+    /// Bumped by every unregistration, so what was checked against the registry once (a
+    /// prepared request list) knows when to check again.
+    generation: std::sync::atomic::AtomicU64,
     hook: std::sync::OnceLock<Arc<dyn RegionHook>>,
     next_id: std::sync::atomic::AtomicU64,
 }
@@ -424,7 +427,12 @@ impl MemoryRegistry {
     pub(crate) fn unregister(&self, addr: u64) -> Result<()> {
         let removed = {
             let mut map = self.regions.write().expect("memory registry poisoned");
-            map.remove(&(addr as usize))
+            let removed = map.remove(&(addr as usize));
+            if removed.is_some() {
+                self.generation
+                    .fetch_add(1, std::sync::atomic::Ordering::Release);
+            }
+            removed
         };
         match removed {
             Some(region) => {
@@ -438,6 +446,12 @@ impl MemoryRegistry {
                 format!("{addr:#x} is not the start of a registered buffer"),
             )),
         }
+    }
+
+    /// How many unregistrations there have been: a range found registered stays registered
+    /// while this does not change.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// The region that holds all of `addr..addr+len`, if any.

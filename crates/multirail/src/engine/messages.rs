@@ -89,6 +89,18 @@ impl Engine {
         let mut targets: Vec<SegmentId> = requests.iter().map(|r| r.target).collect();
         targets.sort_by_key(|t| t.0);
         targets.dedup();
+        self.notify_when_done(pending, targets, msg)
+    }
+
+    /// Sends `msg` as a notification to each of `targets` once every request of `pending`
+    /// completed; a failed batch sends none (its error is in the batch's status). Fails only
+    /// when the thread that waits cannot be started.
+    pub(super) fn notify_when_done(
+        &self,
+        pending: Arc<Batch>,
+        targets: Vec<SegmentId>,
+        msg: &str,
+    ) -> Result<()> {
         let (engine, msg) = (self.clone(), msg.to_owned());
         thread::Builder::new()
             .name("mr-notify".into())

@@ -9,6 +9,9 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 mod messages;
+mod prepared;
+
+pub use prepared::{PreparedEntry, PreparedListId};
 
 use multirail_policy::qos::Priority;
 use multirail_policy::slicing::SlicePlan;
@@ -162,6 +165,9 @@ struct Inner {
     peers: RwLock<Peers>,
     batches: Mutex<HashMap<u64, Arc<Batch>>>,
     next_batch: AtomicU64,
+    /// Prepared request lists ([`Engine::prepare`]), by id.
+    prepared: Mutex<HashMap<u64, Arc<prepared::PreparedList>>>,
+    next_prepared: AtomicU64,
     stats: Arc<TrafficStats>,
     /// How long `wait` polls before sleeping while no bulk moves (`workers.wait_spin_us`).
     wait_spin: Duration,
@@ -341,6 +347,8 @@ impl Engine {
             }),
             batches: Mutex::default(),
             next_batch: AtomicU64::new(1),
+            prepared: Mutex::default(),
+            next_prepared: AtomicU64::new(1),
             stats,
             wait_spin: Duration::from_micros(workers.wait_spin_us.into()),
             fallback_logged: OnceLock::new(),
@@ -636,30 +644,52 @@ impl Engine {
             routed.push(self.route(r).map_err(|e| annotate(e, i, requests.len()))?);
         }
         let tasks = b.add_tasks(requests.len())?;
-        for ((peer, transport, buffer, location, r), task) in routed.into_iter().zip(tasks) {
-            let plan = match r.opcode {
-                Opcode::Read => &self.inner.read_plan,
-                Opcode::Write => &self.inner.write_plan,
-            };
-            let prepared = Prepared {
-                op: r.opcode,
-                local: r.source as usize,
-                remote: r.target_offset,
-                len: r.length,
-                location,
-                priority: r.priority,
-                buffer,
-                task: task.clone(),
-            };
-            transport.post(&peer, prepared, plan);
-            // Drop the part the task was created with, now that every slice holds its own.
-            task.part_done(Ok(()));
+        for ((peer, route, buffer, location, r), task) in routed.into_iter().zip(tasks) {
+            self.post(&peer, route, buffer, location, &r, task);
         }
         Ok(())
     }
 
+    /// Hands one validated request to its transport as the batch task `task`.
+    fn post(
+        &self,
+        peer: &Arc<Peer>,
+        route: Route,
+        buffer: segment::BufferDescriptor,
+        location: Location,
+        r: &Request,
+        task: Arc<crate::batch::Task>,
+    ) {
+        let plan = match r.opcode {
+            Opcode::Read => &self.inner.read_plan,
+            Opcode::Write => &self.inner.write_plan,
+        };
+        let prepared = Prepared {
+            op: r.opcode,
+            local: r.source as usize,
+            remote: r.target_offset,
+            len: r.length,
+            location,
+            priority: r.priority,
+            buffer,
+            task: task.clone(),
+        };
+        self.transport(route).post(peer, prepared, plan);
+        // Drop the part the task was created with, now that every slice holds its own.
+        task.part_done(Ok(()));
+    }
+
+    /// The transport a route names.
+    fn transport(&self, route: Route) -> &dyn Transport {
+        match route {
+            Route::Tcp => &self.inner.tcp,
+            Route::Shm => &self.inner.shm,
+            Route::Rdma => &*self.inner.rdma,
+        }
+    }
+
     /// Validates one request and picks its transport.
-    fn route(&self, r: &Request) -> Result<Routed<'_>> {
+    fn route(&self, r: &Request) -> Result<Routed> {
         if r.length == 0 {
             return Err(Error::invalid("length", "must be at least 1 byte"));
         }
@@ -682,38 +712,39 @@ impl Engine {
         }
         let buffer = self.target_buffer(&peer, r.target_offset, r.length)?;
         let choice = r.transport.unwrap_or(self.inner.config.transport);
-        let transport: &dyn Transport = match choice {
-            TransportChoice::Tcp => &self.inner.tcp,
-            TransportChoice::Shm => &self.inner.shm,
-            TransportChoice::Rdma => &*self.inner.rdma,
+        let route = match choice {
+            TransportChoice::Tcp => Route::Tcp,
+            TransportChoice::Shm => Route::Shm,
+            TransportChoice::Rdma => Route::Rdma,
             TransportChoice::Auto if peer.same_host && self.inner.config.transports.shm.enable => {
                 match self.inner.shm.prepare(&peer, &buffer) {
-                    Ok(()) => &self.inner.shm,
+                    Ok(()) => Route::Shm,
                     Err(e) => {
                         if self.inner.fallback_logged.set(()).is_ok() {
                             tracing::warn!(peer = %peer.name, reason = %e, "shm cannot reach this buffer; using tcp");
                         }
-                        &self.inner.tcp
+                        Route::Tcp
                     }
                 }
             }
             // Across hosts, RDMA when both ends have it; tcp when it cannot serve this one.
             TransportChoice::Auto if self.inner.rdma.reaches(&peer) => {
                 match self.inner.rdma.prepare(&peer, &buffer) {
-                    Ok(()) => &*self.inner.rdma,
+                    Ok(()) => Route::Rdma,
                     Err(e) => {
                         if self.inner.fallback_logged.set(()).is_ok() {
                             tracing::warn!(peer = %peer.name, reason = %e, "rdma cannot reach this buffer; using tcp");
                         }
-                        &self.inner.tcp
+                        Route::Tcp
                     }
                 }
             }
-            TransportChoice::Auto => &self.inner.tcp,
+            TransportChoice::Auto => Route::Tcp,
         };
+        let transport = self.transport(route);
         transport.prepare(&peer, &buffer)?;
         tracing::trace!(transport = transport.name(), peer = %peer.name, "routed");
-        Ok((peer, transport, buffer, location, *r))
+        Ok((peer, route, buffer, location, *r))
     }
 
     /// The buffer of `peer` holding the range, refetching the descriptor once if the cached one
@@ -993,13 +1024,21 @@ impl Drop for Inner {
 }
 
 /// A validated request: its peer, transport, target buffer and source location.
-type Routed<'a> = (
+type Routed = (
     Arc<Peer>,
-    &'a dyn Transport,
+    Route,
     segment::BufferDescriptor,
     Location,
     Request,
 );
+
+/// The transport a request was routed to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    Tcp,
+    Shm,
+    Rdma,
+}
 
 fn annotate(e: Error, index: usize, total: usize) -> Error {
     if total > 1 {
