@@ -210,15 +210,16 @@ fn sim(args: &[&str]) -> Command {
     cmd
 }
 
-/// The help of `flag` in `help` (a subcommand's `--help`), on one line: clap's long help gives
-/// each flag a paragraph of its own, its first line starting with the flag.
+/// The help of `flag` in `help` (a subcommand's `--help`), on one line: clap gives each flag a
+/// paragraph of its own, or a line in a short help, starting with the flag.
 fn flag_help(help: &str, flag: &str) -> Option<String> {
     let mut lines = help.lines().skip_while(|l| {
         let l = l.trim_start();
         !(l.starts_with(&format!("{flag} <")) || l.contains(&format!(", {flag} <")))
     });
     let first = lines.next()?;
-    let rest = lines.take_while(|l| !l.trim().is_empty());
+    // Up to a blank line (long help) or the next flag (short help, one line a flag).
+    let rest = lines.take_while(|l| !l.trim().is_empty() && !l.trim_start().starts_with('-'));
     let text: Vec<&str> = std::iter::once(first).chain(rest).collect();
     Some(
         text.join(" ")
@@ -685,6 +686,17 @@ fn an_out_of_range_flag_exits_at_once_even_where_the_range_is_checked_against_an
         (
             &["membench", "--buffer-size", "1MiB", "--block-size", "2MiB"],
             "--block-size",
+        ),
+        (
+            &[
+                "mcast-bench",
+                "--local",
+                "--messages",
+                "10",
+                "--rate",
+                "0.0001",
+            ],
+            "--rate",
         ),
     ] {
         let out = run(m.command(args), Duration::from_secs(5));

@@ -125,7 +125,8 @@ pub struct McastBenchArgs {
     /// Transport of every engine: shm, tcp or rdma. Default: shm.
     #[arg(long, value_enum, default_value_t = Transport::Shm)]
     transport: Transport,
-    /// Messages per second each sender sends. Default: as fast as its window allows.
+    /// Messages per second each sender sends, above 0 (with --messages, slow enough to send
+    /// them within 24h). Default: as fast as its window allows.
     #[arg(long)]
     rate: Option<f64>,
     /// How long the senders send (seconds, or e.g. 500ms, 2h), 1ms to 24h. Default: 5.
@@ -179,6 +180,17 @@ impl McastBenchArgs {
         if let Some(r) = self.rate {
             if !(r.is_finite() && r > 0.0) {
                 return usage(format!("--rate must be a positive number, got {r}"));
+            }
+            // Paced, a --messages run lasts as long as its busiest sender's share takes.
+            if let Some(n) = self.messages {
+                let secs = n.div_ceil(self.active_senders() as u64) as f64 / r;
+                if secs > MAX_DURATION.as_secs_f64() {
+                    return usage(format!(
+                        "--messages {n} at --rate {r} a sender would take {secs:.0} s, more \
+                         than {}",
+                        limits::format_duration(MAX_DURATION)
+                    ));
+                }
             }
         }
         if self.messages.is_none() && self.duration <= self.warmup {
