@@ -19,6 +19,7 @@ use pyo3::types::{PyDict, PyList};
 const PRIORITY_NAMES: [&str; 3] = ["high", "medium", "low"];
 
 mod group;
+mod prepared;
 mod view;
 
 create_exception!(
@@ -592,6 +593,42 @@ impl NativeEngine {
         })
     }
 
+    /// Checks and routes a list of transfers once (`Engine::prepare`) for posting by index
+    /// many times: entry i moves `lengths[i]` bytes between local address `sources[i]` and
+    /// address `targets[i]` of opened segment `segments[i]`. `transport` forces one transport
+    /// for every entry. Raises as `submit` does for the first bad entry (nothing is kept), and
+    /// InvalidArgumentError for an empty list or columns of different lengths.
+    #[pyo3(signature = (sources, segments, targets, lengths, transport=None))]
+    fn prepare(
+        &self,
+        py: Python<'_>,
+        sources: Vec<u64>,
+        segments: Vec<u64>,
+        targets: Vec<u64>,
+        lengths: Vec<u64>,
+        transport: Option<&str>,
+    ) -> PyResult<prepared::NativePreparedList> {
+        let entries = prepared::entries(&sources, &segments, &targets, &lengths)?;
+        prepared::prepare(py, &self.engine, entries, transport)
+    }
+
+    /// What the listening port holds: `{"open", "pending", "accepted", "not_members",
+    /// "shed_pending", "shed_idle", "refused_full", "accept_errors", "serve_threads"}`.
+    fn connection_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.engine.connection_stats();
+        let out = PyDict::new(py);
+        out.set_item("open", c.open)?;
+        out.set_item("pending", c.pending)?;
+        out.set_item("accepted", c.accepted)?;
+        out.set_item("not_members", c.not_members)?;
+        out.set_item("shed_pending", c.shed_pending)?;
+        out.set_item("shed_idle", c.shed_idle)?;
+        out.set_item("refused_full", c.refused_full)?;
+        out.set_item("accept_errors", c.accept_errors)?;
+        out.set_item("serve_threads", c.serve_threads)?;
+        Ok(out)
+    }
+
     /// Per rail: name, bytes, slices, errors, ewma_gbps, inflight_bytes, window_bytes and
     /// priority_bytes (a dict: high, medium, low), which count what this engine initiates; and
     /// served: what peers read and wrote of this engine's memory over tcp on that rail,
@@ -1111,6 +1148,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeBuffer>()?;
     m.add_class::<NativeRequest>()?;
     m.add_class::<NativeBatch>()?;
+    m.add_class::<prepared::NativePreparedList>()?;
     m.add_class::<group::NativeGroup>()?;
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
     m.add("PRIO_HIGH", multirail::PRIO_HIGH.as_u8())?;

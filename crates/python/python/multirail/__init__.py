@@ -70,6 +70,7 @@ __all__ = [
     "Segment",
     "Request",
     "Batch",
+    "PreparedList",
     "Group",
     "Status",
     "READ",
@@ -302,6 +303,101 @@ class Batch:
 
     def __repr__(self) -> str:
         return f"<multirail.Batch id={self._native.id} requests={len(self)} status={self.status().value}>"
+
+
+class PreparedList:
+    """Transfers checked and routed once by :meth:`Engine.prepare`, posted by index as often as
+    wanted (as NIXL's prepared descriptor lists and vLLM's reposted handles need).
+
+    Each post is a new :class:`Batch`; the direction (:data:`READ` or :data:`WRITE`) and the
+    priority are chosen per post. ``len(lst)`` is the number of entries. The list is freed by
+    :meth:`free`, at the end of a ``with`` block, or when garbage-collected; batches posted from
+    it run on.
+    """
+
+    __slots__ = ("_native",)
+
+    def __init__(self, native: Any) -> None:
+        self._native = native
+
+    def __len__(self) -> int:
+        return len(self._native)
+
+    @property
+    def id(self) -> int:
+        """The engine's id of the list."""
+        return self._native.id
+
+    def post(
+        self,
+        op: str,
+        indices: Optional[Sequence[int]] = None,
+        priority: int = PRIO_HIGH,
+        notify: Optional[str] = None,
+    ) -> Batch:
+        """Posts the entries at ``indices`` (every entry, in order, when None; an index may
+        repeat; a NumPy integer array works) as ``op`` at ``priority``, and returns the
+        :class:`Batch` (request ``k`` of the batch is ``indices[k]``). With ``notify``, the
+        message reaches every segment the posted entries target, once all of them completed
+        (so after the data).
+
+        Nothing is posted when anything is wrong: :class:`InvalidArgumentError` for an index
+        past the end, no index, a bad opcode or priority, a freed list;
+        :class:`SourceNotRegisteredError` when local memory was unregistered since
+        :meth:`Engine.prepare`; :class:`PeerDisconnectedError` when a target's process exited;
+        TypeError for indices that are not integers. The GIL is released meanwhile."""
+        if not isinstance(op, str):
+            raise TypeError(f"op must be multirail.READ or multirail.WRITE, got {op!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if not 0 <= priority <= 255:
+            raise InvalidArgumentError(
+                f"invalid argument `priority`: {priority} is not PRIO_HIGH (0), PRIO_MEDIUM (1) or PRIO_LOW (2)"
+            )
+        idx: Optional[List[int]] = None
+        if indices is not None:
+            idx = _indices(indices, len(self))
+        if notify is not None and not isinstance(notify, str):
+            raise TypeError(f"notify must be a str or None, got {type(notify).__name__}")
+        return Batch(self._native.post(op, priority, idx, notify))
+
+    def free(self) -> None:
+        """Frees the list now. Raises :class:`InvalidArgumentError` when it was freed already."""
+        self._native.free()
+
+    def __enter__(self) -> "PreparedList":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        """Frees the list unless it was freed already."""
+        try:
+            self._native.free()
+        except InvalidArgumentError:
+            pass
+
+    def __repr__(self) -> str:
+        return f"<multirail.PreparedList id={self.id} entries={len(self)}>"
+
+
+def _indices(indices: Any, length: int) -> List[int]:
+    """Entry indices as a list of ints: any iterable of ints (NumPy arrays included).
+    Negative indices and indices past ``length`` raise InvalidArgumentError."""
+    tolist = getattr(indices, "tolist", None)
+    values = tolist() if callable(tolist) else indices
+    if isinstance(values, (str, bytes)):
+        raise TypeError("indices must be a sequence of ints")
+    try:
+        out = list(values)
+    except TypeError:
+        raise TypeError(f"indices must be a sequence of ints, got {type(indices).__name__}") from None
+    for i in out:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise TypeError(f"indices must hold ints, got {type(i).__name__}")
+        if i < 0 or i >= length:
+            raise InvalidArgumentError(
+                f"invalid argument `indices`: {i} is past the end of a list of {length} entries"
+            )
+    return out
 
 
 def _opt_uint(value: Any, what: str) -> Optional[int]:
@@ -659,6 +755,52 @@ class Engine:
         """``submit(requests).wait(timeout)``, freeing the batch afterwards."""
         batch = self.submit(requests)
         batch.wait(timeout)
+
+    def prepare(
+        self,
+        entries: Sequence[Tuple[Union[int, Buffer], Union[Segment, int], int, int]],
+        transport: Optional[str] = None,
+    ) -> PreparedList:
+        """Checks and routes transfers once, for posting many times with
+        :meth:`PreparedList.post`.
+
+        ``entries``: ``[(local, segment, remote_addr, length), ...]``, each moving ``length``
+        bytes between ``local`` (an address inside memory this engine allocated or registered,
+        or a :class:`Buffer` for its start) and ``remote_addr`` in ``segment`` (a
+        :class:`Segment` or its id); the direction is chosen at each post. ``transport``:
+        ``None`` (the engine's setting), ``"auto"``, ``"tcp"``, ``"shm"`` or ``"rdma"`` for
+        every entry.
+
+        Raises, keeping nothing, :class:`InvalidArgumentError` for an empty list, length 0 or a
+        bad transport, :class:`SourceNotRegisteredError`, :class:`TargetOutOfRangeError`,
+        :class:`UnknownSegmentError` or :class:`PeerDisconnectedError` for the first bad entry,
+        TypeError or ValueError for an entry that is not a 4-tuple of the right types. The GIL
+        is released while the engine checks."""
+        sources: List[int] = []
+        segments: List[int] = []
+        targets: List[int] = []
+        lengths: List[int] = []
+        for e in entries:
+            try:
+                local, segment, remote, length = e
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"prepare() entries are (local, segment, remote_addr, length) tuples, got {e!r}"
+                ) from None
+            sources.append(local.addr if isinstance(local, Buffer) else _uint(local, "local"))
+            segments.append(segment.id if isinstance(segment, Segment) else _uint(segment, "segment"))
+            targets.append(_uint(remote, "remote_addr"))
+            lengths.append(_uint(length, "length"))
+        if not sources:
+            raise InvalidArgumentError("invalid argument `entries`: must hold at least one entry")
+        return PreparedList(self._native.prepare(sources, segments, targets, lengths, _opt_str(transport, "transport")))
+
+    def connection_stats(self) -> Dict[str, int]:
+        """What this engine's listening port holds: ``open`` connections (of every kind, peers'
+        transfers and messages), ``pending`` (handshake unfinished), and counts since start:
+        ``accepted``, ``not_members``, ``shed_pending``, ``shed_idle``, ``refused_full``,
+        ``accept_errors``; ``serve_threads``."""
+        return self._native.connection_stats()
 
     def traffic_stats(self) -> Dict[str, Dict[str, Any]]:
         """Per rail (``"shm"`` for same-host copies, an interface name for TCP): ``bytes``,

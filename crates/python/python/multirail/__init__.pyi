@@ -171,6 +171,24 @@ class Batch:
     def free(self) -> None:
         """Frees the batch now; BatchBusyError while requests are in flight."""
 
+class PreparedList:
+    """Transfers checked and routed once by Engine.prepare, posted by index many times; freed
+    by free(), a `with` block or garbage collection (batches posted from it run on)."""
+
+    def __len__(self) -> int: ...
+    @property
+    def id(self) -> int:
+        """The engine's id of the list."""
+    def post(self, op: str, indices: Optional[Sequence[int]] = None, priority: int = ..., notify: Optional[str] = None) -> Batch:
+        """Posts the entries at `indices` (all when None) as READ or WRITE at `priority` into a
+        new Batch; `notify` reaches the targets after the data. Raises InvalidArgumentError for
+        a bad index, opcode or priority or a freed list, SourceNotRegisteredError,
+        PeerDisconnectedError; nothing is posted then."""
+    def free(self) -> None:
+        """Frees the list now; InvalidArgumentError when it was freed already."""
+    def __enter__(self) -> "PreparedList": ...
+    def __exit__(self, *exc: Any) -> None: ...
+
 class Group:
     """A multicast group joined with Engine.join_group; usable from several threads at once,
     every waiting call releases the GIL. A `with` block leaves it on exit."""
@@ -261,6 +279,13 @@ class Engine:
     def qos_stats(self) -> Dict[str, Any]:
         """Priority queues: {"priorities": {"high"|"medium"|"low": {queued, dequeued, wait_p50_us,
         wait_p99_us}}, "promotions": n, "global_slot": slot or None}."""
+    def prepare(self, entries: Sequence[Tuple[Union[int, Buffer], Union[Segment, int], int, int]], transport: Optional[str] = None) -> PreparedList:
+        """Checks and routes [(local, segment, remote_addr, length), ...] once for posting many
+        times. Raises InvalidArgumentError, SourceNotRegisteredError, TargetOutOfRangeError,
+        UnknownSegmentError or PeerDisconnectedError for the first bad entry (nothing kept)."""
+    def connection_stats(self) -> Dict[str, int]:
+        """The listening port: open, pending, accepted, not_members, shed_pending, shed_idle,
+        refused_full, accept_errors, serve_threads."""
     def lanes(self) -> Dict[str, Any]:
         """Lanes of small messages: {"dynamic", "max_dedicated", "receive_bytes", "outgoing":
         [{peer, lane, score, promotions, demotions, denials}], "incoming": [...], "requesting":
