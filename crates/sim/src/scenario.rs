@@ -117,23 +117,23 @@ fn default_seed() -> u64 {
 pub struct Rail {
     /// Name shown in reports.
     pub name: String,
-    /// Line rate, Gbit/s.
+    /// Line rate, Gbit/s: 0.001 to 1,000,000.
     pub gbps: f64,
-    /// What the NIC reports to the selector, Gbit/s (default: `gbps`). A veth shaped by tc
-    /// reports 10 whatever its shaping.
+    /// What the NIC reports to the selector, Gbit/s (default: `gbps`): 0.001 to 1,000,000. A
+    /// veth shaped by tc reports 10 whatever its shaping.
     #[serde(default)]
     pub reported_gbps: Option<f64>,
     /// One-way latency, microseconds (default 2): 0 to 1,000,000 (a second).
     #[serde(default = "default_latency_us")]
     pub latency_us: f64,
-    /// Message-rate limit, operations per second (0 = none).
+    /// Message-rate limit, operations per second (0 = none, else 1 to 10^12).
     #[serde(default)]
     pub ops_per_sec: f64,
     /// NUMA node of the NIC (default 0).
     #[serde(default)]
     pub numa_node: i32,
     /// Payload bytes per byte on the wire (default 1; TCP over 1500-byte Ethernet frames
-    /// carries 1448 of every 1514).
+    /// carries 1448 of every 1514): 0.01 to 1.
     #[serde(default = "one")]
     pub efficiency: f64,
 }
@@ -499,7 +499,7 @@ pub struct LinkEvent {
     pub rail: usize,
     /// `fail`, `recover` or `rate`.
     pub action: String,
-    /// For `rate`: the new line rate, Gbit/s.
+    /// For `rate`: the new line rate, Gbit/s, 0.001 to 1,000,000.
     #[serde(default)]
     pub gbps: f64,
 }
@@ -1144,6 +1144,17 @@ impl Run {
                     "must be within (0, 1]",
                 ));
             }
+            // A slice's time on the wire is its length over the rate: rates near zero make
+            // times past the simulator's clock.
+            let key = |k: &str| format!("rails[{i}].{k}");
+            within_f64(key("gbps"), r.gbps, MIN_GBPS, MAX_GBPS)?;
+            if let Some(g) = r.reported_gbps {
+                within_f64(key("reported_gbps"), g, MIN_GBPS, MAX_GBPS)?;
+            }
+            within_f64(key("efficiency"), r.efficiency, 0.01, 1.0)?;
+            if r.ops_per_sec != 0.0 {
+                within_f64(key("ops_per_sec"), r.ops_per_sec, 1.0, 1e12)?;
+            }
         }
         self.policy.validate()?;
         if self.workloads.is_empty() {
@@ -1234,7 +1245,9 @@ impl Run {
             }
             match e.action.as_str() {
                 "fail" | "recover" => {}
-                "rate" if e.gbps > 0.0 && e.gbps.is_finite() => {}
+                "rate" if e.gbps > 0.0 && e.gbps.is_finite() => {
+                    within_f64(key("gbps"), e.gbps, MIN_GBPS, MAX_GBPS)?
+                }
                 "rate" => return Err(bad(key("gbps"), "must be > 0 for a rate change")),
                 other => {
                     return Err(bad(
@@ -1252,6 +1265,12 @@ impl Run {
 fn positive(v: f64) -> bool {
     v.is_finite() && v > 0.0
 }
+
+/// Slowest line rate of a rail, Gbit/s (1 Mbit/s).
+const MIN_GBPS: f64 = 0.001;
+
+/// Fastest line rate of a rail, Gbit/s (1 Pbit/s).
+const MAX_GBPS: f64 = 1e6;
 
 /// Longest one-way latency of a rail or a lane message, µs (a second).
 const MAX_LATENCY_US: f64 = 1e6;
@@ -1275,14 +1294,26 @@ fn within<T: PartialOrd + std::fmt::Display>(
 
 /// [`within`] for a number that may also be NaN or infinite, which no range holds.
 fn within_f64(key: impl Into<String>, value: f64, min: f64, max: f64) -> Result<(), ScenarioError> {
-    if value.is_finite() {
-        within(key, value, min, max)
-    } else {
-        Err(bad(
-            key,
-            format!("must be within [{min}, {max}], got {value}"),
-        ))
+    if value.is_finite() && min <= value && value <= max {
+        return Ok(());
     }
+    // `1e-300` rather than three hundred zeros.
+    let show = |v: f64| {
+        if v != 0.0 && !(1e-4..1e15).contains(&v.abs()) {
+            format!("{v:e}")
+        } else {
+            v.to_string()
+        }
+    };
+    Err(bad(
+        key,
+        format!(
+            "must be within [{}, {}], got {}",
+            show(min),
+            show(max),
+            show(value)
+        ),
+    ))
 }
 
 /// Merges `patch` into `base`: objects key by key, anything else replaced.
@@ -1468,6 +1499,16 @@ mod tests {
                 "\"gbps\": 100, \"latency_us\": 1e300"
             )),
             "rails[0].latency_us"
+        );
+        let rail = |extra: &str| key(&min_with("\"gbps\": 100", extra));
+        assert_eq!(rail("\"gbps\": 1e-300"), "rails[0].gbps");
+        assert_eq!(
+            rail("\"gbps\": 100, \"ops_per_sec\": 1e-300"),
+            "rails[0].ops_per_sec"
+        );
+        assert_eq!(
+            rail("\"gbps\": 100, \"efficiency\": 1e-300"),
+            "rails[0].efficiency"
         );
         let policy = |p: &str| {
             key(&(MIN.trim_end_matches('}').to_owned() + &format!(", \"policy\": {{{p}}}}}")))
