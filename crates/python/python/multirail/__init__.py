@@ -23,7 +23,8 @@ Group multicast (every member runs this, in its own process or thread)::
         sender, index, data = group.recv(timeout=5)      # None after 5 s without a message
 
 :mod:`multirail.mooncake` offers ``TransferEngine``, a drop-in for Mooncake's
-``mooncake.engine.TransferEngine``.
+``mooncake.engine.TransferEngine``; :mod:`multirail.nixl` offers ``nixl_agent`` and
+``nixl_agent_config``, a drop-in for NIXL's Python agent API.
 """
 
 from __future__ import annotations
