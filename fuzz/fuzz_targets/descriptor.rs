@@ -19,7 +19,8 @@ use std::sync::OnceLock;
 use arbitrary::Unstructured;
 use libfuzzer_sys::fuzz_target;
 use multirail::segment::{
-    BufferDescriptor, RailDescriptor, SegmentDescriptor, ShmHandle, PROTOCOL_VERSION,
+    BufferDescriptor, GroupDescriptor, RailDescriptor, SegmentDescriptor, ShmHandle,
+    PROTOCOL_VERSION,
 };
 use multirail::Location;
 
@@ -49,6 +50,12 @@ fn schema() -> Schema {
             rkeys: vec![1, 2],
         }],
         segment_name: None,
+        groups: vec![GroupDescriptor {
+            name: "kv-group".into(),
+            table_addr: 0x7f00_0000_1000,
+            table_len: 4096,
+            settings: [("window_size".to_owned(), "16".to_owned())].into(),
+        }],
     };
     let v = serde_json::to_value(&sample).expect("descriptor serializes");
     json_gen::schema_of(&v, "", &|path| match path {

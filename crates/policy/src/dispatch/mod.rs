@@ -276,6 +276,11 @@ struct Path {
     controller: Box<dyn WindowController>,
     /// A drop was asked for and the path's slices have not all come back yet.
     dropping: bool,
+    /// When to look again at a path whose oldest slice waited past half the timeout while no
+    /// other path could take its slices: its half-timeout deadline has passed and means
+    /// nothing until another path answers, so it must not be reported again at once (the
+    /// caller's timer would fire in a loop until the whole timeout).
+    stall_recheck_ns: u64,
 }
 
 impl Path {
@@ -365,6 +370,7 @@ impl<T: Payload> Dispatcher<T> {
                 rtt: RttEstimator::new(),
                 controller: config.controller.build(),
                 dropping: false,
+                stall_recheck_ns: 0,
             })
             .collect();
         Dispatcher {
@@ -733,6 +739,10 @@ impl<T: Payload> Dispatcher<T> {
                     path: p,
                     stalled: elsewhere,
                 });
+            } else if waited > suspect {
+                // Another path may start answering: look again a sixteenth of the timeout on.
+                self.paths[p].stall_recheck_ns =
+                    now.saturating_add((self.config.timeout_ns / 16).max(1));
             }
         }
         for (p, path) in self.paths.iter_mut().enumerate() {
@@ -763,10 +773,11 @@ impl<T: Payload> Dispatcher<T> {
         earliest(self.silent_since().map(|s| s.saturating_add(timeout) + 1));
         for p in &self.paths {
             if !p.dropping {
-                earliest(
-                    p.oldest_posted_ns()
-                        .map(|o| o.saturating_add(timeout / 2) + 1),
-                );
+                earliest(p.oldest_posted_ns().map(|o| {
+                    (o.saturating_add(timeout / 2) + 1)
+                        .max(p.stall_recheck_ns)
+                        .min(o.saturating_add(timeout) + 1)
+                }));
             }
             earliest(p.health.poll_timeout());
         }

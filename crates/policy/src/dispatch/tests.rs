@@ -296,8 +296,24 @@ fn a_silent_peer_fails_everything_with_the_timeout() {
     d.on_timeout(500 * MS + 1, &mut host);
     // One path: nothing else answers, so it is not "stalled", and the peer is not silent yet.
     assert_eq!(d.poll_event(), None);
-    let deadline = d.poll_timeout().unwrap();
-    assert!(deadline <= 1_000 * MS + 1);
+    // The half-timeout deadline has passed and must not be reported again at once: a timer
+    // that fires at each deadline would spin until the whole timeout. It looks again a
+    // sixteenth of the timeout later, a bounded number of times.
+    let mut now = 500 * MS + 1;
+    let mut wakes = 0;
+    loop {
+        let deadline = d.poll_timeout().unwrap();
+        assert!(deadline > now, "deadline {deadline} not after {now}");
+        assert!(deadline <= 1_000 * MS + 1);
+        now = deadline;
+        wakes += 1;
+        if now == 1_000 * MS + 1 {
+            break;
+        }
+        d.on_timeout(now, &mut host);
+        assert_eq!(d.poll_event(), None);
+    }
+    assert!(wakes <= 9, "{wakes} wakes between half and whole timeout");
     d.on_timeout(1_000 * MS + 1, &mut host);
     assert_eq!(d.poll_event(), Some(Event::Silent));
     assert!(d.is_silent());
