@@ -197,11 +197,14 @@ constexpr const char *kPublicPrefix = "multirail1 ";
 
 struct XferHandle final : nixlBackendReqH {
     uint64_t list = 0;  // the prepared list, for the handle's life
-    uint64_t batch = 0; // the batch of the last post; 0 once finished and freed
+    uint64_t batch = 0; // the batch of the last post; 0 once it is over and freed
     size_t count = 0;
     int32_t priority = MULTIRAIL_PRIO_HIGH;
     std::string remoteAgent;
-    nixl_status_t done = NIXL_ERR_NOT_POSTED; // the outcome of the last finished post
+    nixl_status_t done = NIXL_ERR_NOT_POSTED; // the outcome of the last post, once known
+    // The last post failed while other requests of it still ran: its outcome is known, but the
+    // batch is kept until they end, since they still touch the application's memory.
+    bool draining = false;
 };
 
 // ---- the engine ----
@@ -437,8 +440,10 @@ public:
         auto *h = dynamic_cast<XferHandle *>(handle);
         if (!h) return NIXL_ERR_INVALID_PARAM;
         if (h->batch != 0) {
-            // libnixl asks checkXfer before a repost; this is a post while one still runs.
-            if (checkXfer(h) == NIXL_IN_PROG) return NIXL_ERR_REPOST_ACTIVE;
+            // libnixl asks checkXfer before a repost, so a batch left here either failed with
+            // requests still running or is being posted over while it runs.
+            if (!h->draining && checkXfer(h) == NIXL_IN_PROG) return NIXL_ERR_REPOST_ACTIVE;
+            if (h->batch != 0 && !retire(h, releaseWaitMs_)) return NIXL_ERR_REPOST_ACTIVE;
         }
         uint64_t batch = 0;
         int32_t rc = multirail_batch_allocate(engine_, h->count, &batch);
@@ -462,6 +467,7 @@ public:
             return toNixl(rc);
         }
         h->batch = batch;
+        h->done = NIXL_IN_PROG;
         return NIXL_IN_PROG;
     }
 
@@ -469,8 +475,12 @@ public:
         auto *h = dynamic_cast<XferHandle *>(handle);
         if (!h) return NIXL_ERR_INVALID_PARAM;
         if (h->batch == 0) return h->done;
+        if (h->draining) {
+            retire(h, 0);
+            return h->done;
+        }
         int32_t status = MULTIRAIL_STATUS_PENDING;
-        int32_t rc = multirail_batch_overall_status(engine_, h->batch, &status);
+        const int32_t rc = multirail_batch_overall_status(engine_, h->batch, &status);
         if (rc != MULTIRAIL_OK) {
             MR_ERROR("checkXfer: %s", lastError());
             return toNixl(rc);
@@ -479,37 +489,28 @@ public:
         if (status == MULTIRAIL_STATUS_COMPLETED) {
             h->done = NIXL_SUCCESS;
         } else {
-            // A finished wait returns the failure itself, which says why.
-            rc = multirail_batch_wait(engine_, h->batch, 0);
-            MR_ERROR("transfer to '%s' failed: %s",
-                     h->remoteAgent.c_str(),
-                     rc != MULTIRAIL_OK ? lastError() : "(no reason given)");
-            h->done = rc == MULTIRAIL_OK || rc == MULTIRAIL_ERR_TRANSFER_FAILED ?
-                NIXL_ERR_BACKEND :
-                toNixl(rc);
+            // A request failed (a peer gone or silent past the transport timeout, a bad
+            // range): the post is an error now, even if others still run.
+            MR_ERROR("transfer to '%s' failed: %s", h->remoteAgent.c_str(), failureReason(h).c_str());
+            h->done = NIXL_ERR_BACKEND;
+            h->draining = true;
         }
-        // The batch has served its post; a repost takes a new one. multirail keeps the batch
-        // alive for a notification still being sent after it.
-        multirail_batch_free(engine_, h->batch);
-        h->batch = 0;
+        // A repost takes a new batch; multirail keeps a batch alive for a notification still
+        // being sent after it.
+        retire(h, 0);
         return h->done;
     }
 
     nixl_status_t releaseReqH(nixlBackendReqH *handle) const override {
         auto *h = dynamic_cast<XferHandle *>(handle);
         if (!h) return NIXL_ERR_INVALID_PARAM;
-        if (h->batch != 0) {
-            // multirail cannot cancel requests in flight, and the application may free its
-            // buffers as soon as this returns, so a running post is waited out. It ends within
-            // the transport timeout: completed, or failed when the peer stopped answering.
-            int32_t rc = multirail_batch_wait(engine_, h->batch, releaseWaitMs_);
-            if (rc == MULTIRAIL_ERR_WAIT_TIMEOUT) {
-                MR_ERROR("releaseReqH: a transfer to '%s' still runs after %" PRId64 " ms",
-                         h->remoteAgent.c_str(), releaseWaitMs_);
-                return NIXL_ERR_REPOST_ACTIVE;
-            }
-            multirail_batch_free(engine_, h->batch);
-            h->batch = 0;
+        // multirail cannot cancel requests in flight, and the application may free its buffers
+        // as soon as this returns, so a running post is waited out. It ends within the
+        // transport timeout: completed, or failed once the peer stopped answering.
+        if (h->batch != 0 && !retire(h, releaseWaitMs_)) {
+            MR_ERROR("releaseReqH: a transfer to '%s' still runs after %" PRId64 " ms",
+                     h->remoteAgent.c_str(), releaseWaitMs_);
+            return NIXL_ERR_REPOST_ACTIVE;
         }
         if (h->list) multirail_prepared_free(engine_, h->list);
         delete h;
@@ -607,6 +608,29 @@ private:
         peers_[localAgent].segmentName = segmentName_;
         MR_DEBUG("agent '%s': engine up as segment '%s'", localAgent.c_str(), segmentName_.c_str());
         return true;
+    }
+
+    // Frees h's batch once none of its requests runs any more, waiting up to wait_ms (0:
+    // just look); false, keeping it, while some still do.
+    bool retire(XferHandle *h, int64_t wait_ms) const {
+        const int32_t rc = multirail_batch_wait(engine_, h->batch, wait_ms);
+        if (rc == MULTIRAIL_ERR_WAIT_TIMEOUT) return false;
+        multirail_batch_free(engine_, h->batch);
+        h->batch = 0;
+        h->draining = false;
+        return true;
+    }
+
+    // What the first failed request of h's batch says about its failure.
+    std::string failureReason(const XferHandle *h) const {
+        for (size_t i = 0; i < h->count; ++i) {
+            int32_t st = MULTIRAIL_STATUS_PENDING;
+            if (multirail_batch_status(engine_, h->batch, i, &st) != MULTIRAIL_OK) break;
+            if (st == MULTIRAIL_STATUS_FAILED)
+                return "request " + std::to_string(i) + " of " + std::to_string(h->count) + ": " +
+                    lastError();
+        }
+        return "(no reason given)";
     }
 
     // The open segment of `agent`, opening it on first use.

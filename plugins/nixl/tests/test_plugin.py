@@ -51,21 +51,33 @@ def test_one_handle_posted_100_times(agents, transport):
     print(f"{transport}: 100 posts of 1000 x 16 KiB in {out['seconds']:.2f} s")
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_killed_peer_turns_transfers_to_err(agents, transport):
+def stop_peer_and_time_err(agents, transport, sig):
     config = {"transports": {"tcp": {"timeout_ms": TCP_TIMEOUT_MS}}}
     limit_s = 30
     report, target = start_pair(agents, peer.until_error, transport, config, limit_s)
     first = receive(report, "running", 60)
     assert first == "DONE"
-    os.kill(target.pid, signal.SIGKILL)
-    killed_at = time.monotonic()
-    report.send(("killed", killed_at))
+    os.kill(target.pid, sig)
+    stopped_at = time.monotonic()
+    report.send(("killed", stopped_at))
     out = receive(report, "result", limit_s + 10)
     assert out["state"] == "ERR", out
     # Within the transport timeout, plus room for a busy machine.
     assert out["after_s"] <= TCP_TIMEOUT_MS / 1000 + 3.0, out
-    print(f"{transport}: ERR {out['after_s']:.3f} s after SIGKILL ({out['posts']} posts)")
+    print(f"{transport}: ERR {out['after_s']:.3f} s after {signal.Signals(sig).name} "
+          f"({out['posts']} posts)")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_killed_peer_turns_transfers_to_err(agents, transport):
+    stop_peer_and_time_err(agents, transport, signal.SIGKILL)
+
+
+def test_frozen_peer_turns_transfers_to_err_after_the_timeout(agents):
+    """A peer that stops answering without closing anything (SIGSTOP: no FIN, no RST) is
+    found out by the transport timeout alone. TCP only: shm copies into a stopped process's
+    memory work, since the kernel does them."""
+    stop_peer_and_time_err(agents, "tcp", signal.SIGSTOP)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
