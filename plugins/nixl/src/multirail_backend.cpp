@@ -633,28 +633,41 @@ private:
         return "(no reason given)";
     }
 
-    // The open segment of `agent`, opening it on first use.
+    // The open segment of `agent`, opening it on first use. The open (a round trip to the
+    // peer, up to the connect timeout when it does not answer) runs without the lock, so a
+    // slow peer does not hold up registrations or other peers; multirail gives the same id to
+    // two opens of one name, so a race between two callers is harmless.
     nixl_status_t segmentOf(const std::string &agent, uint64_t &segment) const {
+        std::string name;
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            auto it = peers_.find(agent);
+            if (it == peers_.end() || it->second.segmentName.empty()) {
+                MR_ERROR("no connection info for agent '%s'", agent.c_str());
+                return NIXL_ERR_NOT_FOUND;
+            }
+            if (it->second.segment != 0) {
+                segment = it->second.segment;
+                return NIXL_SUCCESS;
+            }
+            name = it->second.segmentName;
+        }
+        uint64_t id = 0;
+        const int32_t rc = multirail_open_segment(engine_, name.c_str(), &id);
+        if (rc != MULTIRAIL_OK) {
+            MR_ERROR("opening segment '%s' of agent '%s': %s", name.c_str(), agent.c_str(), lastError());
+            return toNixl(rc);
+        }
         std::lock_guard<std::mutex> g(mu_);
         auto it = peers_.find(agent);
-        if (it == peers_.end() || it->second.segmentName.empty()) {
-            MR_ERROR("no connection info for agent '%s'", agent.c_str());
+        if (it == peers_.end() || it->second.segmentName != name) {
+            // Disconnected or given a new address meanwhile: this open is stale.
+            multirail_close_segment(engine_, id);
+            MR_ERROR("agent '%s' was disconnected while its segment was being opened", agent.c_str());
             return NIXL_ERR_NOT_FOUND;
         }
-        if (it->second.segment == 0) {
-            uint64_t id = 0;
-            const int32_t rc =
-                multirail_open_segment(engine_, it->second.segmentName.c_str(), &id);
-            if (rc != MULTIRAIL_OK) {
-                MR_ERROR("opening segment '%s' of agent '%s': %s",
-                         it->second.segmentName.c_str(),
-                         agent.c_str(),
-                         lastError());
-                return toNixl(rc);
-            }
-            it->second.segment = id;
-        }
-        segment = it->second.segment;
+        it->second.segment = id;
+        segment = id;
         return NIXL_SUCCESS;
     }
 

@@ -164,9 +164,9 @@ def expect(conn, what):
 @guarded
 def target(conn, name, transport, config):
     agent = make_agent(name, transport, config)
-    buf = np.zeros(BLOCKS * BLOCK, dtype=np.uint8)
-    reg = register(agent, buf)
-    conn.send(("md", agent.get_agent_metadata(), buf.ctypes.data))
+    bufs = [np.zeros(BLOCKS * BLOCK, dtype=np.uint8)]
+    regs = [register(agent, bufs[0])]
+    conn.send(("md", agent.get_agent_metadata(), bufs[0].ctypes.data))
     peer = None
     while True:
         cmd = conn.recv()
@@ -175,9 +175,15 @@ def target(conn, name, transport, config):
             peer = agent.add_remote_agent(cmd[1])
             peer = peer.decode() if isinstance(peer, bytes) else peer
             conn.send(("added", peer))
+        elif op == "register":
+            # One more buffer, registered after the peer loaded our metadata.
+            bufs.append(np.zeros(BLOCKS * BLOCK, dtype=np.uint8))
+            regs.append(register(agent, bufs[-1]))
+            conn.send(("md", agent.get_agent_metadata(), bufs[-1].ctypes.data))
         elif op == "expect":
-            # Wait for `message` from the peer; check the buffer the moment it is seen.
-            _, message, seed, timeout = cmd
+            # Wait for `message` from the peer; check buffer `region` the moment it is seen.
+            _, message, seed, timeout, region = cmd
+            buf = bufs[region]
             want = written_by(pattern(seed)) if seed is not None else None
             deadline = time.monotonic() + timeout
             seen, match, others = False, None, []
@@ -197,7 +203,8 @@ def target(conn, name, transport, config):
         elif op == "cleanup":
             if peer is not None:
                 agent.remove_remote_agent(peer)
-            agent.deregister_memory(reg)
+            for reg in regs:
+                agent.deregister_memory(reg)
             conn.send(("cleaned", wait_no_tcp()))
         elif op == "exit":
             conn.send(("bye",))
@@ -232,9 +239,10 @@ class Session:
         self.write = a.make_prepped_xfer("WRITE", self.local_src, idx, self.remote, PERM)
         self.read = a.make_prepped_xfer("READ", self.local_back, idx, self.remote, PERM)
 
-    def target_saw(self, message, seed, timeout=30.0):
-        """Has the target check its buffer when `message` arrives: (seen, bytes matched)."""
-        self.tconn.send(("expect", message, seed, timeout))
+    def target_saw(self, message, seed, timeout=30.0, region=0):
+        """Has the target check buffer `region` when `message` arrives: (seen, bytes matched,
+        other notifications)."""
+        self.tconn.send(("expect", message, seed, timeout, region))
         seen, match, others = expect(self.tconn, "expected")
         return seen, match, others
 
@@ -261,8 +269,23 @@ def roundtrip(report, tconn, name, transport, config):
     out["write_s"] = time.monotonic() - t0
     out["seen"], out["match"], out["others"] = s.target_saw(BINARY_NOTIF, 1)
 
-    out["read"] = run_xfer(s.agent, s.read)
+    # A READ's notification goes to the agent read from, once the bytes are here.
+    out["read"] = run_xfer(s.agent, s.read, b"read done")
     out["read_match"] = bool(np.array_equal(s.back, s.src))
+    out["read_notif_seen"] = s.target_saw(b"read done", None)[0]
+
+    # Memory the target registers after we loaded its metadata: its metadata loaded again
+    # (NIXL adds the new region), and a transfer into it.
+    tconn.send(("register",))
+    md, addr2 = expect(tconn, "md")
+    s.agent.add_remote_agent(md)
+    remote2 = s.agent.prep_xfer_dlist(s.peer, [(addr2 + i * BLOCK, BLOCK, 0) for i in range(BLOCKS)], "DRAM")
+    h2 = s.agent.make_prepped_xfer("WRITE", s.local_src, list(range(BLOCKS)), remote2, PERM)
+    s.src[:] = pattern(2)
+    out["late_write"] = run_xfer(s.agent, h2, b"late")
+    out["late_seen"], out["late_match"], _ = s.target_saw(b"late", 2, region=1)
+    s.agent.release_xfer_handle(h2)
+    s.agent.release_dlist_handle(remote2)
 
     s.agent.send_notif(s.peer, b"ping\x00\xff")
     out["standalone_seen"] = s.target_saw(b"ping\x00\xff", None)[0]

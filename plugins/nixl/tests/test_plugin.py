@@ -37,6 +37,9 @@ def test_write_read_and_notifications(agents, transport):
     assert out["others"] == []
     assert out["read"] == "DONE"
     assert out["read_match"], "the READ brought back other bytes"
+    assert out["read_notif_seen"], "the READ's notification never reached the agent read from"
+    # Memory registered after the metadata exchange is reachable once NIXL has it.
+    assert out["late_write"] == "DONE" and out["late_seen"] and out["late_match"], out
     assert out["standalone_seen"]
     # The initiator's standalone notification came keyed by the target agent's name, bytes
     # intact.
