@@ -562,14 +562,25 @@ impl Engine {
         self.inner.messaging.message_stats()
     }
 
-    /// Forgets an opened segment and closes its connections. Fails for an unknown id.
+    /// Forgets an opened segment and closes this engine's connections to it (data, RDMA
+    /// queue pairs, messages) and its shm mappings; requests still in flight to it fail.
+    /// Fails for an unknown id.
     pub fn close_segment(&self, segment: SegmentId) -> Result<()> {
-        let mut peers = self.inner.peers.write().expect("peers poisoned");
-        let peer = peers
-            .by_id
-            .remove(&segment.0)
-            .ok_or(Error::UnknownSegment(segment.0))?;
-        peers.by_name.remove(&peer.name);
+        let peer = {
+            let mut peers = self.inner.peers.write().expect("peers poisoned");
+            let peer = peers
+                .by_id
+                .remove(&segment.0)
+                .ok_or(Error::UnknownSegment(segment.0))?;
+            peers.by_name.remove(&peer.name);
+            peer
+        };
+        // Closing calls back into the peer (slices handed back): no engine lock held.
+        let reason = "the segment was closed";
+        self.inner.tcp.close_peer(peer.id, reason);
+        self.inner.rdma.close_peer(peer.id, reason);
+        self.inner.shm.forget_peer(peer.id);
+        self.inner.messaging.forget_peer(peer.id);
         Ok(())
     }
 
@@ -895,6 +906,7 @@ impl Engine {
         self.inner.server.lock().expect("server poisoned").take();
         self.inner.tcp.shutdown("engine shut down");
         self.inner.rdma.shutdown("engine shut down");
+        self.inner.messaging.close_all();
     }
 
     /// Counts of the RDMA data path: `ibv_post_send` calls, work requests, signalled

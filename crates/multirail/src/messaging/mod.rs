@@ -399,6 +399,21 @@ fn protocol(peer: &str, reason: impl Into<String>) -> Error {
 }
 
 impl Messaging {
+    /// Closes this engine's message connection to peer `id` and forgets its lane (its segment
+    /// was closed): a later send to the peer, opened again, starts a new connection.
+    pub(crate) fn forget_peer(&self, id: u64) {
+        let conn = self.out.lock().expect("out poisoned").remove(&id);
+        self.lanes.lock().expect("lanes poisoned").remove(&id);
+        self.dynamic.outgoing_gone(id);
+        drop(conn);
+    }
+
+    /// Closes every message connection this engine opened (it shuts down).
+    pub(crate) fn close_all(&self) {
+        let conns: Vec<_> = self.out.lock().expect("out poisoned").drain().collect();
+        drop(conns);
+    }
+
     /// Counts of messages sent and received so far.
     pub(crate) fn message_stats(&self) -> MessageStats {
         let mut s = self.counters.snapshot();

@@ -484,6 +484,16 @@ impl RdmaTransport {
         }
     }
 
+    /// Closes the queue pairs to peer `id` and forgets it (its segment was closed); its
+    /// slices in flight fail with `reason`. A peer never connected is no error.
+    pub(crate) fn close_peer(&self, id: u64, reason: &str) {
+        let slot = self.peers.write().expect("peers poisoned").remove(&id);
+        let rdma = slot.and_then(|s| s.rdma.lock().expect("peer poisoned").take());
+        if let Some(p) = rdma {
+            p.close(reason);
+        }
+    }
+
     /// Closes every peer; their slices in flight fail.
     pub(crate) fn shutdown(&self, reason: &str) {
         let slots: Vec<Arc<PeerSlot>> = self

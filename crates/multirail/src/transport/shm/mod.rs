@@ -104,6 +104,12 @@ pub(crate) struct ShmTransport {
 }
 
 impl ShmTransport {
+    /// Forgets peer `id` (its segment was closed): its mappings go once no copy in flight
+    /// holds them.
+    pub(crate) fn forget_peer(&self, id: u64) {
+        self.peers.lock().expect("shm peers poisoned").remove(&id);
+    }
+
     /// Starts `workers` copy threads that share one set of priority queues, promoting with
     /// `qos.promotion` and reporting depths, waits and promotions to `qos`; requests of at most
     /// `inline_bytes` are copied by their poster. Fails when a thread cannot be spawned (the

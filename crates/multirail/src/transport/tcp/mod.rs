@@ -1005,6 +1005,16 @@ impl TcpTransport {
         }
     }
 
+    /// Closes the connections to peer `id` and forgets it (its segment was closed); its slices
+    /// in flight fail with `reason`. A peer never connected is no error.
+    pub(crate) fn close_peer(&self, id: u64, reason: &str) {
+        let slot = self.peers.write().expect("peers poisoned").remove(&id);
+        let tcp = slot.and_then(|s| s.tcp.lock().expect("peer poisoned").take());
+        if let Some(t) = tcp {
+            t.close(reason);
+        }
+    }
+
     /// Closes every peer's connections; their slices in flight fail.
     pub(crate) fn shutdown(&self, reason: &str) {
         let slots: Vec<Arc<PeerSlot>> = self
