@@ -38,3 +38,6 @@ pub use lifecycle::*;
 pub use memory::*;
 pub use messages::*;
 pub use types::*;
+
+#[cfg(test)]
+mod tests;

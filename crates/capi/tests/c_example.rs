@@ -3,8 +3,8 @@
 //! sides and every error path of the example checked for its code and message; then the same
 //! under valgrind's memcheck, which must find no invalid access or use of undefined memory.
 //!
-//! The library is the one cargo built for this test run: `libmultirail.so` and
-//! `libmultirail.a` next to this test executable (target/<profile>/deps) or one directory up.
+//! The test builds the library first (`cargo build -p multirail-capi`, same target directory
+//! and profile as the test), since cargo does not build a cdylib for integration tests.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -22,31 +22,84 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// The directory holding the libmultirail.so and .a cargo built with this test: next to the
-/// test executable (target/<profile>/deps) or one up (target/<profile>), the newer if both.
+/// Builds libmultirail.so and libmultirail.a with cargo, in the target directory and profile
+/// this test was built in, and returns the directory holding them. cargo does not build a
+/// cdylib or staticlib for a package's own integration tests (they cannot link it), so without
+/// this the test would run against whatever library an earlier build left, or none. Run once.
 fn lib_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test executable's path");
-    let deps = exe
-        .parent()
-        .expect("the test executable's directory")
-        .to_path_buf();
-    let mut candidates: Vec<(std::time::SystemTime, PathBuf)> = [deps.clone(), deps.join("..")]
-        .into_iter()
-        .filter(|d| d.join("libmultirail.a").is_file())
-        .filter_map(|d| {
-            let modified = d.join("libmultirail.so").metadata().ok()?.modified().ok()?;
-            Some((modified, d))
-        })
-        .collect();
-    candidates.sort();
-    match candidates.pop() {
-        Some((_, dir)) => dir.canonicalize().expect("the library directory resolves"),
-        None => panic!(
-            "libmultirail.so and libmultirail.a are not next to {} or one directory up: build \
-             them with `cargo build -p multirail-capi` (same profile as this test)",
-            exe.display()
-        ),
-    }
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        // This executable is <target>[/<triple>]/<profile>/deps/c_example-<hash>.
+        let exe = std::env::current_exe().expect("the test executable's path");
+        let profile_dir = exe
+            .parent()
+            .and_then(Path::parent)
+            .expect("the test executable is in <target>/<profile>/deps");
+        let profile = profile_dir
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        let above = profile_dir.parent().expect("a target directory");
+        let mut cargo = Command::new(env!("CARGO"));
+        cargo
+            .args([
+                "build",
+                "-p",
+                "multirail-capi",
+                "--message-format=json-render-diagnostics",
+            ])
+            .current_dir(repo());
+        match profile.as_str() {
+            "debug" => {}
+            "release" => {
+                cargo.arg("--release");
+            }
+            other => {
+                cargo.args(["--profile", other]);
+            }
+        }
+        if above.join("CACHEDIR.TAG").exists() {
+            cargo.arg("--target-dir").arg(above);
+        } else if let Some(root) = above.parent().filter(|r| r.join("CACHEDIR.TAG").exists()) {
+            cargo.arg("--target-dir").arg(root);
+            cargo.arg("--target").arg(above.file_name().unwrap());
+        }
+        let out = cargo.output().expect("running cargo");
+        assert!(
+            out.status.success(),
+            "`cargo build -p multirail-capi` failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // The artifact message of the library names both files.
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let files: Vec<PathBuf> = stdout
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == "multirail")
+            .filter(|m| m["package_id"].as_str().unwrap_or("").contains("capi"))
+            .flat_map(|m| {
+                m["filenames"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|f| f.as_str().map(PathBuf::from))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let so = files
+            .iter()
+            .find(|f| f.file_name().is_some_and(|n| n == "libmultirail.so"))
+            .unwrap_or_else(|| panic!("cargo named no libmultirail.so among {files:?}"));
+        let dir = so.parent().expect("a directory").to_path_buf();
+        assert!(
+            dir.join("libmultirail.a").is_file(),
+            "no libmultirail.a beside {}",
+            so.display()
+        );
+        dir
+    })
+    .clone()
 }
 
 /// Compiles examples/c/transfer.c once per test run, linked against libmultirail.so (with an
