@@ -236,12 +236,14 @@ extern "C" {
 #endif // __cplusplus
 
 /**
- * Returns the calling thread's last failure message: what the last multirail call made on
- * this thread that failed said, naming the argument, key or peer. "" when that call
- * succeeded (or no call was made). Never NULL.
+ * Returns the message of the last multirail call made on the calling thread when it failed,
+ * naming the argument, configuration key or peer; "" when that call succeeded (or none was
+ * made yet). The one exception: `multirail_batch_status` and
+ * `multirail_batch_overall_status` succeed with MULTIRAIL_STATUS_FAILED and set it to the
+ * request's failure. Never NULL.
  *
- * The string belongs to the library: it stays valid until this thread's next multirail call
- * (other than this one). Copy it to keep it.
+ * The string belongs to the library. It stays valid until this thread's next multirail call
+ * (other than this one) returns, so it may be passed to that call; copy it to keep it longer.
  *
  * Thread safety: safe from any thread; each thread has its own message.
  */

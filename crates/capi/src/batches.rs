@@ -7,7 +7,7 @@ use engine::{
     TransportChoice,
 };
 
-use crate::error::{guard, multirail_error_t as Code, set_last_error, Failure};
+use crate::error::{guard, multirail_error_t as Code, note_last_error, Failure};
 use crate::handles;
 use crate::types::{
     multirail_engine_t, multirail_prepared_entry_t, multirail_request_t, MULTIRAIL_OP_READ,
@@ -60,7 +60,7 @@ fn status_code(func: &str, what: &str, status: Status) -> i32 {
         Status::Pending => MULTIRAIL_STATUS_PENDING,
         Status::Completed => MULTIRAIL_STATUS_COMPLETED,
         Status::Failed(e) => {
-            set_last_error(&format!("{func}: {what} failed: {e}"));
+            note_last_error(&format!("{func}: {what} failed: {e}"));
             MULTIRAIL_STATUS_FAILED
         }
     }

@@ -1,7 +1,7 @@
 //! Status codes, the thread-local last error, and the guard every exported function runs its
 //! body in: it catches panics and turns failures into a code and a message.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ffi::{c_char, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -128,25 +128,46 @@ impl From<engine::ConfigError> for Failure {
 thread_local! {
     /// The calling thread's last failure message; empty after a call that succeeded.
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+    /// Whether the running call already set the message (see [`note_last_error`]).
+    static NOTED: Cell<bool> = const { Cell::new(false) };
 }
 
 /// Sets the calling thread's last error message. Interior NULs become spaces. Does nothing
 /// while the thread is being torn down (its thread-locals are gone).
-pub(crate) fn set_last_error(message: &str) {
-    let message = CString::new(message.replace('\0', " ")).unwrap_or_default();
-    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = message);
+fn set_last_error(message: &str) {
+    let _ = LAST_ERROR.try_with(|e| {
+        let mut e = e.borrow_mut();
+        if message.is_empty() && e.is_empty() {
+            return; // already "": keep the allocation-free path of successful calls
+        }
+        *e = CString::new(message.replace('\0', " ")).unwrap_or_default();
+    });
 }
 
-/// Runs the body of exported function `func` with a cleared last error: returns 0 when it
-/// succeeds, else its failure's code with the message (prefixed by `func`) as the thread's
-/// last error. A panic is caught and returned as `MULTIRAIL_ERR_INTERNAL`: it never unwinds
-/// into the caller.
+/// Sets the last error message although the running call succeeds (a request's failure, read
+/// by a status call).
+pub(crate) fn note_last_error(message: &str) {
+    set_last_error(message);
+    let _ = NOTED.try_with(|n| n.set(true));
+}
+
+/// Runs the body of exported function `func`: returns 0 when it succeeds, else its failure's
+/// code with the message (prefixed by `func`) as the thread's last error. A panic is caught
+/// and returned as `MULTIRAIL_ERR_INTERNAL`: it never unwinds into the caller.
+///
+/// The previous message is replaced only once the body has returned, so a caller may pass
+/// the string `multirail_last_error()` gave it as an argument of its next call.
 pub(crate) fn guard(func: &str, body: impl FnOnce() -> Result<(), Failure>) -> i32 {
-    set_last_error("");
+    let _ = NOTED.try_with(|n| n.set(false));
     // Unwind safety: a panic can leave the engine's state half-changed; the engine then fails
     // its later calls (poisoned locks), which this guard turns into codes too.
     let failure = match catch_unwind(AssertUnwindSafe(body)) {
-        Ok(Ok(())) => return Code::MULTIRAIL_OK as i32,
+        Ok(Ok(())) => {
+            if !NOTED.try_with(Cell::get).unwrap_or(false) {
+                set_last_error("");
+            }
+            return Code::MULTIRAIL_OK as i32;
+        }
         Ok(Err(f)) => f,
         Err(payload) => {
             let what = payload
@@ -167,12 +188,14 @@ pub(crate) fn guard(func: &str, body: impl FnOnce() -> Result<(), Failure>) -> i
     failure.code as i32
 }
 
-/// Returns the calling thread's last failure message: what the last multirail call made on
-/// this thread that failed said, naming the argument, key or peer. "" when that call
-/// succeeded (or no call was made). Never NULL.
+/// Returns the message of the last multirail call made on the calling thread when it failed,
+/// naming the argument, configuration key or peer; "" when that call succeeded (or none was
+/// made yet). The one exception: `multirail_batch_status` and
+/// `multirail_batch_overall_status` succeed with MULTIRAIL_STATUS_FAILED and set it to the
+/// request's failure. Never NULL.
 ///
-/// The string belongs to the library: it stays valid until this thread's next multirail call
-/// (other than this one). Copy it to keep it.
+/// The string belongs to the library. It stays valid until this thread's next multirail call
+/// (other than this one) returns, so it may be passed to that call; copy it to keep it longer.
 ///
 /// Thread safety: safe from any thread; each thread has its own message.
 #[no_mangle]
@@ -225,6 +248,26 @@ mod tests {
         let rc = guard("multirail_test", || Err(Failure::invalid("a\0b", "x")));
         assert_eq!(rc, -1);
         assert!(last().contains("a b"));
+    }
+
+    #[test]
+    fn the_last_message_stays_valid_during_the_next_call() {
+        guard("multirail_test", || Err(Failure::invalid("first", "x")));
+        let p = multirail_last_error();
+        let rc = guard("multirail_test", || {
+            // SAFETY: the message stays valid until this call returns.
+            let seen = unsafe { CStr::from_ptr(p) }.to_str().unwrap().to_owned();
+            Err(Failure::invalid("second", seen))
+        });
+        assert_eq!(rc, -1);
+        assert!(last().contains("`first`"), "{}", last());
+        guard("multirail_test", || {
+            note_last_error("noted");
+            Ok(())
+        });
+        assert_eq!(last(), "noted");
+        guard("multirail_test", || Ok(()));
+        assert_eq!(last(), "");
     }
 
     #[test]
