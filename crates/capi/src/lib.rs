@@ -15,6 +15,10 @@
 
 // The C names (`multirail_request_t`, ...) are the API.
 #![allow(non_camel_case_types)]
+// Every public item is documented (its comment goes into the header), and every unsafe block
+// says why it holds.
+#![warn(missing_docs)]
+#![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]
 
 // Internal helpers.
 mod handles;
