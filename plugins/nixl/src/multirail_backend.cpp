@@ -93,6 +93,19 @@ nixl_status_t toNixl(int32_t rc) {
     }
 }
 
+// Called in a catch block: an exception (std::bad_alloc, in practice) must not unwind into
+// libnixl, which expects a status from a backend, so it is logged and becomes a backend error.
+nixl_status_t caught(const char *where) {
+    try {
+        throw;
+    } catch (const std::exception &e) {
+        MR_ERROR("%s: %s", where, e.what());
+    } catch (...) {
+        MR_ERROR("%s: an exception that is not a std::exception", where);
+    }
+    return NIXL_ERR_BACKEND;
+}
+
 // Reads one of the C API's string outputs, growing the buffer when it says so.
 template <class F> int32_t readString(std::string &out, F &&call) {
     size_t cap = out.capacity() > 256 ? out.capacity() : 256;
@@ -237,7 +250,7 @@ public:
     // ---- memory ----
 
     nixl_status_t
-    registerMem(const nixlBlobDesc &mem, const nixl_mem_t &type, nixlBackendMD *&out) override {
+    registerMem(const nixlBlobDesc &mem, const nixl_mem_t &type, nixlBackendMD *&out) override try {
         if (type != DRAM_SEG) return NIXL_ERR_NOT_SUPPORTED;
         if (mem.len == 0) return NIXL_ERR_INVALID_PARAM;
         std::lock_guard<std::mutex> g(mu_);
@@ -263,9 +276,11 @@ public:
         }
         out = new LocalMD(mem.addr, mem.len);
         return NIXL_SUCCESS;
+    } catch (...) {
+        return caught("registerMem");
     }
 
-    nixl_status_t deregisterMem(nixlBackendMD *meta) override {
+    nixl_status_t deregisterMem(nixlBackendMD *meta) override try {
         auto *md = dynamic_cast<LocalMD *>(meta);
         if (!md) return NIXL_ERR_INVALID_PARAM;
         nixl_status_t ret = NIXL_SUCCESS;
@@ -283,27 +298,33 @@ public:
         }
         delete md;
         return ret;
+    } catch (...) {
+        return caught("deregisterMem");
     }
 
-    nixl_status_t getPublicData(const nixlBackendMD *meta, std::string &str) const override {
+    nixl_status_t getPublicData(const nixlBackendMD *meta, std::string &str) const override try {
         auto *md = dynamic_cast<const LocalMD *>(meta);
         if (!md) return NIXL_ERR_INVALID_PARAM;
         str = kPublicPrefix + segmentName_ + " " + std::to_string(md->addr);
         return NIXL_SUCCESS;
+    } catch (...) {
+        return caught("getPublicData");
     }
 
-    nixl_status_t loadLocalMD(nixlBackendMD *input, nixlBackendMD *&output) override {
+    nixl_status_t loadLocalMD(nixlBackendMD *input, nixlBackendMD *&output) override try {
         auto *md = dynamic_cast<LocalMD *>(input);
         if (!md) return NIXL_ERR_INVALID_PARAM;
         // A local transfer goes through this engine's own segment, opened like any peer's.
         output = new RemoteMD(localAgent, segmentName_, md->addr, md->len);
         return NIXL_SUCCESS;
+    } catch (...) {
+        return caught("loadLocalMD");
     }
 
     nixl_status_t loadRemoteMD(const nixlBlobDesc &input,
                                const nixl_mem_t &type,
                                const std::string &agent,
-                               nixlBackendMD *&output) override {
+                               nixlBackendMD *&output) override try {
         if (type != DRAM_SEG) return NIXL_ERR_NOT_SUPPORTED;
         const std::string &blob = input.metaInfo;
         const size_t plen = std::strlen(kPublicPrefix);
@@ -325,6 +346,8 @@ public:
         }
         output = new RemoteMD(agent, std::move(segment), input.addr, input.len);
         return NIXL_SUCCESS;
+    } catch (...) {
+        return caught("loadRemoteMD");
     }
 
     nixl_status_t unloadMD(nixlBackendMD *input) override {
@@ -336,13 +359,15 @@ public:
 
     // ---- connections ----
 
-    nixl_status_t getConnInfo(std::string &str) const override {
+    nixl_status_t getConnInfo(std::string &str) const override try {
         str = segmentName_;
         return NIXL_SUCCESS;
+    } catch (...) {
+        return caught("getConnInfo");
     }
 
     nixl_status_t
-    loadRemoteConnInfo(const std::string &agent, const std::string &conn_info) override {
+    loadRemoteConnInfo(const std::string &agent, const std::string &conn_info) override try {
         if (conn_info.empty()) return NIXL_ERR_INVALID_PARAM;
         std::lock_guard<std::mutex> g(mu_);
         auto &peer = peers_[agent];
@@ -353,17 +378,21 @@ public:
             peer.segmentName = conn_info;
         }
         return NIXL_SUCCESS;
+    } catch (...) {
+        return caught("loadRemoteConnInfo");
     }
 
-    nixl_status_t connect(const std::string &agent) override {
+    nixl_status_t connect(const std::string &agent) override try {
         // libnixl calls connect(own name) when it creates the backend; our own segment is
         // opened on first use instead, so creating a backend never waits on the network.
         if (agent == localAgent) return NIXL_SUCCESS;
         uint64_t seg = 0;
         return segmentOf(agent, seg);
+    } catch (...) {
+        return caught("connect");
     }
 
-    nixl_status_t disconnect(const std::string &agent) override {
+    nixl_status_t disconnect(const std::string &agent) override try {
         std::lock_guard<std::mutex> g(mu_);
         auto it = peers_.find(agent);
         if (it == peers_.end()) return NIXL_SUCCESS;
@@ -378,6 +407,8 @@ public:
             peers_.erase(it);
         }
         return NIXL_SUCCESS;
+    } catch (...) {
+        return caught("disconnect");
     }
 
     // ---- transfers ----
@@ -387,7 +418,7 @@ public:
                            const nixl_meta_dlist_t &remote,
                            const std::string &agent,
                            nixlBackendReqH *&handle,
-                           const nixl_opt_b_args_t *opt) const override {
+                           const nixl_opt_b_args_t *opt) const override try {
         if (op != NIXL_READ && op != NIXL_WRITE) return NIXL_ERR_INVALID_PARAM;
         if (local.getType() != DRAM_SEG || remote.getType() != DRAM_SEG)
             return NIXL_ERR_NOT_SUPPORTED;
@@ -429,6 +460,8 @@ public:
         handle = h;
         MR_DEBUG("prepXfer to '%s': %d descriptors, list %" PRIu64, agent.c_str(), n, list);
         return NIXL_SUCCESS;
+    } catch (...) {
+        return caught("prepXfer");
     }
 
     nixl_status_t postXfer(const nixl_xfer_op_t &op,
@@ -436,7 +469,7 @@ public:
                            const nixl_meta_dlist_t &,
                            const std::string &agent,
                            nixlBackendReqH *&handle,
-                           const nixl_opt_b_args_t *opt) const override {
+                           const nixl_opt_b_args_t *opt) const override try {
         auto *h = dynamic_cast<XferHandle *>(handle);
         if (!h) return NIXL_ERR_INVALID_PARAM;
         if (h->batch != 0) {
@@ -469,9 +502,11 @@ public:
         h->batch = batch;
         h->done = NIXL_IN_PROG;
         return NIXL_IN_PROG;
+    } catch (...) {
+        return caught("postXfer");
     }
 
-    nixl_status_t checkXfer(nixlBackendReqH *handle) const override {
+    nixl_status_t checkXfer(nixlBackendReqH *handle) const override try {
         auto *h = dynamic_cast<XferHandle *>(handle);
         if (!h) return NIXL_ERR_INVALID_PARAM;
         if (h->batch == 0) return h->done;
@@ -499,9 +534,11 @@ public:
         // being sent after it.
         retire(h, 0);
         return h->done;
+    } catch (...) {
+        return caught("checkXfer");
     }
 
-    nixl_status_t releaseReqH(nixlBackendReqH *handle) const override {
+    nixl_status_t releaseReqH(nixlBackendReqH *handle) const override try {
         auto *h = dynamic_cast<XferHandle *>(handle);
         if (!h) return NIXL_ERR_INVALID_PARAM;
         // multirail cannot cancel requests in flight, and the application may free its buffers
@@ -515,11 +552,13 @@ public:
         if (h->list) multirail_prepared_free(engine_, h->list);
         delete h;
         return NIXL_SUCCESS;
+    } catch (...) {
+        return caught("releaseReqH");
     }
 
     // ---- notifications ----
 
-    nixl_status_t getNotifs(notif_list_t &out) override {
+    nixl_status_t getNotifs(notif_list_t &out) override try {
         std::lock_guard<std::mutex> g(notifMu_);
         const int32_t rc = readString(notifBuf_, [&](char *b, size_t cap, size_t *needed) {
             return multirail_notifications(engine_, b, cap, needed);
@@ -543,9 +582,11 @@ public:
             }
         }
         return NIXL_SUCCESS;
+    } catch (...) {
+        return caught("getNotifs");
     }
 
-    nixl_status_t genNotif(const std::string &agent, const std::string &msg) const override {
+    nixl_status_t genNotif(const std::string &agent, const std::string &msg) const override try {
         uint64_t segment = 0;
         nixl_status_t st = segmentOf(agent, segment);
         if (st != NIXL_SUCCESS) return st;
@@ -556,6 +597,8 @@ public:
             return toNixl(rc);
         }
         return NIXL_SUCCESS;
+    } catch (...) {
+        return caught("genNotif");
     }
 
 private:

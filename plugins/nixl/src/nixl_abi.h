@@ -200,7 +200,7 @@ protected:
 public:
     explicit nixlBackendEngine(const nixlBackendInitParams *p)
         : backendType(p->type),
-          customParams(*p->customParams),
+          customParams(p->customParams ? *p->customParams : nixl_b_params_t{}),
           localAgent(p->localAgent),
           enableTelemetry_(p->enableTelemetry_) {}
 
