@@ -13,8 +13,8 @@
 // They were checked against the nixl-cu12 1.5.1 wheel: the vtable of its UCX engine
 // (readelf relocations of libplugin_UCX.so), the offset libnixl reads initErr at, the offsets
 // nixlAgent::createBackend stores nixlBackendInitParams fields at, and the api_version
-// libnixl's loader compares with. plugins/nixl/tests/test_abi.py repeats the vtable check on
-// every build, and the static_asserts at the end pin the offsets.
+// libnixl's loader compares with. plugins/nixl/tests/test_abi.py compares the vtables again
+// on every run, and the static_asserts at the end pin the offsets.
 //
 // Names are NIXL's own so that the mangled signatures of our overrides can be compared with
 // the wheel's symbols; the plugin exports nothing but nixl_plugin_init and nixl_plugin_fini,
