@@ -25,6 +25,7 @@ fuzz_target!(|data: &[u8]| {
             1 => Ok(ConnKind::Control),
             2 => Ok(ConnKind::Data),
             3 => Ok(ConnKind::Message),
+            4 => Ok(ConnKind::Rdma),
             _ => Err("kind"),
         }
     };

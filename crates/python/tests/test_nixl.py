@@ -275,10 +275,6 @@ def test_a_killed_peer_is_err_within_the_timeout(peers):
     a.release_xfer_handle(h)
 
 
-@pytest.mark.xfail(
-    reason="Engine::close_segment forgets the segment but leaves its tcp and message connections open",
-    strict=False,
-)
 def test_teardown_leaves_no_connection(peers):
     """What vLLM's shutdown does: release handles and lists, remove the remote agent,
     deregister memory; the peer then holds no connection from us."""
