@@ -14,8 +14,6 @@
 //                                 sending agent's name and arbitrary bytes survive
 //   disconnect                 -> multirail_close_segment (closes the peer's connections)
 
-#include <atomic>
-#include <cerrno>
 #include <cinttypes>
 #include <cstdarg>
 #include <cstdio>
@@ -23,7 +21,6 @@
 #include <cstring>
 #include <fstream>
 #include <map>
-#include <memory>
 #include <mutex>
 #include <sstream>
 #include <string>
