@@ -130,14 +130,31 @@ fn parse_transport(s: &str) -> Result<TransportChoice, String> {
 
 /// A `multirail target` child: asked to stop with SIGTERM (killed if it lingers) when dropped.
 struct LocalTarget {
-    _child: Guarded,
+    child: Guarded,
     /// Kept open while the target runs, so its banner after the name finds a reader.
-    _stdout: BufReader<ChildStdout>,
+    stdout: BufReader<ChildStdout>,
     name: String,
 }
 
 impl LocalTarget {
-    fn start(config_path: Option<&Path>, size: u64) -> anyhow::Result<LocalTarget> {
+    /// Stops the target and returns what it printed after its banner: its served report, when
+    /// it was started with `served_report`. `None` when it could not be read.
+    fn stop_and_read(mut self) -> Option<String> {
+        self.child.signal(libc::SIGTERM);
+        let mut text = String::new();
+        // The banner line, then whatever the target printed as it stopped.
+        let mut banner = String::new();
+        self.stdout.read_line(&mut banner).ok()?;
+        std::io::Read::read_to_string(&mut self.stdout, &mut text).ok()?;
+        let _ = self.child.wait();
+        Some(text)
+    }
+
+    fn start(
+        config_path: Option<&Path>,
+        size: u64,
+        served_report: bool,
+    ) -> anyhow::Result<LocalTarget> {
         let exe = std::env::current_exe().context("locating the multirail binary")?;
         let mut cmd = Command::new(exe);
         if let Some(p) = config_path {
@@ -145,6 +162,7 @@ impl LocalTarget {
         }
         cmd.args(["target", "--listen", "127.0.0.1:0", "--size"])
             .arg(size.to_string())
+            .args(served_report.then_some("--served-report"))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
@@ -161,8 +179,8 @@ impl LocalTarget {
             bail!("the local target exited ({status}) before printing its segment name");
         }
         Ok(LocalTarget {
-            _child: child,
-            _stdout: stdout,
+            child,
+            stdout,
             name,
         })
     }
@@ -512,8 +530,12 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         check_memory(local_size, args.local)?;
         plan_regions(local_size, &classes, args.batch_size, threads)?;
     }
-    let local_target = if args.local {
-        Some(LocalTarget::start(config_path, local_size)?)
+    let mut local_target = if args.local {
+        Some(LocalTarget::start(
+            config_path,
+            local_size,
+            args.tent_stats,
+        )?)
     } else {
         None
     };
@@ -704,7 +726,7 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         .map(|r| (r.name, r.bandwidth_gbps))
         .collect();
     let rails = run_rails(&before.rails, &traffic.rails, &assumed);
-    let tent_text = args
+    let mut tent_text = args
         .tent_stats
         .then(|| tent_report(&engine.traffic_stats_report(), &assumed, &traffic.rails));
     let verified = if args.verify {
@@ -712,6 +734,17 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
     } else {
         None
     };
+    // What the local target served (this engine served nothing): its report as it stopped.
+    // Over shm the target's CPU sees no request, so its counts stay 0 there.
+    if let (Some(text), Some(target)) = (tent_text.as_mut(), local_target.take()) {
+        match target.stop_and_read() {
+            Some(served) if !served.trim().is_empty() => {
+                text.push_str("=== Target ===\n");
+                text.push_str(&served);
+            }
+            _ => text.push_str("=== Target ===\n(the local target printed no served report)\n"),
+        }
+    }
     let gbps = total_bytes as f64 / secs / 1e9;
     let class_reports: Vec<serde_json::Value> = classes
         .iter()

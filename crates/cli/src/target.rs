@@ -34,6 +34,11 @@ pub struct TargetArgs {
     /// port); the URL is printed on stderr as `metrics: URL`. Default: off.
     #[arg(long, value_name = "ADDR:PORT")]
     metrics: Option<String>,
+    /// When stopped, print what this engine served to peers (bytes and requests per rail,
+    /// operation, priority and peer, and the serving latency) to stdout before exiting.
+    /// Default: off.
+    #[arg(long)]
+    served_report: bool,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -106,6 +111,11 @@ pub fn run(config: Config, args: TargetArgs) -> Result<(), Failure> {
     drop(out);
     let sig = stop.wait().map_err(|e| Failure::Runtime(e.into()))?;
     tracing::info!(signal = ?sig, "stopping");
+    if args.served_report {
+        // Whoever reads it may have gone; stopping matters more than the report.
+        let _ = crate::out::print(format_args!("{}", engine.traffic_stats().served.report()));
+        let _ = crate::out::flush();
+    }
     drop(metrics);
     engine.shutdown();
     drop(engine);

@@ -239,6 +239,37 @@ fn one_report_by_default_and_tent_text_on_request() {
         assert!(line.contains("EWMA BW=- (no samples)"), "{line}");
     }
 
+    // Over tcp the local target served every byte written, and says so at the end.
+    let out = multirail(&[
+        "bench",
+        "--local",
+        "--transport",
+        "tcp",
+        "--size",
+        "8MiB",
+        "--block-size",
+        "256KiB",
+        "--duration",
+        "200ms",
+        "--tent-stats",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    let moved = report["bytes"].as_u64().expect("bytes in the report");
+    let text = stderr(&out);
+    let target = &text[text.find("=== Target ===").expect("the target's section")..];
+    let served: u64 = target
+        .lines()
+        .filter(|l| l.starts_with("Rail "))
+        .filter_map(|l| l.split("WRITE Bytes=").nth(1))
+        .filter_map(|rest| rest.split(',').next()?.parse::<u64>().ok())
+        .sum();
+    assert!(
+        served >= moved && moved > 0,
+        "served {served}, moved {moved}: {target}"
+    );
+
     let help = stdout(&multirail(&["bench", "--help"]));
     let flag = &help[help.find("--tent-stats").expect("--tent-stats in help")..];
     let flag = &flag[..flag.find("\n  -").unwrap_or(flag.len())];
