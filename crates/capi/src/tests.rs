@@ -331,3 +331,18 @@ fn a_failed_request_reports_failed_with_its_reason() {
     ok(multirail_engine_free(initiator));
     ok(multirail_engine_free(target));
 }
+
+#[test]
+fn an_empty_or_blank_token_is_a_configuration_error_naming_it() {
+    // Membership fails closed from C too: a token that is set must be real.
+    for token in ["", "      "] {
+        let config = CString::new(format!(r#"{{"auth":{{"token":"{token}"}}}}"#)).unwrap();
+        let mut e = 0;
+        // SAFETY: valid strings and output pointer.
+        let rc = unsafe { multirail_engine_new(config.as_ptr(), c"127.0.0.1:0".as_ptr(), &mut e) };
+        assert_eq!(rc, Code::MULTIRAIL_ERR_CONFIG as i32, "{token:?}");
+        assert_eq!(e, 0, "no engine for {token:?}");
+        let why = last_error();
+        assert!(why.contains("auth.token") && why.contains("empty"), "{why}");
+    }
+}

@@ -350,7 +350,12 @@ impl MetadataConfig {
                 ));
             }
         }
-        within(prefix, "timeout_ms", self.timeout_ms, 1..=MAX_METADATA_TIMEOUT_MS)
+        within(
+            prefix,
+            "timeout_ms",
+            self.timeout_ms,
+            1..=MAX_METADATA_TIMEOUT_MS,
+        )
     }
 }
 

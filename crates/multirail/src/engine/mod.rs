@@ -525,7 +525,9 @@ impl Engine {
     /// Counts of this engine's use of its metadata store: lookups, publishes, watch updates
     /// (and their failures). Never fails.
     pub fn metadata_stats(&self) -> metadata::MetadataStats {
-        self.inner.metadata_counters.snapshot(self.inner.metadata.health())
+        self.inner
+            .metadata_counters
+            .snapshot(self.inner.metadata.health())
     }
 
     /// How the tcp paths to connected peers stand on each rail this engine sends on: how
