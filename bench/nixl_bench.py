@@ -41,7 +41,12 @@ ctx = multiprocessing.get_context("spawn")
 
 def _env_for(impl, transport, plugin_dir):
     """NIXL_PLUGIN_DIR replaces the wheel's plugin directory: set for the MULTIRAIL rows only,
-    so the UCX rows load the wheel's own UCX plugin. Must run before libnixl is loaded."""
+    so the UCX rows load the wheel's own UCX plugin. Must run before libnixl is loaded. Also
+    sends what the role's libraries print (NIXL logs INFO lines to stdout) to stderr, so the
+    driver's stdout holds only the table or the JSON."""
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     if impl == "nixl" and transport != "UCX" and plugin_dir:
         os.environ["NIXL_PLUGIN_DIR"] = plugin_dir
     else:
