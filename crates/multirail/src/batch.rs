@@ -42,10 +42,15 @@ impl TransferCounters {
     }
 }
 
+/// Run once when a batch next has no unfinished request (see [`Batch::when_idle`]).
+pub(crate) type IdleHook = Box<dyn FnOnce() + Send>;
+
 /// Shared by a batch and its tasks so the last finishing task can wake waiters.
 pub(crate) struct BatchSignal {
     unfinished: AtomicUsize,
-    lock: Mutex<()>,
+    /// Guards the waiters' check-then-wait, and holds the hooks to run when the batch next
+    /// has nothing unfinished.
+    lock: Mutex<Vec<IdleHook>>,
     cond: Condvar,
     counters: Arc<TransferCounters>,
 }
@@ -54,8 +59,15 @@ impl BatchSignal {
     fn task_finished(&self) {
         if self.unfinished.fetch_sub(1, Ordering::AcqRel) == 1 {
             // Taking the lock orders this notify after a waiter's check-then-wait.
-            let _guard = self.lock.lock().expect("batch lock poisoned");
-            self.cond.notify_all();
+            let hooks = {
+                let mut hooks = self.lock.lock().expect("batch lock poisoned");
+                self.cond.notify_all();
+                std::mem::take(&mut *hooks)
+            };
+            // Run outside the lock: a hook may look at the batch.
+            for hook in hooks {
+                hook();
+            }
         }
     }
 }
@@ -130,7 +142,7 @@ impl Batch {
             tasks: Mutex::new(Vec::with_capacity(capacity)),
             signal: Arc::new(BatchSignal {
                 unfinished: AtomicUsize::new(0),
-                lock: Mutex::new(()),
+                lock: Mutex::new(Vec::new()),
                 cond: Condvar::new(),
                 counters,
             }),
@@ -199,6 +211,22 @@ impl Batch {
 
     pub(crate) fn unfinished(&self) -> usize {
         self.signal.unfinished.load(Ordering::Acquire)
+    }
+
+    /// Runs `hook` once the batch has no unfinished request: at once, on this thread, when it
+    /// has none now; else on the thread that finishes its last one (a transport's thread, so
+    /// the hook must be quick and must not block).
+    pub(crate) fn when_idle(&self, hook: IdleHook) {
+        {
+            let mut hooks = self.signal.lock.lock().expect("batch lock poisoned");
+            // Checked under the lock the last finishing task takes, so the hook is either
+            // taken by it or run here, never lost.
+            if self.unfinished() > 0 {
+                hooks.push(hook);
+                return;
+            }
+        }
+        hook();
     }
 
     /// Blocks until every request finished or `timeout` passes, polling for the first `spin`

@@ -3,6 +3,7 @@
 use super::*;
 use crate::messaging::{Lane, LanesReport, Message, Notification, Peers};
 use crate::transport::wire::MsgKind;
+use std::sync::mpsc;
 
 /// Two-sided messages and notifications.
 impl Engine {
@@ -93,30 +94,70 @@ impl Engine {
     }
 
     /// Sends `msg` as a notification to each of `targets` once every request of `pending`
-    /// completed; a failed batch sends none (its error is in the batch's status). Fails only
-    /// when the thread that waits cannot be started.
+    /// completed; a failed batch sends none (its error is in the batch's status). The batch's
+    /// last completion hands the work to the engine's notifier thread (one per engine, started
+    /// on first use), so a post with a notification costs no thread of its own. Fails only
+    /// when that thread cannot be started.
     pub(super) fn notify_when_done(
         &self,
         pending: Arc<Batch>,
         targets: Vec<SegmentId>,
         msg: &str,
     ) -> Result<()> {
-        let (engine, msg) = (self.clone(), msg.to_owned());
+        let queue = self.notifier()?;
+        let batch = pending.clone();
+        let msg = msg.to_owned();
+        pending.when_idle(Box::new(move || {
+            // The notifier is gone only when the engine is: nobody is left to notify.
+            let _ = queue.send(DoneBatch {
+                batch,
+                targets,
+                msg,
+            });
+        }));
+        Ok(())
+    }
+
+    /// The queue of the engine's notifier thread, started on first use. The thread holds the
+    /// engine weakly and ends with it.
+    fn notifier(&self) -> Result<mpsc::Sender<DoneBatch>> {
+        let mut slot = self.inner.notifier.lock().expect("notifier poisoned");
+        if let Some(tx) = slot.as_ref() {
+            return Ok(tx.clone());
+        }
+        let (tx, rx) = mpsc::channel::<DoneBatch>();
+        let inner = Arc::downgrade(&self.inner);
         thread::Builder::new()
             .name("mr-notify".into())
-            .spawn(move || match pending.wait(None, Duration::ZERO) {
-                Ok(()) => {
-                    for t in targets {
-                        if let Err(e) = engine.send_notification(t, &msg) {
-                            tracing::warn!(error = %e, "batch notification not sent");
+            .spawn(move || {
+                while let Ok(done) = rx.recv() {
+                    let Some(inner) = inner.upgrade() else { return };
+                    let engine = Engine { inner };
+                    match done.batch.overall_status() {
+                        Status::Failed(e) => {
+                            tracing::warn!(error = %e, "batch failed; notification not sent")
+                        }
+                        _ => {
+                            for t in done.targets {
+                                if let Err(e) = engine.send_notification(t, &done.msg) {
+                                    tracing::warn!(error = %e, "batch notification not sent");
+                                }
+                            }
                         }
                     }
                 }
-                Err(e) => tracing::warn!(error = %e, "batch failed; notification not sent"),
             })
-            .map_err(|e| Error::io("spawning notification thread", e))?;
-        Ok(())
+            .map_err(|e| Error::io("spawning the notification thread", e))?;
+        *slot = Some(tx.clone());
+        Ok(tx)
     }
+}
+
+/// A batch whose requests all finished, and the notification to send for it.
+pub(super) struct DoneBatch {
+    batch: Arc<Batch>,
+    targets: Vec<SegmentId>,
+    msg: String,
 }
 
 impl Peers for Engine {

@@ -182,6 +182,9 @@ struct Inner {
     fallback_logged: OnceLock<()>,
     server: Mutex<Option<Server>>,
     messaging: Arc<crate::messaging::Messaging>,
+    /// The notifier thread's queue ([`Engine::notify_when_done`]), once started. The thread
+    /// ends when this sender is dropped with the engine.
+    notifier: Mutex<Option<std::sync::mpsc::Sender<messages::DoneBatch>>>,
 }
 
 /// A transfer engine: one segment, named `host:port` after its control port.
@@ -354,6 +357,7 @@ impl Engine {
             fallback_logged: OnceLock::new(),
             server: Mutex::new(Some(server)),
             messaging,
+            notifier: Mutex::new(None),
             config,
         });
         if let Some(t) = spawn_upkeep(Arc::downgrade(&inner)) {
