@@ -281,6 +281,39 @@ mod tests {
     use super::*;
 
     #[test]
+    fn an_idle_hook_runs_once_when_the_last_request_finishes_or_at_once_when_idle() {
+        use std::sync::atomic::AtomicU32;
+        let b = Batch::new(1, 2);
+        let runs = Arc::new(AtomicU32::new(0));
+        let hook = |runs: &Arc<AtomicU32>| -> IdleHook {
+            let runs = runs.clone();
+            Box::new(move || {
+                runs.fetch_add(1, Ordering::SeqCst);
+            })
+        };
+        let t = b.add_tasks(2).unwrap();
+        b.when_idle(hook(&runs));
+        t[0].part_done(Ok(()));
+        assert_eq!(runs.load(Ordering::SeqCst), 0, "one request still runs");
+        t[1].part_done(Err(Error::invalid("x", "failed")));
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        // Idle now: a hook runs at once, and the first never again.
+        b.when_idle(hook(&runs));
+        assert_eq!(runs.load(Ordering::SeqCst), 2);
+        // Hooks from many threads racing the last completion each run exactly once.
+        for _ in 0..200 {
+            let b = Arc::new(Batch::new(1, 1));
+            let t = b.add_tasks(1).unwrap();
+            let runs = Arc::new(AtomicU32::new(0));
+            let (b2, r2) = (b.clone(), runs.clone());
+            let registrar = std::thread::spawn(move || b2.when_idle(hook(&r2)));
+            t[0].part_done(Ok(()));
+            registrar.join().unwrap();
+            assert_eq!(runs.load(Ordering::SeqCst), 1);
+        }
+    }
+
+    #[test]
     fn finished_requests_count_once_each_by_outcome() {
         let counters = Arc::new(TransferCounters::default());
         let b = Batch::with_counters(1, 3, counters.clone());
