@@ -1,4 +1,5 @@
-//! `multirail lanes-bench`: dynamic lanes (seed 004) under many peers, one receiver.
+//! `multirail lanes-bench`: dynamic lanes (UCX's usage tracker and dynamic transport
+//! selection) under many peers, one receiver.
 //!
 //! With `--local` the receiver is a child process of this binary (`--serve-receiver`, hidden),
 //! one engine; the `--peers` senders run in this process, each an engine of its own that opens

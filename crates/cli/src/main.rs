@@ -50,7 +50,7 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Show the rails, their speeds and NUMA nodes, and each rail's tier per memory location.
     Topo(topo::TopoArgs),
-    /// Small-message round-trip latency (the seed's ping-pong), with periodic-pattern report.
+    /// Small-message round-trip latency (perftest's ping-pong), with periodic-pattern report.
     Pingpong(pingpong::PingpongArgs),
     /// Dynamic lanes under many peers and one receiver: hot peers' message rate and one-way
     /// latency, which peers end dedicated, receive memory and lane switches (--local: the

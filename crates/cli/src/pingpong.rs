@@ -1,4 +1,5 @@
-//! `multirail pingpong`: the seed's latency method as a tool. A client sends a message of
+//! `multirail pingpong`: the ping-pong latency method (perftest's, as RAMCloud's InfRc study
+//! used it) as a tool. A client sends a message of
 //! `--size` bytes, the server answers with one of the same size, `--iterations` times, both
 //! single-threaded and busy polling. Reports perftest's columns (one-way = round trip / 2),
 //! the raw trace, periodic patterns in words and a plot.
@@ -488,7 +489,7 @@ fn write_trace(path: &Path, rtt: &[u64]) -> std::io::Result<()> {
     w.flush()
 }
 
-/// The seed's picture: round trip against iteration for a window, and a histogram.
+/// The ping-pong study's picture: round trip against iteration for a window, and a histogram.
 mod plot {
     use std::path::Path;
 

@@ -365,7 +365,7 @@ impl Qos {
 
 #[cfg(test)]
 mod tests {
-    //! The seed's three example configurations, loaded as written (each with its own
+    //! TENT's three QoS example configurations, loaded as written (each with its own
     //! shared-memory name, so tests do not share one object) and run.
 
     use super::*;

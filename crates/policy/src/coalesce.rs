@@ -7,17 +7,17 @@
 //! *acknowledges* by pushing how many messages of that sender it has consumed; the sender may
 //! reuse a slot once every receiver has acknowledged it. Three modes decide how often:
 //!
-//! - [`Batching::Off`]: every message is pushed on its own and acknowledged on its own (the
-//!   seed's arithmetic: 10 one-sided writes per multicast in a 3-member group, one sender).
+//! - [`Batching::Off`]: every message is pushed on its own and acknowledged on its own (Derecho's
+//!   SMC arithmetic: 10 one-sided writes per multicast in a 3-member group, one sender).
 //! - [`Batching::Opportunistic`] (Derecho's later "opportunistic batching", Spindle): a push
 //!   carries everything committed since the last one, split only where the ring wraps; a
 //!   receiver acknowledges once per pass over what arrived. Nothing waits: an idle sender's
 //!   single message is pushed at once.
-//! - [`Batching::Every`] (the seed's proposal): a push only when `k` messages are pending, and
-//!   a receiver acknowledges only when its count crosses a multiple of `k`; whatever is held
-//!   back is pushed anyway `flush_ns` after it was first held (the seed's forced push, ~150 µs).
-//!   [`PushPlanner::flush`] pushes at once and marks the push urgent, so receivers acknowledge
-//!   at once too (the seed's `SMC::flush()`).
+//! - [`Batching::Every`] (Derecho's proposal for SMC batching): a push only when `k` messages
+//!   are pending, and a receiver acknowledges only when its count crosses a multiple of `k`;
+//!   whatever is held back is pushed anyway `flush_ns` after it was first held (the proposal's
+//!   forced push, ~150 µs). [`PushPlanner::flush`] pushes at once and marks the push urgent, so
+//!   receivers acknowledge at once too (the proposal's `SMC::flush()`).
 //!
 //! Time is nanoseconds on any monotonic clock the caller chooses.
 
@@ -161,7 +161,7 @@ impl PushPlanner {
         }
     }
 
-    /// Pushes everything committed at once, marked urgent (the seed's `SMC::flush()`).
+    /// Pushes everything committed at once, marked urgent (the proposal's `SMC::flush()`).
     pub fn flush(&mut self) {
         if self.pushed < self.committed {
             self.urgent = true;

@@ -312,7 +312,7 @@ pub struct LanesConfig {
     /// defaults, its own receive queue of 64 buffers of 8 KiB: 512 KiB of registered memory,
     /// 8 MiB at 16. NICs keep connection contexts in an on-chip cache and slow down once the
     /// connections in use outgrow it, so the bound stays small: UCX's `UCX_MAX_PRIORITY_EPS`
-    /// defaults to 20, the simulator scenario uses 15 and its benchmark 8; 16 sits in
+    /// defaults to 20, the lanes-1000 simulator scenarios use 15 and `bench/lanes` 8; 16 sits in
     /// that range. 0 disables dedicated lanes (every request is denied).
     pub max_dedicated: usize,
     /// How far a score must beat the weakest dedicated peer's to take its lane, and how far a

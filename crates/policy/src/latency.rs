@@ -4,8 +4,8 @@
 //! summary reports one-way latency (round trip / 2) in microseconds, as perftest does. The
 //! pattern finder looks for periods `p` (2..=1024, at least [`MIN_CYCLES`] cycles in the trace)
 //! whose phases (`i mod p`) have means that differ from the rest by far more than noise
-//! explains, and describes them the way the seed does: "every 31st and 32nd round trip is
-//! 4.4 µs; others 3.15 µs (period 32)".
+//! explains, and describes them the way RAMCloud's InfRc ping-pong study does: "every 31st and
+//! 32nd round trip is 4.4 µs; others 3.15 µs (period 32)".
 //!
 //! Method, per round: clip the trace at its 99.9th percentile (one stray millisecond must not
 //! look like a slow phase); for every period compute each phase's mean and the pooled
@@ -710,7 +710,8 @@ mod tests {
 
     #[test]
     fn bimodal_noise_has_no_pattern() {
-        // The seed's N = 1 without SRQ: two modes, 17 and 12.5 µs, no pattern between them.
+        // The InfRc ping-pong study's N = 1 without SRQ: two modes, 17 and 12.5 µs, no pattern
+        // between them.
         for seed in 0..4 {
             let mut rng = SmallRng::seed_from_u64(seed);
             let x: Vec<u64> = (0..10_000)

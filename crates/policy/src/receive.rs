@@ -48,7 +48,7 @@ pub enum ReturnOrder {
     AfterReply,
 }
 
-/// The seed's receive-path knobs.
+/// The receive-path knobs of RAMCloud's InfRc ping-pong study.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReceiveSettings {
     /// Receive buffers per connection, or in the shared pool (N).

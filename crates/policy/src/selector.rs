@@ -1,6 +1,6 @@
 //! Device selection for slice spraying: which rail carries each slice of a request.
 //!
-//! [`DeviceSelector`] follows TENT's DeviceSelector (seed `000`):
+//! [`DeviceSelector`] follows TENT's DeviceSelector:
 //!
 //! - **Baseline** (`enable_smart_scheduling = false`): round-robin within the first non-empty
 //!   NUMA tier; farther tiers are ignored. Deterministic, no learning.
@@ -43,7 +43,7 @@ pub const DEFAULT_MIN_SAMPLE_NS: u64 = 1_000_000;
 /// Bytes per second in one Gbps.
 const BYTES_PER_S_PER_GBPS: f64 = 1e9 / 8.0;
 
-/// Parameters of slice spraying, with the seed's names and defaults.
+/// Parameters of slice spraying, with TENT's names and defaults.
 ///
 /// The engine's config module validates these; the selector assumes sane values but never
 /// panics on odd ones (a NaN penalty, a negative jitter range, min above max, ...): it then
@@ -81,7 +81,7 @@ pub struct SelectorConfig {
 }
 
 impl Default for SelectorConfig {
-    /// The seed's defaults.
+    /// TENT's defaults.
     fn default() -> Self {
         SelectorConfig {
             enable_smart_scheduling: true,
@@ -1230,7 +1230,7 @@ mod tests {
 
     #[test]
     fn alpha_0_01_keeps_1_percent_of_the_old_estimate() {
-        // The seed's formula: ewma = α × old + (1 − α) × observed.
+        // TENT's formula: ewma = α × old + (1 − α) × observed.
         let mut sel = DeviceSelector::new(learning(0.01), &[gbps(100.0)], 1);
         sel.on_completed(0, bytes_at(50.0, MS), 0, MS).unwrap();
         let want = 0.01 * 100.0 + 0.99 * 50.0;

@@ -75,7 +75,7 @@ pub struct Slice {
 }
 
 impl Default for SlicePlan {
-    /// The read plan with the seeds' defaults: [`DEFAULT_BLOCK_SIZE`], [`DEFAULT_MAX_SLICES`].
+    /// The read plan with TENT's defaults: [`DEFAULT_BLOCK_SIZE`], [`DEFAULT_MAX_SLICES`].
     fn default() -> Self {
         SlicePlan {
             block_size: DEFAULT_BLOCK_SIZE,

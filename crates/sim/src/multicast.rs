@@ -6,8 +6,9 @@
 //!   of the sender's committed count to each; an acknowledgement is one write of a member's
 //!   received count to each other member. Every member acknowledges every sender, the sender
 //!   itself included (Derecho's receive loop counts its own messages too): with batching off
-//!   that is the seed's 10 writes per multicast in a group of 3 with one sender.
-//! - **NIC.** As in the seed's arithmetic, every write of the group is charged to one NIC's
+//!   that is the 10 writes per multicast of Derecho's unbatched SMC in a group of 3 with one
+//!   sender.
+//! - **NIC.** As in Derecho's SMC arithmetic, every write of the group is charged to one NIC's
 //!   operation rate (`nic_mops`), and every sender's payload to each other member to its line
 //!   rate (`nic_gbps`). Writes go in the order decided, each once the NIC has the operations
 //!   (and bytes) for it; a push's messages reach the other members when its writes are done.

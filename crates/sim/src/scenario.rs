@@ -579,7 +579,7 @@ pub struct MulticastScenario {
     /// The NIC's line rate, Gbps (each sender's payload to every other member counts).
     #[serde(default = "default_nic_gbps")]
     pub nic_gbps: f64,
-    /// The NIC's one-sided write rate, millions a second. As in the seed's arithmetic, every
+    /// The NIC's one-sided write rate, millions a second. As in Derecho's SMC arithmetic, every
     /// write of the group counts against it.
     #[serde(default = "default_nic_mops")]
     pub nic_mops: f64,

@@ -1,4 +1,4 @@
-//! `multirail mcast-bench`: group multicast (seed 001, Derecho's SMC with the seed's batching)
+//! `multirail mcast-bench`: group multicast (Derecho's SMC with Nagle-like batching)
 //! between members in separate processes on this host.
 //!
 //! With `--local` this process is member 0 and starts members 1.. as child processes of this

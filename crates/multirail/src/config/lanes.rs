@@ -1,4 +1,4 @@
-//! The `lanes` section: dynamic lanes for small messages (seed 004, UCX's dynamic transport
+//! The `lanes` section: dynamic lanes for small messages (UCX's dynamic transport
 //! selection): which peers get a dedicated lane, negotiated with them, following the traffic.
 
 use super::*;

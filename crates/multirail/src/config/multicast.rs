@@ -5,15 +5,16 @@ use multirail_policy::coalesce::Batching;
 
 use super::*;
 
-/// Group multicast defaults: Derecho's ring sizes and the seed's batching settings.
+/// Group multicast defaults: Derecho's ring sizes and Nagle-like batching settings (Derecho's
+/// proposal for SMC batching).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MulticastConfig {
     /// `"off"` (a push and an acknowledgement per message), `"opportunistic"` (one push for
     /// everything committed since the last, Spindle's batching) or `"k:N"` (push when `N`
-    /// messages are pending or `flush_us` passed; `"k"` alone is `k:1`, the seed's default).
+    /// messages are pending or `flush_us` passed; `"k"` alone is `k:1`, the proposal's default).
     pub batching: String,
-    /// Longest a held-back push or acknowledgement waits under `k:N`, microseconds (the seed's
+    /// Longest a held-back push or acknowledgement waits under `k:N`, microseconds (the proposal's
     /// ~150 µs forced push).
     pub flush_us: u64,
     /// Messages a sender may have in flight before every member acknowledged them (Derecho's

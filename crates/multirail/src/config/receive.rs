@@ -24,7 +24,8 @@ pub enum ReturnOrder {
     AfterReply,
 }
 
-/// Receive path of two-sided messages (`transports.<tcp|shm>.receive`), the knobs of seed 003.
+/// Receive path of two-sided messages (`transports.<tcp|shm>.receive`), the knobs whose
+/// effect on latency RAMCloud's InfRc transport and perftest's ping-pong method show.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ReceiveConfig {

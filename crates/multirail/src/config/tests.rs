@@ -163,7 +163,7 @@ fn full_multirail_document_loads() {
     assert!(!c.transports.shm.process_vm);
 }
 
-// ---- The seeds' example documents (TENT Slice Spraying and QoS docs). ----
+// ---- TENT's example documents (its Slice Spraying and QoS docs). ----
 
 #[test]
 fn slice_spraying_example_1_latency_sensitive() {
@@ -338,7 +338,7 @@ fn qos_priority_filtering_snippet_loads() {
 
 #[test]
 fn bare_tent_fragment_points_at_transports_rdma() {
-    // The seeds' troubleshooting snippets are fragments of the rdma section.
+    // TENT's troubleshooting snippets are fragments of the rdma section.
     let e = parse_err(
         r#"{
   "bandwidth_learning_rate": 0.001,

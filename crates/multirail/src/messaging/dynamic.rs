@@ -1,5 +1,5 @@
-//! Dynamic lanes (seed 004): the busiest peers get dedicated lanes, negotiated with them, and
-//! the choice follows the traffic.
+//! Dynamic lanes (UCX's dynamic transport selection): the busiest peers get dedicated lanes,
+//! negotiated with them, and the choice follows the traffic.
 //!
 //! A lane is a direction: the messages one engine sends to one peer, which land in the peer's
 //! receive buffers. So each engine runs two [`Lanes`] machines:

@@ -1,5 +1,5 @@
-//! Group multicast over one-sided writes: Derecho's small-message multicast (SMC), with the
-//! seed's batching (`off`, Spindle's `opportunistic`, and `k:N` with a flush deadline and an
+//! Group multicast over one-sided writes: Derecho's small-message multicast (SMC), with
+//! Nagle-like batching (`off`, Spindle's `opportunistic`, and `k:N` with a flush deadline and an
 //! explicit `flush()`).
 //!
 //! Every member allocates a table (engine memory, see [`table`]) and publishes where it lies in
@@ -564,8 +564,9 @@ impl Group {
     }
 
     /// Pushes everything sent so far at once and asks receivers to acknowledge at once (the
-    /// seed's `SMC::flush()`); returns once every member can see it. Fails when a member
-    /// failed or the push did not finish within `transports.tcp.timeout_ms`.
+    /// `flush()` of Derecho's proposal for SMC batching); returns once every member can see
+    /// it. Fails when a member failed or the push did not finish within
+    /// `transports.tcp.timeout_ms`.
     pub fn flush(&self) -> Result<()> {
         let s = &self.shared;
         let mut state = s.send.lock().expect("group send state poisoned");

@@ -572,7 +572,7 @@ impl<'a> Progress<'a> {
             }
         }
         // One acknowledgement per sender per round: with batching off that is one write per
-        // message, the seed's count.
+        // message, the count of Derecho's unbatched SMC.
         let mut acked = false;
         for rank in 0..s.settings.senders.len() {
             if let Some(v) = self.acks[rank].poll_ack(now_ns) {

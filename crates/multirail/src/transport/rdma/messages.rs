@@ -1,5 +1,5 @@
 //! Messages over verbs: two-sided SEND / RECV on reliable-connected queue pairs, with the
-//! receive path of RAMCloud's InfRc transport that seed 003 measures.
+//! receive path of RAMCloud's InfRc transport, whose latency its ping-pong study measures.
 //!
 //! A sender has one queue pair per peer it sends to, on a local port that reaches one of the
 //! peer's rails. Every message is one `SEND_WITH_IMM` (the immediate carries the message
@@ -25,8 +25,8 @@
 //! sender reads the word; no system call on either side. An earlier version returned credits
 //! over the TCP stream, as `tcp` does: in the soft-RoCE VM every such write showed as a round
 //! trip several times slower than the others, once per half a queue of messages (the period
-//! seed 003 finds for late buffer returns), and at depth 1 on every message. The stream stays,
-//! to notice either side leaving.
+//! RAMCloud's InfRc ping-pong study finds for late buffer returns), and at depth 1 on every
+//! message. The stream stays, to notice either side leaving.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
