@@ -141,8 +141,14 @@ impl Engine {
             ));
         }
         self.recheck_sources(&prepared)?;
+        // Whether a peer exited costs a poll of its pidfd: ask once per peer, not per entry.
+        let mut asked: Vec<u64> = Vec::new();
         for &i in indices {
             let (peer, ..) = &prepared.entries[i];
+            if asked.contains(&peer.id) {
+                continue;
+            }
+            asked.push(peer.id);
             if peer.process_exited() {
                 return Err(Error::PeerDisconnected {
                     peer: peer.name.clone(),
