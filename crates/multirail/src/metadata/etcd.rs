@@ -109,10 +109,10 @@ struct Shared {
 }
 
 impl EtcdMetadata {
-    /// A store on the etcd cluster `servers` (see [`parse_endpoints`]) with keys under
+    /// A store on the etcd cluster `servers` (see `parse_endpoints`) with keys under
     /// `prefix` (then `cluster_id/` when given), each request bounded by `timeout`, published
     /// keys on a lease that makes them disappear within `lease_ttl_s` seconds of the engine's
-    /// death ([`granted_ttl`]). Connects lazily: nothing is sent until the
+    /// death (`granted_ttl`). Connects lazily: nothing is sent until the
     /// first request. Fails with a configuration error naming `metadata.servers` when
     /// `servers` is malformed, or `metadata.lease_ttl_s` when it is 0, and with `Io` when the
     /// runtime thread cannot be started.

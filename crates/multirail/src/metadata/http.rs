@@ -152,7 +152,7 @@ impl HttpMetadata {
     }
 
     /// The same store, PUTting what it published again every `every` instead of every third
-    /// of the default lease ([`keeper::refresh_period`]).
+    /// of the default lease (`keeper::refresh_period`).
     pub fn with_refresh_every(mut self, every: Duration) -> HttpMetadata {
         self.refresh_every = every;
         self

@@ -1,6 +1,6 @@
 //! The engine's listening port. Every connection opens with the membership handshake
 //! (`transport::handshake`), then answers descriptor queries (control), serves slices (data,
-//! see [`data`]) or is handed to messaging.
+//! see `data`) or is handed to messaging.
 //!
 //! A fixed pool of `transports.tcp.serve_threads` threads serves every connection through one
 //! epoll set: each connection is armed one-shot, so exactly one thread serves it at a time and

@@ -2,7 +2,7 @@
 //! Nagle-like batching (`off`, Spindle's `opportunistic`, and `k:N` with a flush deadline and an
 //! explicit `flush()`).
 //!
-//! Every member allocates a table (engine memory, see [`table`]) and publishes where it lies in
+//! Every member allocates a table (engine memory, see `table`) and publishes where it lies in
 //! its segment descriptor; `join_group` returns once it found every member's table with the
 //! same settings. A sender commits a message into its ring (in its own table) and its group
 //! thread pushes it with the engine's WRITE requests to the same place in every other member's
