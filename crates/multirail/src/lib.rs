@@ -1,5 +1,6 @@
 //! multirail: a transfer engine that moves bytes between the registered memory of processes,
-//! over shared memory on one host and TCP across hosts.
+//! over shared memory on one host, TCP over every rail across hosts, and RDMA verbs where the
+//! hosts have it. The user guide and references are in the repository's `docs/`.
 //!
 //! ```no_run
 //! use multirail::{Config, Engine, Location, Request};
