@@ -375,7 +375,7 @@ mod tests {
     fn qos_from(doc: &str, tag: &str) -> (Qos, String) {
         let path = format!("/multirail-qos-example-{tag}-{}", std::process::id());
         let doc = doc.replace("/mooncake_rdma_slots", &path);
-        let config = Config::from_json_str(&doc, "seed example").expect("the seed's example loads");
+        let config = Config::from_json_str(&doc, "TENT example").expect("TENT's example loads");
         let qos = Qos::new(&config.transports.rdma, Instant::now()).expect("qos starts");
         (qos, path)
     }
