@@ -168,6 +168,64 @@ fn memory_changes_are_republished() {
     server.shutdown();
 }
 
+/// `PUT ?key=KEY` with `body`, as a stale writer would.
+fn put_key(url: &str, key: &str, body: &[u8]) {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .proxy(None)
+        .timeout_global(Some(Duration::from_secs(10)))
+        .build()
+        .into();
+    agent
+        .put(format!(
+            "{url}?key={}",
+            utf8_percent_encode(key, NON_ALPHANUMERIC)
+        ))
+        .send(body)
+        .expect("metadata server takes the PUT");
+}
+
+#[test]
+fn a_store_behind_its_segment_does_not_fail_transfers_to_the_segments_new_memory() {
+    let server = start_server();
+    let url = server.url();
+    // A long lease: the target's keeper does not put the newest descriptor back mid-test.
+    let config = || http_config(&url, r#", "lease_ttl_s": 600, "timeout_ms": 500"#);
+    let target = engine(config());
+    let first = target.allocate(4096, Location::Any).unwrap();
+    let key = format!("multirail/{}", target.name());
+    let (status, older) = get_key(&url, &key);
+    assert_eq!(status, 200);
+    let later = target.allocate(256 << 10, Location::Any).unwrap();
+    // An older PUT applied last (a store frozen with both in its queue): the store's copy
+    // lacks `later` until the keeper's next pass.
+    put_key(&url, &key, &older);
+    assert!(stored(&url, &key)
+        .unwrap()
+        .find_buffer(later.addr(), 256 << 10)
+        .is_none());
+
+    let init = engine(config());
+    let seg = init.open_segment(&target.name()).unwrap();
+    let want = write_and_read_back(&init, seg, later.addr(), 256 << 10, 5, TransportChoice::Tcp);
+    // SAFETY: the transfers completed; nothing writes `later` now.
+    assert_eq!(unsafe { xxh3_64(later.as_slice()) }, want);
+
+    // The store gone altogether: memory registered meanwhile is still reached.
+    server.shutdown();
+    let third = target.allocate(64 << 10, Location::Any).unwrap();
+    let want = write_and_read_back(&init, seg, third.addr(), 64 << 10, 6, TransportChoice::Tcp);
+    // SAFETY: as above.
+    assert_eq!(unsafe { xxh3_64(third.as_slice()) }, want);
+
+    // A range the segment really does not serve is still refused, naming it.
+    let src = init.allocate(4096, Location::Any).unwrap();
+    let batch = init.allocate_batch(1).unwrap();
+    let beyond = multirail::Request::write(src.addr(), seg, first.addr() + 4096 * 1024, 4096);
+    let e = init.submit(batch, &[beyond]).unwrap_err();
+    assert!(matches!(e, Error::TargetOutOfRange { .. }), "{e}");
+    drop((first, later, third, src, init, target));
+}
+
 #[test]
 fn cached_peers_keep_working_while_the_store_is_down() {
     let server = start_server();

@@ -152,6 +152,9 @@ struct Inner {
     config: Config,
     local: Arc<LocalSegment>,
     metadata: Box<dyn MetadataStore>,
+    /// Asks a segment for its descriptor over its own control port: with a store, the
+    /// authority when the store's copy is behind (a publish that has not landed yet).
+    direct: metadata::P2pMetadata,
     metadata_counters: metadata::MetadataCounters,
     /// Requests finished by this engine's batches.
     transfers: Arc<crate::batch::TransferCounters>,
@@ -231,6 +234,11 @@ impl Engine {
             Duration::from_millis(tcp_cfg.timeout_ms),
             membership.clone(),
         )?;
+        let direct = metadata::P2pMetadata::new(
+            Duration::from_millis(tcp_cfg.connect_timeout_ms),
+            Duration::from_millis(tcp_cfg.timeout_ms),
+            membership.clone(),
+        );
         let topology = topology::Topology::discover(&config, listen.ip())?;
         let rails = topology.descriptors();
         let registry = Arc::new(MemoryRegistry::default());
@@ -318,6 +326,7 @@ impl Engine {
         };
         let inner = Arc::new(Inner {
             metadata,
+            direct,
             metadata_counters: metadata::MetadataCounters::default(),
             transfers: Arc::default(),
             publishes: metadata_cfg.kind != crate::config::MetadataKind::P2p,
@@ -764,8 +773,13 @@ impl Engine {
         Ok((peer, route, buffer, location, *r))
     }
 
-    /// The buffer of `peer` holding the range, refetching the descriptor once if the cached one
-    /// does not have it (the peer may have registered memory since).
+    /// The buffer of `peer` holding the range. When the cached descriptor does not have it
+    /// (the peer may have registered memory since), the store is asked again, and when the
+    /// store's copy lacks it too, the segment itself over its control port: a store can be
+    /// behind its segments for up to one refresh period (a publish that failed while it was
+    /// away, or an older PUT it applied last), and a live peer's own answer is the truth.
+    /// Fails with `TargetOutOfRange` when no answer has the range, or `PeerDisconnected` when
+    /// another process now serves the segment.
     pub(crate) fn target_buffer(
         &self,
         peer: &Peer,
@@ -775,21 +789,55 @@ impl Engine {
         if let Some(b) = peer.descriptor().find_buffer(addr, len) {
             return Ok(b.clone());
         }
-        let fresh = self.lookup(&peer.name)?;
-        if !peer.update_descriptor(fresh) {
-            return Err(Error::PeerDisconnected {
-                peer: peer.name.clone(),
-                reason: "the segment is now served by another process; open it again".into(),
-            });
+        let out_of_range = || Error::TargetOutOfRange {
+            segment: peer.name.clone(),
+            addr,
+            len,
+        };
+        let replaced = || Error::PeerDisconnected {
+            peer: peer.name.clone(),
+            reason: "the segment is now served by another process; open it again".into(),
+        };
+        match self.lookup(&peer.name) {
+            Ok(fresh) => {
+                if let Some(b) = fresh.find_buffer(addr, len).cloned() {
+                    return if peer.update_descriptor(fresh) {
+                        Ok(b)
+                    } else {
+                        Err(replaced())
+                    };
+                }
+                if !self.inner.publishes {
+                    // The lookup above already asked the segment itself.
+                    return if peer.update_descriptor(fresh) {
+                        Err(out_of_range())
+                    } else {
+                        Err(replaced())
+                    };
+                }
+            }
+            // Without a store the segment itself did not answer; with one, it may still.
+            Err(e) if !self.inner.publishes => return Err(e),
+            Err(e) => {
+                tracing::debug!(segment = %peer.name, error = %e, "the metadata store does not answer; asking the segment itself");
+            }
         }
-        peer.descriptor()
-            .find_buffer(addr, len)
-            .cloned()
-            .ok_or_else(|| Error::TargetOutOfRange {
-                segment: peer.name.clone(),
-                addr,
-                len,
-            })
+        let control = peer.descriptor().name.clone();
+        let own = match self.inner.direct.fetch(&control) {
+            Ok(own) => own,
+            Err(e) => {
+                tracing::debug!(segment = %peer.name, error = %e, "the segment does not answer for its descriptor; the range stays unknown");
+                return Err(out_of_range());
+            }
+        };
+        let found = own.find_buffer(addr, len).cloned();
+        if !peer.update_descriptor(own) {
+            return Err(replaced());
+        }
+        if found.is_some() {
+            tracing::debug!(segment = %peer.name, "the metadata store's descriptor is behind the segment's own; using the segment's");
+        }
+        found.ok_or_else(out_of_range)
     }
 
     /// Status of request `index` of `batch`, in submission order.
