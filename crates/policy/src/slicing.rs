@@ -227,6 +227,24 @@ impl ExactSizeIterator for Slices {}
 
 impl FusedIterator for Slices {}
 
+/// The slices of `slices` cut further so that none is longer than `max_len` bytes (a
+/// transport's largest message), in order of offset. Each slice of the plan becomes
+/// `ceil(length / max_len)` pieces of at most `max_len` bytes; together they still cover the
+/// request exactly once. A `max_len` of 0 is taken as 1.
+pub fn capped(slices: Slices, max_len: u64) -> impl Iterator<Item = Slice> {
+    let max_len = max_len.max(1);
+    slices.flat_map(move |s| {
+        let pieces = s.length.div_ceil(max_len);
+        (0..pieces).map(move |i| {
+            let offset = i * max_len;
+            Slice {
+                offset: s.offset + offset,
+                length: (s.length - offset).min(max_len),
+            }
+        })
+    })
+}
+
 /// Where one copy job lies in its request. A same-host copy gains nothing from slices (they
 /// matter to rails), so the shm transport copies contiguous runs of whole slices, cut into
 /// jobs that a HIGH job never waits long behind.
@@ -405,6 +423,34 @@ mod tests {
         // 4 × 256 KiB + a 60 KiB tail merged into the last: 512 KiB + 572 KiB.
         let s = spans(256 * KIB, 64, MIB + 60 * KIB, 1);
         assert_eq!(lens(&s), vec![512 * KIB, 572 * KIB]);
+    }
+
+    proptest! {
+        #[test]
+        fn capped_slices_cover_every_byte_once_within_the_cap(
+            length in 1u64..(64 * MIB),
+            block in 1u64..(4 * MIB),
+            max_slices in 1u32..128,
+            max_len in 0u64..(2 * MIB),
+        ) {
+            let plan = SlicePlan::new(block, max_slices).unwrap();
+            let cap = max_len.max(1);
+            let mut offset = 0;
+            let mut n = 0u64;
+            for s in capped(plan.slices(length).unwrap(), max_len) {
+                prop_assert_eq!(s.offset, offset, "contiguous");
+                prop_assert!(s.length > 0 && s.length <= cap, "{:?} over {}", s, cap);
+                offset += s.length;
+                n += 1;
+            }
+            prop_assert_eq!(offset, length, "every byte once");
+            // A cap at or above every slice changes nothing.
+            let plain = plan.slices(length).unwrap();
+            let largest = plain.clone().map(|s| s.length).max().unwrap();
+            let same: Vec<Slice> = capped(plain.clone(), largest).collect();
+            prop_assert_eq!(same, plain.collect::<Vec<_>>());
+            prop_assert!(n >= u64::from(plan.count(length).unwrap()));
+        }
     }
 
     proptest! {

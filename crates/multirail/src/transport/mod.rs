@@ -2,6 +2,7 @@
 //! `tcp` carries slices over persistent connections. The engine picks one per request.
 
 pub(crate) mod cpu_priority;
+pub(crate) mod driver;
 pub mod handshake;
 pub(crate) mod rails_view;
 pub(crate) mod rdma;

@@ -17,10 +17,9 @@ mod peer;
 mod poller;
 mod rc;
 
-use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, TcpStream};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use multirail_policy::dispatch::DispatchConfig;
@@ -37,12 +36,13 @@ use crate::segment::{BufferDescriptor, RdmaRailDescriptor};
 use crate::server::ConnPermit;
 use crate::stats::TrafficStats;
 use crate::topology::{Rail, Topology};
+use crate::transport::driver::{DriverEnv, Peers};
 use crate::transport::handshake::Membership;
 use crate::transport::{Prepared, Transport};
 use crate::upkeep::Timers;
 
 use devices::{Port, Registrations};
-use peer::RdmaPeer;
+use peer::{RdmaLink, RdmaPeer};
 use poller::Poller;
 use rc::PostCounters;
 
@@ -88,6 +88,16 @@ impl Runtime {
 
     fn own_name(&self) -> String {
         self.name.get().cloned().unwrap_or_default()
+    }
+
+    /// What every peer's driver shares.
+    fn driver_env(&self) -> DriverEnv {
+        DriverEnv {
+            scheduler: self.scheduler.clone(),
+            qos: self.qos.clone(),
+            timers: self.timers.clone(),
+            timeout: self.timeout,
+        }
     }
 }
 
@@ -161,17 +171,10 @@ fn discover(config: &RdmaConfig) -> std::result::Result<devices::Discovery, (Str
     Ok(found)
 }
 
-/// The RDMA state of one peer: its queue pairs, and the lock that makes them.
-#[derive(Default)]
-struct PeerSlot {
-    rdma: Mutex<Option<Arc<RdmaPeer>>>,
-    connect: Mutex<Option<(Instant, Error)>>,
-}
-
 /// The rdma transport.
 pub(crate) struct RdmaTransport {
     runtime: std::result::Result<Arc<Runtime>, String>,
-    peers: RwLock<HashMap<u64, Arc<PeerSlot>>>,
+    peers: Peers<RdmaLink>,
 }
 
 impl RdmaTransport {
@@ -191,7 +194,7 @@ impl RdmaTransport {
         }
         RdmaTransport {
             runtime,
-            peers: RwLock::default(),
+            peers: Peers::default(),
         }
     }
 
@@ -346,71 +349,23 @@ impl RdmaTransport {
     /// One thread connects at a time; others waiting meanwhile share its outcome.
     fn connected(&self, peer: &Arc<Peer>) -> Result<Arc<RdmaPeer>> {
         let rt = self.runtime_or_err()?;
-        let slot = self.slot(peer.id);
-        let live = || {
-            slot.rdma
-                .lock()
-                .expect("peer poisoned")
-                .clone()
-                .filter(|p| !p.is_dead())
-        };
-        if let Some(p) = live() {
-            return Ok(p);
+        let (rdma, fresh) = self.peers.connected(peer, || peer::connect(peer, rt))?;
+        if fresh {
+            self.evict_over_cap(rt, peer.id);
         }
-        let asked = Instant::now();
-        let mut last_failure = slot.connect.lock().expect("peer poisoned");
-        if let Some(p) = live() {
-            return Ok(p);
-        }
-        if let Some((ended, err)) = last_failure.as_ref() {
-            if *ended >= asked {
-                return Err(err.clone());
-            }
-        }
-        match RdmaPeer::connect(peer, rt) {
-            Ok(fresh) => {
-                *last_failure = None;
-                let old = slot
-                    .rdma
-                    .lock()
-                    .expect("peer poisoned")
-                    .replace(fresh.clone());
-                drop(last_failure);
-                if let Some(old) = old {
-                    old.close("replaced by a fresh connection");
-                }
-                self.evict_over_cap(rt, peer.id);
-                Ok(fresh)
-            }
-            Err(e) => {
-                *last_failure = Some((Instant::now(), e.clone()));
-                Err(e)
-            }
-        }
+        Ok(rdma)
     }
 
     /// Closes least recently used idle peers while more paths are open than
     /// `max_endpoints` allows. Busy peers are never closed under their requests; the cap is
     /// then exceeded until they finish, with a warning.
     fn evict_over_cap(&self, rt: &Runtime, keep: u64) {
-        let mut peers: Vec<(u64, Arc<RdmaPeer>)> = {
-            let slots = self.peers.read().expect("peers poisoned");
-            slots
-                .iter()
-                .filter_map(|(id, s)| {
-                    s.rdma
-                        .lock()
-                        .expect("peer poisoned")
-                        .clone()
-                        .map(|p| (*id, p))
-                })
-                .collect()
-        };
-        let mut open: usize = peers.iter().map(|(_, p)| p.endpoints()).sum();
+        let mut peers = self.peers.all();
+        let mut open: usize = peers.iter().map(|(_, p)| p.link.endpoints()).sum();
         if open <= rt.config.max_endpoints {
             return;
         }
-        peers.sort_by_key(|(_, p)| p.last_used_ns.load(Ordering::Relaxed));
+        peers.sort_by_key(|(_, p)| p.link.last_used_ns.load(Ordering::Relaxed));
         for (id, p) in peers {
             if open <= rt.config.max_endpoints {
                 return;
@@ -422,10 +377,8 @@ impl RdmaTransport {
                 peer = id,
                 "closing the least recently used RDMA peer (max_endpoints)"
             );
-            open -= p.endpoints();
-            if let Some(s) = self.peers.read().expect("peers poisoned").get(&id) {
-                s.rdma.lock().expect("peer poisoned").take();
-            }
+            open -= p.link.endpoints();
+            self.peers.take(id);
             p.close("closed to stay within transports.rdma.max_endpoints");
         }
         tracing::warn!(
@@ -435,80 +388,30 @@ impl RdmaTransport {
         );
     }
 
-    fn slot(&self, id: u64) -> Arc<PeerSlot> {
-        if let Some(s) = self.peers.read().expect("peers poisoned").get(&id) {
-            return s.clone();
-        }
-        self.peers
-            .write()
-            .expect("peers poisoned")
-            .entry(id)
-            .or_default()
-            .clone()
-    }
-
-    fn connected_peers(&self) -> Vec<Arc<RdmaPeer>> {
-        let slots: Vec<Arc<PeerSlot>> = self
-            .peers
-            .read()
-            .expect("peers poisoned")
-            .values()
-            .cloned()
-            .collect();
-        slots
-            .iter()
-            .filter_map(|s| s.rdma.lock().expect("peer poisoned").clone())
-            .collect()
-    }
-
     /// Runs the dispatcher deadline of peer `id`.
     pub(crate) fn on_timer(&self, id: u64, now: Instant) {
-        let slot = self.peers.read().expect("peers poisoned").get(&id).cloned();
-        let peer = slot.and_then(|s| s.rdma.lock().expect("peer poisoned").clone());
-        if let Some(p) = peer {
-            p.on_timer(now);
-        }
+        self.peers.on_timer(id, now);
     }
 
     /// The link check of every peer's paths.
     pub(crate) fn check_links(&self) {
-        for p in self.connected_peers() {
-            p.check_links();
-        }
+        self.peers.check_links();
     }
 
     /// Deals every peer's queued slices that rails and slots now allow.
     pub(crate) fn pump_all(&self) {
-        for p in self.connected_peers() {
-            p.pump();
-        }
+        self.peers.pump_all();
     }
 
     /// Closes the queue pairs to peer `id` and forgets it (its segment was closed); its
     /// slices in flight fail with `reason`. A peer never connected is no error.
     pub(crate) fn close_peer(&self, id: u64, reason: &str) {
-        let slot = self.peers.write().expect("peers poisoned").remove(&id);
-        let rdma = slot.and_then(|s| s.rdma.lock().expect("peer poisoned").take());
-        if let Some(p) = rdma {
-            p.close(reason);
-        }
+        self.peers.close_peer(id, reason);
     }
 
     /// Closes every peer; their slices in flight fail.
     pub(crate) fn shutdown(&self, reason: &str) {
-        let slots: Vec<Arc<PeerSlot>> = self
-            .peers
-            .read()
-            .expect("peers poisoned")
-            .values()
-            .cloned()
-            .collect();
-        for s in slots {
-            let p = s.rdma.lock().expect("peer poisoned").take();
-            if let Some(p) = p {
-                p.close(reason);
-            }
-        }
+        self.peers.shutdown(reason);
         if let Ok(rt) = &self.runtime {
             rt.poller.stop();
         }
@@ -581,19 +484,6 @@ impl Transport for RdmaTransport {
     }
 
     fn post(&self, peer: &Arc<Peer>, req: Prepared, plan: &SlicePlan) {
-        let mut req = req;
-        for _ in 0..2 {
-            match self.connected(peer) {
-                Ok(p) => match p.post(req, plan) {
-                    Ok(()) => return,
-                    Err(back) => req = back,
-                },
-                Err(e) => return req.fail(e),
-            }
-        }
-        req.fail(Error::PeerDisconnected {
-            peer: peer.name.clone(),
-            reason: "every RDMA path to it is down".into(),
-        });
+        self.peers.post(peer, req, plan, || self.connected(peer));
     }
 }

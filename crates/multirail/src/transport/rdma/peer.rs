@@ -16,26 +16,24 @@
 
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
-use multirail_policy::dispatch::{
-    Cause, Connection, Dispatcher, Event, Failed, PathId, Post, SliceId, Verdict,
-};
+use multirail_policy::dispatch::{Cause, Connection, PathId, Post};
 use multirail_policy::pairing::{pair_rails, RailInfo, Reach};
-use multirail_policy::slicing::SlicePlan;
+use multirail_policy::slicing::{self, SlicePlan};
 use multirail_verbs::{PortState, QueuePair};
 
 use super::cm::{
     self, ConnectReply, ConnectRequest, PathReply, PathRequest, PortEnd, QpEnd, TargetFrame,
 };
 use super::devices::Port;
-use super::rc::{RcQp, RdmaSlice, Reaped};
+use super::rc::{RcQp, RdmaKeys, RdmaSlice, Reaped};
 use super::Runtime;
 use crate::error::{Error, Result};
 use crate::peer::Peer;
 use crate::segment::RdmaRailDescriptor;
-use crate::transport::rails_view::EngineRails;
+use crate::transport::driver::{Driver, Handed, Link, OutSlice, ProbeNeed};
 use crate::transport::{handshake, wire, Prepared};
 use crate::upkeep::TimerKey;
 
@@ -50,8 +48,6 @@ struct RdmaPath {
     remote: RdmaRailDescriptor,
     /// Bulk and HIGH queue pairs; `None` until connected, and while remade.
     qps: Mutex<Option<[Arc<RcQp>; QPS_PER_PATH]>>,
-    /// A remake of this path is under way on its own thread.
-    reconnecting: AtomicBool,
     /// The path has carried queue pairs: when it loses them, the link check remakes them. A
     /// pair that never connected (no route between the ports) is left unused instead of being
     /// tried again every link check.
@@ -78,25 +74,22 @@ impl RdmaPath {
     }
 }
 
-/// Everything needed to reach one peer over RDMA.
-pub(crate) struct RdmaPeer {
-    name: String,
-    peer_id: u64,
+/// A peer reached over RDMA: the driver over its paths' queue pairs.
+pub(crate) type RdmaPeer = Driver<RdmaLink>;
+
+/// The RDMA link to one peer: a path per paired port, each with its queue pairs, and the
+/// control connection they were agreed on.
+pub(crate) struct RdmaLink {
     /// The engine's record of the segment, whose cached descriptor forgets buffers the target
     /// says it unregistered.
     peer: Weak<Peer>,
+    /// The segment's name, for errors.
+    name: String,
     paths: Vec<RdmaPath>,
-    dispatch: Mutex<Dispatcher<RdmaSlice>>,
     rt: Arc<Runtime>,
     /// The control connection the queue pairs were agreed on; the target keeps its queue
     /// pairs while it is open.
     cm: Mutex<TcpStream>,
-    me: Weak<RdmaPeer>,
-    closed: AtomicBool,
-    silent: AtomicBool,
-    /// The deadline last given to the timer table (scheduler ns; 0 = none).
-    armed_ns: AtomicU64,
-    last_loss: Mutex<Option<Error>>,
     /// When a request last used this peer (scheduler ns), for eviction.
     pub(super) last_used_ns: AtomicU64,
 }
@@ -123,80 +116,87 @@ pub(super) fn reach(local: &Port, remote: &RdmaRailDescriptor) -> Reach {
     }
 }
 
-impl RdmaPeer {
-    /// Pairs local ports with the peer's RDMA rails, opens the control connection and connects
-    /// every pair. Fails when the peer has no RDMA rail, or no pair connects.
-    pub(super) fn connect(peer: &Arc<Peer>, rt: &Arc<Runtime>) -> Result<Arc<RdmaPeer>> {
-        let desc = peer.descriptor();
-        let unavailable = |reason: String| Error::TransportUnavailable {
-            transport: "rdma",
-            reason,
-        };
-        if desc.rdma.is_empty() {
-            return Err(unavailable(format!(
-                "segment {} has no RDMA device",
-                peer.name
-            )));
-        }
-        let info = |name: String, numa: i32| RailInfo {
-            name,
-            numa_node: numa,
-        };
-        let local: Vec<RailInfo> = rt
-            .ports
-            .iter()
-            .map(|p| info(p.descriptor.device.clone(), p.descriptor.numa_node))
-            .collect();
-        let remote: Vec<RailInfo> = desc
-            .rdma
-            .iter()
-            .map(|r| info(r.device.clone(), r.numa_node))
-            .collect();
-        let pairs = pair_rails(&local, &remote, |l, r| reach(&rt.ports[l], &desc.rdma[r]));
-        let paths: Vec<RdmaPath> = pairs
-            .iter()
-            .enumerate()
-            .filter_map(|(l, r)| {
-                let r = (*r)?;
-                Some(RdmaPath {
-                    port: rt.ports[l].clone(),
-                    remote_rail: r,
-                    remote: desc.rdma[r].clone(),
-                    qps: Mutex::new(None),
-                    reconnecting: AtomicBool::new(false),
-                    connected_once: AtomicBool::new(false),
-                    failure: Mutex::new(None),
-                })
+/// Pairs local ports with the peer's RDMA rails, opens the control connection and connects
+/// every pair. Fails when the peer has no RDMA rail, or no pair connects.
+pub(super) fn connect(peer: &Arc<Peer>, rt: &Arc<Runtime>) -> Result<Arc<RdmaPeer>> {
+    let desc = peer.descriptor();
+    let unavailable = |reason: String| Error::TransportUnavailable {
+        transport: "rdma",
+        reason,
+    };
+    if desc.rdma.is_empty() {
+        return Err(unavailable(format!(
+            "segment {} has no RDMA device",
+            peer.name
+        )));
+    }
+    let info = |name: String, numa: i32| RailInfo {
+        name,
+        numa_node: numa,
+    };
+    let local: Vec<RailInfo> = rt
+        .ports
+        .iter()
+        .map(|p| info(p.descriptor.device.clone(), p.descriptor.numa_node))
+        .collect();
+    let remote: Vec<RailInfo> = desc
+        .rdma
+        .iter()
+        .map(|r| info(r.device.clone(), r.numa_node))
+        .collect();
+    let pairs = pair_rails(&local, &remote, |l, r| reach(&rt.ports[l], &desc.rdma[r]));
+    let paths: Vec<RdmaPath> = pairs
+        .iter()
+        .enumerate()
+        .filter_map(|(l, r)| {
+            let r = (*r)?;
+            Some(RdmaPath {
+                port: rt.ports[l].clone(),
+                remote_rail: r,
+                remote: desc.rdma[r].clone(),
+                qps: Mutex::new(None),
+                connected_once: AtomicBool::new(false),
+                failure: Mutex::new(None),
             })
-            .collect();
-        if paths.is_empty() {
-            return Err(unavailable(format!(
-                "no local RDMA port reaches a port of {}",
-                peer.name
-            )));
+        })
+        .collect();
+    if paths.is_empty() {
+        return Err(unavailable(format!(
+            "no local RDMA port reaches a port of {}",
+            peer.name
+        )));
+    }
+    let cm = open_cm(peer, rt)?;
+    let path_rails: Vec<usize> = paths.iter().map(|p| p.port.index).collect();
+    let link = RdmaLink {
+        peer: Arc::downgrade(peer),
+        name: peer.name.clone(),
+        paths,
+        rt: rt.clone(),
+        cm: Mutex::new(cm),
+        last_used_ns: AtomicU64::new(rt.scheduler.now_ns()),
+    };
+    let me = Driver::new(
+        peer,
+        TimerKey::RdmaPeer(peer.id),
+        rt.dispatch_config(),
+        path_rails,
+        &rt.driver_env(),
+        link,
+    );
+    let all: Vec<PathId> = (0..me.paths()).collect();
+    me.connect_paths(&all)?;
+    let mut usable = 0;
+    for p in all {
+        if me.link.paths[p].live().is_some() {
+            usable += 1;
+        } else {
+            me.path_error(p);
         }
-        let cm = open_cm(peer, rt)?;
-        let path_rails: Vec<usize> = paths.iter().map(|p| p.port.index).collect();
-        let me = Arc::new_cyclic(|me| RdmaPeer {
-            name: peer.name.clone(),
-            peer_id: peer.id,
-            peer: Arc::downgrade(peer),
-            paths,
-            dispatch: Mutex::new(Dispatcher::new(rt.dispatch_config(), &path_rails)),
-            rt: rt.clone(),
-            cm: Mutex::new(cm),
-            me: me.clone(),
-            closed: AtomicBool::new(false),
-            silent: AtomicBool::new(false),
-            armed_ns: AtomicU64::new(0),
-            last_loss: Mutex::new(None),
-            last_used_ns: AtomicU64::new(rt.scheduler.now_ns()),
-        });
-        let all: Vec<PathId> = (0..me.paths.len()).collect();
-        me.connect_paths(&all)?;
-        let usable = (0..me.paths.len()).filter(|&p| me.paths[p].live().is_some());
-        if usable.count() == 0 {
-            let why: Vec<String> = me
+    }
+    if usable == 0 {
+        let why: Vec<String> =
+            me.link
                 .paths
                 .iter()
                 .filter_map(|p| {
@@ -205,28 +205,249 @@ impl RdmaPeer {
                     })
                 })
                 .collect();
-            return Err(Error::SegmentUnreachable {
-                name: peer.name.clone(),
-                reason: format!("no RDMA path connects ({})", why.join("; ")),
-            });
-        }
-        Ok(me)
+        return Err(Error::SegmentUnreachable {
+            name: peer.name.clone(),
+            reason: format!("no RDMA path connects ({})", why.join("; ")),
+        });
+    }
+    Ok(me)
+}
+
+impl RdmaLink {
+    /// Paths with queue pairs: what counts against `max_endpoints`.
+    pub(super) fn endpoints(&self) -> usize {
+        self.paths
+            .iter()
+            .filter(|p| p.qps.lock().expect("path poisoned").is_some())
+            .count()
     }
 
+    /// Puts the peer's name into an error made without it.
+    fn named(&self, driver: &RdmaPeer, e: Error) -> Error {
+        match e {
+            Error::PeerDisconnected { peer, reason } if peer.is_empty() => {
+                Error::PeerDisconnected {
+                    peer: driver.name.clone(),
+                    reason,
+                }
+            }
+            Error::RemoteRejected { peer, reason } if peer.is_empty() => Error::RemoteRejected {
+                peer: driver.name.clone(),
+                reason,
+            },
+            e => e,
+        }
+    }
+
+    /// Takes path `p`'s queue pairs out of service: unrouted from the poller, killed, and
+    /// their slices handed back with `err`.
+    fn take_qps(&self, driver: &RdmaPeer, p: PathId, err: &Error) {
+        let path = &self.paths[p];
+        let qps = path.qps.lock().expect("path poisoned").take();
+        let cause = if matches!(err, Error::Timeout { .. }) {
+            Cause::Timeout
+        } else {
+            Cause::Lost
+        };
+        for qp in qps.iter().flatten() {
+            self.rt.poller.unroute(path.port.index, qp.qp.qp_num());
+            driver.give_back(qp.kill(), Some(err), cause);
+        }
+    }
+}
+
+impl Link for RdmaLink {
+    type Key = RdmaKeys;
+
+    const PATH: &'static str = "RDMA path";
+
+    /// Slices no larger than a port carries in one message, presenting the local memory's
+    /// registration and the target buffer's remote keys.
+    fn slices(&self, req: &Prepared, plan: &SlicePlan) -> Result<Vec<RdmaSlice>> {
+        let registration = self
+            .rt
+            .registry
+            .find(req.local as u64, req.len)
+            .and_then(|r| self.rt.registrations.get(r.id()))
+            .ok_or(Error::SourceNotRegistered {
+                addr: req.local as u64,
+                len: req.len,
+            })?;
+        let rails = self
+            .paths
+            .iter()
+            .map(|p| p.remote_rail + 1)
+            .max()
+            .unwrap_or(0);
+        if req.buffer.rkeys.len() < rails {
+            return Err(Error::TransportUnavailable {
+                transport: "rdma",
+                reason: format!(
+                    "the target buffer at {:#x} has no remote key for every RDMA rail of {}",
+                    req.buffer.addr, self.name
+                ),
+            });
+        }
+        let slices = plan
+            .slices(req.len)
+            .map_err(|e| Error::invalid("length", e.to_string()))?;
+        let key = RdmaKeys {
+            registration,
+            rkeys: req.buffer.rkeys.clone().into(),
+        };
+        self.last_used_ns
+            .store(self.rt.scheduler.now_ns(), Ordering::Relaxed);
+        Ok(slicing::capped(slices, u64::from(self.rt.max_message))
+            .map(|s| OutSlice::of(req, s.offset, s.length, key.clone()))
+            .collect())
+    }
+
+    /// Stages each dealt slice on its queue pair and posts every queue pair touched, one
+    /// `ibv_post_send` each.
+    fn hand_over(&self, driver: &RdmaPeer, out: &mut Vec<Post<RdmaSlice>>) -> Handed<RdmaKeys> {
+        let mut handed = Handed::default();
+        let mut touched: Vec<(PathId, Arc<RcQp>)> = Vec::new();
+        for post in out.drain(..) {
+            let path = &self.paths[post.path];
+            let Some(qps) = path.live() else {
+                handed.changed.push(post.path);
+                handed.refused.push(post);
+                continue;
+            };
+            let qp = match post.connection {
+                Connection::Reserved => &qps[1],
+                _ => &qps[0],
+            };
+            let rkey = post.item.key.rkeys[path.remote_rail];
+            let Post {
+                id,
+                item,
+                path: p,
+                rail,
+                priority,
+                connection,
+            } = post;
+            match qp.stage(item, rkey) {
+                Ok(()) => {
+                    if !touched.iter().any(|(_, q)| Arc::ptr_eq(q, qp)) {
+                        touched.push((p, qp.clone()));
+                    }
+                }
+                Err(item) => {
+                    if qp.is_dead() {
+                        handed.changed.push(p);
+                    }
+                    // A full send queue frees up with the next completion, which deals again.
+                    handed.refused.push(Post {
+                        id,
+                        item,
+                        path: p,
+                        rail,
+                        priority,
+                        connection,
+                    });
+                }
+            }
+        }
+        for (p, qp) in &touched {
+            let before = qp.outstanding();
+            let failed = qp.flush(&self.rt.counters);
+            let posted = qp.outstanding().saturating_sub(before);
+            self.rt.poller.posted(posted as i64);
+            if let Some((slices, e)) = failed {
+                // Counted as in flight so that handing them back balances.
+                self.rt.poller.posted(slices.len() as i64);
+                handed.lost.push((*p, slices, self.named(driver, e)));
+            }
+        }
+        handed
+    }
+
+    fn live(&self, p: PathId) -> usize {
+        if self.paths[p].live().is_some() {
+            QPS_PER_PATH
+        } else {
+            0
+        }
+    }
+
+    fn path_name(&self, p: PathId) -> String {
+        self.paths[p].port.descriptor.name()
+    }
+
+    fn link_down(&self, p: PathId) -> bool {
+        self.paths[p].port_down()
+    }
+
+    fn drop_path(&self, driver: &RdmaPeer, p: PathId, err: &Error) {
+        self.take_qps(driver, p, err);
+    }
+
+    /// The queue pairs stay in place (killed) so that the remake tells the target to abandon
+    /// its ends of them; the other queue pair of the path shares the failed one's fate.
+    fn fail_path(&self, driver: &RdmaPeer, p: PathId, err: &Error) {
+        if let Some(qps) = self.paths[p].qps.lock().expect("path poisoned").as_ref() {
+            for qp in qps {
+                driver.give_back(qp.kill(), Some(err), Cause::Lost);
+            }
+        }
+    }
+
+    fn probe(&self, p: PathId) -> ProbeNeed {
+        if self.paths[p].live().is_some() {
+            ProbeNeed::Whole
+        } else if self.paths[p].port_down() {
+            ProbeNeed::Unreachable
+        } else {
+            ProbeNeed::Remake
+        }
+    }
+
+    /// A pair that never connected (no route between the ports) is left unused instead of
+    /// being tried again every link check.
+    fn needs_remake(&self, p: PathId) -> bool {
+        self.paths[p].live().is_none() && self.paths[p].connected_once.load(Ordering::Acquire)
+    }
+
+    fn remake(&self, driver: &RdmaPeer, p: PathId) -> bool {
+        driver.connect_paths(&[p]).is_ok() && self.paths[p].live().is_some()
+    }
+
+    fn before_link_check(&self, driver: &RdmaPeer) {
+        driver.read_frames();
+    }
+
+    fn returned(&self, slices: usize) {
+        self.rt.poller.posted(-(slices as i64));
+    }
+
+    fn close(&self, driver: &RdmaPeer, err: &Error) {
+        for p in 0..self.paths.len() {
+            self.take_qps(driver, p, err);
+        }
+        if let Ok(cm) = self.cm.lock() {
+            let _ = cm.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+impl Driver<RdmaLink> {
     /// Makes fresh queue pairs for `paths` and agrees them with the target over the control
     /// connection; each path that connects is handed to the dispatcher, each that fails is
-    /// marked unusable with why. Fails only when the control connection does.
+    /// marked unusable with why (counting the error is the caller's). Fails only when the
+    /// control connection does.
     fn connect_paths(&self, paths: &[PathId]) -> Result<()> {
-        let cfg = &self.rt.config;
+        let rt = &self.link.rt;
+        let cfg = &rt.config;
         let mut made: Vec<(PathId, Vec<(QueuePair, u32)>)> = Vec::new();
         let mut abandon = Vec::new();
         let mut requests = Vec::new();
         for &p in paths {
-            let path = &self.paths[p];
+            let path = &self.link.paths[p];
             if let Some(old) = path.qps.lock().expect("path poisoned").take() {
                 for qp in &old {
                     abandon.push(qp.remote_qp_num);
-                    self.rt.poller.unroute(path.port.index, qp.qp.qp_num());
+                    rt.poller.unroute(path.port.index, qp.qp.qp_num());
                     self.give_back(qp.kill(), None, Cause::Lost);
                 }
             }
@@ -269,9 +490,9 @@ impl RdmaPeer {
             made.push((p, qps));
         }
         let reply: ConnectReply = {
-            let mut cm = self.cm.lock().expect("cm poisoned");
+            let mut cm = self.link.cm.lock().expect("cm poisoned");
             let request = ConnectRequest {
-                initiator: self.rt.own_name(),
+                initiator: rt.own_name(),
                 paths: requests,
                 abandon,
             };
@@ -303,9 +524,9 @@ impl RdmaPeer {
                 ),
             });
         }
-        let now_ns = self.rt.scheduler.now_ns();
+        let now_ns = self.now_ns();
         for ((p, qps), answer) in made.into_iter().zip(reply.paths) {
-            let path = &self.paths[p];
+            let path = &self.link.paths[p];
             let connected = match answer {
                 PathReply::Failed(why) => Err(format!("the target could not connect it: {why}")),
                 PathReply::Ready { qps: theirs, mtu } if theirs.len() == qps.len() => {
@@ -336,9 +557,7 @@ impl RdmaPeer {
             match connected {
                 Ok(qps) => {
                     for qp in &qps {
-                        self.rt
-                            .poller
-                            .route(path.port.index, qp, self.me.clone(), p);
+                        rt.poller.route(path.port.index, qp, self.weak(), p);
                     }
                     let Ok(qps) = <[Arc<RcQp>; QPS_PER_PATH]>::try_from(qps) else {
                         unreachable!("one queue pair made per end answered");
@@ -357,10 +576,7 @@ impl RdmaPeer {
                         "RDMA path unusable"
                     );
                     *path.failure.lock().expect("path poisoned") = Some(why);
-                    let mut d = self.lock();
-                    d.on_path(now_ns, p, 0);
-                    d.on_path_error(now_ns, p);
-                    self.arm(&mut d);
+                    self.lock().on_path(now_ns, p, 0);
                 }
             }
         }
@@ -372,7 +588,7 @@ impl RdmaPeer {
         match frame {
             TargetFrame::Unregistered { addr, len } => {
                 tracing::debug!(peer = %self.name, addr, len, "the target unregistered a buffer");
-                if let Some(p) = self.peer.upgrade() {
+                if let Some(p) = self.link.peer.upgrade() {
                     p.forget_buffer(addr, len);
                 }
             }
@@ -384,7 +600,7 @@ impl RdmaPeer {
 
     /// Takes in what the target sent since the last look, without waiting.
     fn read_frames(&self) {
-        let Ok(mut cm) = self.cm.try_lock() else {
+        let Ok(mut cm) = self.link.cm.try_lock() else {
             // A request is under way: its reader takes these in.
             return;
         };
@@ -402,392 +618,16 @@ impl RdmaPeer {
         }
     }
 
-    /// Paths with queue pairs: what counts against `max_endpoints`.
-    pub(super) fn endpoints(&self) -> usize {
-        self.paths
-            .iter()
-            .filter(|p| p.qps.lock().expect("path poisoned").is_some())
-            .count()
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Dispatcher<RdmaSlice>> {
-        self.dispatch.lock().expect("peer poisoned")
-    }
-
-    fn rails(&self, now: Instant) -> EngineRails<'_> {
-        EngineRails::new(&self.rt.scheduler, &self.rt.qos, now)
-    }
-
-    /// True when the peer was closed or found silent, or no path can carry slices and none is
-    /// coming back: a fresh `RdmaPeer` then serves new requests.
-    pub(super) fn is_dead(&self) -> bool {
-        self.closed.load(Ordering::Acquire)
-            || self.silent.load(Ordering::Acquire)
-            || self.lock().is_dead()
-    }
-
-    /// Slices in flight or queued.
-    pub(super) fn is_busy(&self) -> bool {
-        self.lock().has_outstanding()
-    }
-
-    fn timeout_error(&self) -> Error {
-        Error::Timeout {
-            peer: self.name.clone(),
-            timeout_ms: self.rt.timeout.as_millis() as u64,
-        }
-    }
-
-    fn down_error(&self) -> Error {
-        Error::PeerDisconnected {
-            peer: self.name.clone(),
-            reason: "every RDMA path to it is down".into(),
-        }
-    }
-
-    /// Queues the slices of one request and posts what the windows allow. Hands the request
-    /// back when this peer is dead or silent, for the caller to post on a fresh one.
-    pub(super) fn post(
-        &self,
-        req: Prepared,
-        plan: &SlicePlan,
-    ) -> std::result::Result<(), Prepared> {
-        if self.is_dead() {
-            return Err(req);
-        }
-        let registration = match self
-            .rt
-            .registry
-            .find(req.local as u64, req.len)
-            .and_then(|r| self.rt.registrations.get(r.id()))
-        {
-            Some(r) => r,
-            None => {
-                req.fail(Error::SourceNotRegistered {
-                    addr: req.local as u64,
-                    len: req.len,
-                });
-                return Ok(());
-            }
-        };
-        if req.buffer.rkeys.len()
-            < self
-                .paths
-                .iter()
-                .map(|p| p.remote_rail + 1)
-                .max()
-                .unwrap_or(0)
-        {
-            req.fail(Error::TransportUnavailable {
-                transport: "rdma",
-                reason: format!(
-                    "the target buffer at {:#x} has no remote key for every RDMA rail of {}",
-                    req.buffer.addr, self.name
-                ),
-            });
-            return Ok(());
-        }
-        let Some(slices) = req.slices(plan) else {
-            return Ok(());
-        };
-        let rkeys: Arc<[u32]> = req.buffer.rkeys.clone().into();
-        let max_msg = u64::from(self.rt.max_message);
-        let now_ns = self.rt.scheduler.now_ns();
-        self.last_used_ns.store(now_ns, Ordering::Relaxed);
-        {
-            let mut d = self.lock();
-            if d.is_silent() || d.is_closed() {
-                return Err(req);
-            }
-            // Slices no larger than a port carries in one message.
-            let mut items = Vec::new();
-            for s in slices {
-                let mut off = s.offset;
-                let end = s.offset + s.length;
-                while off < end {
-                    let len = (end - off).min(max_msg);
-                    items.push(RdmaSlice {
-                        op: req.op,
-                        local: req.local + off as usize,
-                        remote: req.remote + off,
-                        len: len as u32,
-                        registration: registration.clone(),
-                        rkeys: rkeys.clone(),
-                        task: req.task.clone(),
-                        id: SliceId { path: 0, seq: 0 },
-                        location: req.location,
-                        priority: req.priority,
-                        last_error: None,
-                    });
-                    off += len;
-                }
-            }
-            req.task.add_parts(items.len() as u32);
-            d.on_submit(now_ns, req.priority, items);
-            self.report_depths(&mut d);
-            self.arm(&mut d);
-        }
-        self.pump();
-        Ok(())
-    }
-
-    fn report_depths(&self, d: &mut Dispatcher<RdmaSlice>) {
-        if let Some((old, new)) = d.take_depth_change() {
-            self.rt.qos.depths_changed(old, new);
-        }
-    }
-
-    /// Registers the dispatcher's next deadline with the engine's timer table when earlier
-    /// than the one registered.
-    fn arm(&self, d: &mut Dispatcher<RdmaSlice>) {
-        let Some(at) = d.poll_timeout() else {
-            return;
-        };
-        let armed = self.armed_ns.load(Ordering::Acquire);
-        if armed == 0 || at < armed {
-            self.armed_ns.store(at.max(1), Ordering::Release);
-            let when = self.rt.scheduler.epoch() + std::time::Duration::from_nanos(at);
-            self.rt
-                .timers
-                .arm(TimerKey::RdmaPeer(self.peer_id), self.rt.timers.ns(when));
-        }
-    }
-
-    /// Fails what the dispatcher gave up on.
-    fn settle(&self, d: &mut Dispatcher<RdmaSlice>) {
-        while let Some(Failed { item, verdict, .. }) = d.poll_failed() {
-            let err = match verdict {
-                Verdict::Timeout => self.timeout_error(),
-                Verdict::Failed(_) => item.last_error.clone().unwrap_or_else(|| self.down_error()),
-                Verdict::RailsDown => {
-                    let last = item.last_error.clone().or_else(|| {
-                        (!self.closed.load(Ordering::Acquire))
-                            .then(|| self.last_loss.lock().expect("peer poisoned").clone())
-                            .flatten()
-                    });
-                    match last {
-                        Some(e @ Error::Timeout { .. }) => e,
-                        Some(e) => Error::PeerDisconnected {
-                            peer: self.name.clone(),
-                            reason: format!("every RDMA path to it is down (last error: {e})"),
-                        },
-                        None => self.down_error(),
-                    }
-                }
-            };
-            item.task.part_done(Err(err));
-        }
-        self.report_depths(d);
-    }
-
-    /// Deals queued slices and posts them, one `ibv_post_send` per queue pair.
-    pub(super) fn pump(&self) {
-        let mut out: Vec<Post<RdmaSlice>> = Vec::new();
-        loop {
-            {
-                let now = Instant::now();
-                let mut rails = self.rails(now);
-                let now_ns = self.rt.scheduler.ns(now);
-                let mut d = self.lock();
-                while let Some(post) = d.poll_post(now_ns, &mut rails) {
-                    out.push(post);
-                }
-                self.settle(&mut d);
-            }
-            if out.is_empty() || !self.hand_over(&mut out) {
-                break;
-            }
-        }
-    }
-
-    /// Stages each dealt slice on its queue pair and posts every queue pair touched. Returns
-    /// whether slices came back from a dead queue pair (deal again: they go elsewhere).
-    fn hand_over(&self, out: &mut Vec<Post<RdmaSlice>>) -> bool {
-        let mut refused: Vec<Post<RdmaSlice>> = Vec::new();
-        let mut touched: Vec<(PathId, Arc<RcQp>)> = Vec::new();
-        let mut dead: Vec<PathId> = Vec::new();
-        for mut post in out.drain(..) {
-            let path = &self.paths[post.path];
-            let Some(qps) = path.live() else {
-                dead.push(post.path);
-                refused.push(post);
-                continue;
-            };
-            let qp = match post.connection {
-                Connection::Reserved => &qps[1],
-                _ => &qps[0],
-            };
-            post.item.id = post.id;
-            post.item.priority = post.priority;
-            let rkey = post.item.rkeys[path.remote_rail];
-            let Post {
-                id,
-                item,
-                path: p,
-                rail,
-                priority,
-                connection,
-            } = post;
-            match qp.stage(item, rkey) {
-                Ok(()) => {
-                    if !touched.iter().any(|(_, q)| Arc::ptr_eq(q, qp)) {
-                        touched.push((p, qp.clone()));
-                    }
-                }
-                Err(item) => {
-                    if qp.is_dead() {
-                        dead.push(p);
-                    }
-                    refused.push(Post {
-                        id,
-                        item,
-                        path: p,
-                        rail,
-                        priority,
-                        connection,
-                    });
-                }
-            }
-        }
-        let mut lost: Vec<(PathId, Vec<RdmaSlice>, Error)> = Vec::new();
-        for (p, qp) in &touched {
-            let before = qp.outstanding();
-            let failed = qp.flush(&self.rt.counters);
-            let posted = qp.outstanding().saturating_sub(before);
-            self.rt.poller.posted(posted as i64);
-            if let Some((slices, e)) = failed {
-                // Counted as in flight so that handing them back balances.
-                self.rt.poller.posted(slices.len() as i64);
-                lost.push((*p, slices, e));
-            }
-        }
-        let now = Instant::now();
-        let now_ns = self.rt.scheduler.ns(now);
-        dead.sort_unstable();
-        dead.dedup();
-        if !refused.is_empty() {
-            let mut rails = self.rails(now);
-            let mut d = self.lock();
-            // A path found dead leaves the dispatcher before its slices are dealt again.
-            for &p in &dead {
-                d.on_path(now_ns, p, 0);
-            }
-            for post in refused.into_iter().rev() {
-                d.on_refused(now_ns, post, &mut rails);
-            }
-        }
-        // A full send queue frees up with the next completion, which deals again.
-        let again = !dead.is_empty() || !lost.is_empty();
-        for (p, slices, e) in lost {
-            let e = self.named(e);
-            tracing::warn!(peer = %self.name, error = %e, "posting to an RDMA queue pair failed");
-            self.path_failed(p, slices, e);
-        }
-        again
-    }
-
-    /// Puts this peer's name into an error made without it.
-    fn named(&self, e: Error) -> Error {
-        match e {
-            Error::PeerDisconnected { peer, reason } if peer.is_empty() => {
-                Error::PeerDisconnected {
-                    peer: self.name.clone(),
-                    reason,
-                }
-            }
-            Error::RemoteRejected { peer, reason } if peer.is_empty() => Error::RemoteRejected {
-                peer: self.name.clone(),
-                reason,
-            },
-            e => e,
-        }
-    }
-
-    /// Hands slices that were in flight back to the dispatcher (each knows its path by its id),
-    /// marked with `err` when given.
-    fn give_back(&self, slices: Vec<RdmaSlice>, err: Option<&Error>, cause: Cause) {
-        if slices.is_empty() {
-            return;
-        }
-        self.rt.poller.posted(-(slices.len() as i64));
-        let now = Instant::now();
-        let mut rails = self.rails(now);
-        let now_ns = self.rt.scheduler.ns(now);
-        let mut d = self.lock();
-        for mut s in slices {
-            if let Some(e) = err {
-                s.last_error = Some(e.clone());
-            }
-            let id = s.id;
-            d.on_failed(now_ns, id, s, cause, &mut rails);
-        }
-        self.settle(&mut d);
-    }
-
-    /// A queue pair of path `p` failed with `err`, taking `slices` with it: they are retried
-    /// elsewhere (a remote access error is final: the target no longer serves that memory),
-    /// the path leaves the dispatcher until it is remade, and the remake starts.
-    fn path_failed(&self, p: PathId, slices: Vec<RdmaSlice>, err: Error) {
-        *self.last_loss.lock().expect("peer poisoned") = Some(err.clone());
-        let path = &self.paths[p];
-        if let Some(qps) = path.qps.lock().expect("path poisoned").as_ref() {
-            for qp in qps {
-                // The other queue pair of the path shares its fate: remade together.
-                let rest = qp.kill();
-                if !rest.is_empty() {
-                    self.give_back(rest, Some(&err), Cause::Lost);
-                }
-            }
-        }
-        if matches!(err, Error::RemoteRejected { .. }) {
-            // No retry can fix a refused key: fail those slices with the error.
-            self.rt.poller.posted(-(slices.len() as i64));
-            for s in slices {
-                let id = s.id;
-                let now = Instant::now();
-                let mut rails = self.rails(now);
-                let mut d = self.lock();
-                d.on_rejected(self.rt.scheduler.ns(now), id, &mut rails);
-                drop(d);
-                s.task.part_done(Err(err.clone()));
-            }
-        } else {
-            self.give_back(slices, Some(&err), Cause::Lost);
-        }
-        let paused = {
-            let now_ns = self.rt.scheduler.now_ns();
-            let mut d = self.lock();
-            d.on_path(now_ns, p, 0);
-            let paused = d.on_path_error(now_ns, p);
-            self.arm(&mut d);
-            paused
-        };
-        if paused {
-            tracing::warn!(peer = %self.name, rail = %path.port.descriptor.name(), "RDMA rail paused after repeated errors");
-        } else if !path.port_down() {
-            self.reconnect_in_background(p, false);
-        }
-        self.pump();
-    }
-
     /// What the poller reaped on path `p`.
     pub(super) fn on_reaped(&self, p: PathId, qp: &Arc<RcQp>, reaped: Reaped) {
         match reaped {
             Reaped::Nothing => {}
             Reaped::Done(done) => {
                 let now = Instant::now();
-                let counters = self.rt.scheduler.counters(self.paths[p].port.index);
-                let refill = {
-                    let mut rails = self.rails(now);
-                    let now_ns = self.rt.scheduler.ns(now);
-                    let mut d = self.lock();
-                    let mut refill = false;
-                    for (s, posted) in &done {
-                        let sent = self.rt.scheduler.ns(*posted);
-                        refill |= d.on_completed(now_ns, s.id, Some(sent), &mut rails);
-                    }
-                    refill
-                };
+                let port = self.link.paths[p].port.index;
+                let refill =
+                    self.on_answers(now, done.iter().map(|(s, posted)| (s.id, *posted, true)));
+                let counters = self.env.scheduler.counters(port);
                 for (s, _) in done {
                     counters.record_at(s.priority, u64::from(s.len), 1);
                     s.task.part_done(Ok(()));
@@ -797,195 +637,17 @@ impl RdmaPeer {
                 }
             }
             Reaped::Lost(slices, err) => {
-                let err = self.named(err);
+                let err = self.link.named(self, err);
                 tracing::warn!(peer = %self.name, qp = qp.qp.qp_num(), error = %err, "RDMA queue pair failed; its slices are retried");
-                self.rt
+                self.env
                     .scheduler
-                    .counters(self.paths[p].port.index)
+                    .counters(self.link.paths[p].port.index)
                     .record_error();
                 // The poller already counted these as finished.
-                self.rt.poller.posted(slices.len() as i64);
+                self.link.rt.poller.posted(slices.len() as i64);
                 self.path_failed(p, slices, err);
             }
         }
-    }
-
-    /// Runs what the dispatcher has due and registers its next deadline.
-    pub(super) fn on_timer(&self, now: Instant) {
-        if self.closed.load(Ordering::Acquire) || self.silent.load(Ordering::Acquire) {
-            return;
-        }
-        self.armed_ns.store(0, Ordering::Release);
-        let now_ns = self.rt.scheduler.ns(now);
-        let mut events = Vec::new();
-        {
-            let mut rails = self.rails(now);
-            let mut d = self.lock();
-            d.on_timeout(now_ns, &mut rails);
-            while let Some(e) = d.poll_event() {
-                events.push(e);
-            }
-            if d.is_silent() {
-                self.silent.store(true, Ordering::Release);
-            }
-            self.settle(&mut d);
-        }
-        for event in events {
-            match event {
-                Event::Silent => {
-                    tracing::warn!(
-                        peer = %self.name,
-                        timeout_ms = self.rt.timeout.as_millis() as u64,
-                        "peer answered nothing for the timeout: its requests fail"
-                    );
-                    let err = self.timeout_error();
-                    for path in &self.paths {
-                        let qps = path.qps.lock().expect("path poisoned").take();
-                        for qp in qps.iter().flatten() {
-                            self.rt.poller.unroute(path.port.index, qp.qp.qp_num());
-                            self.give_back(qp.kill(), Some(&err), Cause::Timeout);
-                        }
-                    }
-                }
-                Event::DropPath { path: p, stalled } => {
-                    tracing::warn!(
-                        peer = %self.name,
-                        rail = %self.paths[p].port.descriptor.name(),
-                        stalled,
-                        "RDMA rail answered nothing in time: its queue pairs are dropped"
-                    );
-                    let err = self.timeout_error();
-                    let qps = self.paths[p].qps.lock().expect("path poisoned").take();
-                    for qp in qps.iter().flatten() {
-                        self.rt
-                            .poller
-                            .unroute(self.paths[p].port.index, qp.qp.qp_num());
-                        self.give_back(qp.kill(), Some(&err), Cause::Timeout);
-                    }
-                    self.lock().on_path(now_ns, p, 0);
-                }
-                Event::Probe(p) => {
-                    if self.paths[p].live().is_some() {
-                        self.lock().on_probe(now_ns, p, true);
-                    } else if !self.paths[p].port_down() {
-                        self.reconnect_in_background(p, true);
-                    } else {
-                        self.lock().on_probe(now_ns, p, false);
-                    }
-                }
-            }
-        }
-        let mut d = self.lock();
-        self.arm(&mut d);
-        drop(d);
-        self.pump();
-    }
-
-    /// The link check: drops paths whose port went down and remakes lost paths whose port is
-    /// up and whose rail is not paused.
-    pub(super) fn check_links(&self) {
-        if self.closed.load(Ordering::Acquire) || self.silent.load(Ordering::Acquire) {
-            return;
-        }
-        self.read_frames();
-        for (p, path) in self.paths.iter().enumerate() {
-            let down = path.port_down();
-            if down {
-                let qps = path.qps.lock().expect("path poisoned").take();
-                if let Some(qps) = qps {
-                    let err = Error::PeerDisconnected {
-                        peer: self.name.clone(),
-                        reason: format!("RDMA port {} is down", path.port.descriptor.name()),
-                    };
-                    tracing::warn!(peer = %self.name, rail = %path.port.descriptor.name(), "RDMA port down: its slices go to the other rails");
-                    for qp in &qps {
-                        self.rt.poller.unroute(path.port.index, qp.qp.qp_num());
-                        self.give_back(qp.kill(), Some(&err), Cause::Lost);
-                    }
-                    *self.last_loss.lock().expect("peer poisoned") = Some(err);
-                    let now_ns = self.rt.scheduler.now_ns();
-                    let mut d = self.lock();
-                    d.on_path(now_ns, p, 0);
-                    self.arm(&mut d);
-                }
-                continue;
-            }
-            let missing = path.live().is_none();
-            let ever = path.connected_once.load(Ordering::Acquire);
-            if missing && ever && self.lock().is_up(p) {
-                self.reconnect_in_background(p, false);
-            }
-        }
-        self.pump();
-    }
-
-    /// Remakes path `p` on a thread of its own (the target answers within `connect_timeout`,
-    /// and the timer thread must keep every peer's deadlines meanwhile). At most one per path.
-    fn reconnect_in_background(&self, p: PathId, probe: bool) {
-        let path = &self.paths[p];
-        if path.reconnecting.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let Some(me) = self.me.upgrade() else {
-            path.reconnecting.store(false, Ordering::Release);
-            return;
-        };
-        let spawned = std::thread::Builder::new()
-            .name("mr-rdma-reconnect".into())
-            .spawn(move || {
-                let ok = me.connect_paths(&[p]).is_ok() && me.paths[p].live().is_some();
-                if probe {
-                    let now_ns = me.rt.scheduler.now_ns();
-                    me.lock().on_probe(now_ns, p, ok);
-                    if ok {
-                        tracing::info!(peer = %me.name, rail = %me.paths[p].port.descriptor.name(), "RDMA rail rejoined after a successful probe");
-                    }
-                }
-                me.paths[p].reconnecting.store(false, Ordering::Release);
-                let mut d = me.lock();
-                me.arm(&mut d);
-                drop(d);
-                me.pump();
-            });
-        if let Err(e) = spawned {
-            tracing::warn!(peer = %self.name, error = %e, "cannot spawn an RDMA reconnect thread");
-            path.reconnecting.store(false, Ordering::Release);
-        }
-    }
-
-    /// Closes every queue pair and the control connection; slices in flight fail with
-    /// `reason`.
-    pub(super) fn close(&self, reason: &str) {
-        if self.closed.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let err = Error::PeerDisconnected {
-            peer: self.name.clone(),
-            reason: reason.to_owned(),
-        };
-        for path in &self.paths {
-            let qps = path.qps.lock().expect("path poisoned").take();
-            for qp in qps.iter().flatten() {
-                self.rt.poller.unroute(path.port.index, qp.qp.qp_num());
-                self.give_back(qp.kill(), Some(&err), Cause::Lost);
-            }
-        }
-        if let Ok(cm) = self.cm.lock() {
-            let _ = cm.shutdown(std::net::Shutdown::Both);
-        }
-        let now = Instant::now();
-        let mut rails = self.rails(now);
-        let mut d = self.lock();
-        d.close(self.rt.scheduler.ns(now), &mut rails);
-        self.settle(&mut d);
-        drop(d);
-        self.rt.timers.disarm(TimerKey::RdmaPeer(self.peer_id));
-    }
-}
-
-impl Drop for RdmaPeer {
-    fn drop(&mut self) {
-        self.close("engine shut down");
     }
 }
 

@@ -19,66 +19,24 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use multirail_policy::dispatch::{Payload, SliceId};
-use multirail_policy::qos::Priority;
 use multirail_verbs::{QueuePair, SendBatch, SendFlags, SendOp, Sge, WorkCompletion};
 
 use super::devices::{Port, Registration};
-use crate::batch::Task;
 use crate::error::Error;
-use crate::memory::Location;
+use crate::transport::driver::OutSlice;
 use crate::transport::Opcode;
 
-/// One slice bound for RDMA: where its bytes are on both sides and the keys that open them.
-pub(crate) struct RdmaSlice {
-    pub op: Opcode,
-    pub local: usize,
-    pub remote: u64,
-    pub len: u32,
-    /// The local memory's registration: its lkey on every port, alive while this slice is.
+/// The keys a slice bound for RDMA presents: its local memory's registration (its lkey on
+/// every port, alive while the slice is) and the target buffer's remote key on each of its
+/// RDMA rails.
+#[derive(Clone)]
+pub(crate) struct RdmaKeys {
     pub registration: Arc<Registration>,
-    /// The target buffer's remote key on each of its RDMA rails.
     pub rkeys: Arc<[u32]>,
-    pub task: Arc<Task>,
-    pub id: SliceId,
-    pub location: Location,
-    pub priority: Priority,
-    /// Why its last queue pair failed, if one did.
-    pub last_error: Option<Error>,
 }
 
-impl Payload for RdmaSlice {
-    fn len(&self) -> u64 {
-        u64::from(self.len)
-    }
-
-    fn split_off(&mut self, at: u64) -> RdmaSlice {
-        let at = at as u32;
-        debug_assert!(at > 0 && at < self.len, "split {at} of {}", self.len);
-        self.task.add_parts(1);
-        let rest = RdmaSlice {
-            op: self.op,
-            local: self.local + at as usize,
-            remote: self.remote + u64::from(at),
-            len: self.len - at,
-            registration: self.registration.clone(),
-            rkeys: self.rkeys.clone(),
-            task: self.task.clone(),
-            id: self.id,
-            location: self.location,
-            priority: self.priority,
-            last_error: None,
-        };
-        self.len = at;
-        rest
-    }
-}
-
-impl crate::transport::rails_view::Located for RdmaSlice {
-    fn location(&self) -> Location {
-        self.location
-    }
-}
+/// One slice bound for RDMA: where its bytes are on both sides and the keys that open them.
+pub(crate) type RdmaSlice = OutSlice<RdmaKeys>;
 
 /// A slice posted on a queue pair.
 struct InFlight {
@@ -188,7 +146,7 @@ impl RcQp {
         let sge = Sge {
             addr: slice.local as u64,
             length: slice.len,
-            lkey: slice.registration.lkey(self.port.index),
+            lkey: slice.key.registration.lkey(self.port.index),
         };
         let op = match slice.op {
             Opcode::Write => SendOp::RdmaWrite {

@@ -16,7 +16,6 @@ use crossbeam::channel::{self, Receiver, Sender};
 use multirail_policy::dispatch::SliceId;
 use multirail_policy::qos::Priority;
 
-use crate::batch::Task;
 use crate::error::{Error, Result};
 use crate::stats::RailCounters;
 use crate::transport::cpu_priority::{NiceTable, ThreadNice};
@@ -51,53 +50,8 @@ pub(crate) struct TcpSettings {
     pub dispatch: multirail_policy::dispatch::DispatchConfig,
 }
 
-/// One slice to post.
-pub(crate) struct Outgoing {
-    pub op: Opcode,
-    pub local: usize,
-    pub remote: u64,
-    pub key: u64,
-    pub len: u32,
-    pub task: Arc<Task>,
-    /// What the dispatcher calls it while it is posted (set when it is handed to a
-    /// connection).
-    pub id: SliceId,
-    /// Where the local memory lives, which ranks the rails for it.
-    pub location: crate::memory::Location,
-    /// The level it travels at: its request's, or the one it was promoted to.
-    pub priority: Priority,
-    /// Why its last connection failed, if one did: what it fails with when it cannot be
-    /// retried.
-    pub last_error: Option<Error>,
-}
-
-impl Outgoing {
-    /// Cuts the slice after `at` bytes and returns the rest, a slice of the same request that
-    /// counts as one more part of it, not yet charged to any rail. `at` must lie inside the
-    /// slice and the slice must not be posted yet, so its task cannot have finished.
-    pub(crate) fn split_off(&mut self, at: u32) -> Outgoing {
-        debug_assert!(
-            at > 0 && at < self.len,
-            "split {at} outside a {}-byte slice",
-            self.len
-        );
-        self.task.add_parts(1);
-        let rest = Outgoing {
-            op: self.op,
-            local: self.local + at as usize,
-            remote: self.remote + at as u64,
-            key: self.key,
-            len: self.len - at,
-            task: self.task.clone(),
-            id: self.id,
-            location: self.location,
-            priority: self.priority,
-            last_error: None,
-        };
-        self.len = at;
-        rest
-    }
-}
+/// One slice to post: the target buffer's key is what it presents.
+pub(crate) type Outgoing = crate::transport::driver::OutSlice<u64>;
 
 /// What a connection reports to: the peer that owns it.
 pub(crate) trait ConnOwner: Send + Sync {

@@ -1,0 +1,245 @@
+//! A transport's drivers, one per peer: made on first use by one connecting thread while
+//! other submitters wait for its outcome, remade once given up on, and closed with the peer.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
+
+use multirail_policy::health::RailState;
+use multirail_policy::slicing::SlicePlan;
+
+use super::{Driver, Link};
+use crate::error::{Error, Result};
+use crate::peer::Peer;
+use crate::transport::Prepared;
+
+/// A transport's drivers, one per peer by the engine's peer id.
+pub(crate) struct Peers<L: Link> {
+    slots: RwLock<HashMap<u64, Arc<Slot<L>>>>,
+}
+
+/// One peer's driver, and the lock that makes it.
+struct Slot<L: Link> {
+    /// Made on first use and remade when given up on.
+    live: Mutex<Option<Arc<Driver<L>>>>,
+    /// Held while (re)making `live`, so one thread connects and others wait for its result;
+    /// holds when the last attempt failed and why. Apart from `live` because connecting to a
+    /// stopped peer waits `connect_timeout_ms` for its handshake, and the timer thread, which
+    /// takes `live` for every peer's deadlines, must not wait that long.
+    connect: Mutex<Option<(Instant, Error)>>,
+}
+
+impl<L: Link> Default for Peers<L> {
+    fn default() -> Self {
+        Peers {
+            slots: RwLock::default(),
+        }
+    }
+}
+
+impl<L: Link> Peers<L> {
+    /// The peer's live driver, made afresh with `connect` when there is none, it was given up
+    /// on, or the segment moved to another address. One thread connects at a time; those
+    /// waiting meanwhile share its outcome, so submitters lining up behind a stopped peer do
+    /// not wait one connect timeout each. The flag says whether the driver is fresh.
+    pub(crate) fn connected(
+        &self,
+        peer: &Peer,
+        connect: impl FnOnce() -> Result<Arc<Driver<L>>>,
+    ) -> Result<(Arc<Driver<L>>, bool)> {
+        let slot = self.slot(peer.id);
+        let live = || {
+            let moved = {
+                let mut current = slot.live.lock().expect("peer poisoned");
+                match current.as_ref() {
+                    Some(p) if p.addr != peer.addr => current.take(),
+                    _ => None,
+                }
+            };
+            // The segment is now served at another address: the old paths lead to a process
+            // that no longer answers for it. Closed outside the lock, since closing hands
+            // slices back.
+            if let Some(moved) = moved {
+                moved.close("the segment moved to another address");
+            }
+            slot.live
+                .lock()
+                .expect("peer poisoned")
+                .clone()
+                .filter(|p| !p.is_dead())
+        };
+        if let Some(p) = live() {
+            return Ok((p, false));
+        }
+        let asked = Instant::now();
+        let mut last_failure = slot.connect.lock().expect("peer poisoned");
+        // Another thread may have connected while this one waited, or failed to: an attempt
+        // that ended since this thread asked answers for it too.
+        if let Some(p) = live() {
+            return Ok((p, false));
+        }
+        if let Some((ended, err)) = last_failure.as_ref() {
+            if *ended >= asked {
+                return Err(err.clone());
+            }
+        }
+        match connect() {
+            Ok(fresh) => {
+                *last_failure = None;
+                let old = slot
+                    .live
+                    .lock()
+                    .expect("peer poisoned")
+                    .replace(fresh.clone());
+                drop(last_failure);
+                if let Some(old) = old {
+                    old.close("replaced by a fresh connection");
+                }
+                Ok((fresh, true))
+            }
+            Err(e) => {
+                *last_failure = Some((Instant::now(), e.clone()));
+                Err(e)
+            }
+        }
+    }
+
+    /// Posts `req` on the peer's driver from `connected`, once more on a fresh one when the
+    /// driver was given up on in between (a silent peer's verdict). Every failure reports
+    /// through the request.
+    pub(crate) fn post(
+        &self,
+        peer: &Peer,
+        req: Prepared,
+        plan: &SlicePlan,
+        connected: impl Fn() -> Result<Arc<Driver<L>>>,
+    ) {
+        let mut req = req;
+        for _ in 0..2 {
+            match connected() {
+                Ok(d) => match d.post(req, plan) {
+                    Ok(()) => return,
+                    Err(back) => req = back,
+                },
+                Err(e) => return req.fail(e),
+            }
+        }
+        req.fail(Error::PeerDisconnected {
+            peer: peer.name.clone(),
+            reason: format!("every {} to it is down", L::PATH),
+        });
+    }
+
+    /// The slot of peer `id`, made on first use.
+    fn slot(&self, id: u64) -> Arc<Slot<L>> {
+        if let Some(s) = self.slots.read().expect("peers poisoned").get(&id) {
+            return s.clone();
+        }
+        self.slots
+            .write()
+            .expect("peers poisoned")
+            .entry(id)
+            .or_insert_with(|| {
+                Arc::new(Slot {
+                    live: Mutex::new(None),
+                    connect: Mutex::new(None),
+                })
+            })
+            .clone()
+    }
+
+    /// The driver of peer `id`, if it has one.
+    pub(crate) fn get(&self, id: u64) -> Option<Arc<Driver<L>>> {
+        let slot = self
+            .slots
+            .read()
+            .expect("peers poisoned")
+            .get(&id)
+            .cloned()?;
+        let live = slot.live.lock().expect("peer poisoned").clone();
+        live
+    }
+
+    /// Every peer with a driver, by id.
+    pub(crate) fn all(&self) -> Vec<(u64, Arc<Driver<L>>)> {
+        let slots: Vec<(u64, Arc<Slot<L>>)> = self
+            .slots
+            .read()
+            .expect("peers poisoned")
+            .iter()
+            .map(|(id, s)| (*id, s.clone()))
+            .collect();
+        slots
+            .into_iter()
+            .filter_map(|(id, s)| {
+                let live = s.live.lock().expect("peer poisoned").clone();
+                live.map(|d| (id, d))
+            })
+            .collect()
+    }
+
+    /// Takes peer `id`'s driver out, keeping its slot (the next use makes a fresh one).
+    pub(crate) fn take(&self, id: u64) -> Option<Arc<Driver<L>>> {
+        let slot = self
+            .slots
+            .read()
+            .expect("peers poisoned")
+            .get(&id)
+            .cloned()?;
+        let taken = slot.live.lock().expect("peer poisoned").take();
+        taken
+    }
+
+    /// Runs the dispatcher deadline of peer `id`.
+    pub(crate) fn on_timer(&self, id: u64, now: Instant) {
+        if let Some(d) = self.get(id) {
+            d.on_timer(now);
+        }
+    }
+
+    /// Deals every peer's queued slices that rails and slots now allow.
+    pub(crate) fn pump_all(&self) {
+        for (_, d) in self.all() {
+            d.pump();
+        }
+    }
+
+    /// The link check of every peer's paths.
+    pub(crate) fn check_links(&self) {
+        for (_, d) in self.all() {
+            d.check_links();
+        }
+    }
+
+    /// Closes peer `id`'s driver and forgets the peer (its segment was closed); its slices in
+    /// flight fail with `reason`. A peer never connected is no error.
+    pub(crate) fn close_peer(&self, id: u64, reason: &str) {
+        let slot = self.slots.write().expect("peers poisoned").remove(&id);
+        let live = slot.and_then(|s| s.live.lock().expect("peer poisoned").take());
+        if let Some(d) = live {
+            d.close(reason);
+        }
+    }
+
+    /// Closes every peer's driver; their slices in flight fail with `reason`.
+    pub(crate) fn shutdown(&self, reason: &str) {
+        let slots: Vec<Arc<Slot<L>>> = self
+            .slots
+            .read()
+            .expect("peers poisoned")
+            .values()
+            .cloned()
+            .collect();
+        for s in slots {
+            let live = s.live.lock().expect("peer poisoned").take();
+            if let Some(d) = live {
+                d.close(reason);
+            }
+        }
+    }
+
+    /// The health of every path to every peer with a driver: its local rail and state.
+    pub(crate) fn path_health(&self) -> Vec<(usize, RailState)> {
+        self.all().iter().flat_map(|(_, d)| d.health()).collect()
+    }
+}
