@@ -409,9 +409,7 @@ impl Messaging {
                     *c.from < *me
                         && c.lane == Lane::Dedicated
                         && !(c.dead || c.fenced)
-                        && c.duplex
-                            .as_ref()
-                            .is_some_and(|d| !d.attached() && !d.closed())
+                        && c.io.duplex().is_some_and(|d| !d.attached() && !d.closed())
                 })
                 .map(|c| c.from.clone())
                 .collect()
@@ -428,8 +426,8 @@ impl Messaging {
                 c.try_lock().is_ok_and(|c| {
                     !c.retired
                         && c.lane == Lane::Dedicated
-                        && pending.iter().any(|p| **p == *c.peer)
-                        && matches!(&c.io, OutIo::TcpDuplex { duplex, .. } if !duplex.both_ways())
+                        && pending.iter().any(|p| **p == *c.link.peer)
+                        && c.io.duplex().is_some_and(|d| !d.both_ways())
                 })
             })
             .map(|(id, _)| *id)
@@ -517,18 +515,18 @@ impl Messaging {
             if c.retired {
                 continue;
             }
-            if !poked && matches!(c.io, OutIo::TcpDuplex { .. }) {
+            if !poked && c.io.duplex().is_some() {
                 // A duplex lane's answers come in through the receive poll.
                 self.poke_if_idle();
                 poked = true;
             }
             match c.read_back() {
                 Ok(()) if !blocked.contains(&id) => {
-                    back.extend(c.lanes_in.drain(..).map(|m| (id, m)));
+                    back.extend(c.link.lanes_in.drain(..).map(|m| (id, m)));
                 }
                 Ok(()) => {}
                 Err(e) => {
-                    tracing::debug!(peer = %c.peer, error = %e, "message connection ended");
+                    tracing::debug!(peer = %c.link.peer, error = %e, "message connection ended");
                     drop(c);
                     let mut out = self.out.lock().expect("out poisoned");
                     if out.get(&id).is_some_and(|x| Arc::ptr_eq(x, &conn)) {
@@ -583,10 +581,7 @@ impl Messaging {
                 continue;
             };
             let frame = lane_frame(&m);
-            let written = match &c.duplex {
-                Some(d) => d.control(&c.stream, &frame),
-                None => (&c.stream).write_all(&frame),
-            };
+            let written = c.io.answer(&c.stream, &frame);
             if let Err(e) = written {
                 tracing::warn!(peer = %c.from, error = %e, "cannot answer a lane request");
                 c.dead = true;
@@ -623,14 +618,7 @@ impl Messaging {
                 .flat_map(|p| p.chunks.iter())
                 .map(|c| c.len() as u64)
                 .sum();
-            let rings: u64 = rx
-                .conns
-                .iter()
-                .filter_map(|c| match &c.io {
-                    InIo::Shm { ring_buf, .. } => Some(ring_buf.len() as u64),
-                    _ => None,
-                })
-                .sum();
+            let rings: u64 = rx.conns.iter().map(|c| c.io.ring_bytes()).sum();
             buffers + rings + rx.shared_shm.as_ref().map_or(0, SharedShm::bytes)
         };
         let lanes: Vec<(u64, Lane)> = self
@@ -647,9 +635,8 @@ impl Messaging {
                 .filter(|(id, _)| {
                     out.get(id).is_some_and(|c| {
                         // A sender holding it is sending: the lane is as it was.
-                        c.try_lock().is_ok_and(|c| {
-                            matches!(&c.io, OutIo::TcpDuplex { duplex, .. } if duplex.both_ways())
-                        })
+                        c.try_lock()
+                            .is_ok_and(|c| c.io.duplex().is_some_and(|d| d.both_ways()))
                     })
                 })
                 .map(|(id, _)| *id)

@@ -1,38 +1,7 @@
 //! The receiving side of messages: accepted connections, receive buffers and credits,
 //! and the caller's polling of them (`recv`, notifications).
 
-use super::duplex;
 use super::*;
-
-pub(super) enum InIo {
-    Tcp {
-        staging: Box<[u8]>,
-        start: usize,
-        end: usize,
-    },
-    Shm {
-        ring: Ring,
-        ring_buf: Buffer,
-    },
-    /// Messages arrive through the queue pair into the pool's receive queue and are taken in
-    /// by polling the rail's completion queue; credits go back as RDMA writes through the same
-    /// queue pair. The stream only tells when the sender leaves.
-    Rdma {
-        credits: Box<CreditWriter>,
-        port: usize,
-    },
-    /// The shared lane over shm under dynamic lanes: messages come through the receiver's one
-    /// shared ring (`Rx::shared_shm`) under `tag`; the stream only tells when the sender
-    /// leaves and carries lane answers back.
-    ShmShared {
-        tag: u32,
-        /// Which ring the tag is in (a corrupt ring is replaced by a new one).
-        generation: u32,
-        /// The ring's reservation count when the sender was seen gone: once the receiver has
-        /// taken in that much, nothing more of this sender's can come.
-        closing_at: Option<u64>,
-    },
-}
 
 /// A connection some sender opened to us.
 pub(super) struct InConn {
@@ -40,7 +9,8 @@ pub(super) struct InConn {
     pub(super) from: Arc<str>,
     pub(super) pool: u64,
     pub(super) stream: TcpStream,
-    pub(super) io: InIo,
+    /// How the lane's kind takes messages in and tells credits.
+    pub(super) io: Box<dyn RecvLane>,
     pub(super) dead: bool,
     /// The sender's lane this connection is, and its place among the sender's connections.
     pub(super) lane: Lane,
@@ -53,9 +23,6 @@ pub(super) struct InConn {
     /// A tcp connection on the shared lane, read when the receive poll's epoll set says it
     /// is readable rather than tried on every poll.
     pub(super) watched: bool,
-    /// A dedicated tcp lane's socket, which may carry a lane of ours the other way (see
-    /// `duplex`): what it shares with that lane.
-    pub(super) duplex: Option<Arc<Duplex>>,
     /// The sender closed the stream (its end was read).
     pub(super) ended: bool,
     /// Counts an accepted connection against the port's `max_connections` until it is
@@ -64,59 +31,13 @@ pub(super) struct InConn {
 }
 
 impl InConn {
-    /// What is left of a dead connection on a duplex socket that did not end: a reader of the
-    /// socket's other lane and end (see `duplex`). Anything else closes (the queue pair of an
-    /// RDMA lane goes now: nothing lands in the buffers granted to it any more).
-    fn into_reader(self) -> Option<Reader> {
-        let InConn {
-            from,
-            stream,
-            io,
-            duplex,
-            ended,
-            fenced,
-            _permit,
-            ..
-        } = self;
-        let duplex = duplex?;
-        duplex.set_in_carried(false);
-        match io {
-            InIo::Tcp {
-                staging,
-                start,
-                end,
-            } if fenced && !ended => Some(Reader {
-                from,
-                stream,
-                staging,
-                start,
-                end,
-                duplex,
-                may_open: false,
-                shut: false,
-                _permit,
-            }),
-            _ => {
-                duplex.set_closed();
-                None
-            }
-        }
-    }
-
-    /// Read on every poll by itself, rather than through the shared lane's epoll set or
-    /// shared ring, or the RDMA completion queues.
-    fn polled_alone(&self) -> bool {
-        !self.watched && !matches!(self.io, InIo::ShmShared { .. })
-    }
-}
-
-impl InConn {
+    /// A connection on `lane` whose messages land in pool `pool`, taken in by `io`.
     pub(super) fn new(
         id: ConnId,
         from: Arc<str>,
         pool: u64,
         stream: TcpStream,
-        io: InIo,
+        io: Box<dyn RecvLane>,
         (lane, epoch): (Lane, u32),
         permit: Option<ConnPermit>,
     ) -> InConn {
@@ -132,91 +53,41 @@ impl InConn {
             fenced: false,
             held_back: false,
             watched: false,
-            duplex: None,
             ended: false,
             _permit: permit,
         }
     }
-}
 
-pub(super) struct Ready {
-    pub(super) from: Arc<str>,
-    pub(super) body: Body,
-}
+    /// What is left of a dead connection on a duplex socket that did not end: a reader of the
+    /// socket's other lane and end (see `duplex`). Anything else closes (the queue pair of an
+    /// RDMA lane goes now: nothing lands in the buffers granted to it any more).
+    fn into_reader(self) -> Option<Reader> {
+        let InConn {
+            from,
+            stream,
+            io,
+            ended,
+            fenced,
+            _permit,
+            ..
+        } = self;
+        io.into_reader(ReaderParts {
+            from,
+            stream,
+            fenced,
+            ended,
+            permit: _permit,
+        })
+    }
 
-/// Where a message's bytes wait for `recv`.
-pub(super) enum Body {
-    /// In receive buffer `buf` of pool `pool`, which goes back to the sender once consumed.
-    Pooled {
-        pool: u64,
-        buf: BufferId,
-        len: usize,
-    },
-    /// Copied out of the shared shm ring when it was taken in, so the ring's space went back
-    /// to every sender at once.
-    Owned(Vec<u8>),
-}
-
-impl Ready {
-    fn uses_pool(&self, key: u64) -> bool {
-        matches!(self.body, Body::Pooled { pool, .. } if pool == key)
+    /// Read on every poll by itself, rather than through the shared lane's epoll set or
+    /// shared ring, or the RDMA completion queues.
+    fn polled_alone(&self) -> bool {
+        !self.watched && self.io.polled_alone()
     }
 }
 
-/// What arrived: messages and notifications to hand out, and what waits for an earlier lane.
-#[derive(Default)]
-pub(super) struct Delivered {
-    pub(super) ready: VecDeque<Ready>,
-    pub(super) notifications: VecDeque<Notification>,
-    /// Arrived on a lane whose predecessor has not ended yet, in arrival order.
-    pub(super) held: VecDeque<Held>,
-    /// Lane messages for the granting negotiation, with their sender, in order.
-    pub(super) lanes: VecDeque<(Arc<str>, LaneMsg)>,
-}
-
-/// A message or notification held back, with the connection it came on.
-pub(super) struct Held {
-    conn: ConnId,
-    item: HeldItem,
-}
-
-enum HeldItem {
-    Message(Ready),
-    Notification(Notification),
-    Lane(Arc<str>, LaneMsg),
-}
-
-impl Delivered {
-    fn count(&self) -> usize {
-        self.ready.len() + self.notifications.len() + self.held.len() + self.lanes.len()
-    }
-
-    /// Hands out what connection `conn` had held back, in arrival order.
-    fn release(&mut self, conn: ConnId) {
-        let mut kept = VecDeque::with_capacity(self.held.len());
-        for h in self.held.drain(..) {
-            if h.conn != conn {
-                kept.push_back(h);
-                continue;
-            }
-            match h.item {
-                HeldItem::Message(r) => self.ready.push_back(r),
-                HeldItem::Notification(n) => self.notifications.push_back(n),
-                HeldItem::Lane(from, m) => self.lanes.push_back((from, m)),
-            }
-        }
-        self.held = kept;
-    }
-
-    fn uses_pool(&self, key: u64) -> bool {
-        self.ready.iter().any(|r| r.uses_pool(key))
-            || self
-                .held
-                .iter()
-                .any(|h| matches!(&h.item, HeldItem::Message(r) if r.uses_pool(key)))
-    }
-}
-
+/// The receive side, under `Messaging::rx`: connections, pools, and what arrived.
 #[derive(Default)]
 pub(super) struct Rx {
     /// Polls in a row that took in messages from tcp connections (see [`STREAM_STREAK`]).
@@ -277,25 +148,6 @@ const SOLE_READS: u32 = 16;
 /// `transports.tcp.stream_pause_us` before the next poll (see there).
 const STREAM_STREAK: u32 = 4;
 
-/// The epoll set of the shared lane's tcp connections and its event buffer.
-pub(super) struct SharedTcp {
-    epoll: Epoll,
-    events: Vec<EpollEvent>,
-    /// Connections in the set: with none, a poll makes no system call for it.
-    watched: usize,
-}
-
-impl SharedTcp {
-    /// An empty set. Fails when the kernel refuses an epoll instance.
-    pub(super) fn new() -> std::io::Result<SharedTcp> {
-        Ok(SharedTcp {
-            epoll: Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?,
-            events: vec![EpollEvent::empty(); 64],
-            watched: 0,
-        })
-    }
-}
-
 impl Messaging {
     /// Target side: a sender opened a message connection and the server read its `opening`
     /// (mode, name length, name; see [`opening_len`]) on one of its threads.
@@ -314,65 +166,61 @@ impl Messaging {
             .map_err(|_| "sender name is not UTF-8".to_string())?
             .into();
         let lane = parse_lane(&opening[name_end..])?;
-        let shm = match mode {
-            MODE_TCP => false,
+        match mode {
+            MODE_TCP => self.accept_tcp(stream, from, lane, permit),
             MODE_SHM if lane.0 == Lane::Shared && self.dynamic.enabled() => {
-                return self.accept_shared_shm(stream, from, lane, permit);
+                self.accept_shared_shm(stream, from, lane, permit)
             }
-            MODE_SHM => true,
+            MODE_SHM => self.accept_shm(stream, from, lane, permit),
             MODE_RDMA => {
                 let endpoint = &opening[name_end + LANE_LEN..];
-                return self.accept_rdma(stream, from, lane, endpoint, permit);
+                self.accept_rdma(stream, from, lane, endpoint, permit)
             }
-            m => return Err(format!("unknown message mode {m}")),
-        };
-        let settings = if shm { self.shm } else { self.tcp };
+            m => Err(format!("unknown message mode {m}")),
+        }
+    }
+
+    /// The receive pool of a new connection on `lane` of a transport with `settings`: the
+    /// shared one (key `shared_key`) or one of its own (see [`Messaging::shared_pool_for`]).
+    /// Returns the connection's id, the pool's key, the pool's settings, and the pool when it
+    /// does not exist yet (made outside the lock, see [`Messaging::keep_pool`]). Fails, with
+    /// why, when the pool cannot be made.
+    pub(super) fn receive_pool(
+        &self,
+        lane: Lane,
+        settings: ReceiveSettings,
+        shared_key: u64,
+    ) -> std::result::Result<(ConnId, u64, ReceiveSettings, Option<Pool>), String> {
         let id = ConnId(self.next_conn.fetch_add(1, Ordering::Relaxed));
         // A dedicated lane has buffers of its own; a shared one takes the shared pool under
         // dynamic lanes, else the configured path.
-        let shared = self.shared_pool_for(lane.0, &settings);
+        let shared = self.shared_pool_for(lane, &settings);
         let settings = ReceiveSettings {
             shared_receive_queue: shared,
             ..settings
         };
-        let key = match (shared, shm) {
-            (true, false) => SHARED_TCP,
-            (true, true) => SHARED_SHM,
-            (false, _) => id.0,
-        };
+        let key = if shared { shared_key } else { id.0 };
         // Allocate outside the lock; a shared pool made twice by a race is dropped again.
-        let fresh = {
-            let exists = self
-                .rx
-                .lock()
-                .expect("rx poisoned")
-                .pools
-                .contains_key(&key);
-            if exists {
-                None
-            } else {
-                // Grants go out in batches on shm too: posting one at a time costs the receiver
-                // a ring write per message and saves the sender nothing.
-                match Pool::new(&self.registry, settings, false) {
-                    Ok(p) => Some(p),
-                    Err(e) => return Err(refuse(stream, format!("receive pool: {e}"))),
-                }
-            }
-        };
-        let ring_buf = if shm {
-            match self
-                .registry
-                .allocate(Ring::bytes(settings.queue_depth), Location::Any)
-            {
-                Ok(b) => Some(b),
-                Err(e) => return Err(refuse(stream, format!("message ring: {e}"))),
-            }
-        } else {
-            None
-        };
-        let _ = stream.set_nodelay(true);
-        stream.set_read_timeout(None).map_err(|e| e.to_string())?;
-        let mut rx = self.rx.lock().expect("rx poisoned");
+        let exists = self
+            .rx
+            .lock()
+            .expect("rx poisoned")
+            .pools
+            .contains_key(&key);
+        if exists {
+            return Ok((id, key, settings, None));
+        }
+        // Grants go out in batches on shm too: posting one at a time costs the receiver
+        // a ring write per message and saves the sender nothing.
+        match Pool::new(&self.registry, settings, false) {
+            Ok(p) => Ok((id, key, settings, Some(p))),
+            Err(e) => Err(format!("receive pool: {e}")),
+        }
+    }
+
+    /// Keeps `fresh`, made by [`Messaging::receive_pool`], as pool `key`, unless a pool
+    /// made meanwhile already serves connections there.
+    pub(super) fn keep_pool(&self, rx: &mut Rx, key: u64, fresh: Option<Pool>) {
         if let Some(p) = fresh {
             if let Some(extra) = rx.pools.insert(key, p) {
                 // Keep the pool already serving connections.
@@ -380,63 +228,17 @@ impl Messaging {
                 mine.release(&self.registry);
             }
         }
-        let io = match ring_buf {
-            None => InIo::Tcp {
-                staging: duplex::staging(settings.buffer_size),
-                start: 0,
-                end: 0,
-            },
-            Some(ring_buf) => InIo::Shm {
-                // SAFETY: a fresh zeroed mapping of `Ring::bytes(depth)` bytes, kept alive by
-                // `ring_buf` beside it.
-                ring: unsafe { Ring::new(ring_buf.as_ptr(), settings.queue_depth) },
-                ring_buf,
-            },
-        };
-        let dedicated_tcp = !shm && lane.0 == Lane::Dedicated;
-        let mut conn = InConn::new(id, from, key, stream, io, lane, Some(permit));
-        if dedicated_tcp {
-            // Our own dedicated lane to this sender may start on this socket (see `duplex`).
-            conn.duplex = Some(Duplex::new(false, 0, self.dynamic.enabled()));
-        }
-        self.admit(rx, conn, |pool, io| {
-            let mut reply = Vec::new();
-            if let InIo::Shm { ring_buf, .. } = io {
-                reply.push(SHM_OWN_RING);
-                reply.extend_from_slice(&(settings.queue_depth as u32).to_le_bytes());
-                reply.extend_from_slice(&(settings.buffers_per_chunk() as u32).to_le_bytes());
-                reply.extend_from_slice(&ring_buf.addr().to_le_bytes());
-                reply.extend_from_slice(&(ring_buf.len() as u64).to_le_bytes());
-                reply.extend_from_slice(&(pool.chunks.len() as u32).to_le_bytes());
-                for c in &pool.chunks {
-                    reply.extend_from_slice(&c.addr().to_le_bytes());
-                }
-                reply.extend_from_slice(&(settings.chunk_bytes() as u64).to_le_bytes());
-                // How to map them, from the memory itself: a descriptor the sender cached may
-                // name a buffer freed since, whose address (and descriptor number) was reused.
-                let handles = std::iter::once(ring_buf)
-                    .chain(pool.chunks.iter())
-                    .map(Buffer::shm_handle)
-                    .collect::<Option<Vec<_>>>()
-                    .ok_or("receive buffers are not in shared memory")?;
-                reply.extend_from_slice(&handles[0].pid.to_le_bytes());
-                for h in &handles {
-                    reply.extend_from_slice(&(h.fd as u32).to_le_bytes());
-                }
-            }
-            Ok(reply)
-        })
     }
 
     /// Adds connection `conn` to its pool and to the connections polled, after answering the
     /// opening with success, the receive buffer size and what `details` adds; then grants the
     /// sender its first credits. Refuses the connection, telling the sender why, when its pool
     /// takes no more connections or `details` fails.
-    fn admit(
+    pub(super) fn admit(
         &self,
         mut rx: std::sync::MutexGuard<'_, Rx>,
         conn: InConn,
-        details: impl FnOnce(&Pool, &InIo) -> std::result::Result<Vec<u8>, String>,
+        details: impl FnOnce(&Pool) -> std::result::Result<Vec<u8>, String>,
     ) -> std::result::Result<(), String> {
         let key = conn.pool;
         let pool = rx.pools.get_mut(&key).expect("pool present");
@@ -444,7 +246,7 @@ impl Messaging {
             .queue
             .add_connection(conn.id)
             .map_err(|e| e.to_string())
-            .and_then(|()| details(pool, &conn.io));
+            .and_then(|()| details(pool));
         let sent = answer.and_then(|answer| {
             let mut reply = vec![0u8];
             reply.extend_from_slice(&(pool.queue.settings().buffer_size as u32).to_le_bytes());
@@ -469,186 +271,13 @@ impl Messaging {
         Ok(())
     }
 
-    /// Target side of a message connection over RDMA: makes the queue pair for the sender's
-    /// `endpoint`, its receives from the rail's shared pool or a pool of its own, and answers
-    /// with the queue pair's endpoint. Fails (telling the sender why) when RDMA is off here,
-    /// the rail does not exist or the path does not connect.
-    fn accept_rdma(
-        &self,
-        stream: TcpStream,
-        from: Arc<str>,
-        lane: (Lane, u32),
-        endpoint: &[u8],
-        permit: ConnPermit,
-    ) -> std::result::Result<(), String> {
-        let verbs = match &self.verbs {
-            Ok(v) => v.clone(),
-            Err(why) => return Err(refuse(stream, format!("RDMA is off here: {why}"))),
-        };
-        let remote = match MessageEndpoint::decode(endpoint) {
-            Ok(e) => e,
-            Err(e) => return Err(refuse(stream, e)),
-        };
-        let port = remote.rail as usize;
-        let settings = self.rdma;
-        let id = ConnId(self.next_conn.fetch_add(1, Ordering::Relaxed));
-        // A dedicated lane has a receive queue of its own; a shared one takes the port's
-        // shared receive queue under dynamic lanes or when the configuration says so.
-        let made = if self.shared_pool_for(lane.0, &settings) {
-            self.shared_rdma_pool(&verbs, port).and_then(|srq| {
-                let (qp, cq) =
-                    verbs.receiving_qp(&remote, Some(&srq), 0, settings.max_sge as u32)?;
-                Ok((SHARED_RDMA + port as u64, Arc::new(qp), cq, None))
-            })
-        } else {
-            self.own_rdma_pool(&verbs, &remote)
-                .map(|(qp, cq, pool)| (id.0, qp, cq, Some(pool)))
-        };
-        let (key, qp, credit_cq, own) = match made {
-            Ok(m) => m,
-            Err(e) => return Err(refuse(stream, e)),
-        };
-        let credits = match CreditWriter::new(qp.clone(), credit_cq, &remote) {
-            Ok(c) => c,
-            Err(e) => {
-                if let Some(p) = own {
-                    p.release(&self.registry);
-                }
-                return Err(refuse(stream, e));
-            }
-        };
-        let local = match verbs.connect(&qp, port, &remote) {
-            Ok(l) => l,
-            Err(e) => {
-                if let Some(p) = own {
-                    p.release(&self.registry);
-                }
-                let why = format!(
-                    "no RDMA path from {} to the sender: {e}",
-                    verbs.port_name(port)
-                );
-                return Err(refuse(stream, why));
-            }
-        };
-        let _ = stream.set_nodelay(true);
-        stream.set_read_timeout(None).map_err(|e| e.to_string())?;
-        let cq = verbs.recv_cq(port)?;
-        let mut rx = self.rx.lock().expect("rx poisoned");
-        if let Some(p) = own {
-            rx.pools.insert(key, p);
-        }
-        if !rx.rdma_cqs.iter().any(|(p, _)| *p == port) {
-            rx.rdma_cqs.push((port, cq));
-        }
-        if rx.wcs.is_empty() {
-            rx.wcs = vec![WorkCompletion::default(); 32];
-        }
-        let io = InIo::Rdma {
-            credits: Box::new(credits),
-            port,
-        };
-        let conn = InConn::new(id, from, key, stream, io, lane, Some(permit));
-        self.admit(rx, conn, |_, _| Ok(local.encode().to_vec()))
-    }
-
-    /// The shared receive queue of RDMA rail `port`, made with its pool on first use.
-    fn shared_rdma_pool(
-        &self,
-        verbs: &Arc<MessageVerbs>,
-        port: usize,
-    ) -> std::result::Result<SharedReceiveQueue, String> {
-        let key = SHARED_RDMA + port as u64;
-        let srq_of = |p: &Pool| match p.hw.as_ref().map(|h| &h.target) {
-            Some(ReceiveTarget::Shared(srq)) => Some(srq.clone()),
-            _ => None,
-        };
-        if let Some(srq) = self
-            .rx
-            .lock()
-            .expect("rx poisoned")
-            .pools
-            .get(&key)
-            .and_then(srq_of)
-        {
-            return Ok(srq);
-        }
-        // Made outside the lock; one made twice by a race is dropped again.
-        let settings = ReceiveSettings {
-            shared_receive_queue: true,
-            ..self.rdma
-        };
-        let mut pool = Pool::new(&self.registry, settings, false).map_err(|e| e.to_string())?;
-        let made = verbs.shared_receive_queue(port, &settings).and_then(|srq| {
-            let lkeys = verbs.lkeys(port, &pool.chunks)?;
-            let hw = PostedReceives::new(
-                verbs,
-                ReceiveTarget::Shared(srq.clone()),
-                port,
-                lkeys,
-                &settings,
-            )?;
-            pool.attach(hw)?;
-            Ok(srq)
-        });
-        let srq = match made {
-            Ok(s) => s,
-            Err(e) => {
-                pool.release(&self.registry);
-                return Err(e);
-            }
-        };
-        let mut rx = self.rx.lock().expect("rx poisoned");
-        if let Some(existing) = rx.pools.get(&key).and_then(srq_of) {
-            drop(rx);
-            pool.release(&self.registry);
-            return Ok(existing);
-        }
-        rx.pools.insert(key, pool);
-        Ok(srq)
-    }
-
-    /// A queue pair with a receive queue of its own for `remote`, and the pool feeding it.
-    fn own_rdma_pool(
-        &self,
-        verbs: &Arc<MessageVerbs>,
-        remote: &MessageEndpoint,
-    ) -> std::result::Result<(Arc<QueuePair>, CompletionQueue, Pool), String> {
-        let settings = self.rdma;
-        let port = remote.rail as usize;
-        let (qp, credit_cq) = verbs.receiving_qp(
-            remote,
-            None,
-            settings.queue_depth as u32,
-            settings.max_sge as u32,
-        )?;
-        let qp = Arc::new(qp);
-        let mut pool = Pool::new(&self.registry, settings, false).map_err(|e| e.to_string())?;
-        let attached = verbs.lkeys(port, &pool.chunks).and_then(|lkeys| {
-            let hw = PostedReceives::new(
-                verbs,
-                ReceiveTarget::Own(qp.clone()),
-                port,
-                lkeys,
-                &settings,
-            )?;
-            pool.attach(hw)
-        });
-        match attached {
-            Ok(()) => Ok((qp, credit_cq, pool)),
-            Err(e) => {
-                pool.release(&self.registry);
-                Err(e)
-            }
-        }
-    }
-
     /// A second descriptor of the shared tcp lane's epoll set (readable while one of its
     /// connections has bytes to read), for the lanes thread to wait on; `None` without dynamic
     /// lanes (there is no shared tcp lane then) or when the descriptor cannot be duplicated.
     pub(crate) fn shared_lane_fd(&self) -> Option<std::os::fd::OwnedFd> {
         let rx = self.rx.lock().expect("rx poisoned");
         let set = rx.shared_tcp.as_ref()?;
-        match set.epoll.0.try_clone() {
+        match set.fd() {
             Ok(fd) => Some(fd),
             Err(e) => {
                 tracing::warn!(error = %e, "the shared tcp lane is read only when the application polls");
@@ -696,22 +325,14 @@ impl Messaging {
             }
             if c.dead || delivered.count() != before {
                 touched.push(c.pool);
-                *tcp_took_in |= matches!(c.io, InIo::Tcp { .. });
+                *tcp_took_in |= c.io.reads_socket();
             }
         };
         for c in conns.iter_mut().filter(|c| !c.dead && c.polled_alone()) {
             take(c);
         }
         if let Some(set) = shared_tcp.as_mut().filter(|s| s.watched > 0) {
-            let n = match set.epoll.wait(&mut set.events, EpollTimeout::ZERO) {
-                Ok(n) => n,
-                Err(e) => {
-                    tracing::error!(error = %e, "polling the shared lane");
-                    0
-                }
-            };
-            for ev in &set.events[..n] {
-                let id = ev.data();
+            for id in set.ready() {
                 if let Some(c) = conns.iter_mut().find(|c| c.id.0 == id && !c.dead) {
                     take(c);
                 }
@@ -730,30 +351,8 @@ impl Messaging {
         }
         // After the connections: a sender that closed waited for its last messages to land, so
         // they are all in the completion queues now.
-        for (port, cq) in rdma_cqs.iter() {
-            loop {
-                let n = match cq.poll(wcs) {
-                    Ok(n) => n,
-                    Err(e) => {
-                        tracing::error!(error = %e, "polling a message completion queue");
-                        break;
-                    }
-                };
-                for wc in &wcs[..n] {
-                    if take_in_rdma(*port, wc, conns, pools, delivered, touched) {
-                        *lanes_dirty = true;
-                    }
-                }
-                if let (Ok(v), true) = (&self.verbs, n > 0) {
-                    let landed = wcs[..n].iter().filter(|w| w.is_success()).count();
-                    v.counters
-                        .received
-                        .fetch_add(landed as u64, Ordering::Relaxed);
-                }
-                if n < wcs.len() {
-                    break;
-                }
-            }
+        if !rdma_cqs.is_empty() {
+            *lanes_dirty |= self.poll_rdma(rdma_cqs, wcs, conns, pools, delivered, touched);
         }
         if !rx.readers.is_empty() {
             self.poll_readers(rx);
@@ -828,103 +427,10 @@ impl Messaging {
         true
     }
 
-    /// Polls the duplex sockets that carry no lane to us; one whose other end starts a lane
-    /// on it becomes that lane's connection.
-    fn poll_readers(&self, rx: &mut Rx) {
-        let mut i = 0;
-        while i < rx.readers.len() {
-            match rx.readers[i].poll() {
-                Ok(ReaderEvent::Nothing) => i += 1,
-                Ok(ReaderEvent::Ended) => {
-                    rx.readers.swap_remove(i);
-                }
-                Ok(ReaderEvent::Open(epoch, from)) => {
-                    let r = rx.readers.swap_remove(i);
-                    self.open_reverse(rx, r, from, epoch);
-                }
-                Err(reason) => {
-                    let r = rx.readers.swap_remove(i);
-                    tracing::warn!(peer = %r.from, %reason, "closed a duplex message connection");
-                    r.duplex.set_closed();
-                }
-            }
-        }
-    }
-
-    /// The other end of duplex socket `r`, `from`, starts its dedicated lane of `epoch` to us
-    /// on it:
-    /// a receive pool of its own (our granting side agreed to the lane), the buffer size,
-    /// then credits. Refused, telling why, when the pool cannot be made; the reader stays.
-    fn open_reverse(&self, rx: &mut Rx, r: Reader, from: Arc<str>, epoch: u32) {
-        let settings = ReceiveSettings {
-            shared_receive_queue: false,
-            ..self.tcp
-        };
-        let id = ConnId(self.next_conn.fetch_add(1, Ordering::Relaxed));
-        let pool = Pool::new(&self.registry, settings, false).and_then(|mut p| {
-            p.queue
-                .add_connection(id)
-                .map_err(|e| Error::invalid("receive", e.to_string()))?;
-            Ok(p)
-        });
-        let pool = match pool {
-            Ok(p) => p,
-            Err(e) => {
-                let why = format!("receive pool: {e}");
-                tracing::warn!(peer = %r.from, reason = %why, "refused a reverse lane");
-                if let Err(e) = r.duplex.control(&r.stream, &duplex::refuse_frame(&why)) {
-                    tracing::warn!(peer = %r.from, error = %e, "cannot refuse a reverse lane");
-                    r.duplex.set_closed();
-                    return;
-                }
-                rx.readers.push(r);
-                return;
-            }
-        };
-        let accept = duplex::frame_header(MsgKind::ReverseAccept, settings.buffer_size as u32);
-        if let Err(e) = r.duplex.control(&r.stream, &accept) {
-            tracing::warn!(peer = %r.from, error = %e, "cannot accept a reverse lane");
-            r.duplex.set_closed();
-            pool.release(&self.registry);
-            return;
-        }
-        let key = id.0;
-        rx.pools.insert(key, pool);
-        let Reader {
-            stream,
-            staging,
-            start,
-            end,
-            duplex,
-            _permit,
-            ..
-        } = r;
-        let io = InIo::Tcp {
-            staging,
-            start,
-            end,
-        };
-        let mut conn = InConn::new(id, from, key, stream, io, (Lane::Dedicated, epoch), _permit);
-        duplex.set_in_carried(true);
-        conn.duplex = Some(duplex);
-        rx.add_conn(conn);
-        rx.lanes_dirty = true;
-        let Rx { conns, pools, .. } = rx;
-        grant(conns, pools, key);
-        // The first credits go at once: the other end waits for them to send anything.
-        if let Some(c) = conns.iter().find(|c| c.id == id) {
-            if let Some(d) = &c.duplex {
-                if let Err(e) = d.try_flush(&c.stream) {
-                    tracing::warn!(peer = %c.from, error = %e, "cannot grant a reverse lane");
-                }
-            }
-        }
-    }
-
     /// Whether a connection on `lane` takes its buffers from the shared pool: a shared lane
     /// does under dynamic lanes (that is what makes it cheap), otherwise when
     /// `shared_receive_queue` says so; a dedicated lane never does.
-    fn shared_pool_for(&self, lane: Lane, settings: &ReceiveSettings) -> bool {
+    pub(super) fn shared_pool_for(&self, lane: Lane, settings: &ReceiveSettings) -> bool {
         lane == Lane::Shared && (settings.shared_receive_queue || self.dynamic.enabled())
     }
 
@@ -940,17 +446,13 @@ impl Messaging {
             }
             let c = rx.conns.swap_remove(i);
             if let (true, Some(set)) = (c.watched, &mut rx.shared_tcp) {
-                let _ = set.epoll.delete(&c.stream);
-                set.watched -= 1;
+                set.unwatch(&c);
             }
             if !c.fenced && !ended.contains(&c.from) {
                 ended.push(c.from.clone());
             }
             let (key, id) = (c.pool, c.id);
-            if let InIo::Shm { ring_buf, .. } = &c.io {
-                let _ = self.registry.unregister(ring_buf.addr());
-            }
-            release_tag(rx.shared_shm.as_mut(), &c.io);
+            c.io.release(&self.registry, rx.shared_shm.as_mut());
             if let Some(r) = c.into_reader() {
                 // A duplex socket whose lane to us ended: it is read on until its other end
                 // closes, for our lane the other way and so that nothing is lost to a reset.
@@ -1112,7 +614,7 @@ impl Messaging {
         let rx = self.rx.lock().expect("rx poisoned");
         let mut latest: HashMap<&str, (u32, Lane, bool)> = HashMap::new();
         for c in rx.conns.iter().filter(|c| !c.dead) {
-            let both = c.duplex.as_ref().is_some_and(|d| d.both_ways());
+            let both = c.io.duplex().is_some_and(|d| d.both_ways());
             let e = latest.entry(&c.from).or_insert((c.epoch, c.lane, both));
             if c.epoch >= e.0 {
                 *e = (c.epoch, c.lane, both);
@@ -1148,28 +650,9 @@ fn grant_from(conns: &mut [InConn], pool: &mut Pool) {
         let Some(c) = conns.iter_mut().find(|c| c.id == to && !c.fenced) else {
             continue;
         };
-        match &mut c.io {
-            InIo::Rdma { credits, .. } => {
-                if let Err(e) = credits.grant(pool.granting.len()) {
-                    tracing::warn!(peer = %c.from, error = %e, "cannot send credits");
-                    c.dead = true;
-                }
-            }
-            InIo::Tcp { .. } => {
-                let h = duplex::frame_header(MsgKind::Credit, pool.granting.len() as u32);
-                let told = match &c.duplex {
-                    // Maybe with our next frame (see `Duplex::grant`).
-                    Some(d) => d.grant(&c.stream, pool.granting.len()),
-                    None => (&c.stream).write_all(&h),
-                };
-                if let Err(e) = told {
-                    tracing::warn!(peer = %c.from, error = %e, "cannot send credits");
-                    c.dead = true;
-                }
-            }
-            InIo::Shm { ring, .. } => ring.post(&pool.granting),
-            // The shared ring's space is its flow control: it takes no credits.
-            InIo::ShmShared { .. } => {}
+        if let Err(e) = c.io.grant(&c.stream, &pool.granting) {
+            tracing::warn!(peer = %c.from, error = %e, "cannot send credits");
+            c.dead = true;
         }
     }
 }
@@ -1181,287 +664,34 @@ pub(super) fn receive(
     delivered: &mut Delivered,
     liveness: bool,
 ) -> std::result::Result<(), String> {
-    let fenced = std::cell::Cell::new(c.fenced);
-    let taken = receive_io(c, pool, delivered, liveness, &fenced);
-    c.fenced = fenced.get();
+    let InConn {
+        id,
+        from,
+        pool: key,
+        stream,
+        io,
+        dead,
+        fenced,
+        held_back,
+        ended,
+        ..
+    } = c;
+    let mut cx = RecvCx {
+        id: *id,
+        key: *key,
+        from,
+        stream,
+        hold: held_back.then_some(*id),
+        dead,
+        ended,
+        fenced: *fenced,
+        pool,
+        delivered,
+        liveness,
+    };
+    let taken = io.receive(&mut cx);
+    *fenced = cx.fenced;
     taken
-}
-
-fn receive_io(
-    c: &mut InConn,
-    pool: &mut Pool,
-    delivered: &mut Delivered,
-    liveness: bool,
-    fenced: &std::cell::Cell<bool>,
-) -> std::result::Result<(), String> {
-    let max_len = pool.queue.settings().buffer_size as u32;
-    let (id, key) = (c.id, c.pool);
-    let hold = c.held_back.then_some(id);
-    let from = &c.from;
-    let mut deliver = |pool: &mut Pool,
-                       kind: MsgKind,
-                       named: Option<BufferId>,
-                       src: Option<&[u8]>,
-                       len: usize|
-     -> std::result::Result<(), String> {
-        let buf = pool
-            .queue
-            .on_arrival(id, named)
-            .map_err(|e| e.to_string())?;
-        if let Some(src) = src {
-            // SAFETY: a posted buffer of `buffer_size >= len` bytes nothing else touches
-            // until it is consumed.
-            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), pool.ptr(buf), len) };
-        }
-        if fenced.get() {
-            return Err("a message after the lane's fence".into());
-        }
-        fenced.set(take_in(from, key, pool, kind, buf, len, hold, delivered)?);
-        Ok(())
-    };
-    match &mut c.io {
-        InIo::Tcp {
-            staging,
-            start,
-            end,
-        } => {
-            if *start > 0 && staging.len() - *end < MSG_HEADER_LEN + max_len as usize {
-                staging.copy_within(*start..*end, 0);
-                *end -= *start;
-                *start = 0;
-            }
-            if let Some(d) = &c.duplex {
-                // What the socket's writers could not write at once (see `duplex`).
-                d.try_flush(&c.stream)
-                    .map_err(|e| format!("writing on a duplex lane: {e}"))?;
-            }
-            // A reverse opening leaves the lane's first frames staged: take them in first.
-            let staged = *end > *start;
-            let read = match sockio::recv_nonblocking(c.stream.as_raw_fd(), &mut staging[*end..]) {
-                // A peer that closes with our credits or answers unread resets instead of
-                // ending: everything it wrote before was read first, so between frames that is
-                // its end like any other (a process that exits or dies closes the same way).
-                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset && start == end => {
-                    tracing::debug!(peer = %c.from, "message connection reset between frames");
-                    Ok(Some(0))
-                }
-                read => read,
-            };
-            match read {
-                Ok(None) if !staged => return Ok(()),
-                Ok(None) => {}
-                Ok(Some(0)) => {
-                    c.dead = true;
-                    c.ended = true;
-                    if let Some(d) = &c.duplex {
-                        d.set_closed();
-                    }
-                    return if start == end {
-                        Ok(())
-                    } else {
-                        Err("closed inside a message".into())
-                    };
-                }
-                Ok(Some(n)) => *end += n,
-                Err(e) => return Err(format!("reading messages: {e}")),
-            }
-            while *end - *start >= MSG_HEADER_LEN {
-                let h = MsgHeader::decode(&staging[*start..*end], max_len)?;
-                let total = MSG_HEADER_LEN + duplex::payload_len(&h);
-                if *end - *start < total {
-                    break;
-                }
-                let body = &staging[*start + MSG_HEADER_LEN..*start + total];
-                if let Some(d) = &c.duplex {
-                    // Credits and answers for our lane the other way.
-                    d.on_piggyback(&staging[*start..]);
-                    if d.on_control(h, body)? {
-                        *start += total;
-                        continue;
-                    }
-                    if h.kind == MsgKind::Fence {
-                        // Fences take no credit here; the lane ends both ways (see `duplex`).
-                        if fenced.get() {
-                            return Err("a second fence".into());
-                        }
-                        fenced.set(true);
-                        d.fence_soon(&c.stream)
-                            .map_err(|e| format!("fencing our lane: {e}"))?;
-                        *start += total;
-                        continue;
-                    }
-                }
-                match h.kind {
-                    MsgKind::Credit => return Err("a sender sent credits".into()),
-                    MsgKind::LaneAnswer
-                    | MsgKind::ReverseOpen
-                    | MsgKind::ReverseAccept
-                    | MsgKind::ReverseRefuse => {
-                        return Err(format!("a sender sent a {:?} frame", h.kind))
-                    }
-                    _ => {}
-                }
-                deliver(pool, h.kind, None, Some(body), h.len as usize)?;
-                *start += total;
-            }
-            if start == end {
-                *start = 0;
-                *end = 0;
-            }
-        }
-        InIo::Shm { ring, .. } => {
-            let mut take = |buf, len, kind: u8, inline: Option<&[u8]>| {
-                let kind = arrived_kind(kind.into(), len, max_len as usize)?;
-                deliver(pool, kind, Some(buf), inline, len)
-            };
-            ring.completions(&mut take)?;
-            // Only while waiting (or after a fence): a syscall every so many polls would show
-            // up as a periodic pattern in the round trips (pingpong found one every ~4096).
-            if liveness || fenced.get() {
-                let mut b = [0u8; 1];
-                if let Ok(Some(0)) = sockio::recv_nonblocking(c.stream.as_raw_fd(), &mut b) {
-                    // Gone. What it wrote before closing may have landed after the pass
-                    // above: take it in now, then the connection ends.
-                    ring.completions(&mut take)?;
-                    c.dead = true;
-                }
-            }
-        }
-        // Taken in from the shared ring by `poll_shared`.
-        InIo::ShmShared { .. } => {}
-        InIo::Rdma { .. } => {
-            // Messages come through the completion queue; the stream only says when the
-            // sender leaves (checked while waiting, as for shm).
-            if liveness {
-                let mut b = [0u8; 1];
-                match sockio::recv_nonblocking(c.stream.as_raw_fd(), &mut b) {
-                    Ok(Some(0)) => c.dead = true,
-                    Ok(Some(_)) => return Err("a sender wrote on its RDMA message stream".into()),
-                    Ok(None) => {}
-                    Err(e) => return Err(format!("message stream: {e}")),
-                }
-            }
-        }
-    }
-    Ok(())
-}
-
-/// The kind of a message that arrived with kind code `code` (a ring entry's or an RDMA
-/// immediate: the values of [`MsgKind`]) and `len` bytes. Fails on a code a sender may not
-/// send or a length above the receive buffers.
-pub(super) fn arrived_kind(
-    code: u32,
-    len: usize,
-    max_len: usize,
-) -> std::result::Result<MsgKind, String> {
-    if len > max_len {
-        return Err(format!("message of {len} bytes above {max_len}"));
-    }
-    match code {
-        1 => Ok(MsgKind::Message),
-        2 => Ok(MsgKind::Notification),
-        4 => Ok(MsgKind::Fence),
-        5 => Ok(MsgKind::Lane),
-        k => Err(format!("unknown message kind {k}")),
-    }
-}
-
-/// A message of `len` bytes is in buffer `buf` of `pool`: a notification is taken out and the
-/// buffer returned at once; a message waits for `recv`; both wait in `held` instead when the
-/// lane is held back (`hold` names its connection). A fence's buffer is returned at once;
-/// returns true for a fence.
-#[allow(clippy::too_many_arguments)]
-fn take_in(
-    from: &Arc<str>,
-    key: u64,
-    pool: &mut Pool,
-    kind: MsgKind,
-    buf: BufferId,
-    len: usize,
-    hold: Option<ConnId>,
-    out: &mut Delivered,
-) -> std::result::Result<bool, String> {
-    let item = match kind {
-        MsgKind::Fence => {
-            pool.consumed(buf)?;
-            return Ok(true);
-        }
-        MsgKind::Notification => {
-            // SAFETY: the buffer holds the message's `len` bytes until it is consumed below.
-            let bytes = unsafe { std::slice::from_raw_parts(pool.ptr(buf), len) };
-            let n = Notification {
-                from: from.to_string(),
-                msg: String::from_utf8_lossy(bytes).into_owned(),
-            };
-            pool.consumed(buf)?;
-            HeldItem::Notification(n)
-        }
-        MsgKind::Message => HeldItem::Message(Ready {
-            from: from.clone(),
-            body: Body::Pooled {
-                pool: key,
-                buf,
-                len,
-            },
-        }),
-        MsgKind::Lane => {
-            // SAFETY: the buffer holds the message's `len` bytes until it is consumed below.
-            let bytes = unsafe { std::slice::from_raw_parts(pool.ptr(buf), len) };
-            let m = LaneMsg::decode(bytes);
-            pool.consumed(buf)?;
-            HeldItem::Lane(from.clone(), m.map_err(|e| format!("lane message: {e}"))?)
-        }
-        k @ (MsgKind::Credit
-        | MsgKind::LaneAnswer
-        | MsgKind::ReverseOpen
-        | MsgKind::ReverseAccept
-        | MsgKind::ReverseRefuse) => return Err(format!("a sender sent a {k:?} frame")),
-    };
-    hand_out(item, hold, out);
-    Ok(false)
-}
-
-/// A message of `kind` whose bytes were copied out of the shared shm ring: as [`take_in`],
-/// with a message keeping `bytes` itself. Returns true for a fence.
-pub(super) fn take_in_bytes(
-    from: &Arc<str>,
-    kind: MsgKind,
-    bytes: &[u8],
-    hold: Option<ConnId>,
-    out: &mut Delivered,
-) -> std::result::Result<bool, String> {
-    let item = match kind {
-        MsgKind::Fence => return Ok(true),
-        MsgKind::Notification => HeldItem::Notification(Notification {
-            from: from.to_string(),
-            msg: String::from_utf8_lossy(bytes).into_owned(),
-        }),
-        MsgKind::Message => HeldItem::Message(Ready {
-            from: from.clone(),
-            body: Body::Owned(bytes.to_vec()),
-        }),
-        MsgKind::Lane => HeldItem::Lane(
-            from.clone(),
-            LaneMsg::decode(bytes).map_err(|e| format!("lane message: {e}"))?,
-        ),
-        k @ (MsgKind::Credit
-        | MsgKind::LaneAnswer
-        | MsgKind::ReverseOpen
-        | MsgKind::ReverseAccept
-        | MsgKind::ReverseRefuse) => return Err(format!("a sender sent a {k:?} frame")),
-    };
-    hand_out(item, hold, out);
-    Ok(false)
-}
-
-/// Queues what arrived for the application, or holds it back behind an earlier lane.
-fn hand_out(item: HeldItem, hold: Option<ConnId>, out: &mut Delivered) {
-    match (hold, item) {
-        (Some(conn), item) => out.held.push_back(Held { conn, item }),
-        (None, HeldItem::Message(r)) => out.ready.push_back(r),
-        (None, HeldItem::Notification(n)) => out.notifications.push_back(n),
-        (None, HeldItem::Lane(from, m)) => out.lanes.push_back((from, m)),
-    }
 }
 
 impl Rx {
@@ -1481,7 +711,7 @@ impl Rx {
             .enumerate()
             .filter(|(_, c)| !c.dead && c.polled_alone());
         match (polled.next(), polled.next()) {
-            (Some((i, c)), None) if matches!(c.io, InIo::Tcp { .. }) => Some(i),
+            (Some((i, c)), None) if c.io.reads_socket() => Some(i),
             _ => None,
         }
     }
@@ -1492,133 +722,11 @@ impl Rx {
         c.held_back = self.conns.iter().any(|o| {
             o.from == c.from && o.epoch < c.epoch && (o.held_back || !(o.fenced || o.dead))
         });
-        if let (Some(set), InIo::Tcp { .. }, Lane::Shared) = (&mut self.shared_tcp, &c.io, c.lane) {
-            // Level-triggered: a connection with bytes left after a poll is reported again.
-            let ev = EpollEvent::new(EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP, c.id.0);
-            match set.epoll.add(&c.stream, ev) {
-                Ok(()) => {
-                    c.watched = true;
-                    set.watched += 1;
-                }
-                Err(e) => tracing::debug!(error = %e, "shared lane polled directly"),
-            }
+        if let Some(set) = &mut self.shared_tcp {
+            set.watch(&mut c);
         }
         self.conns.push(c);
     }
-
-    /// After fences and ends: a sender's lane is delivered once every earlier lane of it has
-    /// ended (fenced, or closed with everything it carried taken in); what it held back is
-    /// handed out then, before anything that arrives later. A fenced lane that is delivered
-    /// is done and closes.
-    fn settle_lanes(&mut self) {
-        let mut order: Vec<usize> = (0..self.conns.len()).collect();
-        order.sort_by(|&a, &b| {
-            let (x, y) = (&self.conns[a], &self.conns[b]);
-            x.from.cmp(&y.from).then(x.epoch.cmp(&y.epoch))
-        });
-        // The sender whose open lane blocks its later ones (the name, shared by reference).
-        let mut blocked: Option<Arc<str>> = None;
-        let mut released = Vec::new();
-        for &i in &order {
-            let c = &mut self.conns[i];
-            if blocked.as_ref().is_some_and(|b| *b != c.from) {
-                blocked = None;
-            }
-            let hold = blocked.is_some();
-            if c.held_back && !hold {
-                released.push(c.id);
-            }
-            c.held_back = hold;
-            if !hold && c.fenced {
-                c.dead = true;
-            }
-            if !(c.fenced || c.dead) && blocked.is_none() {
-                blocked = Some(c.from.clone());
-            }
-        }
-        for id in released {
-            self.delivered.release(id);
-        }
-    }
-}
-
-/// One completion of RDMA rail `port`'s receive queue: a message that landed in a receive
-/// buffer, or an error that breaks its queue pair's connection. A buffer of the rail's shared
-/// queue that the hardware filled for no connection (it is gone) or for a message that breaks
-/// its connection goes back to the queue, as the accounting still counts it posted.
-fn take_in_rdma(
-    port: usize,
-    wc: &WorkCompletion,
-    conns: &mut [InConn],
-    pools: &mut Pools,
-    delivered: &mut Delivered,
-    touched: &mut Vec<u64>,
-) -> bool {
-    let buf = BufferId(u32::try_from(wc.wr_id()).unwrap_or(u32::MAX));
-    let qp_num = wc.qp_num();
-    let shared_key = SHARED_RDMA + port as u64;
-    // A connection marked dead is still found: its last messages landed before it closed.
-    let conn = conns.iter_mut().find(
-        |c| matches!(&c.io, InIo::Rdma { credits, port: p } if *p == port && credits.qp().qp_num() == qp_num),
-    );
-    let Some(c) = conn else {
-        if let Some(pool) = pools.get_mut(&shared_key) {
-            pool.repost_unaccounted(buf);
-        }
-        return false;
-    };
-    let Some(pool) = pools.get_mut(&c.pool) else {
-        return false;
-    };
-    touched.push(c.pool);
-    let max_len = pool.queue.settings().buffer_size;
-    let arrived = if !wc.is_success() {
-        Err(format!(
-            "receive failed: status {} (vendor error {:#x})",
-            wc.status().0,
-            wc.vendor_err()
-        ))
-    } else {
-        let len = wc.byte_len() as usize;
-        match wc.imm_data() {
-            Some(code) => arrived_kind(code, len, max_len).map(|kind| (kind, len)),
-            None => Err("a message without its kind".into()),
-        }
-    };
-    let accounted = arrived.and_then(|(kind, len)| {
-        pool.queue
-            .on_arrival_posted(c.id, buf)
-            .map(|landed| (kind, landed, len))
-            .map_err(|e| e.to_string())
-    });
-    let hold = c.held_back.then_some(c.id);
-    let failed = match accounted {
-        Ok(_) if c.fenced => Some("a message after the lane's fence".to_owned()),
-        Ok((kind, landed, len)) => {
-            match take_in(&c.from, c.pool, pool, kind, landed, len, hold, delivered) {
-                Ok(fence) => {
-                    c.fenced |= fence;
-                    None
-                }
-                Err(e) => Some(e),
-            }
-        }
-        Err(reason) => {
-            // A queue of the connection's own is in error and goes with it; a shared one
-            // takes the buffer back.
-            if c.pool == shared_key {
-                pool.repost_unaccounted(buf);
-            }
-            Some(reason)
-        }
-    };
-    if let Some(reason) = failed {
-        if !c.dead {
-            tracing::warn!(peer = %c.from, %reason, "closed message connection");
-            c.dead = true;
-        }
-    }
-    c.dead || c.fenced
 }
 
 /// Refuses a message connection, telling the sender why; returns the reason.

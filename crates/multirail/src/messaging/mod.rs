@@ -26,19 +26,18 @@
 //! * **rdma**: every message is one SEND on a reliable-connected queue pair, into a receive
 //!   buffer of the port's shared receive queue (or the queue pair's own receive queue); the
 //!   queue pair is agreed in the opening of the message connection, and credits come back as
-//!   RDMA writes of the sender's credit total (see `transport::rdma::messages`).
+//!   RDMA writes of the sender's credit total (see `lanes::rdma`).
 //!
 //! Receiving is polled by the caller's thread (`recv`, `receive_notifications`): no thread
 //! hand-off on the receive path, which keeps round trips short.
 
-mod duplex;
+mod delivery;
 mod dynamic;
 pub mod group;
 mod inbound;
+mod lane;
+mod lanes;
 mod outbound;
-mod ring;
-mod shared_ring;
-mod shared_shm;
 
 pub use dynamic::{LanesReport, PeerLane as PeerLaneReport};
 
@@ -67,21 +66,20 @@ use crate::peer::Peer;
 use crate::segment::SegmentId;
 use crate::server::ConnPermit;
 use crate::transport::handshake::{self, Membership};
-use crate::transport::rdma::messages::{
-    CreditWriter, MessageEndpoint, MessageVerbs, PostedReceives, ReceiveTarget, SendQueuePair,
-    ENDPOINT_LEN,
-};
+use crate::transport::rdma::messages::{MessageEndpoint, MessageVerbs, ENDPOINT_LEN};
 use crate::transport::sockio;
 use crate::transport::wire::{self, ConnKind, MsgHeader, MsgKind, MSG_HEADER_LEN};
-use duplex::{Duplex, Reader, ReaderEvent, Sent};
+use delivery::*;
 use dynamic::{parse_back, Dynamic, Retiring, RetiringFrom};
 use inbound::*;
+use lane::{credit, Link, ReaderParts, RecvCx, RecvLane, SendLane};
+use lanes::duplex::{Duplex, DuplexRecv, DuplexSend, Reader};
+use lanes::rdma::PostedReceives;
+use lanes::ring::{Ring, INLINE_MAX};
+use lanes::shared_shm::{connect_shared, poll_shared, SharedShm, SharedShmSend};
+use lanes::shm::{connect_shm, SHM_SHARED_RING};
+use lanes::tcp::{frame_header, payload_len, receive_frames, staging, SharedTcp, Staging, TcpSend};
 use outbound::*;
-use ring::{Ring, INLINE_MAX};
-use shared_ring::SharedRing;
-use shared_shm::{
-    connect_shared, poll_shared, release_tag, SharedShm, SHM_OWN_RING, SHM_SHARED_RING,
-};
 
 /// How the opening names a lane.
 fn lane_code(lane: Lane) -> u8 {

@@ -1,67 +1,17 @@
 //! The sending side of messages: one connection per peer, credits, and sending against them.
 
-use super::duplex;
 use super::*;
-
-/// How long a sender waits for the other end of a duplex socket to take the lane it starts
-/// there before it fences that lane and opens a connection of its own (see `await_accept`).
-const ACCEPT_WAIT: Duration = Duration::from_millis(50);
-
-pub(super) enum OutIo {
-    Tcp,
-    /// Our dedicated lane on a duplex tcp socket (see `duplex`): credits and answers come
-    /// through the receive poll, which reads the socket.
-    TcpDuplex {
-        duplex: Arc<Duplex>,
-        /// Credits taken from the receiver's total so far.
-        seen: u64,
-    },
-    Rdma {
-        qp: Box<SendQueuePair>,
-        /// Credits taken from the receiver's total so far.
-        seen: u64,
-        /// Credit checks since the stream was last checked for the receiver leaving.
-        polls: u32,
-    },
-    Shm {
-        ring: Ring,
-        /// Base address of each receive chunk in this process.
-        chunks: Vec<usize>,
-        per_chunk: usize,
-        buffer_size: usize,
-        /// Next completion slot.
-        tail: u64,
-        _maps: Vec<Arc<PeerMapping>>,
-    },
-    /// The receiver's shared ring (the shared lane under dynamic lanes), written under `tag`.
-    ShmShared {
-        ring: SharedRing,
-        tag: u32,
-        _maps: Vec<Arc<PeerMapping>>,
-    },
-}
 
 /// Our message connection to one peer: the lane its messages take now.
 pub(super) struct OutConn {
-    pub(super) peer: String,
-    pub(super) stream: TcpStream,
-    pub(super) credits: Credits,
-    pub(super) max_len: usize,
-    pub(super) io: OutIo,
+    /// What every lane kind holds: the stream, credits, answers read.
+    pub(super) link: Link,
+    /// How the lane's kind sends.
+    pub(super) io: Box<dyn SendLane>,
     pub(super) lane: Lane,
     /// Set once the connection's fence was sent: a sender that was waiting for it must take
     /// the peer's current connection instead.
     pub(super) retired: bool,
-    /// What the receiver wrote back and is not a whole frame yet.
-    pub(super) reverse: Vec<u8>,
-    /// Lane messages the receiver wrote back, for the lanes driver.
-    pub(super) lanes_in: Vec<LaneMsg>,
-    /// Sends since the stream was last read for answers (shm and rdma, whose credits do not
-    /// come on the stream).
-    pub(super) unread_sends: u32,
-    /// Sends that had to wait for a credit (or ring space) since the sender last took the
-    /// count into the engine's counters.
-    pub(super) credit_waits: u64,
 }
 
 /// The lane messages to one peer take, and the epoch of the next connection made to it (the
@@ -117,30 +67,8 @@ impl Messaging {
     /// message timeout. Under dynamic lanes every transport's stream is read so, since the
     /// receiver may have answered a lane request on it before it saw the fence.
     fn retire(&self, conn: &OutConn, peer: u64) {
-        let from = match &conn.io {
-            // The receive poll reads the socket on (and shuts it once both lanes are over);
-            // answers it reads come here until then.
-            OutIo::TcpDuplex { duplex, .. } if self.dynamic.enabled() => {
-                RetiringFrom::Duplex(duplex.clone())
-            }
-            OutIo::TcpDuplex { .. } => return,
-            io => {
-                let tcp = matches!(io, OutIo::Tcp);
-                if !tcp && !self.dynamic.enabled() {
-                    return;
-                }
-                if tcp {
-                    let _ = conn.stream.shutdown(std::net::Shutdown::Write);
-                }
-                let Ok(stream) = conn.stream.try_clone() else {
-                    return;
-                };
-                let _ = stream.set_nonblocking(true);
-                RetiringFrom::Stream {
-                    stream,
-                    partial: conn.reverse.clone(),
-                }
-            }
+        let Some(from) = conn.io.retire(&conn.link, self.dynamic.enabled()) else {
+            return;
         };
         self.retiring
             .lock()
@@ -149,7 +77,7 @@ impl Messaging {
                 peer,
                 from,
                 give_up: Instant::now() + self.timeout,
-                lanes: conn.lanes_in.clone(),
+                lanes: conn.link.lanes_in.clone(),
                 open: true,
             });
         self.retiring_any.store(true, Ordering::Release);
@@ -248,56 +176,6 @@ impl Messaging {
         }
     }
 
-    /// Our dedicated lane of `epoch` to `peer` on the socket of its dedicated lane to us, when
-    /// there is one that carries no lane of ours yet (see `duplex`): its first frame says so,
-    /// with our name `local_name`, which our other connections to `peer` carry too.
-    /// `None` when there is none. Fails when the socket does.
-    fn attach_reverse(
-        &self,
-        peer: &Arc<Peer>,
-        local_name: &str,
-        epoch: u32,
-    ) -> Result<Option<OutConn>> {
-        let rx = self.rx.lock().expect("rx poisoned");
-        let Some((c, d)) = rx.conns.iter().find_map(|c| {
-            let d = c.duplex.as_ref()?;
-            let usable = *c.from == *peer.name
-                && c.lane == Lane::Dedicated
-                && !(c.dead || c.fenced || d.closed() || d.attached());
-            usable.then_some((c, d))
-        }) else {
-            return Ok(None);
-        };
-        let broken = |e: std::io::Error| Error::PeerDisconnected {
-            peer: peer.name.clone(),
-            reason: format!("opening a lane on its duplex connection: {e}"),
-        };
-        let stream = c.stream.try_clone().map_err(broken)?;
-        if !d.attach() {
-            return Ok(None);
-        }
-        d.control(&stream, &duplex::open_frame(epoch, local_name))
-            .map_err(broken)?;
-        tracing::debug!(peer = %peer.name, epoch, "dedicated lane on the peer's duplex connection");
-        Ok(Some(OutConn {
-            peer: peer.name.clone(),
-            stream,
-            credits: Credits::default(),
-            // Told by the receiver's answer, before its first credits.
-            max_len: 0,
-            io: OutIo::TcpDuplex {
-                duplex: d.clone(),
-                seen: 0,
-            },
-            lane: Lane::Dedicated,
-            retired: false,
-            reverse: Vec::new(),
-            lanes_in: Vec::new(),
-            unread_sends: 0,
-            credit_waits: 0,
-        }))
-    }
-
     /// Polls the receive side unless another thread is at it: what a sender waiting on a
     /// duplex lane needs read (credits, answers, its end) comes through there.
     pub(crate) fn poke(&self) {
@@ -388,7 +266,7 @@ impl Messaging {
     /// Opens a message connection in `mode`, `extra` following the sender's name in the
     /// opening; returns the stream (its read timeout set for the rest of the opening) and the
     /// receiver's buffer size. Fails when the peer cannot be reached or refuses, with why.
-    fn open(
+    pub(super) fn open(
         &self,
         engine: &dyn Peers,
         peer: &Arc<Peer>,
@@ -437,88 +315,9 @@ impl Messaging {
         Ok((stream, max_len))
     }
 
-    /// A message connection over RDMA: a queue pair on the first pair of rails (local port,
-    /// peer's rail) that connects, tried in the data path's pairing order. Fails when RDMA is
-    /// off at either end, or no pair connects (with each pair's reason).
-    pub(super) fn connect_rdma(
-        &self,
-        engine: &dyn Peers,
-        peer: &Arc<Peer>,
-        lane: (Lane, u32),
-    ) -> Result<OutConn> {
-        let unavailable = |reason: String| Error::TransportUnavailable {
-            transport: "rdma",
-            reason,
-        };
-        let verbs = self
-            .verbs
-            .as_ref()
-            .map_err(|why| unavailable(why.clone()))?;
-        let rails = peer.descriptor().rdma.clone();
-        if rails.is_empty() {
-            return Err(unavailable(format!(
-                "segment {} has no RDMA device",
-                peer.name
-            )));
-        }
-        let pairs = verbs.pairs(&rails);
-        if pairs.is_empty() {
-            return Err(unavailable(format!(
-                "no local RDMA port reaches a port of {}",
-                peer.name
-            )));
-        }
-        let mut failures = Vec::new();
-        for (port, rail) in pairs {
-            let (mut qp, end) = verbs.sending_qp(port, rail).map_err(unavailable)?;
-            let pair = format!("{} -> {}", qp.rail(), rails[rail].name());
-            let (mut stream, max_len) =
-                match self.open(engine, peer, MODE_RDMA, lane, &end.encode()) {
-                    Ok(o) => o,
-                    // The receiver could not connect this pair: try the next.
-                    Err(Error::RemoteRejected { reason, .. }) => {
-                        failures.push(format!("{pair}: {reason}"));
-                        continue;
-                    }
-                    Err(e) => return Err(e),
-                };
-            let mut answer = [0u8; ENDPOINT_LEN];
-            let connected = stream
-                .read_exact(&mut answer)
-                .map_err(|e| format!("reading the receiver's queue pair: {e}"))
-                .and_then(|()| MessageEndpoint::decode(&answer))
-                .and_then(|remote| qp.connect(&remote))
-                .and_then(|()| stream.set_read_timeout(None).map_err(|e| e.to_string()));
-            match connected {
-                Ok(()) => {
-                    tracing::debug!(peer = %peer.name, %pair, "messages over RDMA");
-                    return Ok(OutConn {
-                        peer: peer.name.clone(),
-                        stream,
-                        credits: Credits::default(),
-                        max_len,
-                        io: OutIo::Rdma {
-                            qp: Box::new(qp),
-                            seen: 0,
-                            polls: 0,
-                        },
-                        lane: lane.0,
-                        retired: false,
-                        reverse: Vec::new(),
-                        lanes_in: Vec::new(),
-                        unread_sends: 0,
-                        credit_waits: 0,
-                    });
-                }
-                Err(e) => failures.push(format!("{pair}: {e}")),
-            }
-        }
-        Err(Error::SegmentUnreachable {
-            name: peer.name.clone(),
-            reason: format!("no RDMA path carries messages ({})", failures.join("; ")),
-        })
-    }
-
+    /// A message connection in `mode` (tcp or shm) to `peer` on `lane`: a dedicated tcp lane
+    /// is a duplex socket our receive poll reads too (see `duplex`). Fails when the peer
+    /// cannot be reached, refuses, or answers what the lane cannot use.
     pub(super) fn connect(
         &self,
         engine: &dyn Peers,
@@ -531,107 +330,31 @@ impl Messaging {
             reason: format!("message connection: {e}"),
         };
         let (mut stream, max_len) = self.open(engine, peer, mode, lane, &[])?;
-        let p = &peer.name;
-        let format = if mode == MODE_SHM {
-            Some(read_words(&mut stream, 1, 1).map_err(unreachable)?[0] as u8)
-        } else {
-            None
-        };
         let mut opener_reader = None;
-        let io = if format.is_none() && lane.0 == Lane::Dedicated {
+        let io: Box<dyn SendLane> = if mode == MODE_SHM {
+            connect_shm(&mut stream, peer, max_len)?
+        } else if lane.0 == Lane::Dedicated {
             // The receiver may start its own dedicated lane to us on this socket: our receive
             // poll reads it from now on (see `duplex`).
-            let d = Duplex::new(true, max_len, self.dynamic.enabled());
-            let reader = Reader {
-                from: peer.name.as_str().into(),
-                stream: stream.try_clone().map_err(unreachable)?,
-                staging: duplex::staging(self.tcp.buffer_size),
-                start: 0,
-                end: 0,
-                duplex: d.clone(),
-                may_open: true,
-                shut: false,
-                _permit: None,
-            };
+            let (io, reader) = DuplexSend::opener(
+                &peer.name,
+                &stream,
+                max_len,
+                self.tcp.buffer_size,
+                self.dynamic.enabled(),
+            )
+            .map_err(unreachable)?;
             opener_reader = Some(reader);
-            OutIo::TcpDuplex { duplex: d, seen: 0 }
-        } else if format.is_none() {
-            OutIo::Tcp
-        } else if format == Some(SHM_SHARED_RING) {
-            let (ring, tag, _maps) = connect_shared(&mut stream, peer)?;
-            OutIo::ShmShared { ring, tag, _maps }
-        } else if format != Some(SHM_OWN_RING) {
-            return Err(protocol(p, format!("unknown shm answer format {format:?}")));
+            Box::new(io)
         } else {
-            let v = read_words(&mut stream, 2, 4).map_err(unreachable)?;
-            let (depth, per_chunk) = (v[0] as usize, v[1] as usize);
-            let ring = read_words(&mut stream, 2, 8).map_err(unreachable)?;
-            let nchunks = read_words(&mut stream, 1, 4).map_err(unreachable)?[0] as usize;
-            if nchunks == 0 || nchunks > multirail_policy::receive::MAX_QUEUE_DEPTH {
-                return Err(protocol(p, format!("{nchunks} receive chunks")));
-            }
-            let chunk_addrs = read_words(&mut stream, nchunks, 8).map_err(unreachable)?;
-            let chunk_len = read_words(&mut stream, 1, 8).map_err(unreachable)?[0];
-            if ring[1] < Ring::bytes(depth) as u64
-                || chunk_len < (per_chunk * max_len) as u64
-                || per_chunk == 0
-            {
-                return Err(protocol(p, "message ring or chunks too small"));
-            }
-            // The memfds of the ring and the chunks, as the receiver holds them now.
-            let pid = read_words(&mut stream, 1, 4).map_err(unreachable)?[0] as u32;
-            let fds = read_words(&mut stream, nchunks + 1, 4).map_err(unreachable)?;
-            let mut maps = Vec::new();
-            let mut map = |addr: u64, len: u64, fd: u64| -> Result<usize> {
-                if peer.same_process {
-                    return Ok(addr as usize);
-                }
-                let handle = crate::segment::ShmHandle {
-                    pid,
-                    fd: fd as u32 as i32,
-                };
-                let m = Arc::new(PeerMapping::open(&handle, len as usize)?);
-                let base = m.base();
-                maps.push(m);
-                Ok(base)
-            };
-            let ring_base = map(ring[0], ring[1], fds[0])?;
-            let chunks = chunk_addrs
-                .iter()
-                .zip(&fds[1..])
-                .map(|(&a, &fd)| map(a, chunk_len, fd))
-                .collect::<Result<Vec<_>>>()?;
-            for &c in &chunks {
-                populate(c as *mut u8, chunk_len as usize);
-            }
-            OutIo::Shm {
-                // SAFETY: `ring_base` maps at least `Ring::bytes(depth)` bytes (checked above),
-                // kept alive by `maps`.
-                ring: unsafe { Ring::new(ring_base as *mut u8, depth) },
-                chunks,
-                per_chunk,
-                buffer_size: max_len,
-                tail: 0,
-                _maps: maps,
-            }
+            Box::new(TcpSend)
         };
         stream.set_read_timeout(None).map_err(unreachable)?;
         if let Some(r) = opener_reader {
             self.rx.lock().expect("rx poisoned").readers.push(r);
         }
-        Ok(OutConn {
-            peer: p.clone(),
-            stream,
-            credits: Credits::default(),
-            max_len,
-            io,
-            lane: lane.0,
-            retired: false,
-            reverse: Vec::new(),
-            lanes_in: Vec::new(),
-            unread_sends: 0,
-            credit_waits: 0,
-        })
+        let link = Link::new(peer.name.clone(), stream, max_len);
+        Ok(OutConn::new(link, io, lane.0))
     }
 
     pub(crate) fn send(
@@ -672,17 +395,17 @@ impl Messaging {
                     // Nothing was sent: go round again, onto the next connection.
                     continue;
                 }
-                if g.credit_waits > 0 {
-                    let waits = std::mem::take(&mut g.credit_waits);
+                if g.link.credit_waits > 0 {
+                    let waits = std::mem::take(&mut g.link.credit_waits);
                     self.counters
                         .credit_waits
                         .fetch_add(waits, Ordering::Relaxed);
                 }
-                if !g.lanes_in.is_empty() && !self.retiring_any.load(Ordering::Acquire) {
+                if !g.link.lanes_in.is_empty() && !self.retiring_any.load(Ordering::Acquire) {
                     // Answers this send read: hand them to the driver now, since a busy
                     // sender leaves it few chances to take the connection's lock. With no
                     // fenced lane still being read, nothing older can come after them.
-                    self.park_answers(segment.0, &mut g.lanes_in);
+                    self.park_answers(segment.0, &mut g.link.lanes_in);
                 }
                 break sent;
             }
@@ -735,6 +458,16 @@ impl Messaging {
 }
 
 impl OutConn {
+    /// A connection on `lane` that `io` sends on.
+    pub(super) fn new(link: Link, io: Box<dyn SendLane>, lane: Lane) -> OutConn {
+        OutConn {
+            link,
+            io,
+            lane,
+            retired: false,
+        }
+    }
+
     /// Sends one frame of `kind` against a credit, waiting up to `timeout` for one; `poke`
     /// polls our receive side, which reads a duplex lane's credits. Fails on a timeout, a
     /// broken connection, bytes over the receiver's buffer size, and on a duplex lane the
@@ -746,21 +479,21 @@ impl OutConn {
         timeout: Duration,
         poke: &dyn Fn(),
     ) -> Result<()> {
-        let sent = self.send_inner(kind, data, timeout, poke);
-        if sent.is_ok() && !matches!(self.io, OutIo::Tcp) {
+        let sent = self.io.send(&mut self.link, kind, data, timeout, poke);
+        if sent.is_ok() && !self.io.answers_with_credits() {
             // Answers to lane requests come on the stream, which nothing else reads while
             // credits keep coming: look once in so many sends (one system call).
-            self.unread_sends += 1;
-            if self.unread_sends >= 256 {
-                self.unread_sends = 0;
+            self.link.unread_sends += 1;
+            if self.link.unread_sends >= 256 {
+                self.link.unread_sends = 0;
                 // A broken stream shows at the next wait for credits or by the driver.
                 let _ = self.read_back();
             }
         }
-        if let (Err(e), OutIo::Rdma { qp, .. }) = (&sent, &mut self.io) {
+        if let Err(e) = &sent {
             if !matches!(e, Error::InvalidArgument { .. }) {
                 // The connection is dropped after this: do not wait for sends that cannot land.
-                qp.abandon();
+                self.io.abandon();
             }
         }
         sent
@@ -769,322 +502,13 @@ impl OutConn {
     /// A duplex lane the other end fenced (it fenced its own) or never accepted: it takes no
     /// more messages, and the next go on a new connection.
     pub(super) fn ended_by_peer(&self) -> bool {
-        match &self.io {
-            OutIo::TcpDuplex { duplex, .. } => duplex.out_fenced() || duplex.refused(),
-            _ => false,
-        }
+        self.io.ended_by_peer()
     }
 
-    fn send_inner(
-        &mut self,
-        kind: MsgKind,
-        data: &[u8],
-        timeout: Duration,
-        poke: &dyn Fn(),
-    ) -> Result<()> {
-        if let OutIo::TcpDuplex { duplex, .. } = &self.io {
-            if kind == MsgKind::Fence {
-                // Fences take no credit on a duplex lane: the other end may have stopped
-                // granting (its own lane's fence came first).
-                let d = duplex.clone();
-                return d
-                    .send_lane(&self.stream, kind, data)
-                    .map(|_| ())
-                    .map_err(|e| self.broken("fencing a lane", e));
-            }
-            if self.max_len == 0 {
-                self.await_accept(timeout, poke)?;
-            }
-        }
-        if data.len() > self.max_len {
-            return Err(Error::invalid(
-                "bytes",
-                format!(
-                    "{} bytes exceed the receiver's {}-byte receive buffers",
-                    data.len(),
-                    self.max_len
-                ),
-            ));
-        }
-        if let OutIo::ShmShared { .. } = self.io {
-            return self.send_shared(kind, data, timeout);
-        }
-        let buf = self.credit(timeout, poke)?;
-        match &mut self.io {
-            OutIo::TcpDuplex { duplex, .. } => match duplex.send_lane(&self.stream, kind, data) {
-                Ok(Sent::Written) => Ok(()),
-                Ok(Sent::Fenced) => Err(self.broken("sending a message", "the lane was fenced")),
-                Err(e) => Err(self.broken("sending a message", e)),
-            },
-            OutIo::Tcp => {
-                let mut h = [0u8; MSG_HEADER_LEN];
-                MsgHeader {
-                    kind,
-                    len: data.len() as u32,
-                }
-                .encode(&mut h);
-                sockio::send_frame(self.stream.as_raw_fd(), &h, data).map_err(|e| {
-                    Error::PeerDisconnected {
-                        peer: self.peer.clone(),
-                        reason: format!("sending a message: {e}"),
-                    }
-                })
-            }
-            OutIo::Rdma { qp, .. } => {
-                qp.send(kind as u8, data, timeout)
-                    .map_err(|reason| Error::PeerDisconnected {
-                        peer: self.peer.clone(),
-                        reason,
-                    })
-            }
-            OutIo::Shm {
-                ring,
-                chunks,
-                per_chunk,
-                buffer_size,
-                tail,
-                ..
-            } => {
-                let i = buf.0 as usize;
-                let (chunk, offset) = (i / *per_chunk, (i % *per_chunk) * *buffer_size);
-                let Some(base) = chunks.get(chunk) else {
-                    return Err(protocol(
-                        &self.peer,
-                        format!("granted buffer {i} out of range"),
-                    ));
-                };
-                if data.len() <= INLINE_MAX {
-                    ring.complete(*tail, buf, data.len(), kind as u8, Some(data));
-                } else {
-                    // SAFETY: the receiver granted us buffer `i`, inside a chunk we mapped
-                    // whole; it reads the bytes only after the completion entry below is
-                    // published.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            data.as_ptr(),
-                            (*base + offset) as *mut u8,
-                            data.len(),
-                        )
-                    };
-                    ring.complete(*tail, buf, data.len(), kind as u8, None);
-                }
-                *tail += 1;
-                Ok(())
-            }
-            OutIo::ShmShared { .. } => unreachable!("sent by send_shared"),
-        }
-    }
-
-    /// Places a message in the receiver's shared ring, waiting while the ring is full (the
-    /// receiver has not taken in what other senders wrote) for up to `timeout`. Fails on a
-    /// timeout, when the receiver leaves while we wait, or when the ring refuses the message
-    /// (its geometry does not fit what the receiver said).
-    fn send_shared(&mut self, kind: MsgKind, data: &[u8], timeout: Duration) -> Result<()> {
-        let mut start: Option<Instant> = None;
-        let mut idle = 0u32;
-        loop {
-            let OutIo::ShmShared { ring, tag, .. } = &self.io else {
-                unreachable!("called for the shared ring only");
-            };
-            match ring.try_send(*tag, kind as u8, data) {
-                Ok(true) => return Ok(()),
-                Ok(false) => {}
-                Err(e) => return Err(protocol(&self.peer, e)),
-            }
-            if start.is_none() {
-                self.credit_waits += 1;
-            }
-            let waited = start.get_or_insert_with(Instant::now).elapsed();
-            if waited >= timeout {
-                return Err(Error::Timeout {
-                    peer: self.peer.clone(),
-                    timeout_ms: timeout.as_millis() as u64,
-                });
-            }
-            idle = idle.wrapping_add(1);
-            if idle.is_multiple_of(256) {
-                // A receiver that left never frees the ring: notice it (one system call).
-                self.read_back()?;
-            }
-            if waited > SPIN && idle.is_multiple_of(16) {
-                back_off(waited);
-            } else {
-                std::hint::spin_loop();
-            }
-        }
-    }
-
-    fn broken(&self, doing: &str, e: impl std::fmt::Display) -> Error {
-        Error::PeerDisconnected {
-            peer: self.peer.clone(),
-            reason: format!("{doing}: {e}"),
-        }
-    }
-
-    /// Waits for the other end of a duplex lane to accept it (its buffer size). Its receive
-    /// poll reads the opening, so an application that does not poll for a while would hold
-    /// our send: after [`ACCEPT_WAIT`] (or `timeout`, if shorter) we fence the lane instead
-    /// and the message takes a connection of its own. Fails when the lane was refused,
-    /// fenced (also by us, so), or the connection went away.
-    fn await_accept(&mut self, timeout: Duration, poke: &dyn Fn()) -> Result<()> {
-        let OutIo::TcpDuplex { duplex, .. } = &self.io else {
-            return Ok(());
-        };
-        let d = duplex.clone();
-        let timeout = timeout.min(ACCEPT_WAIT);
-        let start = Instant::now();
-        let mut idle = 0u32;
-        loop {
-            if let Some(n) = d.peer_max_len() {
-                self.max_len = n;
-                return Ok(());
-            }
-            if d.refused() || d.out_fenced() {
-                return Err(self.broken("opening a lane", "the receiver did not take it"));
-            }
-            if d.closed() {
-                return Err(self.broken("opening a lane", "the connection closed"));
-            }
-            poke();
-            let waited = start.elapsed();
-            if waited >= timeout {
-                // A fence takes no credit: the other end closes the lane when it gets to it.
-                d.send_lane(&self.stream, MsgKind::Fence, &[])
-                    .map_err(|e| self.broken("leaving an unanswered lane", e))?;
-                return Err(self.broken("opening a lane", "no answer in time"));
-            }
-            idle = idle.wrapping_add(1);
-            if waited > SPIN && idle.is_multiple_of(16) {
-                back_off(waited);
-            } else {
-                std::hint::spin_loop();
-            }
-        }
-    }
-
-    /// One credit, waiting for the receiver to grant one if none is in hand; `poke` polls our
-    /// receive side (a duplex lane's credits come through it).
-    pub(super) fn credit(&mut self, timeout: Duration, poke: &dyn Fn()) -> Result<BufferId> {
-        if let Some(b) = self.credits.take() {
-            return Ok(b);
-        }
-        self.credit_waits += 1;
-        // The clock is read only once the credits in hand are spent.
-        let start = Instant::now();
-        let mut idle = 0u32;
-        loop {
-            self.collect_credits()?;
-            if let Some(b) = self.credits.take() {
-                return Ok(b);
-            }
-            if let OutIo::TcpDuplex { duplex, .. } = &self.io {
-                if duplex.out_fenced() {
-                    return Err(self.broken("waiting for a credit", "the lane was fenced"));
-                }
-                poke();
-            }
-            let waited = start.elapsed();
-            if waited >= timeout {
-                return Err(Error::Timeout {
-                    peer: self.peer.clone(),
-                    timeout_ms: timeout.as_millis() as u64,
-                });
-            }
-            idle = idle.wrapping_add(1);
-            if waited > SPIN && idle.is_multiple_of(16) {
-                back_off(waited);
-            } else {
-                std::hint::spin_loop();
-            }
-        }
-    }
-
-    /// Reads what the receiver wrote back on the stream, without waiting: credits (tcp) and
-    /// lane messages (into `lanes_in`). Fails when the receiver closed the stream or wrote a
-    /// frame it may not.
+    /// Reads what the receiver wrote back, without waiting: credits (tcp) and lane messages
+    /// (into `lanes_in`). Fails when the receiver closed the stream or wrote a frame it may
+    /// not.
     pub(super) fn read_back(&mut self) -> Result<()> {
-        if let OutIo::TcpDuplex { duplex, .. } = &self.io {
-            duplex.take_answers(&mut self.lanes_in);
-            if duplex.closed() {
-                return Err(Error::PeerDisconnected {
-                    peer: self.peer.clone(),
-                    reason: "the receiver closed the message connection".into(),
-                });
-            }
-            return Ok(());
-        }
-        let mut b = [0u8; 256];
-        match sockio::recv_nonblocking(self.stream.as_raw_fd(), &mut b) {
-            Ok(None) => return Ok(()),
-            Ok(Some(0)) => {
-                return Err(Error::PeerDisconnected {
-                    peer: self.peer.clone(),
-                    reason: "the receiver closed the message connection".into(),
-                })
-            }
-            Ok(Some(n)) => self.reverse.extend_from_slice(&b[..n]),
-            Err(e) => return Err(Error::io("reading the message stream", e)),
-        }
-        let tcp = matches!(self.io, OutIo::Tcp);
-        let granted = parse_back(&self.peer, &mut self.reverse, tcp, &mut self.lanes_in)?;
-        self.take_credits(granted as u64)
-    }
-
-    /// Adds `n` credits the receiver granted. Fails when that puts more in hand than any
-    /// receive queue holds (a broken or hostile receiver), instead of holding that many.
-    fn take_credits(&mut self, n: u64) -> Result<()> {
-        if self.credits.available() as u64 + n > multirail_policy::receive::MAX_QUEUE_DEPTH as u64 {
-            return Err(protocol(
-                &self.peer,
-                format!("{n} credits granted, more than a receive queue holds"),
-            ));
-        }
-        self.credits
-            .on_grant(std::iter::repeat_n(BufferId(0), n as usize));
-        Ok(())
-    }
-
-    pub(super) fn collect_credits(&mut self) -> Result<()> {
-        match &mut self.io {
-            OutIo::Rdma { qp, seen, polls } => {
-                let total = qp.granted();
-                if total > *seen {
-                    self.credits
-                        .on_grant(std::iter::repeat_n(BufferId(0), (total - *seen) as usize));
-                    *seen = total;
-                    *polls = 0;
-                    return Ok(());
-                }
-                // Waiting: now and then, see whether the receiver left or answered a lane
-                // request (a system call).
-                *polls += 1;
-                if *polls % 256 == 0 {
-                    self.read_back()?;
-                }
-            }
-            OutIo::Tcp => self.read_back()?,
-            OutIo::TcpDuplex { duplex, seen } => {
-                let total = duplex.granted();
-                let closed = duplex.closed();
-                if total > *seen {
-                    let n = total - *seen;
-                    *seen = total;
-                    self.take_credits(n)?;
-                }
-                if closed {
-                    return Err(Error::PeerDisconnected {
-                        peer: self.peer.clone(),
-                        reason: "the receiver closed the message connection".into(),
-                    });
-                }
-            }
-            OutIo::Shm { ring, .. } => {
-                let credits = &mut self.credits;
-                ring.take_grants(|id| credits.on_grant([id]));
-            }
-            // The shared ring's space is the flow control: no credits come.
-            OutIo::ShmShared { .. } => {}
-        }
-        Ok(())
+        self.io.read_back(&mut self.link)
     }
 }

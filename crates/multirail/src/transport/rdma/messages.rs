@@ -1,42 +1,16 @@
-//! Messages over verbs: two-sided SEND / RECV on reliable-connected queue pairs, with the
-//! receive path of RAMCloud's InfRc transport, whose latency its ping-pong study measures.
-//!
-//! A sender has one queue pair per peer it sends to, on a local port that reaches one of the
-//! peer's rails. Every message is one `SEND_WITH_IMM` (the immediate carries the message
-//! kind, so the payload needs no header): inline when it fits `transports.rdma.max_inline_data`
-//! (RAMCloud's 400 bytes; the CPU copies it into the request and nothing needs registering),
-//! otherwise from a registered staging slot. Every send is signalled, as InfRc's are, and
-//! completions are reaped lazily, when a slot or room in the send queue is wanted: a sender
-//! knows when each message reached the receiver, and closing waits for that, so nothing sent
-//! before a close is lost.
-//!
-//! The receiver's queue pairs take their receives from a shared receive queue per port
-//! (`transports.rdma.receive.shared_receive_queue`, default true, 63 buffers) or from a
-//! receive queue of their own, and report to one completion queue per port that the caller's
-//! `recv` polls. Receive buffers live in `registration_chunks` registered chunks; a receive
-//! names one buffer with one scatter/gather entry, in a queue created for `max_sge`. Which
-//! buffer a message lands in is the queue's choice, not the sender's: the accounting
-//! (`ReceiveQueue::on_arrival_posted`) follows the hardware, and credits make sure a sender
-//! never sends into an empty queue (no receiver-not-ready retries).
-//!
-//! Credits travel over verbs too: the sender's opening names an 8-byte word of its memory,
-//! registered for remote writes, and the receiver's queue pair RDMA-writes the total of the
-//! credits it ever granted there (inline, signalled every [`CREDIT_SIGNAL_INTERVAL`]-th). The
-//! sender reads the word; no system call on either side. An earlier version returned credits
-//! over the TCP stream, as `tcp` does: in the soft-RoCE VM every such write showed as a round
-//! trip several times slower than the others, once per half a queue of messages (the period
-//! RAMCloud's InfRc ping-pong study finds for late buffer returns), and at depth 1 on every
-//! message. The stream stays, to notice either side leaving.
+//! The verbs side of messages over RDMA: the ports and their receive completion queues, the
+//! queue pairs of message connections (made, connected, and their credit word registered), and
+//! the endpoint the opening of a message connection carries. The lane itself (one
+//! `SEND_WITH_IMM` per message, receive buffers, credits as RDMA writes) is
+//! `messaging::lanes::rdma`, which drives these queue pairs.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
 use multirail_policy::pairing::{pair_rails, RailInfo};
-use multirail_policy::receive::{BufferId, ReceiveSettings};
+use multirail_policy::receive::ReceiveSettings;
 use multirail_verbs::{
-    Access, CompletionQueue, MemoryRegion, QpCaps, QueuePair, RecvBatch, SendBatch, SendFlags,
-    SendOp, Sge, SharedReceiveQueue, WorkCompletion,
+    Access, CompletionQueue, MemoryRegion, QpCaps, QueuePair, SharedReceiveQueue,
 };
 
 use super::cm::{self, PortEnd, QpEnd};
@@ -49,10 +23,7 @@ use crate::segment::RdmaRailDescriptor;
 pub(crate) const ENDPOINT_LEN: usize = 44;
 
 /// Credit writes a receiver's queue pair may have outstanding.
-const CREDIT_DEPTH: u32 = 64;
-
-/// One credit write in this many is signalled (the others complete with it).
-const CREDIT_SIGNAL_INTERVAL: u64 = 16;
+pub(crate) const CREDIT_DEPTH: u32 = 64;
 
 /// Depth of each port's receive completion queue (or the device's most, if lower): the
 /// receive buffers posted on a port, over every queue, may not exceed it.
@@ -389,7 +360,6 @@ impl MessageVerbs {
         let depth = qp.caps().max_send_wr.min(cq.depth()).max(1);
         Ok((
             SendQueuePair {
-                staging: None,
                 _credit_mr: credit_mr,
                 credit,
                 qp,
@@ -397,214 +367,18 @@ impl MessageVerbs {
                 port: p,
                 psn,
                 config: self.config.clone(),
-                batch: SendBatch::new(1),
                 inline_max,
                 depth: u64::from(depth),
-                posted: 0,
-                completed: 0,
-                wcs: vec![WorkCompletion::default(); 16],
                 counters: self.counters.clone(),
-                abandoned: false,
             },
             end,
         ))
     }
 }
 
-/// The receiver's side of credits on one message queue pair: RDMA writes of the total granted
-/// into the sender's credit word.
-pub(crate) struct CreditWriter {
-    qp: Arc<QueuePair>,
-    cq: CompletionQueue,
-    addr: u64,
-    rkey: u32,
-    total: u64,
-    posted: u64,
-    completed: u64,
-    batch: SendBatch,
-    wcs: Vec<WorkCompletion>,
-}
-
-impl CreditWriter {
-    /// Credits for the sender of `remote`, written through `qp` (whose send completions go to
-    /// `cq`). Fails when the sender named no credit word.
-    pub(crate) fn new(
-        qp: Arc<QueuePair>,
-        cq: CompletionQueue,
-        remote: &MessageEndpoint,
-    ) -> Result<CreditWriter, String> {
-        if remote.credit_addr == 0 || !remote.credit_addr.is_multiple_of(8) {
-            return Err(format!(
-                "the sender's credit word at {:#x} is not an aligned address",
-                remote.credit_addr
-            ));
-        }
-        Ok(CreditWriter {
-            qp,
-            cq,
-            addr: remote.credit_addr,
-            rkey: remote.credit_rkey,
-            total: 0,
-            posted: 0,
-            completed: 0,
-            batch: SendBatch::new(1),
-            wcs: vec![WorkCompletion::default(); 8],
-        })
-    }
-
-    /// The queue pair the credits go through.
-    pub(crate) fn qp(&self) -> &Arc<QueuePair> {
-        &self.qp
-    }
-
-    /// Grants `n` more credits: writes the new total to the sender. Fails when the queue pair
-    /// broke (the sender is gone) or its writes stop completing.
-    pub(crate) fn grant(&mut self, n: usize) -> Result<(), String> {
-        self.total += n as u64;
-        if self.posted - self.completed >= u64::from(CREDIT_DEPTH) - 1 {
-            let start = Instant::now();
-            while self.posted - self.completed >= u64::from(CREDIT_DEPTH) - 1 {
-                self.reap()?;
-                if start.elapsed() > Duration::from_secs(5) {
-                    return Err("credit writes stopped completing".into());
-                }
-                std::hint::spin_loop();
-            }
-        }
-        let seq = self.posted;
-        let mut flags = SendFlags::INLINE;
-        if (seq + 1).is_multiple_of(CREDIT_SIGNAL_INTERVAL) {
-            flags |= SendFlags::SIGNALED;
-        }
-        let word = self.total.to_le_bytes();
-        let sge = Sge {
-            addr: word.as_ptr() as u64,
-            length: 8,
-            lkey: 0,
-        };
-        self.batch.clear();
-        self.batch
-            .push(
-                seq,
-                SendOp::RdmaWrite {
-                    remote_addr: self.addr,
-                    rkey: self.rkey,
-                },
-                flags,
-                &[sge],
-            )
-            .map_err(|e| e.to_string())?;
-        // SAFETY: the 8 bytes are inline, read by the CPU during the call.
-        unsafe { self.qp.post_send(&mut self.batch) }.map_err(|e| e.to_string())?;
-        self.posted += 1;
-        Ok(())
-    }
-
-    fn reap(&mut self) -> Result<(), String> {
-        let n = self.cq.poll(&mut self.wcs).map_err(|e| e.to_string())?;
-        for wc in &self.wcs[..n] {
-            if !wc.is_success() {
-                return Err(format!("credit write failed: {}", self.cq.status_str(wc)));
-            }
-            self.completed = self.completed.max(wc.wr_id() + 1);
-        }
-        Ok(())
-    }
-}
-
-/// Receive buffers handed to a receive queue: a shared one or a queue pair's own.
-pub(crate) enum ReceiveTarget {
-    Shared(SharedReceiveQueue),
-    Own(Arc<QueuePair>),
-}
-
-/// The hardware side of a receive pool: where its buffers are posted, with the keys that
-/// open them on that port.
-pub(crate) struct PostedReceives {
-    pub(crate) target: ReceiveTarget,
-    /// Rail the queue is on.
-    port: usize,
-    lkeys: Vec<u32>,
-    buffer_size: u32,
-    depth: usize,
-    batch: RecvBatch,
-    /// Counts this queue's buffers against the rail's completion queue while it lives.
-    verbs: Arc<MessageVerbs>,
-}
-
-impl PostedReceives {
-    /// A queue of `settings.queue_depth` buffers on rail `port`, nothing posted yet. Fails
-    /// when the rail's completion queue cannot take that many more receives.
-    pub(crate) fn new(
-        verbs: &Arc<MessageVerbs>,
-        target: ReceiveTarget,
-        port: usize,
-        lkeys: Vec<u32>,
-        settings: &ReceiveSettings,
-    ) -> Result<PostedReceives, String> {
-        verbs.reserve(port, settings.queue_depth)?;
-        Ok(PostedReceives {
-            target,
-            port,
-            lkeys,
-            buffer_size: settings.buffer_size as u32,
-            depth: settings.queue_depth,
-            batch: RecvBatch::with_sges(settings.queue_depth.min(64), settings.queue_depth.min(64)),
-            verbs: verbs.clone(),
-        })
-    }
-
-    /// Posts `buffers` (each with its address and chunk), in order, with as few calls as the
-    /// batch allows.
-    ///
-    /// # Safety
-    /// Each address must be the start of a receive buffer of `buffer_size` bytes inside the
-    /// chunk named, which the engine keeps mapped and registered while this queue lives, and
-    /// that nothing reads or writes until the receive's completion has been polled.
-    pub(crate) unsafe fn post(
-        &mut self,
-        buffers: impl IntoIterator<Item = (BufferId, u64, usize)>,
-    ) -> Result<(), String> {
-        let mut buffers = buffers.into_iter().peekable();
-        while buffers.peek().is_some() {
-            self.batch.clear();
-            while self.batch.len() < self.batch.capacity() {
-                let Some((id, addr, chunk)) = buffers.next() else {
-                    break;
-                };
-                let sge = Sge {
-                    addr,
-                    length: self.buffer_size,
-                    lkey: self.lkeys[chunk],
-                };
-                self.batch
-                    .push(u64::from(id.0), &[sge])
-                    .map_err(|e| e.to_string())?;
-            }
-            // SAFETY: the caller's contract covers every entry pushed above.
-            let posted = unsafe {
-                match &self.target {
-                    ReceiveTarget::Shared(srq) => srq.post_recv(&mut self.batch),
-                    ReceiveTarget::Own(qp) => qp.post_recv(&mut self.batch),
-                }
-            };
-            posted.map_err(|e| e.to_string())?;
-        }
-        Ok(())
-    }
-}
-
-impl Drop for PostedReceives {
-    fn drop(&mut self) {
-        self.verbs.unreserve(self.port, self.depth);
-    }
-}
-
-/// A sender's queue pair for messages to one peer.
+/// A sender's queue pair for messages to one peer, with the credit word the receiver writes
+/// into; the rdma lane (`messaging::lanes::rdma`) posts its sends.
 pub(crate) struct SendQueuePair {
-    /// Registered staging slots for messages above the inline size, made on first use.
-    /// Declared first: the region is deregistered before the queue pair goes.
-    staging: Option<(MemoryRegion, Box<[u8]>, usize)>,
     /// The registration of `credit`, before it (dropped first); kept only to stay registered.
     _credit_mr: MemoryRegion,
     /// The receiver's credit total, written by the receiver's queue pair.
@@ -614,17 +388,10 @@ pub(crate) struct SendQueuePair {
     port: Arc<Port>,
     psn: u32,
     config: RdmaConfig,
-    batch: SendBatch,
     inline_max: u32,
-    /// Sends the queue holds at most (and staging slots).
+    /// Sends the queue holds at most.
     depth: u64,
-    /// Sends posted, and reaped (every send is signalled; completions arrive in order).
-    posted: u64,
-    completed: u64,
-    wcs: Vec<WorkCompletion>,
     counters: Arc<MessageCounters>,
-    /// The receiver is known gone: closing does not wait for sends to land.
-    abandoned: bool,
 }
 
 impl SendQueuePair {
@@ -652,145 +419,40 @@ impl SendQueuePair {
         self.port.descriptor.name()
     }
 
-    /// Sends `data` with `kind` in the immediate, waiting up to `timeout` for room in the
-    /// send queue. Fails when the queue pair broke (the receiver is gone or unreachable) or
-    /// stays full.
-    pub(crate) fn send(&mut self, kind: u8, data: &[u8], timeout: Duration) -> Result<(), String> {
-        if self.posted - self.completed >= self.depth {
-            self.wait_for_room(timeout)?;
-        }
-        let seq = self.posted;
-        let mut flags = SendFlags::SIGNALED;
-        let inline = data.len() as u64 <= u64::from(self.inline_max);
-        let sge = if inline {
-            flags |= SendFlags::INLINE;
-            Sge {
-                addr: data.as_ptr() as u64,
-                length: data.len() as u32,
-                lkey: 0,
-            }
-        } else {
-            let slot = (seq % self.depth) as usize;
-            let (mr, slots, slot_len) = self.staging(data.len())?;
-            let offset = slot * *slot_len;
-            slots[offset..offset + data.len()].copy_from_slice(data);
-            mr.sge(offset, data.len()).map_err(|e| e.to_string())?
-        };
-        self.batch.clear();
-        self.batch
-            .push(seq, SendOp::SendImm { imm: kind.into() }, flags, &[sge])
-            .map_err(|e| e.to_string())?;
-        // SAFETY: an inline payload is read by the CPU during the call; a staged one sits in
-        // slot `seq % depth` of the registered staging area, which no later send overwrites
-        // before this one's completion is reaped (at most `depth` sends are outstanding).
-        unsafe { self.qp.post_send(&mut self.batch) }.map_err(|e| e.to_string())?;
-        self.posted += 1;
-        self.counters.sent.fetch_add(1, Ordering::Relaxed);
-        if inline {
-            self.counters.inline.fetch_add(1, Ordering::Relaxed);
-        }
-        Ok(())
+    /// The queue pair, to post sends on.
+    pub(crate) fn qp(&self) -> &QueuePair {
+        &self.qp
     }
 
-    /// The staging area, made for slots of at least `len` bytes.
-    fn staging(&mut self, len: usize) -> Result<&mut (MemoryRegion, Box<[u8]>, usize), String> {
-        let fits = self.staging.as_ref().is_some_and(|s| s.2 >= len);
-        if !fits {
-            if self.posted > self.completed {
-                // Slots in use must not move: let them finish first.
-                self.drain(Duration::from_secs(10))?;
-            }
-            self.staging = None;
-            let slot_len = len.next_power_of_two().max(4096);
-            let mut slots = vec![0u8; slot_len * self.depth as usize].into_boxed_slice();
-            // SAFETY: the slots are heap memory owned beside the region in `staging`, which
-            // drops the region first (tuple order) and never reallocates them; the device only
-            // reads them, for sends this queue pair posts.
-            let mr = unsafe {
-                MemoryRegion::register(
-                    &self.port.pd,
-                    slots.as_mut_ptr(),
-                    slots.len(),
-                    Access::LOCAL_WRITE,
-                )
-            }
-            .map_err(|e| format!("registering message staging: {e}"))?;
-            self.staging = Some((mr, slots, slot_len));
-        }
-        Ok(self.staging.as_mut().expect("just made"))
+    /// The completion queue of its sends.
+    pub(crate) fn cq(&self) -> &CompletionQueue {
+        &self.cq
     }
 
-    /// Reaps what completed. Fails on an error completion: the queue pair is broken.
-    pub(crate) fn reap(&mut self) -> Result<(), String> {
-        loop {
-            let n = self.cq.poll(&mut self.wcs).map_err(|e| e.to_string())?;
-            for wc in &self.wcs[..n] {
-                if !wc.is_success() {
-                    return Err(format!(
-                        "message send failed on {}: {}",
-                        self.port.descriptor.name(),
-                        self.cq.status_str(wc)
-                    ));
-                }
-                self.completed = self.completed.max(wc.wr_id() + 1);
-            }
-            if n < self.wcs.len() {
-                return Ok(());
-            }
-        }
+    /// The most bytes a send carries inline.
+    pub(crate) fn inline_max(&self) -> u32 {
+        self.inline_max
     }
 
-    fn wait_for_room(&mut self, timeout: Duration) -> Result<(), String> {
-        let start = Instant::now();
-        loop {
-            self.reap()?;
-            if self.posted - self.completed < self.depth {
-                return Ok(());
-            }
-            if start.elapsed() > timeout {
-                return Err(format!(
-                    "no send completed on {} within {} ms",
-                    self.port.descriptor.name(),
-                    timeout.as_millis()
-                ));
-            }
-            std::hint::spin_loop();
-        }
+    /// Sends the queue holds at most.
+    pub(crate) fn depth(&self) -> u64 {
+        self.depth
     }
 
-    /// The receiver is gone (its connection closed or broke): closing need not wait for the
-    /// sends in flight, which cannot land.
-    pub(crate) fn abandon(&mut self) {
-        self.abandoned = true;
+    /// The port's message counters.
+    pub(crate) fn counters(&self) -> &MessageCounters {
+        &self.counters
     }
 
-    /// Waits until every message sent has reached the receiver, up to `timeout`.
-    pub(crate) fn drain(&mut self, timeout: Duration) -> Result<(), String> {
-        let start = Instant::now();
-        while self.completed < self.posted {
-            self.reap()?;
-            if start.elapsed() > timeout {
-                return Err(format!(
-                    "{} messages unconfirmed after {} ms",
-                    self.posted - self.completed,
-                    timeout.as_millis()
-                ));
-            }
-            std::thread::yield_now();
-        }
-        Ok(())
-    }
-}
-
-impl Drop for SendQueuePair {
-    fn drop(&mut self) {
-        if self.abandoned {
-            return;
-        }
-        // Destroying the queue pair drops what it has not sent yet: let it finish first.
-        if let Err(e) = self.drain(Duration::from_secs(2)) {
-            tracing::warn!(rail = %self.port.descriptor.name(), error = %e, "closing a message queue pair");
-        }
+    /// Registers `len` bytes at `ptr` for local access on the queue pair's port, for sends
+    /// from them. Fails when the device refuses.
+    ///
+    /// # Safety
+    /// The memory must stay allocated, and not move, until the region is dropped.
+    pub(crate) unsafe fn register(&self, ptr: *mut u8, len: usize) -> Result<MemoryRegion, String> {
+        // SAFETY: the caller keeps the memory in place for the region's life.
+        unsafe { MemoryRegion::register(&self.port.pd, ptr, len, Access::LOCAL_WRITE) }
+            .map_err(|e| e.to_string())
     }
 }
 

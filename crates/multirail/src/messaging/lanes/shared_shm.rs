@@ -10,10 +10,10 @@
 //! open to notice the sender leaving and to carry lane answers back.
 
 use super::shared_ring::{self, SharedRing};
-use super::*;
+use crate::messaging::*;
 
 /// Senders the shared ring has intent words for; one more on the lane is refused.
-pub(super) const SHARED_SENDERS: usize = 1024;
+pub(in crate::messaging) const SHARED_SENDERS: usize = 1024;
 /// Records taken from the ring in one poll: a bound on what one poll copies onto the heap.
 const RECORDS_PER_POLL: usize = 256;
 /// How long the ring's head may wait on a reservation that a gone sender made before it is
@@ -21,13 +21,118 @@ const RECORDS_PER_POLL: usize = 256;
 /// case where a gone sender's last reservation attempt lost its race to a live sender that is
 /// still writing the record.
 const ABANDONED_AFTER: Duration = Duration::from_millis(20);
-/// The opening answer's first byte for shm: the sender's own ring and buffers follow.
-pub(super) const SHM_OWN_RING: u8 = 0;
-/// The opening answer's first byte for shm: the shared ring follows.
-pub(super) const SHM_SHARED_RING: u8 = 1;
+
+/// The sending half of the shared shm lane: the receiver's shared ring, written under `tag`.
+pub(in crate::messaging) struct SharedShmSend {
+    pub(in crate::messaging) ring: SharedRing,
+    pub(in crate::messaging) tag: u32,
+    pub(in crate::messaging) _maps: Vec<Arc<PeerMapping>>,
+}
+
+impl SendLane for SharedShmSend {
+    /// Places a message in the receiver's shared ring, waiting while the ring is full (the
+    /// receiver has not taken in what other senders wrote) for up to `timeout`. Fails on a
+    /// timeout, when the receiver leaves while we wait, or when the ring refuses the message
+    /// (its geometry does not fit what the receiver said).
+    fn send(
+        &mut self,
+        link: &mut Link,
+        kind: MsgKind,
+        data: &[u8],
+        timeout: Duration,
+        _poke: &dyn Fn(),
+    ) -> Result<()> {
+        link.check_len(data)?;
+        let mut start: Option<Instant> = None;
+        let mut idle = 0u32;
+        loop {
+            match self.ring.try_send(self.tag, kind as u8, data) {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => return Err(protocol(&link.peer, e)),
+            }
+            if start.is_none() {
+                link.credit_waits += 1;
+            }
+            let waited = start.get_or_insert_with(Instant::now).elapsed();
+            if waited >= timeout {
+                return Err(link.timed_out(timeout));
+            }
+            idle = idle.wrapping_add(1);
+            if idle.is_multiple_of(256) {
+                // A receiver that left never frees the ring: notice it (one system call).
+                self.read_back(link)?;
+            }
+            if waited > SPIN && idle.is_multiple_of(16) {
+                back_off(waited);
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// The shared ring's space is the flow control: no credits come.
+    fn collect_credits(&mut self, _link: &mut Link) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The receiving half of the shared shm lane: what comes under the sender's tag is taken in
+/// from the receiver's one ring by [`poll_shared`]; the stream only tells when the sender
+/// leaves and carries lane answers back.
+pub(in crate::messaging) struct SharedShmRecv {
+    tag: u32,
+    /// Which ring the tag is in (a corrupt ring is replaced by a new one).
+    generation: u32,
+    /// The ring's reservation count when the sender was seen gone: once the receiver has
+    /// taken in that much, nothing more of this sender's can come.
+    closing_at: Option<u64>,
+}
+
+impl RecvLane for SharedShmRecv {
+    /// Taken in from the shared ring by [`poll_shared`].
+    fn receive(&mut self, _cx: &mut RecvCx<'_>) -> std::result::Result<(), String> {
+        Ok(())
+    }
+
+    /// The shared ring's space is its flow control: it takes no credits.
+    fn grant(
+        &mut self,
+        _stream: &TcpStream,
+        _buffers: &[BufferId],
+    ) -> std::result::Result<(), String> {
+        Ok(())
+    }
+
+    fn polled_alone(&self) -> bool {
+        false
+    }
+
+    /// The tag goes back to the ring it came from.
+    fn release(&self, _registry: &MemoryRegistry, shared: Option<&mut SharedShm>) {
+        if let Some(s) = shared {
+            if s.generation == self.generation {
+                s.release(self.tag);
+            }
+        }
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+/// Connection `c`'s lane when it is on the shared ring.
+fn of_ring(c: &InConn) -> Option<&SharedShmRecv> {
+    c.io.as_any().downcast_ref::<SharedShmRecv>()
+}
 
 /// The receiver's shared ring and who writes into it.
-pub(super) struct SharedShm {
+pub(in crate::messaging) struct SharedShm {
     ring: SharedRing,
     /// The ring's memory, a memfd every sender on the lane maps.
     buf: Buffer,
@@ -69,7 +174,7 @@ impl SharedShm {
     }
 
     /// Bytes of receive memory the lane takes.
-    pub(super) fn bytes(&self) -> u64 {
+    pub(in crate::messaging) fn bytes(&self) -> u64 {
         self.buf.len() as u64
     }
 
@@ -121,7 +226,7 @@ impl Messaging {
     /// sender a tag in the shared ring (making the ring first if this is the lane's first
     /// sender). Refuses, telling the sender why, when the ring cannot be made or every tag is
     /// taken.
-    pub(super) fn accept_shared_shm(
+    pub(in crate::messaging) fn accept_shared_shm(
         &self,
         stream: TcpStream,
         from: Arc<str>,
@@ -177,7 +282,7 @@ impl Messaging {
         }
         let id = ConnId(self.next_conn.fetch_add(1, Ordering::Relaxed));
         shared.tags[tag as usize] = Some((id, usize::MAX));
-        let io = InIo::ShmShared {
+        let io = SharedShmRecv {
             tag,
             generation: shared.generation,
             closing_at: None,
@@ -187,26 +292,11 @@ impl Messaging {
             from,
             SHARED_SHM,
             stream,
-            io,
+            Box::new(io),
             lane,
             Some(permit),
         ));
         Ok(())
-    }
-}
-
-/// The tag of a shared-ring connection that is reaped goes back to the ring it came from.
-pub(super) fn release_tag(shared: Option<&mut SharedShm>, io: &InIo) {
-    if let (
-        Some(s),
-        InIo::ShmShared {
-            tag, generation, ..
-        },
-    ) = (shared, io)
-    {
-        if s.generation == *generation {
-            s.release(*tag);
-        }
     }
 }
 
@@ -216,7 +306,7 @@ pub(super) fn release_tag(shared: Option<&mut SharedShm>, io: &InIo) {
 /// Returns true when a connection was fenced or ended (the lanes need settling). A corrupt ring
 /// ends every connection on it and is dropped (the next sender gets a fresh one; senders map
 /// the memory themselves, so it goes only once they are gone).
-pub(super) fn poll_shared(
+pub(in crate::messaging) fn poll_shared(
     slot: &mut Option<SharedShm>,
     registry: &MemoryRegistry,
     conns: &mut [InConn],
@@ -267,7 +357,7 @@ pub(super) fn poll_shared(
         tracing::error!(error = %e, "the shared message ring is corrupt; closing its senders");
         let generation = shared.generation;
         for c in conns.iter_mut() {
-            if matches!(c.io, InIo::ShmShared { generation: g, .. } if g == generation) {
+            if of_ring(c).is_some_and(|r| r.generation == generation) {
                 c.dead = true;
             }
         }
@@ -278,13 +368,14 @@ pub(super) fn poll_shared(
     }
     if liveness {
         for c in conns.iter_mut().filter(|c| !c.dead) {
-            if let InIo::ShmShared {
+            let InConn { io, stream, .. } = c;
+            if let Some(SharedShmRecv {
                 closing_at: closing @ None,
                 ..
-            } = &mut c.io
+            }) = io.as_any_mut().downcast_mut::<SharedShmRecv>()
             {
                 let mut b = [0u8; 1];
-                if let Ok(Some(0)) = sockio::recv_nonblocking(c.stream.as_raw_fd(), &mut b) {
+                if let Ok(Some(0)) = sockio::recv_nonblocking(stream.as_raw_fd(), &mut b) {
                     // Gone: whatever it reserved before now is in the ring or never will be.
                     *closing = Some(shared.ring.reserved());
                     shared.closing += 1;
@@ -306,11 +397,11 @@ fn end_gone_senders(shared: &mut SharedShm, conns: &mut [InConn]) -> bool {
     let mut ended = false;
     let mut waiting: Vec<u32> = Vec::new();
     for c in conns.iter_mut().filter(|c| !c.dead) {
-        if let InIo::ShmShared {
+        if let Some(&SharedShmRecv {
             tag,
             closing_at: Some(at),
             ..
-        } = c.io
+        }) = of_ring(c)
         {
             if head >= at {
                 c.dead = true;
@@ -345,7 +436,7 @@ fn end_gone_senders(shared: &mut SharedShm, conns: &mut [InConn]) -> bool {
 /// Sender side: reads the rest of a shm opening answer that names the shared ring (after its
 /// format byte) and maps the ring. Fails when the answer is short or inconsistent, or the ring
 /// cannot be mapped.
-pub(super) fn connect_shared(
+pub(in crate::messaging) fn connect_shared(
     stream: &mut TcpStream,
     peer: &Peer,
 ) -> Result<(SharedRing, u32, Vec<Arc<PeerMapping>>)> {

@@ -29,12 +29,12 @@ const GRANTS: usize = 256;
 /// Bytes of one completion slot: four cache lines.
 const SLOT: usize = 256;
 /// Bytes of a message carried inside its completion slot.
-pub(super) const INLINE_MAX: usize = SLOT - 16;
+pub(in crate::messaging) const INLINE_MAX: usize = SLOT - 16;
 /// Flag in the kind nibble of an entry: the message bytes follow the entry in the slot.
 const INLINE: u8 = 8;
 
 /// A view of one ring region.
-pub(super) struct Ring {
+pub(in crate::messaging) struct Ring {
     base: *mut u8,
     depth: usize,
     /// Where the completion ring starts.
@@ -51,7 +51,7 @@ unsafe impl Send for Ring {}
 
 impl Ring {
     /// Bytes of a region for `depth` buffers.
-    pub(super) fn bytes(depth: usize) -> usize {
+    pub(in crate::messaging) fn bytes(depth: usize) -> usize {
         Self::comps_at(depth) + SLOT * depth
     }
 
@@ -62,7 +62,7 @@ impl Ring {
     /// # Safety
     /// `base` points at `Ring::bytes(depth)` bytes of zeroed or ring-initialized shared memory,
     /// 8-byte aligned, that stay mapped while the Ring lives.
-    pub(super) unsafe fn new(base: *mut u8, depth: usize) -> Ring {
+    pub(in crate::messaging) unsafe fn new(base: *mut u8, depth: usize) -> Ring {
         Ring {
             base,
             depth,
@@ -102,7 +102,7 @@ impl Ring {
     }
 
     /// Receiver: posts buffers for the sender.
-    pub(super) fn post(&self, ids: &[BufferId]) {
+    pub(in crate::messaging) fn post(&self, ids: &[BufferId]) {
         let tail = self.counter(GRANT_TAIL);
         let mut t = tail.load(Ordering::Relaxed);
         for id in ids {
@@ -114,7 +114,7 @@ impl Ring {
     }
 
     /// Sender: takes every posted buffer, oldest first.
-    pub(super) fn take_grants(&self, mut f: impl FnMut(BufferId)) {
+    pub(in crate::messaging) fn take_grants(&self, mut f: impl FnMut(BufferId)) {
         let tail = self.counter(GRANT_TAIL).load(Ordering::Acquire);
         let head = self.counter(GRANT_HEAD);
         let h = head.load(Ordering::Relaxed);
@@ -133,7 +133,7 @@ impl Ring {
     /// Sender: publishes a message in buffer `id` as completion number `index`; `inline`
     /// bytes (at most [`INLINE_MAX`], `len` of them) travel in the slot itself, and then the
     /// buffer's bytes are not read.
-    pub(super) fn complete(
+    pub(in crate::messaging) fn complete(
         &self,
         index: u64,
         id: BufferId,
@@ -160,7 +160,7 @@ impl Ring {
 
     /// Receiver: hands every completion published since the last call to `f` (buffer, length,
     /// kind, and the bytes when they came inline), stopping at the first error.
-    pub(super) fn completions<E>(
+    pub(in crate::messaging) fn completions<E>(
         &mut self,
         mut f: impl FnMut(BufferId, usize, u8, Option<&[u8]>) -> Result<(), E>,
     ) -> Result<(), E> {
