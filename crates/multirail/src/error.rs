@@ -2,7 +2,39 @@
 
 use std::sync::Arc;
 
-use crate::config::ConfigError;
+/// A configuration problem: which key is wrong and what is wrong with it.
+///
+/// `key` is the full dotted path of the offending key (`transports.tcp.timeout_ms`,
+/// `rails[1].address`). It is empty for whole-document problems (unreadable file, JSON
+/// syntax error, a document that is not an object); then `message` starts with the
+/// origin (a file path or `MULTIRAIL_CONF`) and the display is `config: <message>`.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+#[error("{}", display_config_error(.key, .message))]
+pub struct ConfigError {
+    /// Full dotted path of the offending key; empty for whole-document errors.
+    pub key: String,
+    /// What is wrong, e.g. `must be within [0, 1], got 1.5` or `unknown key`.
+    pub message: String,
+}
+
+impl ConfigError {
+    /// Build an error about one key.
+    pub fn new(key: impl Into<String>, message: impl Into<String>) -> Self {
+        ConfigError {
+            key: key.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// How a [`ConfigError`] displays: `config key KEY: MESSAGE`, or `config: MESSAGE` without a key.
+fn display_config_error(key: &str, message: &str) -> String {
+    if key.is_empty() {
+        format!("config: {message}")
+    } else {
+        format!("config key {key}: {message}")
+    }
+}
 
 /// Everything that can go wrong in the engine. It is `Clone` because a failed request keeps its
 /// error for every later `status` query.

@@ -21,11 +21,14 @@ pub mod batch;
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod group;
+pub(crate) mod listener;
 pub mod memory;
 pub mod messaging;
 pub mod metadata;
 pub mod metrics_http;
 pub(crate) mod peer;
+pub(crate) mod protocol;
 pub mod qos;
 pub(crate) mod rails;
 pub mod segment;
@@ -43,8 +46,8 @@ pub use engine::{
     PRIO_LOW, PRIO_MEDIUM,
 };
 pub use error::{Error, Result};
+pub use group::{Delivery, Group, GroupConfig, GroupMessage, GroupStats};
 pub use memory::{Buffer, Location};
-pub use messaging::group::{Delivery, Group, GroupConfig, GroupMessage, GroupStats};
 pub use messaging::{Lane, LanesReport, Message, MessageStats, Notification, PeerLaneReport};
 pub use metadata::{MetadataStats, StoreState};
 pub use metrics_http::MetricsServer;

@@ -5,62 +5,11 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::str::FromStr;
 use std::sync::{Arc, RwLock};
 
-use serde::{Deserialize, Serialize};
-
 use crate::error::{Error, Result};
+pub use crate::segment::Location;
 use crate::segment::{BufferDescriptor, ShmHandle};
-
-/// Where memory lives: a NUMA node (`cpu:N`) or anywhere (`*`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum Location {
-    /// No placement preference.
-    #[default]
-    Any,
-    /// Host memory on NUMA node N.
-    Cpu(u32),
-}
-
-impl fmt::Display for Location {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Location::Any => f.write_str("*"),
-            Location::Cpu(n) => write!(f, "cpu:{n}"),
-        }
-    }
-}
-
-impl FromStr for Location {
-    type Err = Error;
-
-    /// Parses `*` or `cpu:N`; anything else is an `InvalidArgument` naming `location`.
-    fn from_str(s: &str) -> Result<Self> {
-        if s == "*" {
-            return Ok(Location::Any);
-        }
-        s.strip_prefix("cpu:")
-            .and_then(|n| n.parse::<u32>().ok())
-            .map(Location::Cpu)
-            .ok_or_else(|| {
-                Error::invalid("location", format!("expected `*` or `cpu:N`, got {s:?}"))
-            })
-    }
-}
-
-impl Serialize for Location {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-impl<'de> Deserialize<'de> for Location {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
-    }
-}
 
 /// Who owns the bytes of a region.
 enum Backing {

@@ -92,7 +92,7 @@ use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::sync::Arc;
 use std::thread::{self, JoinHandle};
 
-use crate::metadata::StoreState;
+use crate::metadata::{MetadataStats, StoreState};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeGaugeValue, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
@@ -100,11 +100,10 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::messaging::{Lane, LanesReport};
+use crate::messaging::{Lane, LanesReport, MessageStats};
 use crate::server::ConnectionStats;
-use crate::stats::Traffic;
+use crate::stats::{RailHealth, Traffic};
 use crate::topology::Rail;
 use crate::transport::rdma::RdmaStats;
 
@@ -155,8 +154,8 @@ fn prometheus_text(openmetrics: &str) -> String {
 
 const PRIORITIES: [&str; 3] = ["high", "medium", "low"];
 
-/// Gets a handle on the engine for one scrape; `None` once the engine is gone.
-type EngineSource = Box<dyn Fn() -> Option<Engine> + Send>;
+/// Gathers the figures of one scrape; `None` once their source (the engine) is gone.
+type StatsSource = Box<dyn Fn() -> Option<Snapshot> + Send>;
 
 /// A running metrics endpoint, from [`crate::Engine::serve_metrics`]. Its thread answers until
 /// this is dropped or [`MetricsServer::shutdown`] is called.
@@ -176,12 +175,13 @@ impl fmt::Debug for MetricsServer {
 
 impl MetricsServer {
     /// Binds `addr` (`ADDR:PORT`, a host name allowed; port 0 picks a free port) and starts the
-    /// thread answering scrapes with what `engine` gives. Fails with `InvalidArgument` when
+    /// thread answering scrapes with what `stats` gathers (`None`: the engine is gone, answer
+    /// 503). Fails with `InvalidArgument` when
     /// `addr` does not resolve to a socket address, and with `Io` naming `addr` when it cannot
     /// be bound or the thread cannot be spawned.
     pub(crate) fn start(
         addr: &str,
-        engine: impl Fn() -> Option<Engine> + Send + 'static,
+        stats: impl Fn() -> Option<Snapshot> + Send + 'static,
     ) -> Result<MetricsServer> {
         let addrs: Vec<SocketAddr> = addr
             .to_socket_addrs()
@@ -206,10 +206,10 @@ impl MetricsServer {
         })?;
         let http = Arc::new(http);
         let served = http.clone();
-        let engine: EngineSource = Box::new(engine);
+        let stats: StatsSource = Box::new(stats);
         let thread = thread::Builder::new()
             .name("mr-metrics".into())
-            .spawn(move || serve(&served, &*engine))
+            .spawn(move || serve(&served, &*stats))
             .map_err(|e| Error::io("spawning the metrics thread", e))?;
         Ok(MetricsServer {
             addr: bound,
@@ -247,7 +247,7 @@ impl Drop for MetricsServer {
 
 /// Answers requests one at a time until the server is unblocked (dropped) or its accept thread
 /// fails.
-fn serve(http: &tiny_http::Server, engine: &dyn Fn() -> Option<Engine>) {
+fn serve(http: &tiny_http::Server, stats: &dyn Fn() -> Option<Snapshot>) {
     loop {
         let request = match http.recv() {
             Ok(r) => r,
@@ -263,7 +263,7 @@ fn serve(http: &tiny_http::Server, engine: &dyn Fn() -> Option<Engine>) {
             .find(|h| h.field.equiv("Accept"))
             .map(|h| h.value.as_str().to_owned());
         let (status, content_type, body) =
-            answer(request.method(), request.url(), accept.as_deref(), engine);
+            answer(request.method(), request.url(), accept.as_deref(), stats);
         let mut response = tiny_http::Response::from_string(body).with_status_code(status);
         if let Ok(h) = tiny_http::Header::from_bytes(&b"Content-Type"[..], content_type.as_bytes())
         {
@@ -286,7 +286,7 @@ fn answer(
     method: &tiny_http::Method,
     url: &str,
     accept: Option<&str>,
-    engine: &dyn Fn() -> Option<Engine>,
+    stats: &dyn Fn() -> Option<Snapshot>,
 ) -> (u16, &'static str, String) {
     const TEXT: &str = "text/plain; charset=utf-8";
     let path = url.split(['?', '#']).next().unwrap_or_default();
@@ -296,15 +296,14 @@ fn answer(
     if !matches!(method, tiny_http::Method::Get | tiny_http::Method::Head) {
         return (405, TEXT, "only GET and HEAD are allowed\n".into());
     }
-    let Some(engine) = engine() else {
-        return (503, TEXT, "the engine has been dropped\n".into());
-    };
     // A panic reading the engine (a poisoned lock) must not end this thread: scrapes queued
-    // behind it would then wait forever.
-    let snapshot =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Snapshot::take(&engine)));
-    // The handle is not kept across the encoding: the engine may be dropped meanwhile.
-    drop(engine);
+    // behind it would then wait forever. The source keeps no handle on the engine across the
+    // encoding: the engine may be dropped meanwhile.
+    let snapshot = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(stats)) {
+        Ok(None) => return (503, TEXT, "the engine has been dropped\n".into()),
+        Ok(Some(s)) => Ok(s),
+        Err(e) => Err(e),
+    };
     match snapshot.map(encode) {
         Ok(Ok(text)) if accept.is_some_and(|a| a.contains("application/openmetrics-text")) => {
             (200, CONTENT_TYPE, text)
@@ -315,36 +314,32 @@ fn answer(
     }
 }
 
-/// What one scrape reads from the engine.
+/// What one scrape reads from the engine: the figures it already counts, gathered by
+/// [`crate::Engine::serve_metrics`]'s source from `traffic_stats`, `rails`, `connection_stats`,
+/// `rdma_stats`, `lanes`, `rail_health`, `message_stats`, `metadata_stats` and
+/// `transfer_stats`.
 #[derive(Debug)]
-struct Snapshot {
-    segment: String,
-    traffic: Traffic,
-    rails: Vec<Rail>,
-    connections: ConnectionStats,
-    rdma: RdmaStats,
-    lanes: LanesReport,
-    health: Vec<crate::RailHealth>,
-    messages: crate::MessageStats,
-    metadata: crate::MetadataStats,
-    transfers: (u64, u64),
-}
-
-impl Snapshot {
-    fn take(engine: &Engine) -> Snapshot {
-        Snapshot {
-            segment: engine.name(),
-            traffic: engine.traffic_stats(),
-            rails: engine.rails(),
-            connections: engine.connection_stats(),
-            rdma: engine.rdma_stats(),
-            lanes: engine.lanes(),
-            health: engine.rail_health(),
-            messages: engine.message_stats(),
-            metadata: engine.metadata_stats(),
-            transfers: engine.transfer_stats(),
-        }
-    }
+pub(crate) struct Snapshot {
+    /// The engine's segment name.
+    pub(crate) segment: String,
+    /// Traffic per rail and priority, and what the engine served.
+    pub(crate) traffic: Traffic,
+    /// The rails the engine sends on.
+    pub(crate) rails: Vec<Rail>,
+    /// What the listening port holds and has refused.
+    pub(crate) connections: ConnectionStats,
+    /// RDMA counters (zero without RDMA).
+    pub(crate) rdma: RdmaStats,
+    /// Message lanes per peer.
+    pub(crate) lanes: LanesReport,
+    /// Paths per rail by health.
+    pub(crate) health: Vec<RailHealth>,
+    /// Messages sent and received.
+    pub(crate) messages: MessageStats,
+    /// Use of the metadata store.
+    pub(crate) metadata: MetadataStats,
+    /// Requests finished: (completed, failed).
+    pub(crate) transfers: (u64, u64),
 }
 
 /// The OpenMetrics text of `snapshot`, `# EOF` included.

@@ -11,6 +11,20 @@ use multirail_policy::qos::{Priority, LEVELS};
 
 use crate::qos::QosTraffic;
 
+/// The paths to peers on one rail, by health (see
+/// [`Engine::rail_health`](crate::Engine::rail_health)).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RailHealth {
+    /// The rail's name.
+    pub rail: String,
+    /// Paths carrying slices.
+    pub up: usize,
+    /// Paths paused after repeated errors.
+    pub paused: usize,
+    /// Paths whose pause ended, waiting for a probe to succeed.
+    pub probing: usize,
+}
+
 /// Live counters of one rail.
 #[derive(Debug)]
 pub(crate) struct RailCounters {

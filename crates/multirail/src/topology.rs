@@ -11,7 +11,7 @@ use std::net::{IpAddr, Ipv4Addr};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::memory::Location;
+use crate::segment::Location;
 use crate::segment::RailDescriptor;
 
 /// One rail of this host.

@@ -18,8 +18,11 @@ use std::path::Path;
 use multirail_policy::dispatch;
 use serde::{Deserialize, Serialize};
 
+pub use crate::error::ConfigError;
+
 mod auth;
 mod lanes;
+mod metadata_servers;
 mod multicast;
 mod rail;
 mod rdma;
@@ -32,6 +35,8 @@ mod workers;
 
 pub use auth::*;
 pub use lanes::*;
+pub use metadata_servers::DEFAULT_LEASE_TTL_S;
+pub(crate) use metadata_servers::{check_server_url, parse_etcd_endpoints};
 pub use multicast::*;
 pub use rail::*;
 pub use rdma::*;
@@ -54,39 +59,6 @@ const MAX_THREADS_OR_CONNECTIONS: usize = 64;
 /// Upper bound for `workers.wait_spin_us`: polling longer than this burns a core for requests
 /// that sleeping would serve as well.
 const MAX_WAIT_SPIN_US: u32 = 10_000;
-
-/// A configuration problem: which key is wrong and what is wrong with it.
-///
-/// `key` is the full dotted path of the offending key (`transports.tcp.timeout_ms`,
-/// `rails[1].address`). It is empty for whole-document problems (unreadable file, JSON
-/// syntax error, a document that is not an object); then `message` starts with the
-/// origin (a file path or `MULTIRAIL_CONF`) and the display is `config: <message>`.
-#[derive(Debug, thiserror::Error, Clone, PartialEq)]
-#[error("{}", display_config_error(.key, .message))]
-pub struct ConfigError {
-    /// Full dotted path of the offending key; empty for whole-document errors.
-    pub key: String,
-    /// What is wrong, e.g. `must be within [0, 1], got 1.5` or `unknown key`.
-    pub message: String,
-}
-
-impl ConfigError {
-    /// Build an error about one key.
-    pub fn new(key: impl Into<String>, message: impl Into<String>) -> Self {
-        ConfigError {
-            key: key.into(),
-            message: message.into(),
-        }
-    }
-}
-
-pub(crate) fn display_config_error(key: &str, message: &str) -> String {
-    if key.is_empty() {
-        format!("config: {message}")
-    } else {
-        format!("config key {key}: {message}")
-    }
-}
 
 /// Which transport carries every request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -279,7 +251,7 @@ impl Default for MetadataConfig {
             prefix: DEFAULT_METADATA_PREFIX.to_owned(),
             cluster_id: None,
             timeout_ms: DEFAULT_METADATA_TIMEOUT_MS,
-            lease_ttl_s: crate::metadata::DEFAULT_LEASE_TTL_S,
+            lease_ttl_s: DEFAULT_LEASE_TTL_S,
             segment_name: None,
         }
     }
@@ -301,7 +273,7 @@ impl MetadataConfig {
                     "is required when metadata.type is \"http\" (e.g. \"http://HOST:8080/metadata\")",
                 ))
             }
-            (MetadataKind::Http, Some(url)) => crate::metadata::check_server_url(url)
+            (MetadataKind::Http, Some(url)) => check_server_url(url)
                 .map_err(|message| ConfigError::new(servers_key, message))?,
             (MetadataKind::Etcd, None) => {
                 return Err(ConfigError::new(
@@ -310,7 +282,7 @@ impl MetadataConfig {
                 ))
             }
             (MetadataKind::Etcd, Some(list)) => {
-                crate::metadata::check_etcd_servers(list)
+                parse_etcd_endpoints(list)
                     .map_err(|message| ConfigError::new(servers_key, message))?;
             }
             // A server the engine would silently ignore is a forgotten `type`.
@@ -504,7 +476,7 @@ impl Config {
         for (location, rails) in &self.tiers {
             let key = format!("tiers.{location}");
             location
-                .parse::<crate::memory::Location>()
+                .parse::<crate::segment::Location>()
                 .map_err(|_| ConfigError::new(key.clone(), "is not a location (`*` or `cpu:N`)"))?;
             for (rail, tier) in rails {
                 if rail.is_empty() {

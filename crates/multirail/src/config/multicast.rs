@@ -1,5 +1,5 @@
 //! The `transports.<tcp|shm|rdma>.multicast` sections: defaults for group multicast over
-//! that transport (see `crate::messaging::group`). A group's own settings override them.
+//! that transport (see `crate::group`). A group's own settings override them.
 
 use multirail_policy::coalesce::Batching;
 

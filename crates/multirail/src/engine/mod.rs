@@ -19,13 +19,16 @@ use multirail_policy::slicing::SlicePlan;
 use crate::batch::{Batch, Status};
 use crate::config::{Config, TransportChoice};
 use crate::error::{Error, Result};
+use crate::listener::{Server, ServerSettings};
 use crate::memory::{Buffer, Location, MemoryRegistry};
 use crate::metadata::{self, MetadataStore};
+use crate::metrics_http::{MetricsServer, Snapshot};
 use crate::peer::Peer;
 use crate::qos::{Qos, QosTraffic};
 use crate::rails::RailScheduler;
 use crate::segment::{self, RailDescriptor, SegmentDescriptor, PROTOCOL_VERSION};
-use crate::server::{ConnectionStats, Server, ServerSettings};
+use crate::server::ConnectionStats;
+pub use crate::stats::RailHealth;
 use crate::stats::{Traffic, TrafficStats};
 use crate::topology;
 use crate::transport::cpu_priority::NiceTable;
@@ -90,19 +93,6 @@ impl Request {
             ..Request::write(source, target, target_offset, length)
         }
     }
-}
-
-/// The paths to peers on one rail, by health (see [`Engine::rail_health`]).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct RailHealth {
-    /// The rail's name.
-    pub rail: String,
-    /// Paths carrying slices.
-    pub up: usize,
-    /// Paths paused after repeated errors.
-    pub paused: usize,
-    /// Paths whose pause ended, waiting for a probe to succeed.
-    pub probing: usize,
 }
 
 struct Peers {
@@ -982,11 +972,31 @@ impl Engine {
     /// picks a free port ([`crate::MetricsServer::local_addr`] tells which). Fails with
     /// `InvalidArgument` when `addr` is not an address, and with `Io` naming `addr` when it
     /// cannot be bound.
-    pub fn serve_metrics(&self, addr: &str) -> Result<crate::metrics_http::MetricsServer> {
+    pub fn serve_metrics(&self, addr: &str) -> Result<MetricsServer> {
         let inner = Arc::downgrade(&self.inner);
-        crate::metrics_http::MetricsServer::start(addr, move || {
-            inner.upgrade().map(|inner| Engine { inner })
+        MetricsServer::start(addr, move || {
+            // The handle lives only while the figures are read, not while they are encoded.
+            let engine = Engine {
+                inner: inner.upgrade()?,
+            };
+            Some(engine.metrics_snapshot())
         })
+    }
+
+    /// What one scrape of [`Engine::serve_metrics`]'s endpoint reports.
+    fn metrics_snapshot(&self) -> Snapshot {
+        Snapshot {
+            segment: self.name(),
+            traffic: self.traffic_stats(),
+            rails: self.rails(),
+            connections: self.connection_stats(),
+            rdma: self.rdma_stats(),
+            lanes: self.lanes(),
+            health: self.rail_health(),
+            messages: self.message_stats(),
+            metadata: self.metadata_stats(),
+            transfers: self.transfer_stats(),
+        }
     }
 }
 

@@ -33,7 +33,6 @@
 
 mod delivery;
 mod dynamic;
-pub mod group;
 mod inbound;
 mod lane;
 mod lanes;

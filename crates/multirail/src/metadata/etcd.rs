@@ -21,14 +21,10 @@ use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, Wat
 
 use super::keeper::{self, Schedule};
 use super::{ChangeListener, HealthCell, StoreHealth};
-use crate::config::{ConfigError, MetadataConfig};
+use crate::config::{parse_etcd_endpoints, ConfigError, MetadataConfig};
 use crate::error::{Error, Result};
+use crate::protocol::wire;
 use crate::segment::SegmentDescriptor;
-use crate::transport::wire;
-
-/// Default of `metadata.lease_ttl_s`: an engine killed without withdrawing its keys is gone
-/// from etcd within this many seconds.
-pub const DEFAULT_LEASE_TTL_S: u64 = 10;
 
 /// The lease to ask etcd for so that keys of a dead engine are gone within `lease_ttl_s`:
 /// etcd revokes expired leases in a pass every 500 ms, so a lease of exactly `lease_ttl_s`
@@ -40,36 +36,6 @@ fn granted_ttl(lease_ttl_s: u64) -> i64 {
 
 /// How long the watch waits before trying etcd again after a failure.
 const RETRY_AFTER: Duration = Duration::from_millis(500);
-
-/// Parses `metadata.servers` for etcd: `etcd://HOST:PORT[,HOST:PORT...]`, or the same without
-/// the scheme (as Mooncake reads a bare `host:port`). Returns the endpoints as
-/// `http://HOST:PORT`, or the reason the text is not that, worded for a configuration error.
-pub(crate) fn parse_endpoints(servers: &str) -> std::result::Result<Vec<String>, String> {
-    let expected = || {
-        format!(
-            "must be etcd://HOST:PORT[,HOST:PORT...] (e.g. etcd://127.0.0.1:2379), got {servers:?}"
-        )
-    };
-    let list = servers.strip_prefix("etcd://").unwrap_or(servers);
-    if list.contains("://") {
-        return Err(expected());
-    }
-    let mut endpoints = Vec::new();
-    for part in list.split(',') {
-        let part = part.trim();
-        if part.is_empty()
-            || part
-                .chars()
-                .any(|c| c.is_whitespace() || c.is_control() || "/?#@".contains(c))
-        {
-            return Err(expected());
-        }
-        let (host, port) =
-            super::host_port(part).map_err(|reason| format!("{}: {reason}", expected()))?;
-        endpoints.push(format!("http://{host}:{port}"));
-    }
-    Ok(endpoints)
-}
 
 /// A [`MetadataStore`](super::MetadataStore) backed by etcd. Each segment's descriptor lives
 /// under `prefix + [cluster_id + "/"] + name`, attached to this store's lease.
@@ -109,7 +75,7 @@ struct Shared {
 }
 
 impl EtcdMetadata {
-    /// A store on the etcd cluster `servers` (see `parse_endpoints`) with keys under
+    /// A store on the etcd cluster `servers` (see `config::parse_etcd_endpoints`) with keys under
     /// `prefix` (then `cluster_id/` when given), each request bounded by `timeout`, published
     /// keys on a lease that makes them disappear within `lease_ttl_s` seconds of the engine's
     /// death (`granted_ttl`). Connects lazily: nothing is sent until the
@@ -124,7 +90,7 @@ impl EtcdMetadata {
         lease_ttl_s: u64,
     ) -> Result<EtcdMetadata> {
         let endpoints =
-            parse_endpoints(servers).map_err(|m| ConfigError::new("metadata.servers", m))?;
+            parse_etcd_endpoints(servers).map_err(|m| ConfigError::new("metadata.servers", m))?;
         if lease_ttl_s == 0 || lease_ttl_s > i64::MAX as u64 {
             return Err(ConfigError::new("metadata.lease_ttl_s", "must be at least 1").into());
         }
@@ -696,32 +662,6 @@ impl Drop for EtcdMetadata {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn endpoints() {
-        for (good, want) in [
-            ("etcd://127.0.0.1:2379", vec!["http://127.0.0.1:2379"]),
-            ("127.0.0.1:2379", vec!["http://127.0.0.1:2379"]),
-            ("etcd://a:1,b:2", vec!["http://a:1", "http://b:2"]),
-            ("[::1]:2379", vec!["http://[::1]:2379"]),
-        ] {
-            assert_eq!(parse_endpoints(good).unwrap(), want, "{good}");
-        }
-        for (bad, says) in [
-            ("http://h:2379", "etcd://HOST:PORT"),
-            ("etcd://h", "port"),
-            ("etcd://h:0", "bad port"),
-            ("etcd://h:x", "bad port"),
-            ("etcd://:1", "bad host"),
-            ("etcd://a:1,", "etcd://HOST:PORT"),
-            ("etcd://a:1/x", "etcd://HOST:PORT"),
-            ("", "etcd://HOST:PORT"),
-            ("etcd://::1:5", "bad host"),
-        ] {
-            let e = parse_endpoints(bad).expect_err(bad);
-            assert!(e.contains(says), "{bad}: {e}");
-        }
-    }
 
     #[test]
     fn keys_and_bad_settings() {

@@ -14,10 +14,10 @@ use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 
 use super::keeper::{self, KeeperThread, Schedule};
 use super::{HealthCell, StoreHealth};
-use crate::config::{ConfigError, MetadataConfig};
+use crate::config::{check_server_url, ConfigError, MetadataConfig, DEFAULT_LEASE_TTL_S};
 use crate::error::{Error, Result};
+use crate::protocol::wire;
 use crate::segment::SegmentDescriptor;
-use crate::transport::wire;
 
 /// Everything but RFC 3986's unreserved characters is escaped, `/` and `:` included, so a key
 /// travels as one query value whatever it holds.
@@ -29,48 +29,6 @@ const KEY_ESCAPES: &AsciiSet = &NON_ALPHANUMERIC
 
 /// How much of an unexpected answer's body an error message quotes.
 const QUOTED_BODY: usize = 200;
-
-/// Checks that `url` is `http://HOST:PORT/PATH`: one server, plain HTTP, an explicit port, a
-/// path, no query or fragment. Returns the reason it is not, worded for a configuration error.
-pub(crate) fn check_server_url(url: &str) -> std::result::Result<(), String> {
-    let expected = || {
-        format!("must be http://HOST:PORT/PATH (e.g. http://127.0.0.1:8080/metadata), got {url:?}")
-    };
-    let Some(rest) = url.strip_prefix("http://") else {
-        if url.starts_with("https://") {
-            return Err(format!(
-                "https is not supported (the client speaks plain HTTP), got {url:?}"
-            ));
-        }
-        if url.starts_with("etcd://") {
-            return Err(format!(
-                "is an etcd address; set metadata.type to \"etcd\" for it, got {url:?}"
-            ));
-        }
-        return Err(expected());
-    };
-    if rest.contains(',') {
-        return Err(format!("takes one HTTP server, got {url:?}"));
-    }
-    if rest
-        .chars()
-        .any(|c| c.is_whitespace() || c.is_control() || matches!(c, '?' | '#' | '@'))
-    {
-        return Err(format!(
-            "{}; no query, fragment, user name or whitespace",
-            expected()
-        ));
-    }
-    let Some((authority, _path)) = rest.split_once('/') else {
-        return Err(format!(
-            "{}: the path is missing (Mooncake's servers use /metadata)",
-            expected()
-        ));
-    };
-    super::host_port(authority)
-        .map(|_| ())
-        .map_err(|reason| format!("{}: {reason}", expected()))
-}
 
 /// A [`MetadataStore`](super::MetadataStore) backed by an HTTP metadata server speaking
 /// Mooncake's protocol. Each segment's descriptor lives under
@@ -146,7 +104,7 @@ impl HttpMetadata {
                 writes: Mutex::new(()),
                 health: HealthCell::default(),
             }),
-            refresh_every: keeper::refresh_period(crate::metadata::DEFAULT_LEASE_TTL_S),
+            refresh_every: keeper::refresh_period(DEFAULT_LEASE_TTL_S),
             keeper: Mutex::new(None),
         })
     }
@@ -448,37 +406,6 @@ impl super::MetadataStore for HttpMetadata {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn server_urls() {
-        for good in [
-            "http://127.0.0.1:8080/metadata",
-            "http://h:1/",
-            "http://[::1]:8080/metadata",
-            "http://meta.example:80/a/b",
-        ] {
-            assert_eq!(check_server_url(good), Ok(()), "{good}");
-        }
-        for (bad, says) in [
-            ("127.0.0.1:8080", "http://HOST:PORT/PATH"),
-            ("https://h:8080/metadata", "https is not supported"),
-            ("etcd://h:2379", "metadata.type to \"etcd\""),
-            ("http://h:8080", "path is missing"),
-            ("http://h/metadata", "port is missing"),
-            ("http://:8080/metadata", "bad host"),
-            ("http://h:0/metadata", "bad port"),
-            ("http://h:99999/metadata", "bad port"),
-            ("http://h:x/metadata", "bad port"),
-            ("http://::1:8080/metadata", "bad host"),
-            ("http://h:8080/metadata?x=1", "no query"),
-            ("http://u@h:8080/metadata", "user name"),
-            ("http://a:1/m,http://b:1/m", "one HTTP server"),
-            ("", "http://HOST:PORT/PATH"),
-        ] {
-            let e = check_server_url(bad).expect_err(bad);
-            assert!(e.contains(says), "{bad}: {e}");
-        }
-    }
 
     #[test]
     fn keys_are_prefixed_and_escaped() {

@@ -10,17 +10,16 @@ use std::time::Duration;
 
 use crate::config::{MetadataConfig, MetadataKind};
 use crate::error::{Error, Result};
+use crate::protocol::handshake::{self, Membership};
+use crate::protocol::wire::{self, ConnKind};
 use crate::segment::SegmentDescriptor;
-use crate::transport::handshake::{self, Membership};
-use crate::transport::wire::{self, ConnKind};
 
 mod etcd;
 mod http;
 mod keeper;
 
-pub(crate) use etcd::parse_endpoints as check_etcd_servers;
-pub use etcd::{EtcdMetadata, DEFAULT_LEASE_TTL_S};
-pub(crate) use http::check_server_url;
+pub use crate::config::DEFAULT_LEASE_TTL_S;
+pub use etcd::EtcdMetadata;
 pub use http::HttpMetadata;
 
 /// Counts of an engine's use of its metadata store (see [`crate::Engine::metadata_stats`]).
@@ -201,26 +200,6 @@ impl MetadataCounters {
 /// by stores that can watch ([`MetadataStore::watch`]). Runs on the store's own thread: it
 /// must return quickly and never call back into the store.
 pub type ChangeListener = Box<dyn Fn(&str, Option<SegmentDescriptor>) + Send + Sync>;
-
-/// Splits `HOST:PORT` (an IPv6 host in brackets) of a store's address. Fails with the reason,
-/// for the caller to put after what it expected: the port missing, a bad host (empty,
-/// unbalanced brackets, an unbracketed `:`), or a port that is not 1 to 65535.
-pub(crate) fn host_port(authority: &str) -> std::result::Result<(&str, u16), String> {
-    let Some((host, port)) = authority.rsplit_once(':') else {
-        return Err("the port is missing".into());
-    };
-    let bracketed = host.starts_with('[') || host.ends_with(']');
-    if host.is_empty()
-        || (bracketed && !(host.len() > 2 && host.starts_with('[') && host.ends_with(']')))
-        || (!bracketed && host.contains(':'))
-    {
-        return Err(format!("bad host {host:?}"));
-    }
-    match port.parse::<u16>() {
-        Ok(p) if p != 0 => Ok((host, p)),
-        _ => Err(format!("bad port {port:?}")),
-    }
-}
 
 /// A source of segment descriptors.
 pub trait MetadataStore: Send + Sync {

@@ -3,14 +3,14 @@
 
 pub(crate) mod cpu_priority;
 pub(crate) mod driver;
-pub mod handshake;
 pub(crate) mod rails_view;
 pub(crate) mod rdma;
 pub(crate) mod shm;
 pub(crate) mod sockio;
 pub(crate) mod staging;
 pub(crate) mod tcp;
-pub mod wire;
+
+pub use crate::protocol::{handshake, wire};
 
 use std::sync::Arc;
 

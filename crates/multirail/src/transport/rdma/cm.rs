@@ -25,7 +25,7 @@ use std::time::Duration;
 use multirail_verbs::{Access, PathOptions, QpCaps, QueuePair, RemoteQp};
 use serde::{Deserialize, Serialize};
 
-use super::devices::Port;
+use super::devices::{Port, UnregisterWatcher};
 use crate::config::RdmaConfig;
 
 /// Largest frame either side accepts.
@@ -95,6 +95,16 @@ pub(super) enum TargetFrame {
     Reply(ConnectReply),
     /// The target no longer serves the buffer `addr..addr+len`: its keys are gone.
     Unregistered { addr: u64, len: u64 },
+}
+
+/// The write side of a peer's control connection tells the peer of a buffer unregistered
+/// here with a [`TargetFrame::Unregistered`].
+impl UnregisterWatcher for Mutex<TcpStream> {
+    fn unregistered(&self, addr: u64, len: u64) {
+        let frame = TargetFrame::Unregistered { addr, len };
+        // A peer that cannot take a few bytes finds out from its next failed request.
+        let _ = send_frame(&mut self.lock().expect("cm writer poisoned"), &frame);
+    }
 }
 
 /// Writes one frame.

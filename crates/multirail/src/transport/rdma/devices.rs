@@ -154,6 +154,15 @@ impl Registration {
     }
 }
 
+/// Told when a buffer stops being served: the write side of a peer's RDMA control connection,
+/// which passes it on in the connection manager's frame (`cm` implements this for the
+/// connection's writer, so these registrations need not know the frame).
+pub(crate) trait UnregisterWatcher: Send + Sync {
+    /// The buffer `addr..addr+len` is no longer served: its keys are gone. Best effort: a
+    /// peer that cannot take the notice finds out from its next failed request.
+    fn unregistered(&self, addr: u64, len: u64);
+}
+
 /// Registers every region of the engine with every port ([`RegionHook`]), and finds the
 /// registration of local memory for a request.
 pub(crate) struct Registrations {
@@ -161,7 +170,7 @@ pub(crate) struct Registrations {
     by_id: Mutex<HashMap<u64, Arc<Registration>>>,
     /// The write side of every open RDMA control connection a peer made to this engine: told
     /// when a buffer stops being served, so peers drop its keys before they use them.
-    watchers: Mutex<Vec<Weak<Mutex<TcpStream>>>>,
+    watchers: Mutex<Vec<Weak<dyn UnregisterWatcher>>>,
 }
 
 impl Registrations {
@@ -177,7 +186,9 @@ impl Registrations {
     pub(crate) fn watch(&self, writer: &Arc<Mutex<TcpStream>>) {
         let mut w = self.watchers.lock().expect("registrations poisoned");
         w.retain(|x| x.strong_count() > 0);
-        w.push(Arc::downgrade(writer));
+        let writer: Weak<Mutex<TcpStream>> = Arc::downgrade(writer);
+        let writer: Weak<dyn UnregisterWatcher> = writer;
+        w.push(writer);
     }
 
     /// The registration of region `id`; `None` once it was unregistered.
@@ -232,11 +243,7 @@ impl RegionHook for Registrations {
         else {
             return;
         };
-        let frame = super::cm::TargetFrame::Unregistered {
-            addr: gone.addr as u64,
-            len: gone.len as u64,
-        };
-        let watchers: Vec<Arc<Mutex<TcpStream>>> = self
+        let watchers: Vec<Arc<dyn UnregisterWatcher>> = self
             .watchers
             .lock()
             .expect("registrations poisoned")
@@ -244,8 +251,7 @@ impl RegionHook for Registrations {
             .filter_map(Weak::upgrade)
             .collect();
         for w in watchers {
-            // A peer that cannot take a few bytes finds out from its next failed request.
-            let _ = super::cm::send_frame(&mut w.lock().expect("cm writer poisoned"), &frame);
+            w.unregistered(gone.addr as u64, gone.len as u64);
         }
     }
 }

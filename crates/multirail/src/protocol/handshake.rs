@@ -26,7 +26,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 use crate::error::{Error, Result};
-use crate::transport::wire::{self, ConnKind};
+use crate::protocol::wire::{self, ConnKind};
 
 /// Bytes of a nonce and of a proof.
 pub const NONCE_LEN: usize = 32;

@@ -16,11 +16,11 @@ use std::time::Instant;
 use multirail_policy::qos::Priority;
 
 use crate::memory::{MemoryRegistry, Region};
+use crate::protocol::wire::{self, RequestHeader, RequestOp, ResponseHeader, Status};
 use crate::stats::{ServedOp, ServedTally};
 use crate::transport::cpu_priority::ThreadNice;
 use crate::transport::sockio::{self, iovec};
 use crate::transport::staging::Staging;
-use crate::transport::wire::{self, RequestHeader, RequestOp, ResponseHeader, Status};
 
 /// Responses gathered before one `writev`.
 const RESPONSES_PER_WRITE: usize = 64;

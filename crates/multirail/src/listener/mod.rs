@@ -1,6 +1,8 @@
 //! The engine's listening port. Every connection opens with the membership handshake
-//! (`transport::handshake`), then answers descriptor queries (control), serves slices (data,
-//! see `data`) or is handed to messaging.
+//! (`protocol::handshake`), then answers descriptor queries (control), serves slices (data,
+//! see `data`: the tcp transport's target side) or is handed to messaging or the rdma
+//! transport. What it hands out and reports (permits, the traits of those that take
+//! connections over, [`ConnectionStats`]) lives in `server`, below every transport.
 //!
 //! A fixed pool of `transports.tcp.serve_threads` threads serves every connection through one
 //! epoll set: each connection is armed one-shot, so exactly one thread serves it at a time and
@@ -30,11 +32,12 @@ use slab::Slab;
 
 use crate::error::{Error, Result};
 use crate::memory::MemoryRegistry;
+use crate::protocol::handshake::{self, Membership, Outcome, ServerHandshake};
+use crate::protocol::wire::{self, ConnKind};
+use crate::server::{ConnPermit, ConnectionStats, MessageListener, RdmaListener};
 use crate::stats::{ServedStats, ServedTally, ServedTraffic};
 use crate::transport::cpu_priority::{NiceTable, ThreadNice};
-use crate::transport::handshake::{self, Membership, Outcome, ServerHandshake};
 use crate::transport::sockio;
-use crate::transport::wire::{self, ConnKind};
 
 use data::{DataConn, Wait};
 
@@ -70,31 +73,6 @@ pub(crate) struct ServerSettings {
     pub nice: NiceTable,
 }
 
-/// What the listening port holds and has refused, from
-/// [`Engine::connection_stats`](crate::Engine::connection_stats).
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
-pub struct ConnectionStats {
-    /// Connections held now, of every kind (messaging connections included).
-    pub open: usize,
-    /// Connections held now that have not finished the handshake.
-    pub pending: usize,
-    /// Connections accepted since the engine started.
-    pub accepted: u64,
-    /// Connections refused because they did not prove membership (missing or wrong token).
-    pub not_members: u64,
-    /// Unproven connections closed to make room (pending cap, fd exhaustion) or at their
-    /// handshake deadline.
-    pub shed_pending: u64,
-    /// Members' idle connections closed because the process ran out of fds.
-    pub shed_idle: u64,
-    /// Connections closed at once because `max_connections` were held.
-    pub refused_full: u64,
-    /// Failed accepts (out of fds, mostly).
-    pub accept_errors: u64,
-    /// Threads serving every connection.
-    pub serve_threads: usize,
-}
-
 #[derive(Default)]
 struct Counters {
     accepted: AtomicU64,
@@ -103,41 +81,6 @@ struct Counters {
     shed_idle: AtomicU64,
     refused_full: AtomicU64,
     accept_errors: AtomicU64,
-}
-
-/// Where the listener routes message connections (the engine's messaging). A trait, so the
-/// listener does not depend on messaging, which depends on it for [`ConnPermit`].
-pub(crate) trait MessageListener: Send + Sync {
-    /// Length of a complete message-connection opening, given its first bytes; `None` while
-    /// more are needed. Fails on an opening that cannot be valid.
-    fn opening_len(&self, prefix: &[u8]) -> std::result::Result<Option<usize>, String>;
-    /// Takes over a message connection whose `opening` was read. Fails with the reason it
-    /// refused it (then the connection is closed).
-    fn accept(
-        &self,
-        stream: TcpStream,
-        opening: &[u8],
-        permit: ConnPermit,
-    ) -> std::result::Result<(), String>;
-}
-
-/// Where the listener routes RDMA control connections (the rdma transport, which agrees queue
-/// pairs over them and keeps them while the initiator uses those).
-pub(crate) trait RdmaListener: Send + Sync {
-    /// Takes over an RDMA control connection past the handshake. Fails with the reason it
-    /// refused it (then the connection is closed).
-    fn accept(&self, stream: TcpStream, permit: ConnPermit) -> std::result::Result<(), String>;
-}
-
-/// Keeps a connection handed to messaging counted against `max_connections` until it closes.
-pub(crate) struct ConnPermit {
-    open: Arc<AtomicUsize>,
-}
-
-impl Drop for ConnPermit {
-    fn drop(&mut self) {
-        self.open.fetch_sub(1, Ordering::AcqRel);
-    }
 }
 
 /// Where a connection is in its life.
@@ -882,9 +825,7 @@ impl Shared {
             self.open.fetch_sub(1, Ordering::AcqRel);
             return;
         };
-        let permit = ConnPermit {
-            open: self.open.clone(),
-        };
+        let permit = ConnPermit::new(self.open.clone());
         let what = if opening.is_some() {
             "message"
         } else {
