@@ -16,8 +16,6 @@
 //! What data connections serve is counted per rail (the local address a connection arrived
 //! on), operation, priority and peer address ([`crate::stats::ServedTraffic`]).
 
-mod data;
-
 use std::fs::File;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
@@ -39,7 +37,7 @@ use crate::stats::{ServedStats, ServedTally, ServedTraffic};
 use crate::transport::cpu_priority::{NiceTable, ThreadNice};
 use crate::transport::sockio;
 
-use data::{DataConn, Wait};
+use crate::transport::tcp::serve::{DataConn, Wait};
 
 /// Produces the current segment descriptor as JSON for control queries.
 pub(crate) type DescriptorSource = Arc<dyn Fn() -> Vec<u8> + Send + Sync>;

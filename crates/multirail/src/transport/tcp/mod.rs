@@ -18,6 +18,7 @@
 //! handshake) never runs on the upkeep thread that checks these clocks.
 
 mod conn;
+pub(crate) mod serve;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering};
