@@ -656,8 +656,12 @@ impl Engine {
     pub fn submit(&self, batch: BatchId, requests: &[Request]) -> Result<()> {
         let b = self.batch(batch)?;
         let mut routed = Vec::with_capacity(requests.len());
+        let mut alive = LivePeers::default();
         for (i, r) in requests.iter().enumerate() {
-            routed.push(self.route(r).map_err(|e| annotate(e, i, requests.len()))?);
+            routed.push(
+                self.route(r, &mut alive)
+                    .map_err(|e| annotate(e, i, requests.len()))?,
+            );
         }
         let tasks = b.add_tasks(requests.len())?;
         for ((peer, route, buffer, location, r), task) in routed.into_iter().zip(tasks) {
@@ -704,8 +708,10 @@ impl Engine {
         }
     }
 
-    /// Validates one request and picks its transport.
-    fn route(&self, r: &Request) -> Result<Routed> {
+    /// Validates one request and picks its transport. `alive` holds the peers this call has
+    /// already found running, so a batch of many requests to one same-host peer asks the
+    /// kernel whether its process exited once, not once per request.
+    fn route(&self, r: &Request, alive: &mut LivePeers) -> Result<Routed> {
         if r.length == 0 {
             return Err(Error::invalid("length", "must be at least 1 byte"));
         }
@@ -720,12 +726,13 @@ impl Engine {
             })?
             .location();
         let peer = self.peer(r.target)?;
-        if peer.process_exited() {
+        if !alive.contains(peer.id) && peer.process_exited() {
             return Err(Error::PeerDisconnected {
                 peer: peer.name.clone(),
                 reason: "the process serving the segment has exited".into(),
             });
         }
+        alive.insert(peer.id);
         let buffer = self.target_buffer(&peer, r.target_offset, r.length)?;
         let choice = r.transport.unwrap_or(self.inner.config.transport);
         let route = match choice {
@@ -1096,6 +1103,26 @@ impl Drop for Inner {
     fn drop(&mut self) {
         // The last handle is gone: lookups must stop finding this engine.
         self.withdraw_descriptor();
+    }
+}
+
+/// Peers one submit call has found running, by id: a few, looked up by scanning (a batch
+/// usually goes to one or a handful of peers; past the bound, peers are simply checked again).
+#[derive(Default)]
+pub(crate) struct LivePeers(Vec<u64>);
+
+impl LivePeers {
+    /// Most peers remembered per call.
+    const BOUND: usize = 16;
+
+    pub(crate) fn contains(&self, id: u64) -> bool {
+        self.0.contains(&id)
+    }
+
+    pub(crate) fn insert(&mut self, id: u64) {
+        if self.0.len() < Self::BOUND && !self.0.contains(&id) {
+            self.0.push(id);
+        }
     }
 }
 

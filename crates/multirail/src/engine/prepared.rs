@@ -59,6 +59,7 @@ impl Engine {
             return Err(Error::invalid("entries", "must hold at least one entry"));
         }
         let generation = self.inner.local.registry.generation();
+        let mut alive = super::LivePeers::default();
         let routed = entries
             .iter()
             .enumerate()
@@ -67,7 +68,7 @@ impl Engine {
                     transport,
                     ..Request::write(e.source, e.target, e.target_offset, e.length)
                 };
-                self.route(&request)
+                self.route(&request, &mut alive)
                     .map_err(|err| entry_error(i, entries.len(), err))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -142,13 +143,13 @@ impl Engine {
         }
         self.recheck_sources(&prepared)?;
         // Whether a peer exited costs a poll of its pidfd: ask once per peer, not per entry.
-        let mut asked: Vec<u64> = Vec::new();
+        let mut asked = super::LivePeers::default();
         for &i in indices {
             let (peer, ..) = &prepared.entries[i];
-            if asked.contains(&peer.id) {
+            if asked.contains(peer.id) {
                 continue;
             }
-            asked.push(peer.id);
+            asked.insert(peer.id);
             if peer.process_exited() {
                 return Err(Error::PeerDisconnected {
                     peer: peer.name.clone(),
