@@ -45,19 +45,25 @@ fn engine(config: Config) -> Engine {
     Engine::new(config, "127.0.0.1:0").expect("engine starts")
 }
 
-/// The raw answer of the server to `GET ?key=KEY`: status and body.
-fn get_key(url: &str, key: &str) -> (u16, Vec<u8>) {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
+/// A client that takes every status as an answer, bounded by 10 s, going around any proxy.
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
         .http_status_as_error(false)
         .proxy(None)
         .timeout_global(Some(Duration::from_secs(10)))
         .build()
-        .into();
-    let mut answer = agent
-        .get(format!(
-            "{url}?key={}",
-            utf8_percent_encode(key, NON_ALPHANUMERIC)
-        ))
+        .into()
+}
+
+/// `URL?key=KEY`, the key encoded.
+fn key_url(url: &str, key: &str) -> String {
+    format!("{url}?key={}", utf8_percent_encode(key, NON_ALPHANUMERIC))
+}
+
+/// The raw answer of the server to `GET ?key=KEY`: status and body.
+fn get_key(url: &str, key: &str) -> (u16, Vec<u8>) {
+    let mut answer = agent()
+        .get(key_url(url, key))
         .call()
         .expect("metadata server answers");
     let body = answer.body_mut().read_to_vec().expect("body read");
@@ -170,18 +176,11 @@ fn memory_changes_are_republished() {
 
 /// `PUT ?key=KEY` with `body`, as a stale writer would.
 fn put_key(url: &str, key: &str, body: &[u8]) {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .proxy(None)
-        .timeout_global(Some(Duration::from_secs(10)))
-        .build()
-        .into();
-    agent
-        .put(format!(
-            "{url}?key={}",
-            utf8_percent_encode(key, NON_ALPHANUMERIC)
-        ))
+    let answer = agent()
+        .put(key_url(url, key))
         .send(body)
         .expect("metadata server takes the PUT");
+    assert_eq!(answer.status().as_u16(), 200, "PUT {key}");
 }
 
 #[test]

@@ -298,7 +298,9 @@ impl RecvCx<'_> {
     }
 }
 
-/// The receiving half of a lane kind: how messages are taken in and credits told.
+/// The receiving half of a lane kind: how messages are taken in and credits told. `Any`, so a
+/// lane kind's own receive sources (a shared ring, a completion queue) find their connections
+/// among all by upcasting to `dyn Any` and downcasting.
 pub(super) trait RecvLane: Send + Any {
     /// Takes in what arrived on the connection. Fails (the connection closes) on anything
     /// the sender may not send.
@@ -346,13 +348,6 @@ pub(super) trait RecvLane: Send + Any {
     fn into_reader(self: Box<Self>, _rest: ReaderParts) -> Option<Reader> {
         None
     }
-
-    /// For a lane kind's own receive sources (a shared ring, a completion queue), which find
-    /// their connections among all.
-    fn as_any(&self) -> &dyn Any;
-
-    /// [`RecvLane::as_any`], mutable.
-    fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
 /// What [`RecvLane::into_reader`] takes of a dead connection.

@@ -392,6 +392,33 @@ def _is_torch_tensor(obj: object) -> bool:
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
+def _descriptor_rows(descs: Any, mem_type: Optional[str], want: type, other: type, purpose: str,
+                     other_msg: str) -> Any:
+    """What :meth:`nixl_agent.get_xfer_descs` and :meth:`nixl_agent.get_reg_descs` share: a
+    finished list of type ``want`` (``descs`` itself, or one made from tensors or an Nx3 NumPy
+    array), or else ``descs`` as a Python list of tuples for the caller to check. Raises
+    :class:`nixlInvalidParamError` (with NIXL's own messages) for a list of the ``other`` type,
+    no ``mem_type`` without tensors, or a NumPy array of another shape."""
+    if isinstance(descs, want):
+        return descs
+    if isinstance(descs, other):
+        raise nixlInvalidParamError(other_msg)
+    if _is_torch_tensor(descs):
+        mem, rows = _tensor_rows([descs])
+        return want(mem, rows)
+    if isinstance(descs, (list, tuple)) and descs and _is_torch_tensor(descs[0]):
+        mem, rows = _tensor_rows(descs)
+        return want(mem, rows)
+    if mem_type is None:
+        raise nixlInvalidParamError("Please specify a mem type if not using Tensors")
+    if isinstance(descs, np.ndarray):
+        if descs.ndim != 2 or descs.shape[1] != 3:
+            raise nixlInvalidParamError(
+                f"Nx3 shape required for {purpose} descriptor list from numpy array")
+        return want(mem_type, descs)
+    return list(descs)
+
+
 def _tensor_rows(tensors: Sequence[Any]) -> Tuple[str, np.ndarray]:
     """(memory type, Nx3 rows) of contiguous tensors on one device."""
     device = tensors[0].device
@@ -830,23 +857,10 @@ class nixl_agent:
 
         Raises :class:`nixlInvalidParamError` for anything else (a :class:`nixlRegDList`,
         tuples of another length, no ``mem_type``, negative values, an unknown memory type)."""
-        if isinstance(descs, nixlXferDList):
-            return descs
-        if isinstance(descs, nixlRegDList):
-            raise nixlInvalidParamError("RegList type detected for transfer, please use XferList")
-        if _is_torch_tensor(descs):
-            mem, rows = _tensor_rows([descs])
-            return nixlXferDList(mem, rows)
-        if isinstance(descs, (list, tuple)) and descs and _is_torch_tensor(descs[0]):
-            mem, rows = _tensor_rows(descs)
-            return nixlXferDList(mem, rows)
-        if mem_type is None:
-            raise nixlInvalidParamError("Please specify a mem type if not using Tensors")
-        if isinstance(descs, np.ndarray):
-            if descs.ndim != 2 or descs.shape[1] != 3:
-                raise nixlInvalidParamError("Nx3 shape required for transfer descriptor list from numpy array")
-            return nixlXferDList(mem_type, descs)
-        seq = list(descs)
+        seq = _descriptor_rows(descs, mem_type, nixlXferDList, nixlRegDList, "transfer",
+                               "RegList type detected for transfer, please use XferList")
+        if not isinstance(seq, list):
+            return seq
         if any(not isinstance(d, tuple) or len(d) != 3 for d in seq):
             raise nixlInvalidParamError("3-tuple list (addr, len, dev_id) needed for transfer")
         return nixlXferDList(mem_type, seq)
@@ -859,23 +873,10 @@ class nixl_agent:
 
         Raises :class:`nixlInvalidParamError` for anything else (a :class:`nixlXferDList`,
         malformed tuples, no ``mem_type``, negative values, an unknown memory type)."""
-        if isinstance(descs, nixlRegDList):
-            return descs
-        if isinstance(descs, nixlXferDList):
-            raise nixlInvalidParamError("XferList type detected for registration, please use RegList")
-        if _is_torch_tensor(descs):
-            mem, rows = _tensor_rows([descs])
-            return nixlRegDList(mem, rows)
-        if isinstance(descs, (list, tuple)) and descs and _is_torch_tensor(descs[0]):
-            mem, rows = _tensor_rows(descs)
-            return nixlRegDList(mem, rows)
-        if mem_type is None:
-            raise nixlInvalidParamError("Please specify a mem type if not using Tensors")
-        if isinstance(descs, np.ndarray):
-            if descs.ndim != 2 or descs.shape[1] != 3:
-                raise nixlInvalidParamError("Nx3 shape required for registration descriptor list from numpy array")
-            return nixlRegDList(mem_type, descs)
-        seq = list(descs)
+        seq = _descriptor_rows(descs, mem_type, nixlRegDList, nixlXferDList, "registration",
+                               "XferList type detected for registration, please use RegList")
+        if not isinstance(seq, list):
+            return seq
         if any(not isinstance(d, tuple) or len(d) not in (3, 4) for d in seq):
             raise nixlInvalidParamError("(addr, len, dev_id, meta) tuples needed for registration")
         return nixlRegDList(mem_type, [d[:3] for d in seq], [d[3] if len(d) == 4 else "" for d in seq])

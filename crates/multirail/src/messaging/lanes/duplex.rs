@@ -377,14 +377,6 @@ impl RecvLane for DuplexRecv {
             None
         }
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-
-    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
-        self
-    }
 }
 
 impl Messaging {

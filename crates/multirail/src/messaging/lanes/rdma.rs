@@ -122,14 +122,6 @@ impl RecvLane for RdmaRecv {
     ) -> std::result::Result<(), String> {
         self.credits.grant(buffers.len())
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-
-    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
-        self
-    }
 }
 
 impl Messaging {
@@ -436,7 +428,7 @@ fn take_in_rdma(
     let shared_key = SHARED_RDMA + port as u64;
     // A connection marked dead is still found: its last messages landed before it closed.
     let conn = conns.iter_mut().find(|c| {
-        c.io.as_any()
+        (&*c.io as &dyn std::any::Any)
             .downcast_ref::<RdmaRecv>()
             .is_some_and(|r| r.port == port && r.credits.qp().qp_num() == qp_num)
     });

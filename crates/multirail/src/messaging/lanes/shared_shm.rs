@@ -116,19 +116,11 @@ impl RecvLane for SharedShmRecv {
             }
         }
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-
-    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
-        self
-    }
 }
 
 /// Connection `c`'s lane when it is on the shared ring.
 fn of_ring(c: &InConn) -> Option<&SharedShmRecv> {
-    c.io.as_any().downcast_ref::<SharedShmRecv>()
+    (&*c.io as &dyn std::any::Any).downcast_ref::<SharedShmRecv>()
 }
 
 /// The receiver's shared ring and who writes into it.
@@ -372,7 +364,7 @@ pub(in crate::messaging) fn poll_shared(
             if let Some(SharedShmRecv {
                 closing_at: closing @ None,
                 ..
-            }) = io.as_any_mut().downcast_mut::<SharedShmRecv>()
+            }) = (&mut **io as &mut dyn std::any::Any).downcast_mut::<SharedShmRecv>()
             {
                 let mut b = [0u8; 1];
                 if let Ok(Some(0)) = sockio::recv_nonblocking(stream.as_raw_fd(), &mut b) {

@@ -195,14 +195,6 @@ impl RecvLane for ShmRecv {
     fn release(&self, registry: &MemoryRegistry, _shared: Option<&mut SharedShm>) {
         let _ = registry.unregister(self.ring_buf.addr());
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-
-    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
-        self
-    }
 }
 
 impl Messaging {

@@ -94,14 +94,6 @@ impl RecvLane for TcpRecv {
     fn reads_socket(&self) -> bool {
         true
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-
-    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
-        self
-    }
 }
 
 /// Reads what arrived on a tcp lane's socket and takes in its whole frames; `duplex` is the

@@ -140,6 +140,33 @@ impl<K> Default for Handed<K> {
     }
 }
 
+/// Offers a dealt slice to `send`, which takes it or hands it back; a slice handed back comes
+/// back as the same post, for the driver to deal again.
+// The post travels back by value, as the slice does: boxing it would allocate per refusal on
+// the data path.
+#[allow(clippy::result_large_err)]
+pub(crate) fn offer<K>(
+    post: Post<OutSlice<K>>,
+    send: impl FnOnce(OutSlice<K>) -> std::result::Result<(), OutSlice<K>>,
+) -> std::result::Result<(), Post<OutSlice<K>>> {
+    let Post {
+        id,
+        item,
+        path,
+        rail,
+        priority,
+        connection,
+    } = post;
+    send(item).map_err(|item| Post {
+        id,
+        item,
+        path,
+        rail,
+        priority,
+        connection,
+    })
+}
+
 /// What a due probe of a paused path finds.
 pub(crate) enum ProbeNeed {
     /// The path's connections survived the pause: it rejoins as it is.

@@ -132,8 +132,8 @@ impl<L: Link> Peers<L> {
 
     /// The slot of peer `id`, made on first use.
     fn slot(&self, id: u64) -> Arc<Slot<L>> {
-        if let Some(s) = self.slots.read().expect("peers poisoned").get(&id) {
-            return s.clone();
+        if let Some(s) = self.existing(id) {
+            return s;
         }
         self.slots
             .write()
@@ -148,28 +148,27 @@ impl<L: Link> Peers<L> {
             .clone()
     }
 
+    /// The slot of peer `id`, if it has one.
+    fn existing(&self, id: u64) -> Option<Arc<Slot<L>>> {
+        self.slots.read().expect("peers poisoned").get(&id).cloned()
+    }
+
+    /// Every slot, by id, taken out of the map so no slot lock is held under the map's.
+    fn every_slot(&self) -> Vec<(u64, Arc<Slot<L>>)> {
+        let slots = self.slots.read().expect("peers poisoned");
+        slots.iter().map(|(id, s)| (*id, s.clone())).collect()
+    }
+
     /// The driver of peer `id`, if it has one.
     pub(crate) fn get(&self, id: u64) -> Option<Arc<Driver<L>>> {
-        let slot = self
-            .slots
-            .read()
-            .expect("peers poisoned")
-            .get(&id)
-            .cloned()?;
+        let slot = self.existing(id)?;
         let live = slot.live.lock().expect("peer poisoned").clone();
         live
     }
 
     /// Every peer with a driver, by id.
     pub(crate) fn all(&self) -> Vec<(u64, Arc<Driver<L>>)> {
-        let slots: Vec<(u64, Arc<Slot<L>>)> = self
-            .slots
-            .read()
-            .expect("peers poisoned")
-            .iter()
-            .map(|(id, s)| (*id, s.clone()))
-            .collect();
-        slots
+        self.every_slot()
             .into_iter()
             .filter_map(|(id, s)| {
                 let live = s.live.lock().expect("peer poisoned").clone();
@@ -180,12 +179,7 @@ impl<L: Link> Peers<L> {
 
     /// Takes peer `id`'s driver out, keeping its slot (the next use makes a fresh one).
     pub(crate) fn take(&self, id: u64) -> Option<Arc<Driver<L>>> {
-        let slot = self
-            .slots
-            .read()
-            .expect("peers poisoned")
-            .get(&id)
-            .cloned()?;
+        let slot = self.existing(id)?;
         let taken = slot.live.lock().expect("peer poisoned").take();
         taken
     }
@@ -223,14 +217,7 @@ impl<L: Link> Peers<L> {
 
     /// Closes every peer's driver; their slices in flight fail with `reason`.
     pub(crate) fn shutdown(&self, reason: &str) {
-        let slots: Vec<Arc<Slot<L>>> = self
-            .slots
-            .read()
-            .expect("peers poisoned")
-            .values()
-            .cloned()
-            .collect();
-        for s in slots {
+        for (_, s) in self.every_slot() {
             let live = s.live.lock().expect("peer poisoned").take();
             if let Some(d) = live {
                 d.close(reason);

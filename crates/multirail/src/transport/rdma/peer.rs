@@ -33,7 +33,7 @@ use super::Runtime;
 use crate::error::{Error, Result};
 use crate::peer::Peer;
 use crate::segment::RdmaRailDescriptor;
-use crate::transport::driver::{Driver, Handed, Link, OutSlice, ProbeNeed};
+use crate::transport::driver::{offer, Driver, Handed, Link, OutSlice, ProbeNeed};
 use crate::transport::{handshake, wire, Prepared};
 use crate::upkeep::TimerKey;
 
@@ -304,6 +304,7 @@ impl Link for RdmaLink {
 
     /// Stages each dealt slice on its queue pair and posts every queue pair touched, one
     /// `ibv_post_send` each.
+    #[allow(clippy::result_large_err)] // a refused slice comes back by value, as from `stage`
     fn hand_over(&self, driver: &RdmaPeer, out: &mut Vec<Post<RdmaSlice>>) -> Handed<RdmaKeys> {
         let mut handed = Handed::default();
         let mut touched: Vec<(PathId, Arc<RcQp>)> = Vec::new();
@@ -319,33 +320,19 @@ impl Link for RdmaLink {
                 _ => &qps[0],
             };
             let rkey = post.item.key.rkeys[path.remote_rail];
-            let Post {
-                id,
-                item,
-                path: p,
-                rail,
-                priority,
-                connection,
-            } = post;
-            match qp.stage(item, rkey) {
+            let p = post.path;
+            match offer(post, |item| qp.stage(item, rkey)) {
                 Ok(()) => {
                     if !touched.iter().any(|(_, q)| Arc::ptr_eq(q, qp)) {
                         touched.push((p, qp.clone()));
                     }
                 }
-                Err(item) => {
+                Err(post) => {
                     if qp.is_dead() {
                         handed.changed.push(p);
                     }
                     // A full send queue frees up with the next completion, which deals again.
-                    handed.refused.push(Post {
-                        id,
-                        item,
-                        path: p,
-                        rail,
-                        priority,
-                        connection,
-                    });
+                    handed.refused.push(post);
                 }
             }
         }

@@ -37,7 +37,9 @@ use crate::rails::RailScheduler;
 use crate::segment::BufferDescriptor;
 use crate::stats::TrafficStats;
 use crate::topology;
-use crate::transport::driver::{Driver, DriverEnv, Handed, Link, OutSlice, Peers, ProbeNeed};
+use crate::transport::driver::{
+    offer, Driver, DriverEnv, Handed, Link, OutSlice, Peers, ProbeNeed,
+};
 use crate::transport::{Prepared, Transport};
 use crate::upkeep::{TimerKey, Timers};
 
@@ -340,29 +342,17 @@ impl Link for TcpLink {
                 handed.refused.push(post);
                 continue;
             };
-            let Post {
-                id,
-                item,
-                path,
-                rail,
-                priority,
-                connection,
-            } = post;
-            let sent = if priority == Priority::High {
-                conn.send_now(item)
-            } else {
-                conn.send(item)
-            };
-            if let Err(item) = sent {
+            let (path, high) = (post.path, post.priority == Priority::High);
+            let sent = offer(post, |item| {
+                if high {
+                    conn.send_now(item)
+                } else {
+                    conn.send(item)
+                }
+            });
+            if let Err(post) = sent {
                 handed.changed.push(path);
-                handed.refused.push(Post {
-                    id,
-                    item,
-                    path,
-                    rail,
-                    priority,
-                    connection,
-                });
+                handed.refused.push(post);
             }
         }
         handed
