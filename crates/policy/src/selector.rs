@@ -12,9 +12,18 @@
 //!   [`PROBE_INTERVAL`]th multi-slice call deals its slices round-robin over every candidate
 //!   instead, so that rails the scores avoid still get bandwidth samples.
 //!
-//! Each rail's EWMA bandwidth starts at its theoretical bandwidth and learns from completions
-//! ([`DeviceSelector::on_completed`]). Assigned slices count as in flight on their rail until
-//! the caller reports them completed, failed or unassigned, so the next decision sees the load.
+//! Each rail's bandwidth estimate starts at its theoretical bandwidth and learns from
+//! completions ([`DeviceSelector::on_completed`], [`DeviceSelector::on_delivered`]). How it
+//! learns is [`BandwidthEstimator`]: by default ([`BandwidthEstimator::Delivery`]) the estimate
+//! is the largest delivery rate measured within a short window, with no floor tied to the
+//! rail's nominal speed, so a rail policed far below what its NIC reports is learned as such;
+//! [`BandwidthEstimator::Tent`] is TENT's EWMA clamped to a band around the nominal speed. In
+//! both, a sample the caller marks *app-limited* (the rail was idle, had nothing queued, or was
+//! held below its link rate by its window) may raise the estimate but never lower it, as BBR's
+//! delivery-rate estimator does: such a sample measures the sender, not the rail.
+//!
+//! Assigned slices count as in flight on their rail until the caller reports them completed,
+//! failed or unassigned, so the next decision sees the load.
 //!
 //! The selector is sans-IO: time is an argument (nanoseconds on any monotonic clock the caller
 //! chooses), randomness comes from a generator seeded by the caller, and the decision path
@@ -43,6 +52,53 @@ pub const DEFAULT_MIN_SAMPLE_NS: u64 = 1_000_000;
 /// Bytes per second in one Gbps.
 const BYTES_PER_S_PER_GBPS: f64 = 1e9 / 8.0;
 
+/// Default of [`SelectorConfig::bandwidth_window_ns`]: the delivery estimator keeps the largest
+/// rate of the last 20 ms. Long enough to hold the rate through the gaps of a jittery
+/// transport (20 pooled samples of 1 ms), short enough that a rail whose rate falls is
+/// followed within a few tens of milliseconds.
+pub const DEFAULT_BANDWIDTH_WINDOW_NS: u64 = 20_000_000;
+
+/// Lowest estimate the delivery estimator reports, bytes/s (1 Mbit/s): below it a rail is as
+/// good as down, and a positive floor keeps scores and windows finite.
+pub const MIN_DELIVERY_BYTES_PER_SEC: f64 = 125_000.0;
+
+/// How a rail's bandwidth estimate learns from delivery-rate samples.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub enum BandwidthEstimator {
+    /// The default (`"delivery"`): the largest delivery rate measured within
+    /// [`SelectorConfig::bandwidth_window_ns`] (a windowed max filter, as BBR keeps its
+    /// bottleneck bandwidth), smoothed by `bandwidth_learning_rate`. Bounded above by
+    /// `ewma_max_bandwidth_multiplier` × theoretical and below only by
+    /// [`MIN_DELIVERY_BYTES_PER_SEC`]: a rail that carries 3 % of its nominal speed is estimated
+    /// at 3 %. A jitter dip does not lower the estimate while a higher sample is in the window;
+    /// a real fall is followed once the window has passed.
+    #[default]
+    Delivery,
+    /// TENT's (`"tent"`): an EWMA of every sample, clamped to
+    /// [`ewma_min_bandwidth_multiplier`, `ewma_max_bandwidth_multiplier`] × theoretical. A rail
+    /// slower than the lower clamp is estimated at the clamp, whatever it carries.
+    Tent,
+}
+
+impl BandwidthEstimator {
+    /// The name the configuration uses: `"delivery"` or `"tent"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            BandwidthEstimator::Delivery => "delivery",
+            BandwidthEstimator::Tent => "tent",
+        }
+    }
+
+    /// The estimator called `name` in the configuration; `None` for any other string.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "delivery" => Some(BandwidthEstimator::Delivery),
+            "tent" => Some(BandwidthEstimator::Tent),
+            _ => None,
+        }
+    }
+}
+
 /// Parameters of slice spraying, with TENT's names and defaults.
 ///
 /// The engine's config module validates these; the selector assumes sane values but never
@@ -57,9 +113,11 @@ pub struct SelectorConfig {
     pub numa_penalties: Vec<f64>,
     /// α, the EWMA weight of the old estimate: 0 = take each sample, 1 = never learn. Default 0.01.
     pub bandwidth_learning_rate: f64,
-    /// Lower clamp of the EWMA as a fraction of theoretical bandwidth. Default 0.1.
+    /// Lower clamp of the EWMA as a fraction of theoretical bandwidth, applied by the TENT
+    /// estimator only ([`BandwidthEstimator::Tent`]). Default 0.1.
     pub ewma_min_bandwidth_multiplier: f64,
-    /// Upper clamp of the EWMA as a multiple of theoretical bandwidth. Default 10.0.
+    /// Upper clamp of the estimate as a multiple of theoretical bandwidth (both estimators).
+    /// Default 10.0.
     pub ewma_max_bandwidth_multiplier: f64,
     /// Jitter added to each score, uniform in `[0, score_jitter_range)` seconds. Default 1e-9.
     pub score_jitter_range: f64,
@@ -78,10 +136,18 @@ pub struct SelectorConfig {
     /// of small slices swing by orders of magnitude; pooling the bytes and busy time of
     /// consecutive completions for a millisecond measures the rail instead of the jitter.
     pub min_sample_ns: u64,
+    /// How the estimate learns (multirail's own setting `bandwidth_estimator`). Default
+    /// [`BandwidthEstimator::Delivery`].
+    pub estimator: BandwidthEstimator,
+    /// Window of the delivery estimator's max filter, ns (multirail's own setting
+    /// `bandwidth_window_us`; default [`DEFAULT_BANDWIDTH_WINDOW_NS`]). 0 keeps no history: the
+    /// latest sample that is not app-limited is the estimate.
+    pub bandwidth_window_ns: u64,
 }
 
 impl Default for SelectorConfig {
-    /// TENT's defaults.
+    /// TENT's defaults for TENT's keys; multirail's own keys (`min_sample_ns`, `estimator`,
+    /// `bandwidth_window_ns`) at theirs.
     fn default() -> Self {
         SelectorConfig {
             enable_smart_scheduling: true,
@@ -95,6 +161,8 @@ impl Default for SelectorConfig {
             min_bandwidth_gbps: 10.0,
             max_bandwidth_gbps: 800.0,
             min_sample_ns: DEFAULT_MIN_SAMPLE_NS,
+            estimator: BandwidthEstimator::Delivery,
+            bandwidth_window_ns: DEFAULT_BANDWIDTH_WINDOW_NS,
         }
     }
 }
@@ -250,6 +318,10 @@ struct Rail {
     /// Bytes and closed busy time pooled towards the next sample when `min_sample_ns` > 0.
     pooled_bytes: u64,
     pooled_busy_ns: u64,
+    /// Of `pooled_bytes`, those reported app-limited.
+    pooled_limited_bytes: u64,
+    /// The delivery estimator's recent best samples.
+    filter: MaxFilter,
     /// Start of the open busy period (something in flight since then), and the latest
     /// completion in it.
     segment_start_ns: Option<u64>,
@@ -261,7 +333,55 @@ struct Sample {
     start_ns: u64,
     end_ns: u64,
     bytes: u64,
+    /// Of `bytes`, those reported app-limited.
+    limited_bytes: u64,
     ewma_before: f64,
+    filter_before: MaxFilter,
+}
+
+/// A running maximum over a time window, kept in three samples: Kathleen Nichols' algorithm as
+/// Linux's `lib/win_minmax.c` writes it (BBR's bottleneck-bandwidth filter). `s[0]` is the best
+/// in the window, `s[1]` and `s[2]` the best of its later quarter-windows, so when the best
+/// expires the next best is at hand without keeping every sample. Samples expire only when a
+/// new one arrives: a rail that gives no sample keeps its estimate.
+#[derive(Debug, Clone, Copy, Default)]
+struct MaxFilter {
+    s: [(u64, f64); 3],
+}
+
+impl MaxFilter {
+    /// Adds `v` measured at `t` and returns the largest value within `win` of `t`.
+    fn update(&mut self, win: u64, t: u64, v: f64) -> f64 {
+        let val = (t, v);
+        // A new best, or nothing left in the window (or the first sample): start over.
+        if v >= self.s[0].1 || t.saturating_sub(self.s[2].0) > win {
+            self.s = [val; 3];
+            return v;
+        }
+        if v >= self.s[1].1 {
+            self.s[1] = val;
+            self.s[2] = val;
+        } else if v >= self.s[2].1 {
+            self.s[2] = val;
+        }
+        let dt = t.saturating_sub(self.s[0].0);
+        if dt > win {
+            // The best expired: the quarter-window bests move up, and the new value becomes the
+            // latest; once more if the second best expired too.
+            self.s = [self.s[1], self.s[2], val];
+            if t.saturating_sub(self.s[0].0) > win {
+                self.s = [self.s[1], self.s[2], val];
+            }
+        } else if self.s[1].0 == self.s[0].0 && dt > win / 4 {
+            // A quarter of the window passed with no new best: take a second choice from it.
+            self.s[1] = val;
+            self.s[2] = val;
+        } else if self.s[2].0 == self.s[1].0 && dt > win / 2 {
+            // Half the window passed: take a third choice from its later half.
+            self.s[2] = val;
+        }
+        self.s[0].1
+    }
 }
 
 impl Rail {
@@ -269,6 +389,28 @@ impl Rail {
         // Not f64::clamp: it panics when min > max, which an odd config may produce.
         self.ewma_bps = bps.min(self.max_bps).max(self.min_bps);
         self.secs_per_byte = 1.0 / self.ewma_bps;
+    }
+
+    /// Learns from a delivery-rate sample of `observed` bytes/s ending at `now_ns`.
+    fn learn(&mut self, cfg: &SelectorConfig, observed: f64, app_limited: bool, now_ns: u64) {
+        let before = self.ewma_bps;
+        // BBR's rule: a rail that was idle, had nothing queued or was held back by its window
+        // delivered what it was given, not what it can carry. Such a sample may show that the
+        // rail is faster than estimated, never that it is slower; taking it would shrink the
+        // window computed from the estimate, and the next sample with it (a spiral).
+        if app_limited && observed <= before {
+            return;
+        }
+        let alpha = cfg.bandwidth_learning_rate;
+        match cfg.estimator {
+            BandwidthEstimator::Tent => self.set_ewma(alpha * before + (1.0 - alpha) * observed),
+            BandwidthEstimator::Delivery => {
+                let best = self
+                    .filter
+                    .update(cfg.bandwidth_window_ns, now_ns, observed);
+                self.set_ewma(alpha * before + (1.0 - alpha) * best);
+            }
+        }
     }
 
     fn stats(&self) -> RailStats {
@@ -319,9 +461,13 @@ impl DeviceSelector {
             .iter()
             .map(|&g| {
                 let theoretical_bps = theoretical_bandwidth(&cfg, g) * BYTES_PER_S_PER_GBPS;
+                let min_bps = match cfg.estimator {
+                    BandwidthEstimator::Tent => theoretical_bps * cfg.ewma_min_bandwidth_multiplier,
+                    BandwidthEstimator::Delivery => MIN_DELIVERY_BYTES_PER_SEC,
+                };
                 let mut rail = Rail {
                     theoretical_bps,
-                    min_bps: theoretical_bps * cfg.ewma_min_bandwidth_multiplier,
+                    min_bps,
                     max_bps: theoretical_bps * cfg.ewma_max_bandwidth_multiplier,
                     ewma_bps: theoretical_bps,
                     secs_per_byte: 0.0,
@@ -333,6 +479,8 @@ impl DeviceSelector {
                     last_sample: None,
                     pooled_bytes: 0,
                     pooled_busy_ns: 0,
+                    pooled_limited_bytes: 0,
+                    filter: MaxFilter::default(),
                     segment_start_ns: None,
                     segment_end_ns: 0,
                 };
@@ -448,27 +596,11 @@ impl DeviceSelector {
     }
 
     /// Reports that a slice of `bytes` bytes assigned to `rail` completed at `now_ns`, having
-    /// been posted on the rail (handed to the wire, not merely queued) at `posted_at_ns`.
-    ///
-    /// The bytes leave the rail's in-flight count and join its totals, and the EWMA learns
-    /// `observed = bytes / (now − max(posted_at, previous completion on this rail))`, then is
-    /// clamped to `[ewma_min_bandwidth_multiplier, ewma_max_bandwidth_multiplier] ×
-    /// theoretical`. Why that interval: a pipelined rail has many slices in flight, so
-    /// `now − posted_at` of one slice includes waiting behind the others and measures latency
-    /// under load; the time since the previous completion (or since posting, if the rail was
-    /// idle) is the busy time that this slice alone accounts for, and bytes over it is the
-    /// rail's delivery rate. Timing from posting rather than queueing keeps the engine's own
-    /// queue wait out of the estimate.
-    ///
-    /// Completions the caller reaps in a batch carry the same `now_ns`; all but the first have
-    /// a zero interval. They are folded into the first one's sample (its EWMA update is redone
-    /// with their bytes added), because they were delivered within the same busy interval and
-    /// dropping them would divide the estimate by the batch size. Any other sample with a
-    /// non-positive interval (out-of-order timestamps, posting at `now_ns`) is counted as
-    /// completed but not learned from, as is a zero-byte slice.
+    /// been posted on the rail (handed to the wire, not merely queued) at `posted_at_ns`; its
+    /// sample counts as not app-limited. Same as [`DeviceSelector::on_delivered`] with
+    /// `app_limited = false`, which see.
     ///
     /// Fails with [`SelectError::UnknownRail`] (changing nothing) if `rail` does not exist.
-    /// Reporting more bytes than are in flight leaves 0 in flight rather than panicking.
     pub fn on_completed(
         &mut self,
         rail: RailId,
@@ -476,8 +608,49 @@ impl DeviceSelector {
         posted_at_ns: u64,
         now_ns: u64,
     ) -> Result<(), SelectError> {
-        let alpha = self.cfg.bandwidth_learning_rate;
-        let min_sample_ns = self.cfg.min_sample_ns;
+        self.on_delivered(rail, bytes, posted_at_ns, now_ns, false)
+    }
+
+    /// Reports that a slice of `bytes` bytes assigned to `rail` completed at `now_ns`, having
+    /// been posted on the rail (handed to the wire, not merely queued) at `posted_at_ns`.
+    /// `app_limited` says that the rail could not show its speed while this slice was in
+    /// flight: it was idle or had nothing more queued, or a window below what the link carries
+    /// held it back. The caller (the dispatcher) knows that; the selector does not.
+    ///
+    /// The bytes leave the rail's in-flight count and join its totals, and the estimate learns
+    /// `observed = bytes / (now − max(posted_at, previous completion on this rail))`: with the
+    /// delivery estimator the largest such rate within `bandwidth_window_ns`, with TENT's an
+    /// EWMA of every rate clamped to `[ewma_min_bandwidth_multiplier,
+    /// ewma_max_bandwidth_multiplier] × theoretical` (see [`BandwidthEstimator`]). A sample
+    /// whose bytes were mostly app-limited may raise the estimate, never lower it.
+    ///
+    /// Why that interval: a pipelined rail has many slices in flight, so `now − posted_at` of
+    /// one slice includes waiting behind the others and measures latency under load; the time
+    /// since the previous completion (or since posting, if the rail was idle) is the busy time
+    /// that this slice alone accounts for, and bytes over it is the rail's delivery rate.
+    /// Timing from posting rather than queueing keeps the engine's own queue wait out of the
+    /// estimate. With `min_sample_ns` > 0 the bytes and busy time of consecutive completions
+    /// are pooled until they span that much busy time, and the pool is one sample.
+    ///
+    /// Completions the caller reaps in a batch carry the same `now_ns`; all but the first have
+    /// a zero interval. They are folded into the first one's sample (its update is redone with
+    /// their bytes added), because they were delivered within the same busy interval and
+    /// dropping them would divide the estimate by the batch size. Any other sample with a
+    /// non-positive interval (out-of-order timestamps, posting at `now_ns`) is counted as
+    /// completed but not learned from, as is a zero-byte slice.
+    ///
+    /// Fails with [`SelectError::UnknownRail`] (changing nothing) if `rail` does not exist.
+    /// Reporting more bytes than are in flight leaves 0 in flight rather than panicking.
+    pub fn on_delivered(
+        &mut self,
+        rail: RailId,
+        bytes: u64,
+        posted_at_ns: u64,
+        now_ns: u64,
+        app_limited: bool,
+    ) -> Result<(), SelectError> {
+        let cfg = &self.cfg;
+        let min_sample_ns = cfg.min_sample_ns;
         let r = self
             .rails
             .get_mut(rail)
@@ -492,6 +665,7 @@ impl DeviceSelector {
         if bytes == 0 {
             return Ok(());
         }
+        let limited = if app_limited { bytes } else { 0 };
         if min_sample_ns > 0 {
             // Delivery rate over the rail's busy periods: a period opens when a slice is
             // posted on an idle rail and closes when nothing is left in flight. Completions
@@ -500,6 +674,7 @@ impl DeviceSelector {
             let seg_start = *r.segment_start_ns.get_or_insert(posted_at_ns.min(now_ns));
             r.segment_end_ns = r.segment_end_ns.max(now_ns);
             r.pooled_bytes = r.pooled_bytes.saturating_add(bytes);
+            r.pooled_limited_bytes = r.pooled_limited_bytes.saturating_add(limited);
             if r.inflight == 0 {
                 r.pooled_busy_ns += r.segment_end_ns.saturating_sub(seg_start);
                 r.segment_start_ns = None;
@@ -510,9 +685,12 @@ impl DeviceSelector {
             let busy = r.pooled_busy_ns + open;
             if busy >= min_sample_ns {
                 let observed = r.pooled_bytes as f64 * NS_PER_S / busy as f64;
-                r.set_ewma(alpha * r.ewma_bps + (1.0 - alpha) * observed);
+                let mostly_limited = r.pooled_limited_bytes > r.pooled_bytes / 2;
+                let end = r.segment_end_ns;
+                r.learn(cfg, observed, mostly_limited, end);
                 r.pooled_bytes = 0;
                 r.pooled_busy_ns = 0;
+                r.pooled_limited_bytes = 0;
                 if r.segment_start_ns.is_some() {
                     r.segment_start_ns = Some(r.segment_end_ns);
                 }
@@ -524,20 +702,27 @@ impl DeviceSelector {
                 start_ns: start,
                 end_ns: now_ns,
                 bytes,
+                limited_bytes: limited,
                 ewma_before: r.ewma_bps,
+                filter_before: r.filter,
             }
         } else {
             match r.last_sample {
                 // Same instant as the previous completion, and posted no later: same batch.
                 Some(prev) if prev.end_ns == now_ns && posted_at_ns <= now_ns => Sample {
                     bytes: prev.bytes.saturating_add(bytes),
+                    limited_bytes: prev.limited_bytes.saturating_add(limited),
                     ..prev
                 },
                 _ => return Ok(()),
             }
         };
         let observed = sample.bytes as f64 * NS_PER_S / (now_ns - sample.start_ns) as f64;
-        r.set_ewma(alpha * sample.ewma_before + (1.0 - alpha) * observed);
+        let mostly_limited = sample.limited_bytes > sample.bytes / 2;
+        // The batch's update is redone from the state before its first completion.
+        r.set_ewma(sample.ewma_before);
+        r.filter = sample.filter_before;
+        r.learn(cfg, observed, mostly_limited, now_ns);
         r.last_sample = Some(sample);
         Ok(())
     }
@@ -743,10 +928,12 @@ mod tests {
     const US: u64 = 1_000;
     const MS: u64 = 1_000_000;
 
-    /// TENT's selector: one bandwidth sample per slice (pooling is tested on its own).
+    /// TENT's selector: its clamped EWMA, one bandwidth sample per slice (pooling and the
+    /// delivery estimator are tested on their own).
     fn cfg() -> SelectorConfig {
         SelectorConfig {
             min_sample_ns: 0,
+            estimator: BandwidthEstimator::Tent,
             ..SelectorConfig::default()
         }
     }
@@ -1381,6 +1568,273 @@ mod tests {
         )
         .unwrap();
         assert_eq!(sel.select_one(&[&[0, 1]], S), Ok(1));
+    }
+
+    // --- the delivery estimator and app-limited samples --------------------------------
+
+    /// The default estimator (delivery, 1 ms pooled samples, 20 ms max filter).
+    fn delivery() -> SelectorConfig {
+        SelectorConfig::default()
+    }
+
+    /// A rail that serializes slices back to back at `gbps`, kept busy by a sender that posts a
+    /// new slice whenever one completes and always has `depth` in flight; the rate changes to
+    /// `after_gbps` at `change_ns`. Feeds `sel` (rail 0) from `from_ns` to `until_ns` of virtual
+    /// time and returns when it stopped; `at` is called after every completion with the time.
+    #[allow(clippy::too_many_arguments)]
+    fn saturate(
+        sel: &mut DeviceSelector,
+        slice: u64,
+        depth: usize,
+        gbps: f64,
+        change: (u64, f64),
+        from_ns: u64,
+        until_ns: u64,
+        mut at: impl FnMut(&DeviceSelector, u64),
+    ) -> u64 {
+        let mut posted: std::collections::VecDeque<u64> = (0..depth).map(|_| from_ns).collect();
+        for _ in 0..depth {
+            sel.select_one(&[&[0]], slice).unwrap();
+        }
+        // When the link has put out everything posted so far.
+        let mut wire_free = from_ns;
+        let mut now = from_ns;
+        while now < until_ns {
+            let p = posted.pop_front().unwrap();
+            let g = if wire_free >= change.0 {
+                change.1
+            } else {
+                gbps
+            };
+            let ser = (slice as f64 / (g * BYTES_PER_S_PER_GBPS) * NS_PER_S) as u64;
+            wire_free = wire_free.max(p) + ser.max(1);
+            now = wire_free + 2 * US;
+            sel.on_delivered(0, slice, p, now, false).unwrap();
+            at(sel, now);
+            sel.select_one(&[&[0]], slice).unwrap();
+            posted.push_back(now);
+        }
+        now
+    }
+
+    #[test]
+    fn app_limited_samples_raise_but_never_lower_the_estimate() {
+        for estimator in [BandwidthEstimator::Delivery, BandwidthEstimator::Tent] {
+            let c = SelectorConfig {
+                estimator,
+                min_sample_ns: 0,
+                ..SelectorConfig::default()
+            };
+            let mut sel = DeviceSelector::new(c, &[gbps(100.0)], 1);
+            // A trickle at a tenth of the rail's rate, app-limited: ignored.
+            for i in 0..50 {
+                let t = i * MS;
+                sel.on_delivered(0, bytes_at(10.0, MS), t, t + MS, true)
+                    .unwrap();
+                assert_eq!(ewma_gbps(&sel, 0), 100.0, "{estimator:?}");
+            }
+            // An app-limited sample above the estimate still raises it.
+            sel.on_delivered(0, bytes_at(150.0, MS), 60 * MS, 61 * MS, true)
+                .unwrap();
+            assert!(ewma_gbps(&sel, 0) > 140.0, "{estimator:?}");
+        }
+    }
+
+    #[test]
+    fn pooled_samples_that_are_mostly_app_limited_do_not_lower_the_estimate() {
+        let mut sel = DeviceSelector::new(delivery(), &[gbps(100.0)], 1);
+        let b = bytes_at(20.0, MS / 4);
+        for i in 0..40 {
+            let t = i * MS / 4;
+            sel.select_one(&[&[0]], b).unwrap();
+            // Three of every four slices app-limited.
+            sel.on_delivered(0, b, t, t + MS / 4, i % 4 != 0).unwrap();
+        }
+        assert_eq!(ewma_gbps(&sel, 0), 100.0);
+    }
+
+    #[test]
+    fn delivery_learns_a_rail_at_3_percent_of_nominal_within_20_ms() {
+        // A 10 Gbps NIC policed to 300 Mbit/s: TENT's clamp would hold it at 1 Gbps.
+        let mut sel = DeviceSelector::new(delivery(), &[gbps(10.0)], 1);
+        let mut learned_at = None;
+        saturate(
+            &mut sel,
+            64 * KIB,
+            8,
+            0.3,
+            (u64::MAX, 0.3),
+            0,
+            200 * MS,
+            |s, t| {
+                let e = s.rail_stats(0).unwrap().ewma_gbps;
+                if (e - 0.3).abs() <= 0.15 * 0.3 {
+                    learned_at.get_or_insert(t);
+                } else {
+                    learned_at = None;
+                }
+            },
+        );
+        let t = learned_at.expect("learned and kept");
+        assert!(t <= 20 * MS, "learned after {} ms", t / MS);
+        let tent = SelectorConfig {
+            estimator: BandwidthEstimator::Tent,
+            ..delivery()
+        };
+        let mut sel = DeviceSelector::new(tent, &[gbps(10.0)], 1);
+        saturate(
+            &mut sel,
+            64 * KIB,
+            8,
+            0.3,
+            (u64::MAX, 0.3),
+            0,
+            200 * MS,
+            |_, _| {},
+        );
+        assert!(close(ewma_gbps(&sel, 0), 1.0), "TENT's floor");
+    }
+
+    #[test]
+    fn delivery_follows_a_drop_to_a_quarter_within_a_second() {
+        let mut sel = DeviceSelector::new(delivery(), &[gbps(100.0)], 1);
+        let drop_at = 2_000 * MS;
+        let mut followed_at = None;
+        saturate(
+            &mut sel,
+            256 * KIB,
+            16,
+            100.0,
+            (drop_at, 25.0),
+            0,
+            4_000 * MS,
+            |s, t| {
+                let e = s.rail_stats(0).unwrap().ewma_gbps;
+                if t < drop_at {
+                    // Jitter-free: the rail's own rate (the latency is pipelined away).
+                    assert!((e - 100.0).abs() <= 15.0, "{e} at {t}");
+                } else if (e - 25.0).abs() <= 0.15 * 25.0 {
+                    followed_at.get_or_insert(t);
+                } else {
+                    followed_at = None;
+                }
+            },
+        );
+        let t = followed_at.expect("followed and kept");
+        assert!(t - drop_at <= 1_000 * MS, "after {} ms", (t - drop_at) / MS);
+        assert!(t - drop_at <= DEFAULT_BANDWIDTH_WINDOW_NS + 5 * MS);
+    }
+
+    #[test]
+    fn the_max_filter_holds_through_a_dip_and_lets_it_go_after_the_window() {
+        let c = SelectorConfig {
+            min_sample_ns: 0,
+            bandwidth_learning_rate: 0.0,
+            ..delivery()
+        };
+        let mut sel = DeviceSelector::new(c, &[gbps(100.0)], 1);
+        sel.on_completed(0, bytes_at(80.0, MS), 0, MS).unwrap();
+        assert!(close(ewma_gbps(&sel, 0), 80.0));
+        // Jitter: a slow millisecond inside the window does not lower it.
+        sel.on_completed(0, bytes_at(50.0, MS), MS, 2 * MS).unwrap();
+        assert!(close(ewma_gbps(&sel, 0), 80.0));
+        // Past the window the best sample expired: the later ones rule.
+        sel.on_completed(0, bytes_at(60.0, MS), 30 * MS, 31 * MS)
+            .unwrap();
+        assert!(close(ewma_gbps(&sel, 0), 60.0), "{}", ewma_gbps(&sel, 0));
+        // With no window the latest sample is the estimate.
+        let c = SelectorConfig {
+            bandwidth_window_ns: 0,
+            min_sample_ns: 0,
+            bandwidth_learning_rate: 0.0,
+            ..delivery()
+        };
+        let mut sel = DeviceSelector::new(c, &[gbps(100.0)], 1);
+        sel.on_completed(0, bytes_at(80.0, MS), 0, MS).unwrap();
+        sel.on_completed(0, bytes_at(50.0, MS), MS, 2 * MS).unwrap();
+        assert!(close(ewma_gbps(&sel, 0), 50.0));
+    }
+
+    #[test]
+    fn delivery_has_no_floor_tied_to_the_nominal_speed_but_keeps_the_ceiling() {
+        let c = SelectorConfig {
+            min_sample_ns: 0,
+            bandwidth_learning_rate: 0.0,
+            ..delivery()
+        };
+        let mut sel = DeviceSelector::new(c, &[gbps(100.0)], 1);
+        // 1 byte in 1 s: at the absolute floor, far below 0.1 × 100 Gbps.
+        sel.on_completed(0, 1, 0, 1_000_000_000).unwrap();
+        assert!(close(
+            ewma_gbps(&sel, 0),
+            MIN_DELIVERY_BYTES_PER_SEC / BYTES_PER_S_PER_GBPS
+        ));
+        sel.on_completed(0, 1_000_000, 2_000_000_000, 2_000_000_001)
+            .unwrap();
+        assert!(close(ewma_gbps(&sel, 0), 1000.0), "{}", ewma_gbps(&sel, 0));
+    }
+
+    #[test]
+    fn estimator_names_round_trip() {
+        for e in [BandwidthEstimator::Delivery, BandwidthEstimator::Tent] {
+            assert_eq!(BandwidthEstimator::from_name(e.name()), Some(e));
+        }
+        assert_eq!(BandwidthEstimator::from_name("bbr"), None);
+        assert_eq!(BandwidthEstimator::default(), BandwidthEstimator::Delivery);
+    }
+
+    proptest! {
+        /// Whatever the order and timing of samples, one marked app-limited never lowers the
+        /// estimate, in either estimator, pooled or not.
+        #[test]
+        fn app_limited_samples_never_lower_the_estimate(
+            tent in any::<bool>(),
+            pooled in any::<bool>(),
+            samples in prop::collection::vec(
+                (1u64..(4 << 20), 0u64..3_000_000, 1u64..3_000_000, any::<bool>()),
+                1..200,
+            ),
+        ) {
+            let c = SelectorConfig {
+                estimator: if tent { BandwidthEstimator::Tent } else { BandwidthEstimator::Delivery },
+                min_sample_ns: if pooled { MS } else { 0 },
+                ..SelectorConfig::default()
+            };
+            let mut sel = DeviceSelector::new(c, &[gbps(100.0)], 1);
+            let mut now = 0u64;
+            for (bytes, gap, dur, limited) in samples {
+                now += gap;
+                let before = ewma_gbps(&sel, 0);
+                sel.select_one(&[&[0]], bytes).unwrap();
+                sel.on_delivered(0, bytes, now, now + dur, limited).unwrap();
+                let after = ewma_gbps(&sel, 0);
+                if limited && !pooled {
+                    prop_assert!(after >= before, "{} -> {}", before, after);
+                }
+                prop_assert!(after.is_finite() && after > 0.0);
+                prop_assert!(after <= 1000.0 * (1.0 + 1e-12));
+                now += dur;
+            }
+        }
+
+        /// A saturated rail at any fraction of its nominal speed is reported within 15 % of
+        /// what it carries, once a few windows have passed.
+        #[test]
+        fn a_saturated_rail_is_reported_within_15_percent_of_its_rate(
+            nominal in 10.0f64..400.0,
+            fraction in 0.01f64..1.0,
+            slice_kib in 16u64..512,
+        ) {
+            let real = nominal * fraction;
+            let mut sel = DeviceSelector::new(delivery(), &[gbps(nominal)], 1);
+            let slice = slice_kib * KIB;
+            // Long enough for a few dozen slices at the slowest rate.
+            let ser_ns = slice as f64 / (real * BYTES_PER_S_PER_GBPS) * NS_PER_S;
+            let until = (ser_ns as u64 * 64).max(100 * MS);
+            saturate(&mut sel, slice, 8, real, (u64::MAX, real), 0, until, |_, _| {});
+            let e = ewma_gbps(&sel, 0);
+            prop_assert!((e - real).abs() <= 0.15 * real, "{} vs {}", e, real);
+        }
     }
 
     // --- failure and statistics ----------------------------------------------------------

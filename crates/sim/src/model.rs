@@ -148,6 +148,18 @@ impl Rails<Piece> for Host {
     fn completed(&mut self, rail: RailId, bytes: u64, posted_ns: u64, now_ns: u64) {
         let _ = self.selector.on_completed(rail, bytes, posted_ns, now_ns);
     }
+    fn delivered(
+        &mut self,
+        rail: RailId,
+        bytes: u64,
+        posted_ns: u64,
+        now_ns: u64,
+        app_limited: bool,
+    ) {
+        let _ = self
+            .selector
+            .on_delivered(rail, bytes, posted_ns, now_ns, app_limited);
+    }
     fn failed(&mut self, rail: RailId, bytes: u64) {
         let _ = self.selector.on_failed(rail, bytes);
     }
@@ -514,13 +526,14 @@ impl<'a> Sim<'a> {
         }
         let start = nic.busy_until[lane].max(self.now);
         let wire_ns = ((len as f64 / nic.bytes_per_ns) as u64).max(nic.op_ns);
-        // The other queue's backlog past `start` shares the wire: the overlap runs at half
-        // rate for both, which delays each by half of it.
+        // The other queue's backlog past `start` shares the wire: both run at half rate until
+        // the shorter of the two is sent, which delays each by the shorter one's length (the
+        // wire still carries exactly both in the time of both).
         let other = nic.busy_until[1 - lane];
-        let overlap = other.saturating_sub(start).min(2 * wire_ns);
-        let done = start + wire_ns + overlap / 2;
+        let shared = other.saturating_sub(start).min(wire_ns);
+        let done = start + wire_ns + shared;
         nic.busy_until[lane] = done;
-        nic.busy_until[1 - lane] = other.max(start) + if other > start { overlap / 2 } else { 0 };
+        nic.busy_until[1 - lane] = other + shared;
         let answer = done + 2 * nic.latency_ns;
         let generation = nic.generation;
         self.at(
@@ -690,10 +703,12 @@ impl<'a> Sim<'a> {
             .rails
             .iter()
             .zip(&self.rail_bytes)
-            .map(|(r, &b)| RailReport {
+            .zip(self.host.selector.stats())
+            .map(|((r, &b), est)| RailReport {
                 name: r.name.clone(),
                 bytes: b,
                 gb_per_s: b as f64 / secs / 1e9,
+                estimate_gb_per_s: est.ewma_gbps / 8.0,
             })
             .collect();
         let classes = self

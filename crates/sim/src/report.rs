@@ -45,6 +45,9 @@ pub struct RailReport {
     pub bytes: u64,
     /// Its average rate, GB/s.
     pub gb_per_s: f64,
+    /// The selector's bandwidth estimate of it at the end of the run, GB/s: what the policy
+    /// learned the rail carries.
+    pub estimate_gb_per_s: f64,
 }
 
 /// One workload's figures.
@@ -563,8 +566,8 @@ impl Report {
         for r in &self.rails {
             let _ = writeln!(
                 out,
-                "  rail {:<12} {:>16} bytes {:>9.3} GB/s",
-                r.name, r.bytes, r.gb_per_s
+                "  rail {:<12} {:>16} bytes {:>9.3} GB/s  estimate {:.3} GB/s",
+                r.name, r.bytes, r.gb_per_s, r.estimate_gb_per_s
             );
         }
         for c in &self.classes {

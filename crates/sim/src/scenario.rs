@@ -23,7 +23,7 @@ use multirail_policy::dispatch::{
 use multirail_policy::health::HealthConfig;
 use multirail_policy::lanes::{LanesConfig, LanesError};
 use multirail_policy::qos::{Priority, PromotionConfig};
-use multirail_policy::selector::SelectorConfig;
+use multirail_policy::selector::{BandwidthEstimator, SelectorConfig};
 use multirail_policy::slicing::{
     SlicePlan, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_SLICES, DEFAULT_MAX_SLICES_WRITE,
 };
@@ -170,6 +170,10 @@ pub struct Policy {
     pub max_bandwidth_gbps: f64,
     /// The engine's `transports.rdma.bandwidth_sample_min_us`: 0 to 1,000,000.
     pub bandwidth_sample_min_us: u64,
+    /// The engine's `transports.rdma.bandwidth_estimator`: `delivery` or `tent`.
+    pub bandwidth_estimator: String,
+    /// The engine's `transports.rdma.bandwidth_window_us`: 0 to 10,000,000.
+    pub bandwidth_window_us: u64,
     /// Promotion (`priority_promotion_timeout_us`, `priority_promotion_check_us`): each 1 to
     /// 3,600,000,000 (an hour).
     pub priority_promotion_timeout_us: u64,
@@ -233,6 +237,8 @@ impl Default for Policy {
             min_bandwidth_gbps: sel.min_bandwidth_gbps,
             max_bandwidth_gbps: sel.max_bandwidth_gbps,
             bandwidth_sample_min_us: sel.min_sample_ns / 1000,
+            bandwidth_estimator: sel.estimator.name().into(),
+            bandwidth_window_us: sel.bandwidth_window_ns / 1000,
             priority_promotion_timeout_us: promo.timeout_ns / 1000,
             priority_promotion_check_us: promo.check_ns / 1000,
             qos_promote_only_when_starved: promo.only_when_starved,
@@ -272,6 +278,9 @@ impl Policy {
             min_bandwidth_gbps: self.min_bandwidth_gbps,
             max_bandwidth_gbps: self.max_bandwidth_gbps,
             min_sample_ns: self.bandwidth_sample_min_us.saturating_mul(1000),
+            // Validation refuses any other name.
+            estimator: BandwidthEstimator::from_name(&self.bandwidth_estimator).unwrap_or_default(),
+            bandwidth_window_ns: self.bandwidth_window_us.saturating_mul(1000),
             ..SelectorConfig::default()
         }
     }
@@ -320,6 +329,12 @@ impl Policy {
                 self.bandwidth_sample_min_us,
                 0,
                 1_000_000,
+            ),
+            (
+                "bandwidth_window_us",
+                self.bandwidth_window_us,
+                0,
+                10_000_000,
             ),
             (
                 "priority_promotion_timeout_us",
@@ -385,6 +400,15 @@ impl Policy {
             ("link_check_ms", self.link_check_ms, 1, hour_ms),
         ] {
             within(key(k), v, min, max)?;
+        }
+        if BandwidthEstimator::from_name(&self.bandwidth_estimator).is_none() {
+            return Err(bad(
+                key("bandwidth_estimator"),
+                format!(
+                    "must be delivery or tent, got {:?}",
+                    self.bandwidth_estimator
+                ),
+            ));
         }
         if !["bdp", "fixed"].contains(&self.window_controller.as_str()) {
             return Err(bad(
@@ -1418,6 +1442,18 @@ mod tests {
         assert_eq!(
             parse_runs(&doc).unwrap_err().key,
             "runs[0].policy.window_controller"
+        );
+        let doc = MIN.trim_end_matches('}').to_owned()
+            + r#", "runs": [{"name": "x", "policy": {"bandwidth_estimator": "bbr"}}]}"#;
+        assert_eq!(
+            parse_runs(&doc).unwrap_err().key,
+            "runs[0].policy.bandwidth_estimator"
+        );
+        let doc = MIN.trim_end_matches('}').to_owned()
+            + r#", "runs": [{"name": "x", "policy": {"bandwidth_window_us": 20000000}}]}"#;
+        assert_eq!(
+            parse_runs(&doc).unwrap_err().key,
+            "runs[0].policy.bandwidth_window_us"
         );
         assert_eq!(parse_runs("{").unwrap_err().key, "");
     }

@@ -2,7 +2,7 @@
 //! transport that carries rails.
 
 use multirail_policy::qos::PromotionConfig;
-use multirail_policy::selector::SelectorConfig;
+use multirail_policy::selector::{BandwidthEstimator, SelectorConfig};
 
 use super::*;
 
@@ -16,9 +16,11 @@ pub struct RdmaConfig {
     pub numa_penalties: Vec<f64>,
     /// EWMA weight of the old estimate, within [0, 1]: 0 = take each observation, 1 = never learn.
     pub bandwidth_learning_rate: f64,
-    /// Lower clamp of the EWMA estimate as a fraction of theoretical bandwidth; > 0.
+    /// Lower clamp of the estimate as a fraction of theoretical bandwidth, applied only by
+    /// `bandwidth_estimator` `"tent"`; > 0.
     pub ewma_min_bandwidth_multiplier: f64,
-    /// Upper clamp of the EWMA estimate as a multiple of theoretical bandwidth; >= the min multiplier.
+    /// Upper clamp of the estimate as a multiple of theoretical bandwidth (both estimators);
+    /// >= the min multiplier.
     pub ewma_max_bandwidth_multiplier: f64,
     /// Random jitter added to scores so ties do not always pick the same rail; >= 0.
     pub score_jitter_range: f64,
@@ -51,6 +53,17 @@ pub struct RdmaConfig {
     /// multirail's own: busy time, in microseconds, a rail's bandwidth sample must span before
     /// the EWMA learns from it (default 1000; 0 = every slice is a sample, as TENT does).
     pub bandwidth_sample_min_us: u64,
+    /// multirail's own: how a rail's bandwidth estimate learns. `"delivery"` (default): the
+    /// largest delivery rate measured within `bandwidth_window_us`, with no floor tied to the
+    /// NIC's reported speed, so a rail policed far below it is learned as it is; `"tent"`:
+    /// TENT's EWMA clamped to `ewma_min_bandwidth_multiplier`..`ewma_max_bandwidth_multiplier`
+    /// of the reported speed. In both, samples taken while a rail was idle, had nothing
+    /// queued or was held back by its window may raise the estimate, never lower it.
+    pub bandwidth_estimator: String,
+    /// multirail's own: window of the delivery estimator's max filter, microseconds (default
+    /// 20000; 0..=10,000,000; 0 = the latest sample). A rail whose rate falls is followed
+    /// about this long after.
+    pub bandwidth_window_us: u64,
     /// multirail's RDMA transport: use RDMA devices when there are any (default true).
     pub enable: bool,
     /// RDMA devices to use, as `device` or `device/port` (e.g. `["mlx5_0", "mlx5_1/1"]`);
@@ -122,6 +135,8 @@ impl Default for RdmaConfig {
             qos_work_conserving: true,
             qos_promote_only_when_starved: promotion.only_when_starved,
             bandwidth_sample_min_us: sel.min_sample_ns / 1000,
+            bandwidth_estimator: sel.estimator.name().to_string(),
+            bandwidth_window_us: sel.bandwidth_window_ns / 1000,
             enable: true,
             devices: Vec::new(),
             max_endpoints: 256,
@@ -164,6 +179,8 @@ pub(crate) const RDMA_KEYS: &[&str] = &[
     "qos_work_conserving",
     "qos_promote_only_when_starved",
     "bandwidth_sample_min_us",
+    "bandwidth_estimator",
+    "bandwidth_window_us",
     "enable",
     "devices",
     "max_endpoints",
@@ -194,6 +211,9 @@ impl RdmaConfig {
             min_bandwidth_gbps: self.min_bandwidth_gbps,
             max_bandwidth_gbps: self.max_bandwidth_gbps,
             min_sample_ns: self.bandwidth_sample_min_us.saturating_mul(1000),
+            // Validation refuses any other name; unvalidated, the default applies.
+            estimator: BandwidthEstimator::from_name(&self.bandwidth_estimator).unwrap_or_default(),
+            bandwidth_window_ns: self.bandwidth_window_us.saturating_mul(1000),
         }
     }
 
@@ -314,6 +334,21 @@ impl RdmaConfig {
                 ));
             }
         }
+        if BandwidthEstimator::from_name(&self.bandwidth_estimator).is_none() {
+            return Err(ConfigError::new(
+                format!("{prefix}.bandwidth_estimator"),
+                format!(
+                    "must be \"delivery\" or \"tent\", got {:?}",
+                    self.bandwidth_estimator
+                ),
+            ));
+        }
+        within(
+            "bandwidth_window_us",
+            self.bandwidth_window_us,
+            0,
+            10_000_000,
+        )?;
         within("max_endpoints", self.max_endpoints as u64, 1, 65536)?;
         within("max_wr", self.max_wr.into(), 16, 32768)?;
         within("max_inline_data", self.max_inline_data.into(), 0, 4096)?;

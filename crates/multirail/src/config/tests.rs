@@ -684,6 +684,34 @@ fn ewma_multiplier_relations() {
 }
 
 #[test]
+fn bandwidth_estimator_keys() {
+    let d = RdmaConfig::default();
+    assert_eq!(d.bandwidth_estimator, "delivery");
+    assert_eq!(d.bandwidth_window_us, 20_000);
+    let sel = d.selector_config();
+    assert_eq!(
+        sel.estimator,
+        multirail_policy::selector::BandwidthEstimator::Delivery
+    );
+    assert_eq!(sel.bandwidth_window_ns, 20_000_000);
+    let c = parse(&rdma(
+        r#""bandwidth_estimator": "tent", "bandwidth_window_us": 0"#,
+    ))
+    .unwrap();
+    let sel = c.transports.rdma.selector_config();
+    assert_eq!(
+        sel.estimator,
+        multirail_policy::selector::BandwidthEstimator::Tent
+    );
+    assert_eq!(sel.bandwidth_window_ns, 0);
+    let e = parse_err(&rdma(r#""bandwidth_estimator": "bbr""#));
+    assert_eq!(e.key, "transports.rdma.bandwidth_estimator");
+    assert!(e.message.contains("\"delivery\" or \"tent\""), "{e}");
+    let e = parse_err(&rdma(r#""bandwidth_window_us": 10000001"#));
+    assert_eq!(e.key, "transports.rdma.bandwidth_window_us");
+}
+
+#[test]
 fn other_rdma_ranges() {
     for (body, key) in [
         (r#""score_jitter_range": -1e-9"#, "score_jitter_range"),
@@ -1150,6 +1178,10 @@ fn rdma_transport_settings_are_checked_and_name_their_key() {
         "transports.rdma.receive.registration_chunks"
     );
     assert_eq!(
+        key(r#""receive": {"spin_us": 1000001}"#),
+        "transports.rdma.receive.spin_us"
+    );
+    assert_eq!(
         key(r#""max_inline_data": 5000"#),
         "transports.rdma.max_inline_data"
     );
@@ -1276,4 +1308,30 @@ fn stream_pause_and_shm_inline_bytes_have_defaults_and_bounds() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("transports.tcp.stream_pause_us"), "{err}");
+}
+
+#[test]
+fn receive_spin_defaults_and_is_checked_naming_its_key() {
+    let c = parse("{}").unwrap();
+    for r in [
+        &c.transports.tcp.receive,
+        &c.transports.shm.receive,
+        &c.transports.rdma.receive,
+    ] {
+        assert_eq!((r.spin_us, r.adaptive_spin), (200, true));
+    }
+    let c = parse(
+        r#"{"transports": {"shm": {"receive": {"spin_us": 0, "adaptive_spin": false}},
+                           "tcp": {"receive": {"spin_us": 1000000}}}}"#,
+    )
+    .unwrap();
+    assert_eq!(c.transports.shm.receive.spin_us, 0);
+    assert!(!c.transports.shm.receive.adaptive_spin);
+    assert_eq!(c.transports.tcp.receive.spin_us, 1_000_000);
+    for t in ["tcp", "shm"] {
+        let e = parse_err(&format!(
+            r#"{{"transports": {{"{t}": {{"receive": {{"spin_us": 2000000}}}}}}}}"#
+        ));
+        assert_eq!(e.key, format!("transports.{t}.receive.spin_us"));
+    }
 }

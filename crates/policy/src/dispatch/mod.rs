@@ -94,6 +94,24 @@ pub trait Rails<T> {
     fn select(&mut self, candidates: &[Vec<RailId>; 3], shape: SliceShape, out: &mut Vec<RailId>);
     /// A slice of `bytes` on `rail`, posted at `posted_ns`, was answered at `now_ns`.
     fn completed(&mut self, rail: RailId, bytes: u64, posted_ns: u64, now_ns: u64);
+    /// A slice of `bytes` on `rail`, posted at `posted_ns`, was answered at `now_ns`;
+    /// `app_limited` when the path could not show the rail's speed meanwhile (nothing else
+    /// was queued, or the slice found no queue ahead of it: the rail was idle or held below its
+    /// link by the window). Pass it to `DeviceSelector::on_delivered`, which then never lowers
+    /// the estimate from that sample. The dispatcher calls this, not `completed`; the default
+    /// forwards to `completed` and drops the flag, so an implementation written before the flag
+    /// learns from every sample as it did.
+    fn delivered(
+        &mut self,
+        rail: RailId,
+        bytes: u64,
+        posted_ns: u64,
+        now_ns: u64,
+        app_limited: bool,
+    ) {
+        let _ = app_limited;
+        self.completed(rail, bytes, posted_ns, now_ns);
+    }
     /// A slice of `bytes` on `rail` failed or was refused by the target.
     fn failed(&mut self, rail: RailId, bytes: u64);
     /// A slice of `bytes` charged to `rail` by `select` never went there.
@@ -560,6 +578,8 @@ impl<T: Payload> Dispatcher<T> {
         ok: bool,
         rails: &mut impl Rails<T>,
     ) -> bool {
+        // Nothing waits to be dealt: whatever the path has in flight is all there was to send.
+        let nothing_queued = self.queue.is_empty();
         let Some(path) = self.paths.get_mut(id.path) else {
             return false;
         };
@@ -569,9 +589,13 @@ impl<T: Payload> Dispatcher<T> {
         let rail = path.rail;
         if ok {
             let sent = sent.unwrap_or(rec.posted_ns);
-            rails.completed(rail, rec.len, sent, now);
             let rtt = now.saturating_sub(sent);
             let bw = self.bandwidth.get(rail).copied().unwrap_or(0.0);
+            // The rail showed its speed only if it had more to send and this slice waited
+            // behind other bytes; otherwise the sample may raise the estimate but not lower
+            // it (DESIGN data-path rule 8, BBR's app-limited samples).
+            let app_limited = nothing_queued || !path.rtt.saw_queue(rtt, rec.len, bw);
+            rails.delivered(rail, rec.len, sent, now, app_limited);
             path.rtt.on_sample(rtt, rec.len, bw);
             path.controller.on_completed(now, rec.len, rtt);
         } else {
@@ -584,7 +608,10 @@ impl<T: Payload> Dispatcher<T> {
         self.wants_refill(id.path, rec.len, rails)
     }
 
-    /// Whether `path`, having just drained a slice of `bytes`, should be refilled now.
+    /// Whether `path`, having just drained a slice of `bytes`, should be refilled now: when
+    /// HIGH work waits, when it holds less than a pipe (see [`Window::pipe`]), or when half of what the
+    /// waiting level may hold there (at most half a full window) has drained, so the sender
+    /// gets several slices per wake-up instead of one.
     fn wants_refill(&self, p: PathId, bytes: u64, rails: &impl Rails<T>) -> bool {
         let depths = self.queue.depths();
         match depths.iter().position(|&n| n > 0) {
@@ -595,7 +622,12 @@ impl<T: Payload> Dispatcher<T> {
                 let window = self.window(p, bytes);
                 let high_active = rails.has_work(Priority::High);
                 let allowed = allowance(prio, window, high_active, true);
-                self.paths[p].posted + (window.full / 2).min(allowed / 2) <= allowed
+                let posted = self.paths[p].posted;
+                // Below a pipe the rail idles until the next deal: waiting for half of a lean
+                // allowance of one pipe to drain would keep bulk beside HIGH at three quarters
+                // of it on average, and the rail below its rate.
+                posted < window.pipe.min(allowed)
+                    || posted + (window.full / 2).min(allowed / 2) <= allowed
             }
         }
     }

@@ -40,6 +40,8 @@ struct Host {
     slot_admits_all: bool,
     unassigned: u64,
     holds: u32,
+    /// Answers reported app-limited.
+    limited: u64,
 }
 
 impl Host {
@@ -57,6 +59,7 @@ impl Host {
             slot_admits_all: true,
             unassigned: 0,
             holds: 0,
+            limited: 0,
         }
     }
 }
@@ -99,6 +102,19 @@ impl Rails<Piece> for Host {
     fn completed(&mut self, rail: RailId, bytes: u64, posted_ns: u64, now_ns: u64) {
         self.selector
             .on_completed(rail, bytes, posted_ns, now_ns)
+            .unwrap();
+    }
+    fn delivered(
+        &mut self,
+        rail: RailId,
+        bytes: u64,
+        posted_ns: u64,
+        now_ns: u64,
+        app_limited: bool,
+    ) {
+        self.limited += u64::from(app_limited);
+        self.selector
+            .on_delivered(rail, bytes, posted_ns, now_ns, app_limited)
             .unwrap();
     }
     fn failed(&mut self, rail: RailId, bytes: u64) {
@@ -626,4 +642,83 @@ proptest! {
         }
         prop_assert!(!posts.is_empty());
     }
+}
+
+#[test]
+fn a_trickle_with_nothing_queued_reports_app_limited_samples() {
+    // HIGH slices one at a time on an idle 100 Gbps rail: each is alone, so its delivery rate
+    // is the sender's, and the rail's estimate must not fall to it.
+    let mut host = Host::new(&[100.0], true);
+    host.high = true;
+    let mut d = dispatcher(1);
+    let mut t = 0;
+    for i in 0..50 {
+        d.on_submit(t, Priority::High, pieces(i, 1, 64 << 10));
+        let posts = drain(&mut d, t, &mut host);
+        assert_eq!(posts.len(), 1);
+        // 64 KiB takes 5.2 µs at 100 Gbps; answered after 10 µs, then idle for 90.
+        d.on_completed(t + 10 * US, posts[0].id, Some(t), &mut host);
+        t += 100 * US;
+    }
+    assert_eq!(host.limited, 50);
+    assert_eq!(host.selector.rail_stats(0).unwrap().ewma_gbps, 100.0);
+}
+
+#[test]
+fn slices_that_queued_behind_others_with_work_waiting_are_link_samples() {
+    // A backlog on a rail that really carries 10 Gbps of its reported 100: slices wait behind
+    // each other on the wire, so their samples show the link and the estimate falls to it.
+    let mut host = Host::new(&[100.0], true);
+    let mut d = dispatcher(1);
+    d.on_submit(0, Priority::Low, pieces(0, 4000, 64 << 10));
+    let ser = (65536.0 / (10.0 * 1e9 / 8.0) * 1e9) as u64;
+    let mut wire_free = 0u64;
+    let mut now = 0u64;
+    let mut inflight: VecDeque<(SliceId, u64)> = VecDeque::new();
+    let mut linked = 0;
+    for _ in 0..3000 {
+        for p in drain(&mut d, now, &mut host) {
+            inflight.push_back((p.id, now));
+        }
+        let Some((id, posted)) = inflight.pop_front() else {
+            break;
+        };
+        wire_free = wire_free.max(posted) + ser;
+        now = wire_free + 20 * US;
+        let before = host.limited;
+        d.on_completed(now, id, Some(posted), &mut host);
+        linked += u64::from(host.limited == before);
+    }
+    assert!(linked > 2000, "{linked} link samples");
+    let e = host.selector.rail_stats(0).unwrap().ewma_gbps;
+    assert!((e - 10.0).abs() < 1.5, "estimate {e} Gbps");
+}
+
+#[test]
+fn bulk_beside_high_keeps_at_least_a_pipe_in_flight() {
+    // One 100 Gbps rail with a 10 µs fixed round trip: a pipe is 125 kB + the slice. Bulk
+    // beside HIGH at the lean window (one product, so one pipe) must be refilled as soon as it
+    // drops below a pipe, or the rail idles between answers and measures less than it carries.
+    let mut host = Host::new(&[100.0], true);
+    host.high = true;
+    host.bulk = true;
+    let mut d = dispatcher(1);
+    d.on_submit(0, Priority::Low, pieces(0, 400, 64 << 10));
+    let mut now = 0;
+    // Every slice of the first deal answered after the fixed 10 µs plus its 5.2 µs on the
+    // wire (as if each went alone): the round trip is learned.
+    let rtt = 10 * US + 5_243;
+    for p in drain(&mut d, now, &mut host) {
+        now += 1;
+        d.on_completed(now + rtt, p.id, Some(now), &mut host);
+    }
+    now += rtt;
+    let w = d.window(0, 64 << 10);
+    assert_eq!(w.pipe, w.lean);
+    assert!(w.pipe >= 125_000 + (64 << 10) - 1, "{w:?}");
+    let posts = drain(&mut d, now, &mut host);
+    assert!(d.in_flight(0) >= w.pipe);
+    // One answer takes it below the pipe: the dispatcher asks to be polled at once.
+    now += 5 * US;
+    assert!(d.on_completed(now, posts[0].id, Some(now - 15 * US), &mut host));
 }

@@ -16,7 +16,9 @@ pub const DEFAULT_INITIAL_WINDOW: u64 = 1 << 20;
 /// p99).
 pub const DEFAULT_WINDOW_BDPS: f64 = 8.0;
 /// Bandwidth-delay products bulk may keep in flight on a rail while HIGH work is active: what
-/// keeps the rail busy, so a HIGH slice finds almost nothing queued ahead of it.
+/// keeps the rail busy, so a HIGH slice finds almost nothing queued ahead of it. Every window
+/// also holds at least one *pipe* (a product plus the slice being put on the wire; see
+/// [`BdpController`]), so one product means one pipe.
 pub const DEFAULT_LEAN_BDPS: f64 = 1.0;
 /// Most time's worth of a rail's bandwidth a window holds: a slow rail's queue (a shaped
 /// link's, a switch's) then never holds more than a millisecond's worth, which is what a HIGH
@@ -30,6 +32,10 @@ pub struct Window {
     pub full: u64,
     /// For bulk beside HIGH work: about what keeps the rail busy.
     pub lean: u64,
+    /// What keeps the rail busy: one bandwidth-delay product plus the slice on the wire (0 when
+    /// the controller does not know). A path holding less idles between answers, so the
+    /// dispatcher refills it without waiting for more to drain.
+    pub pipe: u64,
 }
 
 /// Round-trip estimate of one path, from answered slices.
@@ -99,6 +105,26 @@ impl RttEstimator {
     pub fn latest_ns(&self) -> u64 {
         self.latest_ns
     }
+
+    /// Whether a slice of `bytes` answered after `rtt_ns`, on a rail estimated at
+    /// `bytes_per_sec` (0 = unknown), waited behind other bytes: its round trip exceeds the
+    /// smallest fixed part seen plus one and a half times its own time on the wire, so it found
+    /// at least half a slice's worth queued ahead of it. A slice that found no queue says the
+    /// rail was not full while it was in flight (idle, or held below the link by its window):
+    /// its delivery rate measures the sender, not the rail. False before the first sample
+    /// (nothing to compare with). Call it before [`on_sample`](Self::on_sample) with the same
+    /// slice, so the slice is not compared with itself.
+    pub fn saw_queue(&self, rtt_ns: u64, bytes: u64, bytes_per_sec: f64) -> bool {
+        let Some(fixed) = self.min_fixed_ns else {
+            return false;
+        };
+        let serialization_ns = if bytes_per_sec > 0.0 {
+            bytes as f64 * 1e9 / bytes_per_sec
+        } else {
+            0.0
+        };
+        rtt_ns as f64 > fixed as f64 + 1.5 * serialization_ns
+    }
 }
 
 /// Turns a path's round-trip estimate and its rail's bandwidth into a window. One per path;
@@ -150,19 +176,34 @@ impl WindowController for BdpController {
     }
 
     /// `full` is `window_bdps` bandwidth-delay products (bandwidth × the smallest fixed round
-    /// trip), `lean` is `lean_bdps` of them, both at most `max_queue_ns` of the bandwidth and at
-    /// least one slice. The margin of `full` covers what the estimate misses on a CPU-bound
-    /// link such as loopback; the time cap keeps a slow rail's queue short.
+    /// trip), `lean` is `lean_bdps` of them; each at least one *pipe* (one product plus the
+    /// slice: what keeps the rail busy, since a slice is answered only after its whole length
+    /// went on the wire), then at most `max_queue_ns` of the bandwidth, and at least one slice.
+    /// The margin of `full` covers what the estimate misses on a CPU-bound link such as
+    /// loopback; the time cap keeps a slow rail's queue short.
+    ///
+    /// Why the pipe: a window below it leaves the rail idle between answers, the delivery rate
+    /// measured then is below the link's, and a window computed from that lower estimate is
+    /// smaller again. With at least a pipe in flight an underestimated rail delivers more than
+    /// its estimate, so the estimate (and the window with it) climbs back to the link's rate,
+    /// as BBR's congestion-window gain above one product does.
     fn window(&self, rtt: &RttEstimator, bytes_per_sec: f64, slice: u64) -> Window {
         let Some(fixed) = rtt.min_fixed_ns() else {
             let w = self.initial_window.max(slice);
-            return Window { full: w, lean: w };
+            return Window {
+                full: w,
+                lean: w,
+                pipe: 0,
+            };
         };
         let bdp = bytes_per_sec * fixed as f64 / 1e9;
+        let pipe = bdp + slice as f64;
         let cap = bytes_per_sec * self.max_queue_ns as f64 / 1e9;
+        let bound = |bdps: f64| ((bdps * bdp).max(pipe).min(cap) as u64).max(slice);
         Window {
-            full: ((self.window_bdps * bdp).min(cap) as u64).max(slice),
-            lean: ((self.lean_bdps * bdp).min(cap) as u64).max(slice),
+            full: bound(self.window_bdps),
+            lean: bound(self.lean_bdps),
+            pipe: bound(0.0),
         }
     }
 }
@@ -183,7 +224,11 @@ impl WindowController for FixedController {
 
     fn window(&self, _rtt: &RttEstimator, _bytes_per_sec: f64, slice: u64) -> Window {
         let w = self.bytes.max(slice);
-        Window { full: w, lean: w }
+        Window {
+            full: w,
+            lean: w,
+            pipe: 0,
+        }
     }
 }
 
@@ -240,7 +285,13 @@ mod tests {
         rtt.on_sample(100_000, 0, 1e9);
         let w = c.window(&rtt, 1e9, 65536);
         assert_eq!(w.full, 800_000);
-        assert_eq!(w.lean, 100_000);
+        // One product is below a pipe (the product plus the slice on the wire): a pipe.
+        assert_eq!(w.lean, 100_000 + 65536);
+        let two = BdpController {
+            lean_bdps: 2.0,
+            ..c
+        };
+        assert_eq!(two.window(&rtt, 1e9, 65536).lean, 200_000);
         // 1 ms fixed: 8 BDPs would be 8 MB; the cap holds it to 1 ms = 1 MB.
         let mut slow = RttEstimator::new();
         slow.on_sample(1_000_000, 0, 1e9);

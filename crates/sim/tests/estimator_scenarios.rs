@@ -1,0 +1,92 @@
+//! The bandwidth estimator in the scenarios under `sim/scenarios/`: bulk beside HIGH at TCP
+//! rails' lean window keeps the line rate, and shaped rails far below their reported speed are
+//! learned as they are. Runs are shortened where a debug build would take long; the test says
+//! why that does not change what is checked.
+
+use std::path::Path;
+
+use multirail_sim::{parse_runs, simulate, Report, Run};
+
+fn run_with(file: &str, run: &str, tweak: impl FnOnce(&mut Run)) -> Report {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../sim/scenarios")
+        .join(file);
+    let text = std::fs::read_to_string(&path).expect("scenario file exists");
+    let runs = parse_runs(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut wanted = runs
+        .into_iter()
+        .find(|r| r.name.ends_with(&format!("/{run}")))
+        .unwrap_or_else(|| panic!("{file} has no run {run}"));
+    tweak(&mut wanted);
+    simulate(&wanted).expect("runs")
+}
+
+/// 40 ms instead of 200: the estimate and windows settle within the first milliseconds (the
+/// spiral this guards against took the rails to a quarter of the line rate within 10 ms).
+fn qos(run: &str) -> Report {
+    run_with("qos-8x400.json", run, |r| r.duration_ms = 40)
+}
+
+#[test]
+fn bulk_beside_high_at_the_tcp_lean_window_keeps_the_line_rate() {
+    let alone = qos("high-alone");
+    let beside = qos("beside-lean1");
+    let class = |r: &Report, name: &str| {
+        r.classes
+            .iter()
+            .find(|c| c.workload == name)
+            .cloned()
+            .expect("workload reported")
+    };
+    let low: f64 = beside
+        .classes
+        .iter()
+        .filter(|c| c.priority == "low")
+        .map(|c| c.gb_per_s)
+        .sum();
+    assert!(
+        low >= 0.9 * beside.line_rate_gb_per_s,
+        "LOW {low:.1} GB/s of {:.1}",
+        beside.line_rate_gb_per_s
+    );
+    let p99 = class(&beside, "high").latency_us.p99;
+    let alone_p99 = class(&alone, "high").latency_us.p99;
+    assert!(
+        p99 <= 2.0 * alone_p99,
+        "HIGH p99 {p99} us, alone {alone_p99} us"
+    );
+    // The rails' estimates stay at their line rate: nothing spiralled down.
+    for r in &beside.rails {
+        assert!(
+            r.estimate_gb_per_s >= 0.85 * 50.0,
+            "{}: {}",
+            r.name,
+            r.estimate_gb_per_s
+        );
+    }
+}
+
+#[test]
+fn shaped_rails_are_learned_within_15_percent_of_what_they_carry() {
+    // 0.8, 0.4, 0.2 and 0.2 Gbps behind NICs that report 10: 2 to 8 % of the nominal speed.
+    let smart = run_with("netns-4rails.json", "smart", |_| {});
+    for r in &smart.rails {
+        let carried = r.gb_per_s;
+        assert!(
+            (r.estimate_gb_per_s - carried).abs() <= 0.15 * carried,
+            "{}: estimate {} GB/s, carries {carried} GB/s",
+            r.name,
+            r.estimate_gb_per_s
+        );
+    }
+    // Rail 0 drops to 0.1 Gbps at 3 s: followed, and the total is back within a second.
+    let adapt = run_with("netns-4rails.json", "adapt", |_| {});
+    let now = 0.1 * 0.9564 / 8.0;
+    let est = adapt.rails[0].estimate_gb_per_s;
+    assert!(
+        (est - now).abs() <= 0.15 * now,
+        "rail 0 estimate {est} GB/s"
+    );
+    let back = adapt.adaptation[0].recovered_ms.expect("recovers");
+    assert!(back <= 1000, "{back} ms");
+}
