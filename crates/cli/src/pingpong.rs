@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
-use multirail::config::{ReturnOrder, ReturnPolicy};
+use multirail::config::{ReturnOrder, ReturnPolicy, MAX_SPIN_US};
 use multirail::{Config, Engine, TransportChoice};
 use multirail_policy::latency::{self, PatternReport, Summary};
 use multirail_policy::receive::{MAX_BUFFER_SIZE, MAX_QUEUE_DEPTH, MAX_SGE};
@@ -31,6 +31,8 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_ITERATIONS: u64 = 10_000_000;
 /// Longest spin between an answer and the next message, µs (a second).
 const MAX_THINK_US: u64 = 1_000_000;
+/// Longest silence before a round trip, ms (a minute).
+const MAX_GAP_MS: u64 = 60_000;
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Transport {
@@ -108,6 +110,19 @@ pub struct PingpongArgs {
     /// (before-reply).
     #[arg(long, value_enum)]
     return_order: Option<OrderArg>,
+    /// Microseconds a waiting receive polls before it sleeps on the doorbell, on both sides,
+    /// 0 to 1000000. Default: the configuration's `transports.<transport>.receive.spin_us`
+    /// (200).
+    #[arg(long, value_parser = limits::count_setting::<u64>(
+        0, MAX_SPIN_US, "transports.<transport>.receive.spin_us"))]
+    spin_us: Option<u64>,
+    /// Milliseconds of silence before each measured round trip, 0 to 60000: the client sleeps
+    /// that long, so the server's receive has gone to sleep on its doorbell when the message
+    /// comes; the report then adds the first message's delivery (the round trip less the
+    /// busy one-way latency of the warm-up, whose answers the client waits for spinning).
+    /// Default: 0.
+    #[arg(long, default_value_t = 0, value_parser = limits::count::<u64>(0, MAX_GAP_MS))]
+    gap_ms: u64,
     /// Microseconds the client spins between an answer and its next message, 0 to 1000000.
     /// Default: 0.
     #[arg(long, default_value_t = 0, value_parser = limits::count::<u64>(0, MAX_THINK_US))]
@@ -167,6 +182,9 @@ impl PingpongArgs {
                     OrderArg::AfterReply => ReturnOrder::AfterReply,
                 };
             }
+            if let Some(v) = self.spin_us {
+                r.spin_us = v;
+            }
             r.buffer_size = r.buffer_size.max(self.size);
         }
     }
@@ -200,6 +218,7 @@ impl PingpongArgs {
             self.registration_chunks.map(|v| v.to_string()),
         );
         opt("max-sge", self.max_sge.map(|v| v.to_string()));
+        opt("spin-us", self.spin_us.map(|v| v.to_string()));
         opt(
             "return-policy",
             self.return_policy.map(|v| {
@@ -344,11 +363,17 @@ fn client(config: Config, args: &PingpongArgs, target: &str) -> Result<(), Failu
     let total = args.warmup + args.iterations;
     let mut rtt = Vec::with_capacity(args.iterations);
     let think = Duration::from_micros(args.think_us);
+    let gap = Duration::from_millis(args.gap_ms);
+    // Warm-up round trips (busy), for the busy one-way latency a gap's report subtracts.
+    let mut warm = Vec::with_capacity(args.warmup.min(100_000));
     let clock = Ticks::start();
     // The previous answer is dropped after the next message went out, as the server drops a
     // message after answering it: freeing it is not part of a round trip.
     let mut previous = None;
     for i in 0..total {
+        if i >= args.warmup && !gap.is_zero() {
+            std::thread::sleep(gap);
+        }
         let t0 = clock.now();
         engine.send(seg, &msg)?;
         drop(previous.take());
@@ -366,6 +391,8 @@ fn client(config: Config, args: &PingpongArgs, target: &str) -> Result<(), Failu
         }
         if i >= args.warmup {
             rtt.push(took);
+        } else if warm.len() < warm.capacity() {
+            warm.push(took);
         }
         previous = Some(answer);
         if !think.is_zero() {
@@ -390,11 +417,13 @@ fn client(config: Config, args: &PingpongArgs, target: &str) -> Result<(), Failu
         "incoming": lane_of(&lanes.incoming),
     });
     engine.send(seg, &[])?;
+    let engine_sleeps = engine.message_stats().recv_sleeps;
     let ns_per_tick = clock.ns_per_tick();
     for v in rtt.iter_mut() {
         *v = (*v as f64 * ns_per_tick).round() as u64;
     }
     let summary = Summary::from_round_trips(&rtt).expect("at least one iteration");
+    let first = (!gap.is_zero()).then(|| first_message(&rtt, &mut warm, ns_per_tick));
     let patterns = latency::find_patterns(&rtt);
     if let Some(path) = &args.trace {
         write_trace(path, &rtt).with_context(|| format!("writing {}", path.display()))?;
@@ -432,10 +461,61 @@ fn client(config: Config, args: &PingpongArgs, target: &str) -> Result<(), Failu
             })).collect::<Vec<_>>(),
             "others_round_trip_us": patterns.others_ns / 1000.0,
             "lanes": lanes_json,
+            "spin_us": receive.spin_us,
+            "gap_ms": args.gap_ms,
+            "first_message": first.as_ref().map(|f| serde_json::json!({
+                "busy_one_way_us": f.busy_one_way_us,
+                "p50_us": f.p50_us,
+                "p90_us": f.p90_us,
+                "p99_us": f.p99_us,
+                "max_us": f.max_us,
+            })),
+            "client_recv_sleeps": engine_sleeps,
         });
         outln!("{}", serde_json::to_string_pretty(&json).expect("json"))
     } else {
-        print_table(transport, args.size, &receive, &summary, &patterns)
+        print_table(transport, args.size, &receive, &summary, &patterns)?;
+        if let Some(f) = first {
+            outln!(
+                "first message after {} ms of silence (round trip less the busy one-way {:.2} µs): p50 {:.2} µs, p90 {:.2}, p99 {:.2}, max {:.2}",
+                args.gap_ms, f.busy_one_way_us, f.p50_us, f.p90_us, f.p99_us, f.max_us
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The delivery of a message after a silence, from `--gap-ms` round trips.
+struct FirstMessage {
+    busy_one_way_us: f64,
+    p50_us: f64,
+    p90_us: f64,
+    p99_us: f64,
+    max_us: f64,
+}
+
+/// The gap round trips `rtt` (ns) less the busy one-way latency (half the median of the
+/// warm-up's round trips `warm`, in ticks of `ns_per_tick`): how long the first message after
+/// a silence took to be received, its answer having come back as fast as when busy.
+fn first_message(rtt: &[u64], warm: &mut [u64], ns_per_tick: f64) -> FirstMessage {
+    warm.sort_unstable();
+    let busy_ns = if warm.is_empty() {
+        0.0
+    } else {
+        warm[warm.len() / 2] as f64 * ns_per_tick / 2.0
+    };
+    let mut first: Vec<f64> = rtt
+        .iter()
+        .map(|&r| ((r as f64 - busy_ns) / 1000.0).max(0.0))
+        .collect();
+    first.sort_by(f64::total_cmp);
+    let at = |p: f64| first[((first.len() - 1) as f64 * p).round() as usize];
+    FirstMessage {
+        busy_one_way_us: busy_ns / 1000.0,
+        p50_us: at(0.5),
+        p90_us: at(0.9),
+        p99_us: at(0.99),
+        max_us: at(1.0),
     }
 }
 

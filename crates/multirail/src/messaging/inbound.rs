@@ -266,6 +266,8 @@ impl Messaging {
             return Err(refuse(conn.stream, e));
         }
         rx.add_conn(conn);
+        // A receiver asleep on the doorbell does not watch the new connection yet.
+        self.bell.ring_local();
         let Rx { conns, pools, .. } = &mut *rx;
         grant(conns, pools, key);
         Ok(())
@@ -359,6 +361,10 @@ impl Messaging {
         }
         self.poll_tail(rx);
         rx.sole_tcp = rx.sole_tcp();
+        if !rx.delivered.ready.is_empty() {
+            // A receiver asleep on the doorbell would not see what this poll took in.
+            self.bell.ring_local();
+        }
     }
 
     /// What a poll does after reading: lanes settled and answered, dead connections reaped,
@@ -551,6 +557,8 @@ impl Messaging {
         Some(Message { from: r.from, data })
     }
 
+    /// The next message, waiting up to `timeout` (`None`: no limit): polling for the spin
+    /// (see [`Spin`]), then asleep on the doorbell until something arrives (see `doorbell`).
     pub(crate) fn recv(&self, timeout: Option<Duration>) -> Result<Option<Message>> {
         // The clock is read only once a wait gets long enough to look at it.
         let mut start: Option<Instant> = None;
@@ -558,38 +566,16 @@ impl Messaging {
             // A receive with buffers still held for a reply that never came: return them.
             self.release_after_reply();
         }
+        let spin = self.spin.current();
         let mut idle = 0u32;
+        // Wakes of this wait that found something readable at once and no message.
+        let mut quick_wakes = 0u32;
         loop {
-            {
-                let mut rx = self.rx.lock().expect("rx poisoned");
-                if let Some(m) = self.take_ready(&mut rx) {
-                    return Ok(Some(m));
+            if let Some(m) = self.recv_poll() {
+                if let Some(s) = start {
+                    self.spin.learn(s.elapsed(), true);
                 }
-                if rx.tcp_streak >= STREAM_STREAK && !self.stream_pause.is_zero() {
-                    drop(rx);
-                    pause(self.stream_pause);
-                    rx = self.rx.lock().expect("rx poisoned");
-                }
-                self.poll(&mut rx);
-                rx.tcp_streak = if rx.tcp_took_in {
-                    rx.tcp_streak.saturating_add(1)
-                } else {
-                    0
-                };
-                if let Some(m) = self.take_ready(&mut rx) {
-                    return Ok(Some(m));
-                }
-                if let Some(i) = rx.sole_tcp {
-                    // One tcp peer: read it again and again before the next full poll.
-                    for _ in 0..SOLE_READS {
-                        if self.poll_sole(&mut rx, i) {
-                            break;
-                        }
-                    }
-                    if let Some(m) = self.take_ready(&mut rx) {
-                        return Ok(Some(m));
-                    }
-                }
+                return Ok(Some(m));
             }
             // Reading the clock costs as much as a poll: look at it every 32 polls.
             idle = idle.wrapping_add(1);
@@ -599,13 +585,54 @@ impl Messaging {
             }
             let waited = start.get_or_insert_with(Instant::now).elapsed();
             if timeout.is_some_and(|t| waited >= t) {
+                self.spin.learn(waited, false);
                 return Ok(None);
             }
-            if waited > SPIN && idle.is_multiple_of(64) {
-                self.rx.lock().expect("rx poisoned").liveness_due = true;
-                back_off(waited);
+            if waited < spin {
+                continue;
+            }
+            let nap = quick_wakes >= doorbell::FRUITLESS_WAKES;
+            if nap {
+                quick_wakes = 0;
+            }
+            match self.sleep(timeout.map(|t| t - waited), nap) {
+                Woke::Quick => quick_wakes += 1,
+                Woke::Slept | Woke::Ready | Woke::Followed => {}
             }
         }
+    }
+
+    /// One round of [`Messaging::recv`]: a message ready or taken in by one poll (and, with one
+    /// tcp peer, the reads of it that follow), if any.
+    fn recv_poll(&self) -> Option<Message> {
+        let mut rx = self.rx.lock().expect("rx poisoned");
+        if let Some(m) = self.take_ready(&mut rx) {
+            return Some(m);
+        }
+        if rx.tcp_streak >= STREAM_STREAK && !self.stream_pause.is_zero() {
+            drop(rx);
+            pause(self.stream_pause);
+            rx = self.rx.lock().expect("rx poisoned");
+        }
+        self.poll(&mut rx);
+        rx.tcp_streak = if rx.tcp_took_in {
+            rx.tcp_streak.saturating_add(1)
+        } else {
+            0
+        };
+        if let Some(m) = self.take_ready(&mut rx) {
+            return Some(m);
+        }
+        if let Some(i) = rx.sole_tcp {
+            // One tcp peer: read it again and again before the next full poll.
+            for _ in 0..SOLE_READS {
+                if self.poll_sole(&mut rx, i) {
+                    break;
+                }
+            }
+            return self.take_ready(&mut rx);
+        }
+        None
     }
 
     /// The lane each sender's current connection to us is on, by sender name (its latest

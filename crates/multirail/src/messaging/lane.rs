@@ -335,6 +335,10 @@ pub(super) trait RecvLane: Send + Any {
         (&*stream).write_all(frame)
     }
 
+    /// Sets (or clears) the sleeping flag of the lane's shm ring, if it has one (see
+    /// `doorbell`): while set, a sender rings the receiver's doorbell after publishing.
+    fn set_asleep(&self, _asleep: bool) {}
+
     /// Receive memory the lane holds beside its pool's buffers.
     fn ring_bytes(&self) -> u64 {
         0

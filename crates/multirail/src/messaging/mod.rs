@@ -32,6 +32,7 @@
 //! hand-off on the receive path, which keeps round trips short.
 
 mod delivery;
+mod doorbell;
 mod dynamic;
 mod inbound;
 mod lane;
@@ -69,6 +70,7 @@ use crate::transport::rdma::messages::{MessageEndpoint, MessageVerbs, ENDPOINT_L
 use crate::transport::sockio;
 use crate::transport::wire::{self, ConnKind, MsgHeader, MsgKind, MSG_HEADER_LEN};
 use delivery::*;
+use doorbell::{Doorbell, Spin, Woke};
 use dynamic::{parse_back, Dynamic, Retiring, RetiringFrom};
 use inbound::*;
 use lane::{credit, Link, ReaderParts, RecvCx, RecvLane, SendLane};
@@ -122,6 +124,9 @@ pub struct MessageStats {
     pub received: u64,
     /// Their payload bytes.
     pub received_bytes: u64,
+    /// Waits in `recv` that stopped spinning and slept on the doorbell until something came
+    /// (see `transports.<tcp|shm|rdma>.receive.spin_us`).
+    pub recv_sleeps: u64,
 }
 
 /// The engine's message counters; received messages are counted under the receive lock
@@ -144,6 +149,7 @@ impl MessageCounters {
             credit_waits: get(&self.credit_waits),
             received: 0,
             received_bytes: 0,
+            recv_sleeps: 0,
         }
     }
 }
@@ -182,7 +188,8 @@ const SHARED_RDMA: u64 = 1 << 62;
 fn per_connection(key: u64) -> bool {
     (2..SHARED_RDMA).contains(&key)
 }
-/// Spinning this long without progress makes a wait yield the CPU now and then.
+/// Spinning this long without progress makes a sender's wait for credits yield the CPU now and
+/// then.
 const SPIN: Duration = Duration::from_micros(200);
 /// Waiting this long without progress makes a wait sleep in short steps.
 const DOZE: Duration = Duration::from_millis(20);
@@ -363,6 +370,10 @@ pub(crate) struct Messaging {
     /// Dynamic lanes: the usage tracker and both negotiations.
     dynamic: Dynamic,
     counters: MessageCounters,
+    /// What a waiting receive sleeps on.
+    bell: Doorbell,
+    /// How long a waiting receive spins before it sleeps.
+    spin: Spin,
 }
 
 /// Bytes of an opening after the sender's name: its lane (u8) and the lane's epoch (u32).
@@ -418,6 +429,7 @@ impl Messaging {
         let rx = self.rx.lock().expect("rx poisoned");
         s.received += rx.received.0;
         s.received_bytes += rx.received.1;
+        s.recv_sleeps = self.bell.sleeps.load(Ordering::Relaxed);
         s
     }
 
@@ -464,6 +476,17 @@ impl Messaging {
             polls_seen: AtomicU64::new(u64::MAX),
             dynamic: Dynamic::new(&config.lanes)?,
             counters: MessageCounters::default(),
+            bell: Doorbell::new().map_err(|e| Error::io("creating the message doorbell", e))?,
+            spin: {
+                // One wait covers every transport: the longest spin, adaptive unless a
+                // transport says otherwise.
+                let r = [&t.tcp.receive, &t.shm.receive, &t.rdma.receive];
+                let cap = r.iter().map(|r| r.spin_us).max().unwrap_or(0);
+                Spin::new(
+                    Duration::from_micros(cap),
+                    r.iter().all(|r| r.adaptive_spin),
+                )
+            },
         })
     }
 }

@@ -510,6 +510,8 @@ impl Messaging {
             _permit,
         );
         rx.add_conn(conn);
+        // A receiver asleep on the doorbell does not watch the new lane yet.
+        self.bell.ring_local();
         rx.lanes_dirty = true;
         let Rx { conns, pools, .. } = rx;
         grant(conns, pools, key);

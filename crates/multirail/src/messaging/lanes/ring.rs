@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! 0    grant tail (receiver writes)      64   grant head (sender writes)
+//! 128  sleeping flag, u32 (receiver writes; see `doorbell`)
 //! 256  grant ring: depth × u32 buffer id
 //! ...  completion ring: depth × 256-byte slots, 64-byte aligned: sequence number, then
 //!      buffer id | length << 32 | kind << 60, then up to 240 bytes of message inline
@@ -18,13 +19,20 @@
 //! same either way). The receiver touches every line of the next slot while it polls, so the
 //! lines the sender wrote come over together with the sequence number instead of one cache
 //! miss after another: one cross-core transfer per message instead of two.
+//!
+//! The sleeping flag has a cache line of its own that only the receiver writes, and only when
+//! it goes to sleep or wakes: a sender reads it after every completion from its own cache, and
+//! rings the receiver's doorbell only when it is set (see `messaging::doorbell`).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use multirail_policy::receive::BufferId;
 
 const GRANT_TAIL: usize = 0;
 const GRANT_HEAD: usize = 64;
+/// The receiver's sleeping flag (`doorbell::ASLEEP` while it sleeps).
+const SLEEPING: usize = 128;
 const GRANTS: usize = 256;
 /// Bytes of one completion slot: four cache lines.
 const SLOT: usize = 256;
@@ -75,6 +83,23 @@ impl Ring {
     fn counter(&self, at: usize) -> &AtomicU64 {
         // SAFETY: `at` is one of the 8-byte aligned counter offsets inside the region.
         unsafe { &*(self.base.add(at) as *const AtomicU64) }
+    }
+
+    fn sleeping(&self) -> &AtomicU32 {
+        // SAFETY: SLEEPING is a 4-byte aligned offset inside the region's header (before the
+        // grant ring), shared memory that is only ever accessed atomically.
+        unsafe { &*(self.base.add(SLEEPING) as *const AtomicU32) }
+    }
+
+    /// Receiver: marks itself asleep (`true`) or awake; see `doorbell` for the ordering.
+    pub(in crate::messaging) fn set_asleep(&self, asleep: bool) {
+        super::super::doorbell::set_flag(self.sleeping(), asleep);
+    }
+
+    /// Sender, after publishing a completion: rings the receiver's doorbell (a byte on
+    /// `stream`) when it is asleep.
+    pub(in crate::messaging) fn wake_receiver(&self, stream: &TcpStream) {
+        super::super::doorbell::wake_if_asleep(self.sleeping(), stream);
     }
 
     fn slot32(&self, i: u64) -> *mut u32 {

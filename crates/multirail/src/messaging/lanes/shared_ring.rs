@@ -5,6 +5,8 @@
 //!
 //! ```text
 //! 0     tail: AtomicU64, reservation counter in units (senders compare-and-swap it)
+//! 8     sleeping flag: AtomicU32, set by the receiver while it sleeps (see `doorbell`): on
+//!       the tail's line, which a sender holds anyway right after its reservation
 //! 64    head: AtomicU64, consumed counter in units (receiver stores, senders load)
 //! 128   one intent word (AtomicU64) per sender tag, then padding to a multiple of 64
 //! data  `units` units of UNIT = 64 bytes; position p (only grows) lives in unit p mod units
@@ -40,7 +42,8 @@
 //! as an error instead of panicking or reading outside the region.
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 /// Bytes of one unit, the ring's allocation granule: one cache line.
 pub(in crate::messaging) const UNIT: usize = 64;
@@ -49,6 +52,8 @@ pub(in crate::messaging) const PAD: u8 = 15;
 
 /// Offset of the tail, on a cache line of its own: senders hammer it with compare-and-swaps.
 const TAIL: usize = 0;
+/// Offset of the receiver's sleeping flag, beside the tail.
+const SLEEPING: usize = 8;
 /// Offset of the head, on another line, so the receiver's stores do not contend with them.
 const HEAD: usize = 64;
 /// Offset of the intent words, one per sender tag.
@@ -192,6 +197,23 @@ impl SharedRing {
         };
         ring.head = ring.word(HEAD).load(Ordering::Acquire);
         ring
+    }
+
+    fn sleeping(&self) -> &AtomicU32 {
+        // SAFETY: SLEEPING is a 4-byte aligned offset inside the region's header (new's
+        // contract), shared memory only ever accessed atomically.
+        unsafe { &*(self.base.add(SLEEPING) as *const AtomicU32) }
+    }
+
+    /// Receiver: marks itself asleep (`true`) or awake; see `doorbell` for the ordering.
+    pub(in crate::messaging) fn set_asleep(&self, asleep: bool) {
+        super::super::doorbell::set_flag(self.sleeping(), asleep);
+    }
+
+    /// Sender, after publishing a record: rings the receiver's doorbell (a byte on `stream`)
+    /// when it is asleep.
+    pub(in crate::messaging) fn wake_receiver(&self, stream: &TcpStream) {
+        super::super::doorbell::wake_if_asleep(self.sleeping(), stream);
     }
 
     /// The tail or the head counter, by offset.

@@ -47,7 +47,10 @@ impl SendLane for SharedShmSend {
         let mut idle = 0u32;
         loop {
             match self.ring.try_send(self.tag, kind as u8, data) {
-                Ok(true) => return Ok(()),
+                Ok(true) => {
+                    self.ring.wake_receiver(&link.stream);
+                    return Ok(());
+                }
                 Ok(false) => {}
                 Err(e) => return Err(protocol(&link.peer, e)),
             }
@@ -163,6 +166,11 @@ impl SharedShm {
             closing: 0,
             stuck_since: None,
         })
+    }
+
+    /// Sets (or clears) the ring's sleeping flag (see `doorbell`).
+    pub(in crate::messaging) fn set_asleep(&self, asleep: bool) {
+        self.ring.set_asleep(asleep);
     }
 
     /// Bytes of receive memory the lane takes.
@@ -288,6 +296,8 @@ impl Messaging {
             lane,
             Some(permit),
         ));
+        // A receiver asleep on the doorbell does not watch the new connection (or ring) yet.
+        self.bell.ring_local();
         Ok(())
     }
 }
@@ -366,8 +376,8 @@ pub(in crate::messaging) fn poll_shared(
                 ..
             }) = (&mut **io as &mut dyn std::any::Any).downcast_mut::<SharedShmRecv>()
             {
-                let mut b = [0u8; 1];
-                if let Ok(Some(0)) = sockio::recv_nonblocking(stream.as_raw_fd(), &mut b) {
+                // Doorbell bytes are drained on the way.
+                if doorbell::drain_stream(stream) {
                     // Gone: whatever it reserved before now is in the ring or never will be.
                     *closing = Some(shared.ring.reserved());
                     shared.closing += 1;

@@ -60,6 +60,7 @@ impl SendLane for ShmSend {
                 .complete(self.tail, buf, data.len(), kind as u8, None);
         }
         self.tail += 1;
+        self.ring.wake_receiver(&link.stream);
         Ok(())
     }
 
@@ -168,8 +169,8 @@ impl RecvLane for ShmRecv {
         // Only while waiting (or after a fence): a syscall every so many polls would show
         // up as a periodic pattern in the round trips (pingpong found one every ~4096).
         if cx.liveness || cx.fenced {
-            let mut b = [0u8; 1];
-            if let Ok(Some(0)) = sockio::recv_nonblocking(cx.stream.as_raw_fd(), &mut b) {
+            // Doorbell bytes (see `doorbell`) are drained on the way.
+            if doorbell::drain_stream(cx.stream) {
                 // Gone. What it wrote before closing may have landed after the pass
                 // above: take it in now, then the connection ends.
                 take_completions(&mut self.ring, cx)?;
@@ -190,6 +191,10 @@ impl RecvLane for ShmRecv {
 
     fn ring_bytes(&self) -> u64 {
         self.ring_buf.len() as u64
+    }
+
+    fn set_asleep(&self, asleep: bool) {
+        self.ring.set_asleep(asleep);
     }
 
     fn release(&self, registry: &MemoryRegistry, _shared: Option<&mut SharedShm>) {
