@@ -52,6 +52,9 @@ pub(crate) struct BatchSignal {
     /// has nothing unfinished.
     lock: Mutex<Vec<IdleHook>>,
     cond: Condvar,
+    /// Waiters asleep (or about to sleep) on `cond`, changed and read under `lock`: the last
+    /// finishing task wakes them only when there are some (no futex call otherwise).
+    sleepers: AtomicUsize,
     counters: Arc<TransferCounters>,
 }
 
@@ -61,7 +64,9 @@ impl BatchSignal {
             // Taking the lock orders this notify after a waiter's check-then-wait.
             let hooks = {
                 let mut hooks = self.lock.lock().expect("batch lock poisoned");
-                self.cond.notify_all();
+                if self.sleepers.load(Ordering::Relaxed) > 0 {
+                    self.cond.notify_all();
+                }
                 std::mem::take(&mut *hooks)
             };
             // Run outside the lock: a hook may look at the batch.
@@ -144,6 +149,7 @@ impl Batch {
                 unfinished: AtomicUsize::new(0),
                 lock: Mutex::new(Vec::new()),
                 cond: Condvar::new(),
+                sleepers: AtomicUsize::new(0),
                 counters,
             }),
         }
@@ -247,12 +253,17 @@ impl Batch {
             }
         }
         let mut guard = self.signal.lock.lock().expect("batch lock poisoned");
+        // Counted under the lock the last finishing task takes before it looks: either it sees
+        // this waiter and wakes it, or this waiter sees the batch finished.
+        let sleepers = &self.signal.sleepers;
+        sleepers.fetch_add(1, Ordering::Relaxed);
         while self.unfinished() > 0 {
             match deadline {
                 None => guard = self.signal.cond.wait(guard).expect("batch lock poisoned"),
                 Some(d) => {
                     let now = Instant::now();
                     if now >= d {
+                        sleepers.fetch_sub(1, Ordering::Relaxed);
                         let total = self.tasks.lock().expect("batch poisoned").len();
                         return Err(Error::WaitTimeout {
                             pending: self.unfinished(),
@@ -268,6 +279,7 @@ impl Batch {
                 }
             }
         }
+        sleepers.fetch_sub(1, Ordering::Relaxed);
         drop(guard);
         match self.overall_status() {
             Status::Failed(e) => Err(e),
@@ -377,6 +389,48 @@ mod tests {
         b.wait(Some(Duration::from_secs(5)), Duration::ZERO)
             .unwrap();
         h.join().unwrap();
+    }
+
+    #[test]
+    fn wait_sleeps_after_its_spin_and_every_completion_from_another_thread_wakes_it() {
+        // Completions racing the end of the spin and the fall asleep, many times over: a
+        // wakeup lost would hang a wait (caught by its deadline, 10 s).
+        for round in 0..300u64 {
+            let b = Arc::new(Batch::new(round, 2));
+            let t = b.add_tasks(2).unwrap();
+            let h = std::thread::spawn(move || {
+                for (i, t) in t.into_iter().enumerate() {
+                    let pause = Duration::from_micros((round * 37 + i as u64 * 101) % 400);
+                    std::thread::sleep(pause);
+                    t.part_done(Ok(()));
+                }
+            });
+            b.wait(
+                Some(Duration::from_secs(10)),
+                Duration::from_micros(round % 100),
+            )
+            .unwrap_or_else(|e| panic!("round {round}: {e}"));
+            h.join().unwrap();
+            assert_eq!(b.signal.sleepers.load(Ordering::Relaxed), 0);
+        }
+        // Long after the spin ended: the sleeping half wakes on the completion.
+        let b = Arc::new(Batch::new(1, 1));
+        let t = b.add_tasks(1).unwrap().remove(0);
+        let h = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            t.part_done(Ok(()));
+        });
+        let start = Instant::now();
+        b.wait(None, Duration::from_micros(100)).unwrap();
+        assert!(start.elapsed() >= Duration::from_millis(50));
+        h.join().unwrap();
+        // A wait that timed out leaves no sleeper counted.
+        let b = Batch::new(2, 1);
+        let _t = b.add_tasks(1).unwrap();
+        assert!(b
+            .wait(Some(Duration::from_millis(5)), Duration::ZERO)
+            .is_err());
+        assert_eq!(b.signal.sleepers.load(Ordering::Relaxed), 0);
     }
 
     #[test]

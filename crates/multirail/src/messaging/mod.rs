@@ -18,7 +18,8 @@
 //! * **shm**: the receive buffers are memfd-backed registered chunks the sender maps; per
 //!   connection a ring region holds the grant ring (buffer ids the receiver posted for this
 //!   sender) and the completion ring (buffer id, length, kind of each message written). Both
-//!   sides poll; the TCP connection stays open only to notice the sender leaving. Under dynamic
+//!   sides poll; the TCP connection stays open to notice the sender leaving and to carry the
+//!   byte that wakes a receiver asleep on its doorbell (`doorbell`). Under dynamic
 //!   lanes that is the dedicated lane; the shared lane is one multi-producer ring per receiver
 //!   that every sender on it writes into by an atomic reservation (`shared_ring`,
 //!   `shared_shm`), with the ring's free space as the flow control instead of credits.
@@ -29,7 +30,9 @@
 //!   RDMA writes of the sender's credit total (see `lanes::rdma`).
 //!
 //! Receiving is polled by the caller's thread (`recv`, `receive_notifications`): no thread
-//! hand-off on the receive path, which keeps round trips short.
+//! hand-off on the receive path, which keeps round trips short. A `recv` that finds nothing
+//! polls for a short, adaptive spin and then sleeps on a doorbell until something arrives
+//! (`doorbell`): an idle receiver costs no CPU, and a busy sender pays nothing for it.
 
 mod delivery;
 mod doorbell;
