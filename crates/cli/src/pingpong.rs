@@ -31,6 +31,8 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_ITERATIONS: u64 = 10_000_000;
 /// Longest spin between an answer and the next message, µs (a second).
 const MAX_THINK_US: u64 = 1_000_000;
+/// Warm-up round trips whose median is the busy round trip `--gap-ms` subtracts: the last ones.
+const WARM_KEPT: usize = 1000;
 /// Longest silence before a round trip, ms (a minute).
 const MAX_GAP_MS: u64 = 60_000;
 
@@ -119,7 +121,8 @@ pub struct PingpongArgs {
     /// Milliseconds of silence before each measured round trip, 0 to 60000: the client sleeps
     /// that long, so the server's receive has gone to sleep on its doorbell when the message
     /// comes; the report then adds the first message's delivery (the round trip less the
-    /// busy one-way latency of the warm-up, whose answers the client waits for spinning).
+    /// busy one-way latency of the last 1000 warm-up round trips: the answer comes back to a
+    /// client that is still spinning). Give it a warm-up of a few thousand.
     /// Default: 0.
     #[arg(long, default_value_t = 0, value_parser = limits::count::<u64>(0, MAX_GAP_MS))]
     gap_ms: u64,
@@ -364,8 +367,9 @@ fn client(config: Config, args: &PingpongArgs, target: &str) -> Result<(), Failu
     let mut rtt = Vec::with_capacity(args.iterations);
     let think = Duration::from_micros(args.think_us);
     let gap = Duration::from_millis(args.gap_ms);
-    // Warm-up round trips (busy), for the busy one-way latency a gap's report subtracts.
-    let mut warm = Vec::with_capacity(args.warmup.min(100_000));
+    // The last warm-up round trips (busy), for the busy one-way latency a gap's report
+    // subtracts; the first ones after the engines start run slower.
+    let mut warm = Vec::with_capacity(args.warmup.min(WARM_KEPT));
     let clock = Ticks::start();
     // The previous answer is dropped after the next message went out, as the server drops a
     // message after answering it: freeing it is not part of a round trip.
@@ -391,7 +395,7 @@ fn client(config: Config, args: &PingpongArgs, target: &str) -> Result<(), Failu
         }
         if i >= args.warmup {
             rtt.push(took);
-        } else if warm.len() < warm.capacity() {
+        } else if i + WARM_KEPT >= args.warmup {
             warm.push(took);
         }
         previous = Some(answer);

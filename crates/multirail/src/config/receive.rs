@@ -47,9 +47,9 @@ pub struct ReceiveConfig {
     /// Microseconds a waiting `recv` polls before it sleeps on the doorbell (default 200);
     /// 0..=1000000. One wait covers every transport: it takes the largest of the three.
     pub spin_us: u64,
-    /// The spin follows how soon messages have been arriving: twice the recent waits, at
-    /// most `spin_us`, down to a sixteenth of it while messages come seldom (default true).
-    /// False on any transport makes every wait spin the full `spin_us`.
+    /// The spin follows how soon messages have been arriving: the full `spin_us` while they
+    /// come within it, down to a quarter of it the more recent waits outlasted it (default
+    /// true). False on any transport makes every wait spin the full `spin_us`.
     pub adaptive_spin: bool,
 }
 

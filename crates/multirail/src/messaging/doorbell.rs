@@ -86,7 +86,11 @@ pub(super) fn wake_if_asleep(flag: &AtomicU32, stream: &TcpStream) {
         // A full socket already holds rings the receiver has not read, and a broken one is the
         // sender leaving, which the receiver notices anyway.
         tracing::trace!(error = %std::io::Error::last_os_error(), "ringing a receiver's doorbell");
+        return;
     }
+    // The kernel likes to wake the receiver on the waker's core; a sender that goes on to
+    // spin (for the answer) would hold it off there for a time slice. Let it run first.
+    thread::yield_now();
 }
 
 /// Receiver: reads what a sender wrote on the stream of a lane that carries nothing that way
@@ -103,18 +107,25 @@ pub(super) fn drain_stream(stream: &TcpStream) -> bool {
 }
 
 /// How long a receive wait spins before it sleeps: `transports.<t>.receive.spin_us` at most
-/// and, when adaptive, twice the time recent waits took until a message came, so that a
-/// receiver whose messages come quickly keeps spinning through the gap while one whose
-/// messages come seldom sleeps almost at once.
+/// and, when adaptive, less the more of the recent waits outlasted it: a receiver whose
+/// messages come within the spin keeps spinning through the gap (a wait now and then that its
+/// peer was descheduled through does not change that), while one whose messages come seldom
+/// sleeps after a quarter of it. The quarter stays above a busy tcp round trip here (~10 µs
+/// against the default 200 µs): a receiver that saw long waits (its peer descheduled on a
+/// loaded machine) must not fall into sleeping between the messages of a ping-pong.
 pub(super) struct Spin {
     /// The most a wait spins, ns.
     cap: u64,
     /// The least an adaptive spin shrinks to, ns.
     floor: u64,
     adaptive: bool,
-    /// The spin the next wait takes, ns.
-    current: AtomicU64,
+    /// The share of recent waits that outlasted the cap, in 1/1024 (a moving average over
+    /// about eight waits).
+    long: AtomicU32,
 }
+
+/// One in [`Spin::long`].
+const SHARE: u32 = 1024;
 
 impl Spin {
     /// A spin of at most `cap`, adapting when `adaptive`.
@@ -122,34 +133,41 @@ impl Spin {
         let cap = cap.as_nanos().min(u64::MAX as u128) as u64;
         Spin {
             cap,
-            floor: cap / 16,
+            floor: cap / 4,
             adaptive,
-            current: AtomicU64::new(cap),
+            long: AtomicU32::new(0),
         }
     }
 
     /// The spin the next wait takes.
     pub(super) fn current(&self) -> Duration {
-        Duration::from_nanos(self.current.load(Ordering::Relaxed))
+        if !self.adaptive {
+            return Duration::from_nanos(self.cap);
+        }
+        let long = self.long.load(Ordering::Relaxed).min(SHARE) as u64;
+        let ns = self.floor + (self.cap - self.floor) * (SHARE as u64 - long) / SHARE as u64;
+        Duration::from_nanos(ns)
     }
 
-    /// A wait ended after `waited`: a message came then (`Some`-like: `came`), or it timed
-    /// out. Waits that end within the cap pull the spin up to twice their length (a longer
-    /// spin would have caught the message without sleeping); longer ones halve it, down to a
-    /// sixteenth of the cap.
+    /// A wait ended after `waited`, with a message (`came`) or at its timeout. A message within
+    /// the cap counts as a short wait, anything that outlasted the cap as a long one; a timeout
+    /// shorter than the cap says nothing about when messages come.
     pub(super) fn learn(&self, waited: Duration, came: bool) {
         if !self.adaptive {
             return;
         }
-        let w = waited.as_nanos().min(u64::MAX as u128) as u64;
-        let cur = self.current.load(Ordering::Relaxed);
-        let next = if came && w < self.cap {
-            cur.max(w.saturating_mul(2)).min(self.cap)
+        let long = waited.as_nanos() >= self.cap as u128;
+        if !(came || long) {
+            return;
+        }
+        let share = self.long.load(Ordering::Relaxed);
+        let next = if long {
+            share + (SHARE - share.min(SHARE)) / 8
         } else {
-            (cur / 2).max(self.floor)
+            share - share / 8
         };
-        if next != cur {
-            self.current.store(next, Ordering::Relaxed);
+        if next != share {
+            self.long.store(next, Ordering::Relaxed);
         }
     }
 }
@@ -169,7 +187,8 @@ pub(super) struct BellSet {
 pub(super) struct Doorbell {
     local: EventFd,
     pub(super) set: Mutex<BellSet>,
-    followers: Mutex<()>,
+    /// Threads waiting for the sleeper to wake, counted under it.
+    followers: Mutex<u32>,
     woke: Condvar,
     /// Receivers asleep on the set (0 or 1), changed and read under the receive lock.
     pub(super) sleepers: AtomicU32,
@@ -200,7 +219,7 @@ impl Doorbell {
                 want: Vec::new(),
                 events: vec![EpollEvent::empty(); 16],
             }),
-            followers: Mutex::new(()),
+            followers: Mutex::new(0),
             woke: Condvar::new(),
             sleepers: AtomicU32::new(0),
             sleeps: AtomicU64::new(0),
@@ -274,14 +293,20 @@ impl Messaging {
         let mut set = match bell.set.try_lock() {
             Ok(set) => set,
             Err(_) => {
-                let g = bell.followers.lock().expect("followers poisoned");
+                let mut g = bell.followers.lock().expect("followers poisoned");
                 // Checked again under the followers' lock, which the sleeper takes to signal:
                 // a sleeper that left in between is not waited for.
                 if bell.set.try_lock().is_ok() {
                     return Woke::Followed;
                 }
+                *g += 1;
                 let wait = left.unwrap_or(SLEEP_CAP).min(SLEEP_CAP);
-                let _ = bell.woke.wait_timeout(g, wait).expect("followers poisoned");
+                let mut g = bell
+                    .woke
+                    .wait_timeout(g, wait)
+                    .expect("followers poisoned")
+                    .0;
+                *g -= 1;
                 return Woke::Followed;
             }
         };
@@ -322,7 +347,12 @@ impl Messaging {
             let epoll = s.epoll.as_ref().expect("synced above");
             let timeout = EpollTimeout::try_from(ms).unwrap_or(EpollTimeout::NONE);
             match epoll.wait(&mut s.events, timeout) {
-                Ok(n) => n > 0,
+                Ok(n) => {
+                    if s.events[..n].iter().any(|e| e.data() == 0) {
+                        let _ = bell.local.read();
+                    }
+                    n > 0
+                }
                 Err(nix::errno::Errno::EINTR) => false,
                 Err(e) => {
                     tracing::warn!(error = %e, "waiting on the message doorbell");
@@ -331,7 +361,6 @@ impl Messaging {
                 }
             }
         };
-        let _ = bell.local.read();
         {
             let mut rx = self.rx.lock().expect("rx poisoned");
             bell.sleepers.fetch_sub(1, Ordering::Relaxed);
@@ -340,12 +369,51 @@ impl Messaging {
         }
         let quick = readable && asleep.elapsed() < Duration::from_micros(100);
         drop(set);
-        let _g = bell.followers.lock().expect("followers poisoned");
-        bell.woke.notify_all();
+        if *bell.followers.lock().expect("followers poisoned") > 0 {
+            bell.woke.notify_all();
+        }
         if quick {
             Woke::Quick
         } else {
             Woke::Slept
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_spin_shrinks_while_waits_outlast_it_and_comes_back_when_messages_come_soon() {
+        let cap = Duration::from_micros(160);
+        let s = Spin::new(cap, true);
+        assert_eq!(s.current(), cap);
+        // A wait now and then that outlasts the cap barely moves it.
+        s.learn(Duration::from_millis(5), true);
+        for _ in 0..20 {
+            s.learn(Duration::from_micros(3), true);
+        }
+        assert!(s.current() > cap * 9 / 10, "{:?}", s.current());
+        // Messages that come seldom: down to a quarter.
+        for _ in 0..60 {
+            s.learn(Duration::from_millis(10), true);
+        }
+        assert!(s.current() < cap * 26 / 100, "{:?}", s.current());
+        assert!(s.current() >= cap / 4);
+        // Short timeouts say nothing; long ones count as long waits.
+        let before = s.current();
+        s.learn(Duration::from_micros(10), false);
+        assert_eq!(s.current(), before);
+        // Messages coming soon again: back up to (nearly) the cap.
+        for _ in 0..60 {
+            s.learn(Duration::from_micros(20), true);
+        }
+        assert!(s.current() > cap * 9 / 10, "{:?}", s.current());
+        // Not adaptive: always the cap.
+        let fixed = Spin::new(cap, false);
+        fixed.learn(Duration::from_secs(1), true);
+        assert_eq!(fixed.current(), cap);
+        assert_eq!(Spin::new(Duration::ZERO, true).current(), Duration::ZERO);
     }
 }

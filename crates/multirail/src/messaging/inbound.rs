@@ -144,6 +144,10 @@ fn pause(d: Duration) {
 /// about 5 µs of system calls with the receive lock held.
 const SOLE_READS: u32 = 16;
 
+/// A waiting receive that has spun this long yields its core now and then: longer than a busy
+/// tcp round trip here (~9 µs), so a ping-pong's waits never yield.
+const YIELD_AFTER: Duration = Duration::from_micros(20);
+
 /// After this many polls in a row took in tcp messages, `recv` waits
 /// `transports.tcp.stream_pause_us` before the next poll (see there).
 const STREAM_STREAK: u32 = 4;
@@ -589,6 +593,11 @@ impl Messaging {
                 return Ok(None);
             }
             if waited < spin {
+                if waited > YIELD_AFTER.min(spin / 4) && idle.is_multiple_of(64) {
+                    // A peer on this core (more pollers than cores, or a receiver our message
+                    // just woke, which the kernel likes to place here) gets to run now.
+                    thread::yield_now();
+                }
                 continue;
             }
             let nap = quick_wakes >= doorbell::FRUITLESS_WAKES;
