@@ -7,8 +7,12 @@
 //!   connection was added. A tcp sender needs do nothing: its bytes make its socket readable.
 //!   An shm sender writes into a ring, which no kernel watches, so the ring's header holds a
 //!   **sleeping flag** the receiver sets before it sleeps; a sender that finds it set after
-//!   publishing clears it and writes one byte on its connection's stream (which is in the set),
-//!   and the receiver drains such bytes when it checks the stream (`drain_stream`).
+//!   publishing clears it and rings: it writes to the receiver's eventfd, which it fetched from
+//!   the receiver's process when it connected ([`fetch_bell`], `pidfd_getfd`), or, where that
+//!   is not allowed, one byte on its connection's stream (which is in the set too; the receiver
+//!   drains such bytes when it checks the stream, `drain_stream`). The eventfd is the better
+//!   bell: the kernel wakes a socket's reader as if the writer were about to sleep, on the
+//!   writer's core, where a sender that goes on to spin for the answer holds it off.
 //!   RDMA message lanes complete into completion queues that have no completion channel here,
 //!   so a receiver with RDMA connections sleeps in naps of [`RDMA_NAP`] instead (a thousand
 //!   wake-ups a second cost well under 1 % of a core; a message may wait up to a nap).
@@ -28,7 +32,7 @@
 //! Only one thread sleeps on the set at a time (the one holding [`Doorbell::set`]); other
 //! waiting threads sleep on a condition variable the sleeper signals when it wakes.
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{fence, AtomicU32};
 use std::sync::Condvar;
 
@@ -60,10 +64,11 @@ pub(super) fn set_flag(flag: &AtomicU32, asleep: bool) {
 }
 
 /// Sender, right after publishing: rings the receiver's doorbell when its flag says it sleeps,
-/// by one byte on the connection's `stream`. The fence pairs with the receiver's (see the
-/// module's documentation); while the receiver is awake this is the fence and one load.
+/// by its eventfd `bell` when the sender has it, else one byte on the connection's `stream`.
+/// The fence pairs with the receiver's (see the module's documentation); while the receiver is
+/// awake this is the fence and one load.
 #[inline]
-pub(super) fn wake_if_asleep(flag: &AtomicU32, stream: &TcpStream) {
+pub(super) fn wake_if_asleep(flag: &AtomicU32, stream: &TcpStream, bell: Option<&OwnedFd>) {
     fence(Ordering::SeqCst);
     if flag.load(Ordering::Relaxed) == AWAKE {
         return;
@@ -72,15 +77,25 @@ pub(super) fn wake_if_asleep(flag: &AtomicU32, stream: &TcpStream) {
     if flag.swap(AWAKE, Ordering::AcqRel) == AWAKE {
         return;
     }
-    let b = [1u8];
-    // SAFETY: a one-byte buffer that lives for the call, on a socket we hold open.
-    let rc = unsafe {
-        libc::send(
-            stream.as_raw_fd(),
-            b.as_ptr() as *const libc::c_void,
-            1,
-            libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-        )
+    let rc = match bell {
+        Some(fd) => {
+            let one = 1u64.to_ne_bytes();
+            // SAFETY: an 8-byte buffer that lives for the call, written to an eventfd we hold
+            // open (`fetch_bell` checked what it is); it is non-blocking, like the receiver's.
+            unsafe { libc::write(fd.as_raw_fd(), one.as_ptr() as *const libc::c_void, 8) }
+        }
+        None => {
+            let b = [1u8];
+            // SAFETY: a one-byte buffer that lives for the call, on a socket we hold open.
+            unsafe {
+                libc::send(
+                    stream.as_raw_fd(),
+                    b.as_ptr() as *const libc::c_void,
+                    1,
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                )
+            }
+        }
     };
     if rc < 0 {
         // A full socket already holds rings the receiver has not read, and a broken one is the
@@ -91,6 +106,32 @@ pub(super) fn wake_if_asleep(flag: &AtomicU32, stream: &TcpStream) {
     // The kernel likes to wake the receiver on the waker's core; a sender that goes on to
     // spin (for the answer) would hold it off there for a time slice. Let it run first.
     thread::yield_now();
+}
+
+/// Sender: the receiver's doorbell eventfd, descriptor `fd` in process `pid` (as the opening
+/// answer names it), duplicated into this process with `pidfd_getfd`; `None` when that is not
+/// allowed (ptrace restrictions, kernels before 5.6) or the descriptor is not an eventfd (the
+/// sender then rings by its stream).
+pub(super) fn fetch_bell(pid: u32, fd: u32) -> Option<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1; no memory
+    // is passed.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if pidfd < 0 {
+        return None;
+    }
+    // SAFETY: a descriptor just returned to us and owned by nothing else.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
+    // SAFETY: pidfd_getfd takes a pidfd, a descriptor number in that process and flags (0),
+    // and returns a new descriptor or -1; no memory is passed.
+    let got = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd as i32, 0u32) };
+    if got < 0 {
+        tracing::debug!(error = %std::io::Error::last_os_error(), "no eventfd doorbell: ringing by the stream");
+        return None;
+    }
+    // SAFETY: as above, a new descriptor we own.
+    let bell = unsafe { OwnedFd::from_raw_fd(got as i32) };
+    let what = std::fs::read_link(format!("/proc/self/fd/{}", bell.as_raw_fd())).ok()?;
+    (what.as_os_str() == "anon_inode:[eventfd]").then_some(bell)
 }
 
 /// Receiver: reads what a sender wrote on the stream of a lane that carries nothing that way
@@ -209,6 +250,12 @@ pub(super) enum Woke {
 }
 
 impl Doorbell {
+    /// The descriptor number of the eventfd, for the opening answers of shm lanes (senders
+    /// fetch it with [`fetch_bell`]).
+    pub(super) fn fd_number(&self) -> u32 {
+        self.local.as_raw_fd() as u32
+    }
+
     /// A doorbell with an empty set. Fails when the kernel refuses an eventfd.
     pub(super) fn new() -> std::io::Result<Doorbell> {
         Ok(Doorbell {

@@ -123,6 +123,8 @@ pub(super) struct Rx {
     /// The index in `conns` of the only thing a poll reads, when that is one tcp connection
     /// (see `Messaging::poll_sole`).
     pub(super) sole_tcp: Option<usize>,
+    /// The last poll read a socket (a tcp connection, the shared lane's set, a duplex reader).
+    pub(super) polled_sockets: bool,
     /// Messages and bytes handed to the application (counted under this lock).
     pub(super) received: (u64, u64),
 }
@@ -144,9 +146,13 @@ fn pause(d: Duration) {
 /// about 5 µs of system calls with the receive lock held.
 const SOLE_READS: u32 = 16;
 
-/// A waiting receive that has spun this long yields its core now and then: longer than a busy
-/// tcp round trip here (~9 µs), so a ping-pong's waits never yield.
-const YIELD_AFTER: Duration = Duration::from_micros(20);
+/// A waiting receive that has spun this long yields its core now and then, so that a peer
+/// sharing the core (more pollers than cores; or a receiver that a wake-up placed on its
+/// sender's core, where it stays while other work keeps the other cores busy) answers within
+/// µs rather than a time slice. Longer than a busy shm wait (under 1 µs)...
+const YIELD_AFTER: Duration = Duration::from_micros(4);
+/// ...and, for polls that read sockets, than a busy tcp wait here (~8 µs).
+const YIELD_AFTER_SOCKETS: Duration = Duration::from_micros(12);
 
 /// After this many polls in a row took in tcp messages, `recv` waits
 /// `transports.tcp.stream_pause_us` before the next poll (see there).
@@ -319,6 +325,7 @@ impl Messaging {
         let liveness = std::mem::take(liveness_due);
         touched.clear();
         *tcp_took_in = false;
+        let mut sockets = false;
         let mut take = |c: &mut InConn| {
             let pool = pools.get_mut(&c.pool).expect("connection's pool");
             let before = delivered.count();
@@ -335,9 +342,11 @@ impl Messaging {
             }
         };
         for c in conns.iter_mut().filter(|c| !c.dead && c.polled_alone()) {
+            sockets |= c.io.reads_socket();
             take(c);
         }
         if let Some(set) = shared_tcp.as_mut().filter(|s| s.watched > 0) {
+            sockets = true;
             for id in set.ready() {
                 if let Some(c) = conns.iter_mut().find(|c| c.id.0 == id && !c.dead) {
                     take(c);
@@ -360,6 +369,7 @@ impl Messaging {
         if !rdma_cqs.is_empty() {
             *lanes_dirty |= self.poll_rdma(rdma_cqs, wcs, conns, pools, delivered, touched);
         }
+        rx.polled_sockets = sockets || !rx.readers.is_empty();
         if !rx.readers.is_empty() {
             self.poll_readers(rx);
         }
@@ -575,14 +585,16 @@ impl Messaging {
         // Wakes of this wait that found something readable at once and no message.
         let mut quick_wakes = 0u32;
         loop {
-            if let Some(m) = self.recv_poll() {
+            let (got, costly) = self.recv_poll();
+            if let Some(m) = got {
                 if let Some(s) = start {
                     self.spin.learn(s.elapsed(), true);
                 }
                 return Ok(Some(m));
             }
-            // Reading the clock costs as much as a poll: look at it every 32 polls.
-            idle = idle.wrapping_add(1);
+            // Reading the clock costs as much as a poll of memory: look at it every 32 such
+            // polls, but after every poll that made system calls (a tcp read costs a µs).
+            idle = idle.wrapping_add(if costly { 32 } else { 1 });
             if !idle.is_multiple_of(32) {
                 std::hint::spin_loop();
                 continue;
@@ -593,7 +605,12 @@ impl Messaging {
                 return Ok(None);
             }
             if waited < spin {
-                if waited > YIELD_AFTER.min(spin / 4) && idle.is_multiple_of(64) {
+                let after = if costly {
+                    YIELD_AFTER_SOCKETS
+                } else {
+                    YIELD_AFTER
+                };
+                if waited > after.min(spin / 4) && (costly || idle.is_multiple_of(64)) {
                     // A peer on this core (more pollers than cores, or a receiver our message
                     // just woke, which the kernel likes to place here) gets to run now.
                     thread::yield_now();
@@ -612,11 +629,12 @@ impl Messaging {
     }
 
     /// One round of [`Messaging::recv`]: a message ready or taken in by one poll (and, with one
-    /// tcp peer, the reads of it that follow), if any.
-    fn recv_poll(&self) -> Option<Message> {
+    /// tcp peer, the reads of it that follow), if any; and whether the poll read sockets (made
+    /// system calls, a µs each).
+    fn recv_poll(&self) -> (Option<Message>, bool) {
         let mut rx = self.rx.lock().expect("rx poisoned");
         if let Some(m) = self.take_ready(&mut rx) {
-            return Some(m);
+            return (Some(m), false);
         }
         if rx.tcp_streak >= STREAM_STREAK && !self.stream_pause.is_zero() {
             drop(rx);
@@ -629,8 +647,9 @@ impl Messaging {
         } else {
             0
         };
+        let costly = rx.polled_sockets;
         if let Some(m) = self.take_ready(&mut rx) {
-            return Some(m);
+            return (Some(m), costly);
         }
         if let Some(i) = rx.sole_tcp {
             // One tcp peer: read it again and again before the next full poll.
@@ -639,9 +658,9 @@ impl Messaging {
                     break;
                 }
             }
-            return self.take_ready(&mut rx);
+            return (self.take_ready(&mut rx), true);
         }
-        None
+        (None, costly)
     }
 
     /// The lane each sender's current connection to us is on, by sender name (its latest

@@ -80,7 +80,7 @@ use lane::{credit, Link, ReaderParts, RecvCx, RecvLane, SendLane};
 use lanes::duplex::{Duplex, DuplexRecv, DuplexSend, Reader};
 use lanes::rdma::PostedReceives;
 use lanes::ring::{Ring, INLINE_MAX};
-use lanes::shared_shm::{connect_shared, poll_shared, SharedShm, SharedShmSend};
+use lanes::shared_shm::{connect_shared, poll_shared, SharedShm};
 use lanes::shm::{connect_shm, SHM_SHARED_RING};
 use lanes::tcp::{frame_header, payload_len, receive_frames, staging, SharedTcp, Staging, TcpSend};
 use outbound::*;

@@ -96,10 +96,14 @@ impl Ring {
         super::super::doorbell::set_flag(self.sleeping(), asleep);
     }
 
-    /// Sender, after publishing a completion: rings the receiver's doorbell (a byte on
-    /// `stream`) when it is asleep.
-    pub(in crate::messaging) fn wake_receiver(&self, stream: &TcpStream) {
-        super::super::doorbell::wake_if_asleep(self.sleeping(), stream);
+    /// Sender, after publishing a completion: rings the receiver's doorbell (its eventfd
+    /// `bell`, else a byte on `stream`) when it is asleep.
+    pub(in crate::messaging) fn wake_receiver(
+        &self,
+        stream: &TcpStream,
+        bell: Option<&std::os::fd::OwnedFd>,
+    ) {
+        super::super::doorbell::wake_if_asleep(self.sleeping(), stream, bell);
     }
 
     fn slot32(&self, i: u64) -> *mut u32 {

@@ -210,10 +210,14 @@ impl SharedRing {
         super::super::doorbell::set_flag(self.sleeping(), asleep);
     }
 
-    /// Sender, after publishing a record: rings the receiver's doorbell (a byte on `stream`)
-    /// when it is asleep.
-    pub(in crate::messaging) fn wake_receiver(&self, stream: &TcpStream) {
-        super::super::doorbell::wake_if_asleep(self.sleeping(), stream);
+    /// Sender, after publishing a record: rings the receiver's doorbell (its eventfd
+    /// `bell`, else a byte on `stream`) when it is asleep.
+    pub(in crate::messaging) fn wake_receiver(
+        &self,
+        stream: &TcpStream,
+        bell: Option<&std::os::fd::OwnedFd>,
+    ) {
+        super::super::doorbell::wake_if_asleep(self.sleeping(), stream, bell);
     }
 
     /// The tail or the head counter, by offset.

@@ -26,6 +26,8 @@ const ABANDONED_AFTER: Duration = Duration::from_millis(20);
 pub(in crate::messaging) struct SharedShmSend {
     pub(in crate::messaging) ring: SharedRing,
     pub(in crate::messaging) tag: u32,
+    /// The receiver's doorbell eventfd, when it could be fetched (see `doorbell`).
+    pub(in crate::messaging) bell: Option<std::os::fd::OwnedFd>,
     pub(in crate::messaging) _maps: Vec<Arc<PeerMapping>>,
 }
 
@@ -48,7 +50,7 @@ impl SendLane for SharedShmSend {
         loop {
             match self.ring.try_send(self.tag, kind as u8, data) {
                 Ok(true) => {
-                    self.ring.wake_receiver(&link.stream);
+                    self.ring.wake_receiver(&link.stream, self.bell.as_ref());
                     return Ok(());
                 }
                 Ok(false) => {}
@@ -180,7 +182,7 @@ impl SharedShm {
 
     /// What the opening answer carries after the format byte: the sender's tag, the ring's
     /// geometry and bytes, and how to map it. Fails when the ring is not in shared memory.
-    fn opening_details(&self, tag: u32) -> std::result::Result<Vec<u8>, String> {
+    fn opening_details(&self, tag: u32, bell: u32) -> std::result::Result<Vec<u8>, String> {
         let h = self
             .buf
             .shm_handle()
@@ -192,6 +194,8 @@ impl SharedShm {
         r.extend_from_slice(&(self.buf.len() as u64).to_le_bytes());
         r.extend_from_slice(&h.pid.to_le_bytes());
         r.extend_from_slice(&(h.fd as u32).to_le_bytes());
+        // The doorbell's eventfd, which the sender fetches from this process.
+        r.extend_from_slice(&bell.to_le_bytes());
         Ok(r)
     }
 
@@ -267,14 +271,16 @@ impl Messaging {
                 format!("the shared lane has {SHARED_SENDERS} senders already"),
             ));
         };
-        let answer = shared.opening_details(tag).and_then(|details| {
-            let mut reply = vec![0u8];
-            reply.extend_from_slice(&(self.shm.buffer_size as u32).to_le_bytes());
-            reply.extend_from_slice(&details);
-            (&stream)
-                .write_all(&reply)
-                .map_err(|e| format!("answering message opening: {e}"))
-        });
+        let answer = shared
+            .opening_details(tag, self.bell.fd_number())
+            .and_then(|details| {
+                let mut reply = vec![0u8];
+                reply.extend_from_slice(&(self.shm.buffer_size as u32).to_le_bytes());
+                reply.extend_from_slice(&details);
+                (&stream)
+                    .write_all(&reply)
+                    .map_err(|e| format!("answering message opening: {e}"))
+            });
         if let Err(e) = answer {
             shared.free.push(tag);
             drop(rx);
@@ -441,7 +447,7 @@ fn end_gone_senders(shared: &mut SharedShm, conns: &mut [InConn]) -> bool {
 pub(in crate::messaging) fn connect_shared(
     stream: &mut TcpStream,
     peer: &Peer,
-) -> Result<(SharedRing, u32, Vec<Arc<PeerMapping>>)> {
+) -> Result<SharedShmSend> {
     let unreachable = |e: std::io::Error| Error::SegmentUnreachable {
         name: peer.name.clone(),
         reason: format!("message connection: {e}"),
@@ -449,7 +455,7 @@ pub(in crate::messaging) fn connect_shared(
     let v = read_words(stream, 3, 4).map_err(unreachable)?;
     let (tag, units, senders) = (v[0] as u32, v[1] as usize, v[2] as usize);
     let len = read_words(stream, 1, 8).map_err(unreachable)?[0] as usize;
-    let h = read_words(stream, 2, 4).map_err(unreachable)?;
+    let h = read_words(stream, 3, 4).map_err(unreachable)?;
     let valid = units.is_power_of_two()
         && units <= shared_ring::MAX_UNITS
         && senders <= SHARED_SENDERS
@@ -472,5 +478,10 @@ pub(in crate::messaging) fn connect_shared(
     // above) of the receiver's ring, page-aligned, and stays mapped while `m`, returned with
     // the ring, lives.
     let ring = unsafe { SharedRing::new(m.base() as *mut u8, units, senders) };
-    Ok((ring, tag, vec![m]))
+    Ok(SharedShmSend {
+        ring,
+        tag,
+        bell: doorbell::fetch_bell(handle.pid, h[2] as u32),
+        _maps: vec![m],
+    })
 }

@@ -20,6 +20,8 @@ pub(in crate::messaging) struct ShmSend {
     buffer_size: usize,
     /// Next completion slot.
     tail: u64,
+    /// The receiver's doorbell eventfd, when it could be fetched (see `doorbell`).
+    bell: Option<std::os::fd::OwnedFd>,
     _maps: Vec<Arc<PeerMapping>>,
 }
 
@@ -60,7 +62,7 @@ impl SendLane for ShmSend {
                 .complete(self.tail, buf, data.len(), kind as u8, None);
         }
         self.tail += 1;
-        self.ring.wake_receiver(&link.stream);
+        self.ring.wake_receiver(&link.stream, self.bell.as_ref());
         Ok(())
     }
 
@@ -86,8 +88,7 @@ pub(in crate::messaging) fn connect_shm(
     let p = &peer.name;
     let format = read_words(stream, 1, 1).map_err(unreachable)?[0] as u8;
     if format == SHM_SHARED_RING {
-        let (ring, tag, _maps) = connect_shared(stream, peer)?;
-        return Ok(Box::new(SharedShmSend { ring, tag, _maps }));
+        return Ok(Box::new(connect_shared(stream, peer)?));
     }
     if format != SHM_OWN_RING {
         return Err(protocol(
@@ -113,6 +114,8 @@ pub(in crate::messaging) fn connect_shm(
     // The memfds of the ring and the chunks, as the receiver holds them now.
     let pid = read_words(stream, 1, 4).map_err(unreachable)?[0] as u32;
     let fds = read_words(stream, nchunks + 1, 4).map_err(unreachable)?;
+    let bell = read_words(stream, 1, 4).map_err(unreachable)?[0] as u32;
+    let bell = doorbell::fetch_bell(pid, bell);
     let mut maps = Vec::new();
     let mut map = |addr: u64, len: u64, fd: u64| -> Result<usize> {
         if peer.same_process {
@@ -144,6 +147,7 @@ pub(in crate::messaging) fn connect_shm(
         per_chunk,
         buffer_size: max_len,
         tail: 0,
+        bell,
         _maps: maps,
     }))
 }
@@ -259,6 +263,8 @@ impl Messaging {
             for h in &handles {
                 reply.extend_from_slice(&(h.fd as u32).to_le_bytes());
             }
+            // The doorbell's eventfd, which the sender fetches from this process.
+            reply.extend_from_slice(&self.bell.fd_number().to_le_bytes());
             Ok(reply)
         })
     }
