@@ -96,14 +96,24 @@ impl RailScheduler {
         }
     }
 
-    /// A slice on `rail` posted at `p` is in place at `n` (ns since [`epoch`](Self::epoch)).
-    pub(crate) fn completed_ns(&self, rail: RailId, bytes: u64, p: u64, n: u64) {
-        tracing::trace!(rail, bytes, posted_ns = p, now_ns = n, "slice completed");
+    /// A slice of `bytes` on `rail`, posted at `p` and answered at `n` (ns on this
+    /// scheduler's clock), for the rail's bandwidth estimate; `app_limited` when the rail could
+    /// not show its speed meanwhile (idle, or held back by its window): such a sample may
+    /// raise the estimate but never lowers it.
+    pub(crate) fn delivered_ns(&self, rail: RailId, bytes: u64, p: u64, n: u64, app_limited: bool) {
+        tracing::trace!(
+            rail,
+            bytes,
+            posted_ns = p,
+            now_ns = n,
+            app_limited,
+            "slice completed"
+        );
         let _ = self
             .selector
             .lock()
             .expect("scheduler poisoned")
-            .on_completed(rail, bytes, p, n);
+            .on_delivered(rail, bytes, p, n, app_limited);
     }
 
     /// A slice on `rail` failed.

@@ -170,8 +170,8 @@ struct Inner {
     timers: Arc<Timers>,
     scheduler: Arc<RailScheduler>,
     qos: Arc<Qos>,
-    read_plan: SlicePlan,
-    write_plan: SlicePlan,
+    /// How requests are cut into slices, per direction.
+    plans: crate::transport::Plans,
     fallback_logged: OnceLock<()>,
     server: Mutex<Option<Server>>,
     messaging: Arc<crate::messaging::Messaging>,
@@ -339,8 +339,10 @@ impl Engine {
             timers,
             qos,
             scheduler,
-            read_plan: plan(workers.max_slices_per_request)?,
-            write_plan: plan(workers.max_slices_per_write)?,
+            plans: crate::transport::Plans {
+                read: plan(workers.max_slices_per_request)?,
+                write: plan(workers.max_slices_per_write)?,
+            },
             local,
             peers: RwLock::new(Peers {
                 by_id: HashMap::new(),
@@ -656,47 +658,71 @@ impl Engine {
     pub fn submit(&self, batch: BatchId, requests: &[Request]) -> Result<()> {
         let b = self.batch(batch)?;
         let mut routed = Vec::with_capacity(requests.len());
-        let mut alive = LivePeers::default();
+        let mut memo = RouteMemo::default();
         for (i, r) in requests.iter().enumerate() {
             routed.push(
-                self.route(r, &mut alive)
+                self.route(r, &mut memo)
                     .map_err(|e| annotate(e, i, requests.len()))?,
             );
         }
         let tasks = b.add_tasks(requests.len())?;
-        for ((peer, route, buffer, location, r), task) in routed.into_iter().zip(tasks) {
-            self.post(&peer, route, buffer, location, &r, task);
-        }
+        self.post_all(
+            batch.0,
+            routed
+                .into_iter()
+                .zip(tasks)
+                .map(|((peer, route, buffer, location, r), task)| {
+                    (peer, route, buffer, location, r, task)
+                }),
+        );
         Ok(())
     }
 
-    /// Hands one validated request to its transport as the batch task `task`.
-    fn post(
+    /// Hands validated requests to their transports, each as its batch task, every
+    /// transport's share in one call (so shm resolves a peer's buffer once and queues a
+    /// batch's copies under one lock, with one wake-up).
+    fn post_all(
         &self,
-        peer: &Arc<Peer>,
-        route: Route,
-        buffer: segment::BufferDescriptor,
-        location: Location,
-        r: &Request,
-        task: Arc<crate::batch::Task>,
+        batch: u64,
+        items: impl Iterator<
+            Item = (
+                Arc<Peer>,
+                Route,
+                segment::BufferDescriptor,
+                Location,
+                Request,
+                Arc<crate::batch::Task>,
+            ),
+        >,
     ) {
-        let plan = match r.opcode {
-            Opcode::Read => &self.inner.read_plan,
-            Opcode::Write => &self.inner.write_plan,
-        };
-        let prepared = Prepared {
-            op: r.opcode,
-            local: r.source as usize,
-            remote: r.target_offset,
-            len: r.length,
-            location,
-            priority: r.priority,
-            buffer,
-            task: task.clone(),
-        };
-        self.transport(route).post(peer, prepared, plan);
-        // Drop the part the task was created with, now that every slice holds its own.
-        task.part_done(Ok(()));
+        let mut shares: [Vec<(Arc<Peer>, Prepared)>; 3] = Default::default();
+        let mut tasks = Vec::with_capacity(items.size_hint().0);
+        for (peer, route, buffer, location, r, task) in items {
+            tasks.push(task.clone());
+            shares[route as usize].push((
+                peer,
+                Prepared {
+                    op: r.opcode,
+                    local: r.source as usize,
+                    remote: r.target_offset,
+                    len: r.length,
+                    location,
+                    priority: r.priority,
+                    buffer,
+                    batch,
+                    task,
+                },
+            ));
+        }
+        for (route, share) in Route::ALL.into_iter().zip(shares) {
+            if !share.is_empty() {
+                self.transport(route).post(share, &self.inner.plans);
+            }
+        }
+        // Drop the part each task was created with, now that every slice holds its own.
+        for task in tasks {
+            task.part_done(Ok(()));
+        }
     }
 
     /// The transport a route names.
@@ -708,33 +734,63 @@ impl Engine {
         }
     }
 
-    /// Validates one request and picks its transport. `alive` holds the peers this call has
-    /// already found running, so a batch of many requests to one same-host peer asks the
-    /// kernel whether its process exited once, not once per request.
-    fn route(&self, r: &Request, alive: &mut LivePeers) -> Result<Routed> {
+    /// Validates one request and picks its transport. `memo` holds what this call has already
+    /// resolved (the peers found running, the last source region, peer, target buffer and
+    /// transport readied for it), so a batch of many requests between the same buffers looks
+    /// each up once, not once per request: a kernel poll of the peer's pidfd, two map lookups
+    /// under locks and a transport's own lookups add up to most of a 4 KiB request's cost.
+    fn route(&self, r: &Request, memo: &mut RouteMemo) -> Result<Routed> {
         if r.length == 0 {
             return Err(Error::invalid("length", "must be at least 1 byte"));
         }
-        let location = self
-            .inner
-            .local
-            .registry
-            .find(r.source, r.length)
-            .ok_or(Error::SourceNotRegistered {
-                addr: r.source,
-                len: r.length,
-            })?
-            .location();
-        let peer = self.peer(r.target)?;
-        if !alive.contains(peer.id) && peer.process_exited() {
+        let location = match &memo.region {
+            Some(region) if region.contains(r.source, r.length) => region.location(),
+            _ => {
+                let region = self.inner.local.registry.find(r.source, r.length).ok_or(
+                    Error::SourceNotRegistered {
+                        addr: r.source,
+                        len: r.length,
+                    },
+                )?;
+                let location = region.location();
+                memo.region = Some(region);
+                location
+            }
+        };
+        let peer = match &memo.peer {
+            Some((segment, peer)) if *segment == r.target.0 => peer.clone(),
+            _ => {
+                let peer = self.peer(r.target)?;
+                memo.peer = Some((r.target.0, peer.clone()));
+                peer
+            }
+        };
+        if !memo.alive.contains(peer.id) && peer.process_exited() {
             return Err(Error::PeerDisconnected {
                 peer: peer.name.clone(),
                 reason: "the process serving the segment has exited".into(),
             });
         }
-        alive.insert(peer.id);
-        let buffer = self.target_buffer(&peer, r.target_offset, r.length)?;
+        memo.alive.insert(peer.id);
+        let buffer = match &memo.buffer {
+            Some((id, b)) if *id == peer.id && b.contains(r.target_offset, r.length) => b.clone(),
+            _ => {
+                let b = self.target_buffer(&peer, r.target_offset, r.length)?;
+                memo.buffer = Some((peer.id, b.clone()));
+                b
+            }
+        };
         let choice = r.transport.unwrap_or(self.inner.config.transport);
+        let readied = Readied {
+            peer: peer.id,
+            buffer: (buffer.addr, buffer.key),
+            choice,
+        };
+        if let Some((done, route)) = &memo.readied {
+            if *done == readied {
+                return Ok((peer, *route, buffer, location, *r));
+            }
+        }
         let route = match choice {
             TransportChoice::Tcp => Route::Tcp,
             TransportChoice::Shm => Route::Shm,
@@ -767,6 +823,7 @@ impl Engine {
         let transport = self.transport(route);
         transport.prepare(&peer, &buffer)?;
         tracing::trace!(transport = transport.name(), peer = %peer.name, "routed");
+        memo.readied = Some((readied, route));
         Ok((peer, route, buffer, location, *r))
     }
 
@@ -849,11 +906,17 @@ impl Engine {
     }
 
     /// Blocks until every request of the batch finished or `timeout` passed (`None`: no
-    /// limit). Returns the first failure, or `WaitTimeout`. While no bulk (MEDIUM or LOW) bytes
-    /// move, in this engine or another sharing its slots, polls for up to
+    /// limit). Returns the first failure, or `WaitTimeout`. Same-host copies of the batch that
+    /// no copy worker has started yet are done by the calling thread. While no bulk (MEDIUM or
+    /// LOW) bytes move, in this engine or another sharing its slots, polls for up to
     /// `workers.wait_spin_us` before sleeping.
-    pub fn wait(&self, batch: BatchId, timeout: Option<Duration>) -> Result<()> {
-        let batch = self.batch(batch)?;
+    pub fn wait(&self, id: BatchId, timeout: Option<Duration>) -> Result<()> {
+        let batch = self.batch(id)?;
+        // Copies of this batch still queued for the shm workers are done here rather than
+        // waited for: on a host with few cores a waiting thread would take a core from them.
+        let until = timeout.and_then(|t| Instant::now().checked_add(t));
+        self.inner.shm.help(id.0, until, || batch.unfinished() == 0);
+        let timeout = until.map(|until| until.saturating_duration_since(Instant::now()));
         let spin = if self.inner.qos.bulk_moving(Instant::now()) {
             Duration::ZERO
         } else {
@@ -1106,6 +1169,30 @@ impl Drop for Inner {
     }
 }
 
+/// What one submit call has resolved so far (see [`Engine::route`]). Only the latest source
+/// region, peer, buffer and readied transport are kept: a batch's requests mostly run between
+/// the same two buffers, and a miss costs just the lookup it would have cost anyway.
+#[derive(Default)]
+pub(crate) struct RouteMemo {
+    pub(crate) alive: LivePeers,
+    region: Option<Arc<crate::memory::Region>>,
+    /// The latest peer, by segment id.
+    peer: Option<(u64, Arc<Peer>)>,
+    /// The latest target buffer, by peer id.
+    buffer: Option<(u64, segment::BufferDescriptor)>,
+    /// The latest buffer a transport was readied for, and the route that was chosen.
+    readied: Option<(Readied, Route)>,
+}
+
+/// A buffer of a peer that a transport choice was readied for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Readied {
+    peer: u64,
+    /// Address and key: a buffer freed and registered again at the same address has a new key.
+    buffer: (u64, u64),
+    choice: TransportChoice,
+}
+
 /// Peers one submit call has found running, by id: a few, looked up by scanning (a batch
 /// usually goes to one or a handful of peers; past the bound, peers are simply checked again).
 #[derive(Default)]
@@ -1141,6 +1228,11 @@ enum Route {
     Tcp,
     Shm,
     Rdma,
+}
+
+impl Route {
+    /// Every route, in the order of their discriminants (`route as usize` indexes this).
+    const ALL: [Route; 3] = [Route::Tcp, Route::Shm, Route::Rdma];
 }
 
 fn annotate(e: Error, index: usize, total: usize) -> Error {

@@ -59,7 +59,7 @@ impl Engine {
             return Err(Error::invalid("entries", "must hold at least one entry"));
         }
         let generation = self.inner.local.registry.generation();
-        let mut alive = super::LivePeers::default();
+        let mut memo = super::RouteMemo::default();
         let routed = entries
             .iter()
             .enumerate()
@@ -68,7 +68,7 @@ impl Engine {
                     transport,
                     ..Request::write(e.source, e.target, e.target_offset, e.length)
                 };
-                self.route(&request, &mut alive)
+                self.route(&request, &mut memo)
                     .map_err(|err| entry_error(i, entries.len(), err))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -158,15 +158,25 @@ impl Engine {
             }
         }
         let tasks = b.add_tasks(indices.len())?;
-        for (&i, task) in indices.iter().zip(tasks) {
-            let (peer, route, buffer, location, entry) = &prepared.entries[i];
-            let request = Request {
-                opcode,
-                priority,
-                ..*entry
-            };
-            self.post(peer, *route, buffer.clone(), *location, &request, task);
-        }
+        self.post_all(
+            batch.0,
+            indices.iter().zip(tasks).map(|(&i, task)| {
+                let (peer, route, buffer, location, entry) = &prepared.entries[i];
+                let request = Request {
+                    opcode,
+                    priority,
+                    ..*entry
+                };
+                (
+                    peer.clone(),
+                    *route,
+                    buffer.clone(),
+                    *location,
+                    request,
+                    task,
+                )
+            }),
+        );
         Ok(())
     }
 

@@ -44,7 +44,27 @@ pub(crate) struct Prepared {
     pub priority: multirail_policy::qos::Priority,
     /// The target buffer that holds `remote..remote+len`.
     pub buffer: BufferDescriptor,
+    /// The batch the request belongs to (its id), so a thread waiting for that batch can
+    /// find the request's queued work and do it itself.
+    pub batch: u64,
     pub task: Arc<Task>,
+}
+
+/// How requests are cut into slices, per direction (reads and writes have their own cap on
+/// slices per request).
+pub(crate) struct Plans {
+    pub read: SlicePlan,
+    pub write: SlicePlan,
+}
+
+impl Plans {
+    /// The plan of requests in direction `op`.
+    pub(crate) fn of(&self, op: Opcode) -> &SlicePlan {
+        match op {
+            Opcode::Read => &self.read,
+            Opcode::Write => &self.write,
+        }
+    }
 }
 
 impl Prepared {
@@ -76,7 +96,8 @@ pub(crate) trait Transport: Send + Sync {
     /// transport cannot serve it and another should be tried or the submit refused.
     fn prepare(&self, peer: &Arc<Peer>, buffer: &BufferDescriptor) -> Result<()>;
 
-    /// Posts the slices of `req` per `plan`. Every part it adds to the task reports exactly once,
-    /// with success or the error that stopped it.
-    fn post(&self, peer: &Arc<Peer>, req: Prepared, plan: &SlicePlan);
+    /// Posts the slices of each request per its direction's plan, in order. Every part it
+    /// adds to a task reports exactly once, with success or the error that stopped it. A
+    /// transport may resolve what the requests share once and hand their work over together.
+    fn post(&self, reqs: Vec<(Arc<Peer>, Prepared)>, plans: &Plans);
 }

@@ -69,7 +69,20 @@ impl<T: Payload + Located> Rails<T> for EngineRails<'_> {
     }
 
     fn completed(&mut self, rail: RailId, bytes: u64, posted_ns: u64, now_ns: u64) {
-        self.scheduler.completed_ns(rail, bytes, posted_ns, now_ns);
+        self.scheduler
+            .delivered_ns(rail, bytes, posted_ns, now_ns, false);
+    }
+
+    fn delivered(
+        &mut self,
+        rail: RailId,
+        bytes: u64,
+        posted_ns: u64,
+        now_ns: u64,
+        app_limited: bool,
+    ) {
+        self.scheduler
+            .delivered_ns(rail, bytes, posted_ns, now_ns, app_limited);
     }
 
     fn failed(&mut self, rail: RailId, bytes: u64) {

@@ -578,8 +578,6 @@ impl<T: Payload> Dispatcher<T> {
         ok: bool,
         rails: &mut impl Rails<T>,
     ) -> bool {
-        // Nothing waits to be dealt: whatever the path has in flight is all there was to send.
-        let nothing_queued = self.queue.is_empty();
         let Some(path) = self.paths.get_mut(id.path) else {
             return false;
         };
@@ -591,10 +589,13 @@ impl<T: Payload> Dispatcher<T> {
             let sent = sent.unwrap_or(rec.posted_ns);
             let rtt = now.saturating_sub(sent);
             let bw = self.bandwidth.get(rail).copied().unwrap_or(0.0);
-            // The rail showed its speed only if it had more to send and this slice waited
-            // behind other bytes; otherwise the sample may raise the estimate but not lower
-            // it (DESIGN data-path rule 8, BBR's app-limited samples).
-            let app_limited = nothing_queued || !path.rtt.saw_queue(rtt, rec.len, bw);
+            // The rail showed its speed only if this slice waited behind other bytes on it:
+            // the rail was busy all the while. Otherwise (idle, or held below its link by the
+            // window) the sample may raise the estimate but not lower it (DESIGN data-path
+            // rule 8, BBR's app-limited samples). Whether more waits in the dispatcher's
+            // queue does not matter: a batch dealt whole at once still keeps the rail busy
+            // until its last slice, and those samples are the rail's speed.
+            let app_limited = !path.rtt.saw_queue(rtt, rec.len, bw);
             rails.delivered(rail, rec.len, sent, now, app_limited);
             path.rtt.on_sample(rtt, rec.len, bw);
             path.controller.on_completed(now, rec.len, rtt);

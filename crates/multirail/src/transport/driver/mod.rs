@@ -37,7 +37,7 @@ use crate::peer::Peer;
 use crate::qos::Qos;
 use crate::rails::RailScheduler;
 use crate::transport::rails_view::{EngineRails, Located};
-use crate::transport::{Opcode, Prepared};
+use crate::transport::{Opcode, Plans, Prepared};
 use crate::upkeep::{TimerKey, Timers};
 
 /// One slice of a request on its way to a peer. `K` is what the transport presents to reach
@@ -377,37 +377,36 @@ impl<L: Link> Driver<L> {
         *self.last_loss.lock().expect("peer poisoned") = Some(err.clone());
     }
 
-    /// Queues the slices of one request and deals out what the paths' windows allow. Hands
-    /// the request back untouched when this peer is dead or was found silent, for the caller
-    /// to post on a fresh driver: a request submitted after the verdict gets its own timeout.
-    pub(crate) fn post(
-        &self,
-        req: Prepared,
-        plan: &SlicePlan,
-    ) -> std::result::Result<(), Prepared> {
+    /// Queues the slices of several requests under one lock and deals out what the paths'
+    /// windows allow, pumping once, so a batch of many small requests pays for dealing once
+    /// rather than once per request. Hands back the requests untouched, in order, when this
+    /// peer is dead or was found silent, for the caller to post on a fresh driver.
+    pub(crate) fn post_many(&self, reqs: Vec<Prepared>, plans: &Plans) -> Vec<Prepared> {
         if self.is_dead() {
-            return Err(req);
+            return reqs;
         }
-        let slices = match self.link.slices(&req, plan) {
-            Ok(s) => s,
-            Err(e) => {
-                req.fail(e);
-                return Ok(());
+        let mut sliced = Vec::with_capacity(reqs.len());
+        for req in reqs {
+            match self.link.slices(&req, plans.of(req.op)) {
+                Ok(slices) => sliced.push((req, slices)),
+                Err(e) => req.fail(e),
             }
-        };
+        }
         let now_ns = self.now_ns();
         {
             let mut d = self.lock();
             if d.is_silent() || d.is_closed() {
-                return Err(req);
+                return sliced.into_iter().map(|(req, _)| req).collect();
             }
-            req.task.add_parts(slices.len() as u32);
-            d.on_submit(now_ns, req.priority, slices);
+            for (req, slices) in sliced {
+                req.task.add_parts(slices.len() as u32);
+                d.on_submit(now_ns, req.priority, slices);
+            }
             self.report_depths(&mut d);
             self.arm(&mut d);
         }
         self.pump();
-        Ok(())
+        Vec::new()
     }
 
     /// Brings the engine-wide queue depths up to date with this peer's queues.

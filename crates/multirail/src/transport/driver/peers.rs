@@ -6,12 +6,11 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
 use multirail_policy::health::RailState;
-use multirail_policy::slicing::SlicePlan;
 
 use super::{Driver, Link};
 use crate::error::{Error, Result};
 use crate::peer::Peer;
-use crate::transport::Prepared;
+use crate::transport::{Plans, Prepared};
 
 /// A transport's drivers, one per peer by the engine's peer id.
 pub(crate) struct Peers<L: Link> {
@@ -104,30 +103,43 @@ impl<L: Link> Peers<L> {
         }
     }
 
-    /// Posts `req` on the peer's driver from `connected`, once more on a fresh one when the
-    /// driver was given up on in between (a silent peer's verdict). Every failure reports
-    /// through the request.
+    /// Posts requests, each run of requests to one peer to its driver in one go
+    /// ([`Driver::post_many`]); `connected` gives a peer's driver, connecting first if needed.
+    /// What a driver hands back (it was found dead or silent meanwhile) is posted once more on
+    /// a fresh driver, so a request submitted after the verdict gets its own timeout, then
+    /// failed with `PeerDisconnected`.
     pub(crate) fn post(
         &self,
-        peer: &Peer,
-        req: Prepared,
-        plan: &SlicePlan,
-        connected: impl Fn() -> Result<Arc<Driver<L>>>,
+        reqs: Vec<(Arc<Peer>, Prepared)>,
+        plans: &Plans,
+        connected: impl Fn(&Arc<Peer>) -> Result<Arc<Driver<L>>>,
     ) {
-        let mut req = req;
-        for _ in 0..2 {
-            match connected() {
-                Ok(d) => match d.post(req, plan) {
-                    Ok(()) => return,
-                    Err(back) => req = back,
-                },
-                Err(e) => return req.fail(e),
+        let mut reqs = reqs.into_iter().peekable();
+        while let Some((peer, first)) = reqs.next() {
+            let mut run = vec![first];
+            while let Some((_, req)) = reqs.next_if(|(next, _)| next.id == peer.id) {
+                run.push(req);
+            }
+            for _ in 0..2 {
+                match connected(&peer) {
+                    Ok(d) => run = d.post_many(run, plans),
+                    Err(e) => {
+                        for req in run.drain(..) {
+                            req.fail(e.clone());
+                        }
+                    }
+                }
+                if run.is_empty() {
+                    break;
+                }
+            }
+            for req in run {
+                req.fail(Error::PeerDisconnected {
+                    peer: peer.name.clone(),
+                    reason: format!("every {} to it is down", L::PATH),
+                });
             }
         }
-        req.fail(Error::PeerDisconnected {
-            peer: peer.name.clone(),
-            reason: format!("every {} to it is down", L::PATH),
-        });
     }
 
     /// The slot of peer `id`, made on first use.

@@ -23,7 +23,6 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use multirail_policy::dispatch::DispatchConfig;
-use multirail_policy::slicing::SlicePlan;
 use serde::Serialize;
 
 use crate::config::{Config, RdmaConfig};
@@ -38,7 +37,7 @@ use crate::stats::TrafficStats;
 use crate::topology::{Rail, Topology};
 use crate::transport::driver::{DriverEnv, Peers};
 use crate::transport::handshake::Membership;
-use crate::transport::{Prepared, Transport};
+use crate::transport::{Plans, Prepared, Transport};
 use crate::upkeep::Timers;
 
 use devices::{Port, Registrations};
@@ -483,7 +482,7 @@ impl Transport for RdmaTransport {
         self.connected(peer).map(|_| ())
     }
 
-    fn post(&self, peer: &Arc<Peer>, req: Prepared, plan: &SlicePlan) {
-        self.peers.post(peer, req, plan, || self.connected(peer));
+    fn post(&self, reqs: Vec<(Arc<Peer>, Prepared)>, plans: &Plans) {
+        self.peers.post(reqs, plans, |peer| self.connected(peer));
     }
 }

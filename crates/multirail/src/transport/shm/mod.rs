@@ -43,7 +43,7 @@ use crate::peer::Peer;
 use crate::qos::Qos;
 use crate::segment::BufferDescriptor;
 use crate::stats::{RailCounters, TrafficStats};
-use crate::transport::{Opcode, Prepared, Transport};
+use crate::transport::{Opcode, Plans, Prepared, Transport};
 
 mod copy;
 mod workers;
@@ -230,16 +230,79 @@ impl Transport for ShmTransport {
         self.reach(peer, buffer).map(|_| ())
     }
 
-    /// Queues the request's jobs at its priority and wakes idle workers; the jobs fail with
-    /// `TransportUnavailable` when no worker is left to run them.
-    fn post(&self, peer: &Arc<Peer>, req: Prepared, plan: &SlicePlan) {
-        let reach = match self.reach(peer, &req.buffer) {
-            Ok(r) => r,
-            Err(e) => {
-                req.fail(e);
-                return;
+    /// Copies requests of at most `inline_bytes` at once and queues the jobs of the others at
+    /// their priority, waking idle workers (the jobs fail with `TransportUnavailable` when no
+    /// worker is left to run them). How to reach a buffer is resolved once for the requests
+    /// in a row that target it, and the jobs of the whole call are queued under one lock with
+    /// one wake-up per worker needed, not a lock and a wake-up per request.
+    fn post(&self, reqs: Vec<(Arc<Peer>, Prepared)>, plans: &Plans) {
+        let mut reached: Option<((u64, u64, u64), Reach)> = None;
+        let (mut queued, mut tally) = (Vec::new(), Tally::default());
+        for (peer, req) in reqs {
+            let key = (peer.id, req.buffer.addr, req.buffer.key);
+            let reach = match &reached {
+                Some((k, reach)) if *k == key => reach.clone(),
+                _ => match self.reach(&peer, &req.buffer) {
+                    Ok(reach) => {
+                        reached = Some((key, reach.clone()));
+                        reach
+                    }
+                    Err(e) => {
+                        req.fail(e);
+                        continue;
+                    }
+                },
+            };
+            let plan = plans.of(req.op);
+            if req.len <= self.inline_bytes {
+                // Copied now: what was gathered goes to the workers first, so it is not
+                // held back behind this copy.
+                self.queue(std::mem::take(&mut queued));
             }
-        };
+            self.take(reach, req, plan, &mut queued, &mut tally);
+        }
+        self.queue(queued);
+        tally.record(&self.shared.rail);
+    }
+}
+
+/// Bytes and slices copied inline by one post, counted into the rail's shared counters once
+/// rather than with three atomic additions per request.
+#[derive(Default)]
+struct Tally {
+    bytes: [u64; LEVELS],
+    slices: u64,
+}
+
+impl Tally {
+    fn add(&mut self, priority: Priority, bytes: u64, slices: u64) {
+        self.bytes[priority.index()] += bytes;
+        self.slices += slices;
+    }
+
+    fn record(&self, rail: &RailCounters) {
+        for (level, &bytes) in Priority::ALL.into_iter().zip(&self.bytes) {
+            if bytes > 0 {
+                rail.record_at(level, bytes, 0);
+            }
+        }
+        if self.slices > 0 {
+            rail.record(0, self.slices);
+        }
+    }
+}
+
+impl ShmTransport {
+    /// Copies `req` now when it is at most `inline_bytes` (counting it in `tally`), else cuts
+    /// it into jobs and adds them to `queued` for [`ShmTransport::queue`].
+    fn take(
+        &self,
+        reach: Reach,
+        req: Prepared,
+        plan: &SlicePlan,
+        queued: &mut Vec<(CopyJob, Priority)>,
+        tally: &mut Tally,
+    ) {
         let Some(slices) = req.slices(plan) else {
             return;
         };
@@ -251,14 +314,12 @@ impl Transport for ShmTransport {
                 len: req.len as usize,
                 slices: slices.len() as u64,
                 reach,
+                batch: req.batch,
                 task: req.task.clone(),
             };
             let outcome = run(&job, 0, job.len);
             match &outcome {
-                Ok(()) => self
-                    .shared
-                    .rail
-                    .record_at(req.priority, req.len, job.slices),
+                Ok(()) => tally.add(req.priority, req.len, job.slices),
                 Err(_) => self.shared.rail.record_error(),
             }
             req.task.add_parts(1);
@@ -270,31 +331,44 @@ impl Transport for ShmTransport {
             MAX_JOB_BYTES,
         );
         req.task.add_parts(jobs as u32);
-        let job = |span: JobSpan| CopyJob {
-            op: req.op,
-            local: req.local + span.offset as usize,
-            remote: req.remote + span.offset,
-            len: span.len as usize,
-            slices: span.slices,
-            reach: reach.clone(),
-            task: req.task.clone(),
-        };
+        queued.extend(spans.map(|span: JobSpan| {
+            let job = CopyJob {
+                op: req.op,
+                local: req.local + span.offset as usize,
+                remote: req.remote + span.offset,
+                len: span.len as usize,
+                slices: span.slices,
+                reach: reach.clone(),
+                batch: req.batch,
+                task: req.task.clone(),
+            };
+            (job, req.priority)
+        }));
+    }
+
+    /// Queues `jobs` under one lock and wakes as many idle workers as there are jobs; fails
+    /// them with `TransportUnavailable` when no worker is left to run them.
+    fn queue(&self, jobs: Vec<(CopyJob, Priority)>) {
+        if jobs.is_empty() {
+            return;
+        }
         let shared = &*self.shared;
         let now_ns = shared.ns(Instant::now());
         let mut st = shared.lock();
         if st.stopped || st.alive == 0 {
             drop(st);
-            for _ in 0..jobs {
+            for (job, _) in jobs {
                 shared.rail.record_error();
-                req.task.part_done(Err(stopped_error()));
+                job.task.part_done(Err(stopped_error()));
             }
             return;
         }
-        for span in spans {
-            st.jobs.push_back(job(span), req.priority, now_ns);
+        let count = jobs.len();
+        for (job, priority) in jobs {
+            st.jobs.push_back(job, priority, now_ns);
         }
         shared.report_depths(&mut st);
-        let wake = jobs.min(st.idle);
+        let wake = count.min(st.idle);
         st.idle -= wake;
         st.woken += wake;
         drop(st);
@@ -304,6 +378,44 @@ impl Transport for ShmTransport {
         // worker awake takes jobs until the queue is empty before it waits again.
         for _ in 0..wake {
             shared.ready.notify_one();
+        }
+    }
+
+    /// Runs queued jobs of batch `batch` on the calling thread while `finished` says the
+    /// batch is not done and the job a worker would take next (the head of the highest
+    /// non-empty level, after promotion) is one of them: a thread that would otherwise wait
+    /// for the batch copies too, instead of spinning on a core the workers need. It never
+    /// takes a job ahead of another batch's, so priorities and queue order hold as they do
+    /// for the workers. Returns when the next job is not the batch's, or once `until` has
+    /// passed.
+    pub(crate) fn help(&self, batch: u64, until: Option<Instant>, finished: impl Fn() -> bool) {
+        let shared = &*self.shared;
+        while shared.queued() > 0 && !finished() {
+            let now = Instant::now();
+            if until.is_some_and(|until| now >= until) {
+                return;
+            }
+            let now_ns = shared.ns(now);
+            let mut st = shared.lock();
+            let promoted = st.jobs.on_timeout(now_ns);
+            if promoted > 0 {
+                shared.qos.promoted(promoted);
+            }
+            let priority = match st.jobs.front(|_| true) {
+                Some((job, priority)) if job.batch == batch => priority,
+                _ => return,
+            };
+            let taken = st.jobs.pop(priority, now_ns).expect("the head exists");
+            shared.report_depths(&mut st);
+            drop(st);
+            shared.qos.host_dequeued(priority, taken.waited_ns, now);
+            let job = taken.item;
+            let outcome = run(&job, 0, job.len);
+            match &outcome {
+                Ok(()) => shared.rail.record_at(priority, job.len as u64, job.slices),
+                Err(_) => shared.rail.record_error(),
+            }
+            job.task.part_done(outcome);
         }
     }
 }
@@ -327,6 +439,7 @@ mod tests {
             len: src.len(),
             slices: 1,
             reach: Reach::Direct,
+            batch: 0,
             task,
         }
     }
@@ -427,6 +540,73 @@ mod tests {
         assert_eq!(rail.priority_bytes, [4096, 0, len as u64]);
         let low = &qos.snapshot().priorities[LOW.index()];
         assert!(low.dequeued >= 2 && low.queued == 0, "{low:?}");
+    }
+
+    #[test]
+    fn a_waiter_copies_its_batchs_jobs_only_when_they_are_next() {
+        let stats = TrafficStats::default();
+        let qos = qos();
+        // No worker: only the waiting thread copies.
+        let shm = ShmTransport::new(0, false, 0, &stats, qos.clone()).unwrap();
+        let (ours, theirs) = (Batch::new(7, 3), Batch::new(8, 1));
+        let our_tasks = ours.add_tasks(3).unwrap();
+        let their_task = theirs.add_tasks(1).unwrap().pop().unwrap();
+        let srcs = [[1u8; 64], [2u8; 64], [3u8; 64]];
+        let mut dsts = [[0u8; 64]; 3];
+        let (their_src, mut their_dst) = ([9u8; 64], [0u8; 64]);
+        {
+            let mut st = shm.shared.lock();
+            let now = shm.shared.ns(Instant::now());
+            let [d0, d1, d2] = &mut dsts;
+            let job = |src: &[u8], dst: &mut [u8], task: &Arc<Task>, batch| CopyJob {
+                batch,
+                ..direct_job(src, dst, task.clone())
+            };
+            // HIGH: ours. MEDIUM: another batch's. LOW: ours, twice.
+            st.jobs
+                .push_back(job(&srcs[0], d0, &our_tasks[0], 7), HIGH, now);
+            let other = job(&their_src, &mut their_dst, &their_task, 8);
+            st.jobs.push_back(other, MEDIUM, now);
+            st.jobs
+                .push_back(job(&srcs[1], d1, &our_tasks[1], 7), LOW, now);
+            st.jobs
+                .push_back(job(&srcs[2], d2, &our_tasks[2], 7), LOW, now);
+            shm.shared.report_depths(&mut st);
+        }
+        shm.help(7, None, || ours.unfinished() == 0);
+        assert_eq!(dsts[0], srcs[0]);
+        assert_eq!(
+            dsts[1..],
+            [[0u8; 64]; 2],
+            "nothing is taken while another batch's job is next"
+        );
+        assert_eq!(
+            their_dst, [0u8; 64],
+            "another batch's job is left to the workers"
+        );
+        assert_eq!(ours.unfinished(), 2);
+        assert_eq!(shm.shared.queued(), 3);
+        // A deadline already past stops the help before it copies anything.
+        shm.help(8, Some(Instant::now()), || false);
+        assert_eq!(their_dst, [0u8; 64]);
+        shm.help(8, None, || theirs.unfinished() == 0);
+        assert_eq!(their_dst, their_src);
+        assert_eq!(
+            dsts[1..],
+            [[0u8; 64]; 2],
+            "batch 8's waiter copies only its own"
+        );
+        shm.help(7, None, || ours.unfinished() == 0);
+        assert_eq!(dsts, srcs);
+        ours.wait(Some(Duration::from_secs(5)), Duration::ZERO)
+            .unwrap();
+        let rail = stats
+            .snapshot()
+            .into_iter()
+            .find(|r| r.name == "shm")
+            .unwrap();
+        assert_eq!((rail.bytes, rail.slices), (256, 4));
+        assert_eq!(rail.priority_bytes, [64, 64, 128]);
     }
 
     #[test]

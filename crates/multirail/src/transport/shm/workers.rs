@@ -11,6 +11,8 @@ pub(super) struct CopyJob {
     pub(super) len: usize,
     pub(super) slices: u64,
     pub(super) reach: Reach,
+    /// Id of the request's batch, which a thread waiting for it may copy itself.
+    pub(super) batch: u64,
     pub(super) task: Arc<Task>,
 }
 

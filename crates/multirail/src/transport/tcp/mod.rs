@@ -40,7 +40,7 @@ use crate::topology;
 use crate::transport::driver::{
     offer, Driver, DriverEnv, Handed, Link, OutSlice, Peers, ProbeNeed,
 };
-use crate::transport::{Prepared, Transport};
+use crate::transport::{Plans, Prepared, Transport};
 use crate::upkeep::{TimerKey, Timers};
 
 pub(crate) use conn::{keep_alive, TcpSettings};
@@ -546,7 +546,7 @@ impl Transport for TcpTransport {
         self.connected(peer).map(|_| ())
     }
 
-    fn post(&self, peer: &Arc<Peer>, req: Prepared, plan: &SlicePlan) {
-        self.peers.post(peer, req, plan, || self.connected(peer));
+    fn post(&self, reqs: Vec<(Arc<Peer>, Prepared)>, plans: &Plans) {
+        self.peers.post(reqs, plans, |peer| self.connected(peer));
     }
 }

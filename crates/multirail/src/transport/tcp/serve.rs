@@ -67,6 +67,10 @@ struct Responses {
     iov: Vec<libc::iovec>,
     /// A write is under way (`iov` is built and partly sent).
     writing: bool,
+    /// A HIGH slice's answer is queued: it goes out after the request being read now instead
+    /// of waiting for the socket to run dry, which a connection streaming bulk beside it may
+    /// not do for a whole turn (`TURN_BYTES`, a millisecond or more of copying).
+    urgent: bool,
 }
 
 impl Responses {
@@ -81,6 +85,7 @@ impl Responses {
             written: 0,
             bytes: 0,
             iov: Vec::with_capacity(RESPONSES_PER_WRITE * 2),
+            urgent: false,
             writing: false,
         }
     }
@@ -144,7 +149,7 @@ impl Responses {
     }
 
     fn due(&self) -> bool {
-        self.headers.len() >= RESPONSES_PER_WRITE || self.bytes >= RESPONSE_BYTES
+        self.urgent || self.headers.len() >= RESPONSES_PER_WRITE || self.bytes >= RESPONSE_BYTES
     }
 
     /// Writes what is queued without blocking. `Ok(true)` when everything went out, `Ok(false)`
@@ -198,6 +203,7 @@ impl Responses {
         self.held.clear();
         self.bytes = 0;
         self.writing = false;
+        self.urgent = false;
         Ok(true)
     }
 }
@@ -326,12 +332,15 @@ impl DataConn {
                 RequestOp::Read => {
                     self.last_was_read = true;
                     match check(registry, &h) {
-                        Ok(region) => self.out.push_timed(
-                            Status::Ok,
-                            h.id,
-                            Some((h.addr as usize, h.len as usize, region)),
-                            Some((h.priority, self.read_at)),
-                        ),
+                        Ok(region) => {
+                            self.out.push_timed(
+                                Status::Ok,
+                                h.id,
+                                Some((h.addr as usize, h.len as usize, region)),
+                                Some((h.priority, self.read_at)),
+                            );
+                            self.out.urgent |= h.priority == Priority::High;
+                        }
                         Err(status) => {
                             self.served.refused(ServedOp::Read);
                             self.out.push(status, h.id, None);
@@ -414,6 +423,9 @@ impl DataConn {
             self.served.refused(ServedOp::Write);
         }
         self.out.push(p.status, p.id, None);
+        if p.priority == Priority::High {
+            self.out.urgent = true;
+        }
     }
 
     /// Receives payload bytes straight into their destination, picking up the next request
