@@ -71,7 +71,11 @@ impl RttEstimator {
         } else {
             0
         };
-        let fixed = rtt_ns.saturating_sub(serialization_ns);
+        // At most half a round trip is put down to the wire: the time on the wire comes from
+        // the bandwidth *estimate*, and one that fell below the link's (a stall on a CPU-bound
+        // link, a burst of scheduling delay) would put all of it there. The smallest fixed part
+        // would then be zero for good, and every window computed from it one slice.
+        let fixed = rtt_ns.saturating_sub(serialization_ns).max(rtt_ns / 2);
         self.min_fixed_ns = Some(self.min_fixed_ns.map_or(fixed, |m| m.min(fixed)));
         match self.smoothed_ns {
             None => {
@@ -176,7 +180,8 @@ impl WindowController for BdpController {
     }
 
     /// `full` is `window_bdps` bandwidth-delay products (bandwidth × the smallest fixed round
-    /// trip), `lean` is `lean_bdps` of them; each at least one *pipe* (one product plus the
+    /// trip) and at least [`FULL_PIPES`] pipes, `lean` is `lean_bdps` of them and at least one
+    /// *pipe* (one product plus the
     /// slice: what keeps the rail busy, since a slice is answered only after its whole length
     /// went on the wire), then at most `max_queue_ns` of the bandwidth, and at least one slice.
     /// The margin of `full` covers what the estimate misses on a CPU-bound link such as
@@ -199,14 +204,24 @@ impl WindowController for BdpController {
         let bdp = bytes_per_sec * fixed as f64 / 1e9;
         let pipe = bdp + slice as f64;
         let cap = bytes_per_sec * self.max_queue_ns as f64 / 1e9;
-        let bound = |bdps: f64| ((bdps * bdp).max(pipe).min(cap) as u64).max(slice);
+        let bound =
+            |bdps: f64, pipes: f64| ((bdps * bdp).max(pipes * pipe).min(cap) as u64).max(slice);
         Window {
-            full: bound(self.window_bdps),
-            lean: bound(self.lean_bdps),
-            pipe: bound(0.0),
+            full: bound(self.window_bdps, FULL_PIPES),
+            lean: bound(self.lean_bdps, 1.0),
+            pipe: bound(0.0, 1.0),
         }
     }
 }
+
+/// Pipes the full window holds at least, BBR's congestion-window gain. The fixed part of a
+/// round trip is what is left after the slice's time on the wire at the *estimated* bandwidth;
+/// an estimate that fell to one slice per round trip (a stall, a burst of scheduling delay on
+/// a CPU-bound link) makes that time the whole round trip, the product zero and a one-pipe
+/// window one slice, which then measures one slice per round trip again: a trap the engine
+/// fell into on loopback (1 slice in flight, 0.6 instead of 2.8 GB/s, for the rest of the
+/// run). With two pipes the rail delivers about twice the estimate and climbs out.
+pub const FULL_PIPES: f64 = 2.0;
 
 /// A fixed window in bytes whatever the path measures: what engines without flow control do
 /// (Mooncake keeps one TCP slice in flight, a window of one slice). For comparison and for
@@ -265,15 +280,45 @@ mod tests {
     #[test]
     fn estimator_keeps_the_fixed_part_of_the_smallest_round_trip() {
         let mut rtt = RttEstimator::new();
-        // 1 GB/s: a 1 MiB slice takes 1.05 ms on the wire.
-        rtt.on_sample(1_100_000, 1 << 20, 1e9);
-        assert_eq!(rtt.min_fixed_ns(), Some(1_100_000 - 1_048_576));
+        // 1 GB/s: a 64 KiB slice takes 65.5 µs on the wire.
+        rtt.on_sample(200_000, 1 << 16, 1e9);
+        assert_eq!(rtt.min_fixed_ns(), Some(200_000 - 65_536));
         // A later, larger fixed part does not raise the minimum.
-        rtt.on_sample(200_000, 4096, 1e9);
-        assert_eq!(rtt.min_fixed_ns(), Some(1_100_000 - 1_048_576));
+        rtt.on_sample(300_000, 4096, 1e9);
+        assert_eq!(rtt.min_fixed_ns(), Some(200_000 - 65_536));
+        // A 1 MiB slice would take 1.05 ms on the wire at 1 GB/s: at most half its round trip
+        // is put down to that.
+        rtt.on_sample(1_100_000, 1 << 20, 1e9);
+        assert_eq!(rtt.min_fixed_ns(), Some(200_000 - 65_536));
+        let mut big = RttEstimator::new();
+        big.on_sample(1_100_000, 1 << 20, 1e9);
+        assert_eq!(big.min_fixed_ns(), Some(550_000));
         rtt.on_sample(0, 4096, 1e9);
-        assert_eq!(rtt.latest_ns(), 200_000);
+        assert_eq!(rtt.latest_ns(), 1_100_000);
         assert!(rtt.smoothed_ns().unwrap() > 200_000);
+    }
+
+    #[test]
+    fn an_estimate_fallen_to_one_slice_per_round_trip_still_gets_a_window_that_climbs() {
+        // Loopback moves 16 KiB in a 15 µs round trip (about 1 GB/s of one slice at a time,
+        // several GB/s with more in flight). After a stall the estimate reads 0.5 GB/s, at
+        // which a slice would take 33 µs on the wire: more than the whole round trip.
+        let c = BdpController::default();
+        let mut rtt = RttEstimator::new();
+        let slice = 16 << 10;
+        rtt.on_sample(15_000, slice, 0.5e9);
+        assert_eq!(rtt.min_fixed_ns(), Some(7_500));
+        let w = c.window(&rtt, 0.5e9, slice);
+        // Two slices in flight at least: the rail then delivers more than its estimate.
+        assert!(w.full >= 2 * slice, "{w:?}");
+        // Even with no fixed part at all (a window controller fed by another estimator), the
+        // full window holds two pipes.
+        let zero = RttEstimator {
+            min_fixed_ns: Some(0),
+            ..RttEstimator::new()
+        };
+        assert_eq!(c.window(&zero, 0.5e9, slice).full, 2 * slice);
+        assert_eq!(c.window(&zero, 0.5e9, slice).lean, slice);
     }
 
     #[test]

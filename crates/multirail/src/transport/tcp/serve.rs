@@ -67,9 +67,10 @@ struct Responses {
     iov: Vec<libc::iovec>,
     /// A write is under way (`iov` is built and partly sent).
     writing: bool,
-    /// A HIGH slice's answer is queued: it goes out after the request being read now instead
-    /// of waiting for the socket to run dry, which a connection streaming bulk beside it may
-    /// not do for a whole turn (`TURN_BYTES`, a millisecond or more of copying).
+    /// A HIGH slice's answer is queued: it goes out before a request of lower priority is
+    /// served, instead of waiting for the socket to run dry, which a connection streaming bulk
+    /// behind it may not do for a whole turn (`TURN_BYTES`, a millisecond or more of copying).
+    /// Behind more HIGH requests answers still go out together, as bulk's do.
     urgent: bool,
 }
 
@@ -149,7 +150,7 @@ impl Responses {
     }
 
     fn due(&self) -> bool {
-        self.urgent || self.headers.len() >= RESPONSES_PER_WRITE || self.bytes >= RESPONSE_BYTES
+        self.headers.len() >= RESPONSES_PER_WRITE || self.bytes >= RESPONSE_BYTES
     }
 
     /// Writes what is queued without blocking. `Ok(true)` when everything went out, `Ok(false)`
@@ -309,6 +310,13 @@ impl DataConn {
                 }
             }
             let h = RequestHeader::decode(self.staging.peek(wire::REQUEST_LEN))?;
+            if self.out.urgent
+                && h.priority != Priority::High
+                && !self.out.flush(fd, &mut self.served)?
+            {
+                // The header stays staged; it is served once the answers are out.
+                return Ok(Some(Wait::Write));
+            }
             self.staging.consume(wire::REQUEST_LEN);
             nice.follow(h.priority);
             match h.op {
