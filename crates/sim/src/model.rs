@@ -145,9 +145,6 @@ impl Rails<Piece> for Host {
             out.clear();
         }
     }
-    fn completed(&mut self, rail: RailId, bytes: u64, posted_ns: u64, now_ns: u64) {
-        let _ = self.selector.on_completed(rail, bytes, posted_ns, now_ns);
-    }
     fn delivered(
         &mut self,
         rail: RailId,

@@ -68,11 +68,6 @@ impl<T: Payload + Located> Rails<T> for EngineRails<'_> {
         self.scheduler.select(candidates, shape, out);
     }
 
-    fn completed(&mut self, rail: RailId, bytes: u64, posted_ns: u64, now_ns: u64) {
-        self.scheduler
-            .delivered_ns(rail, bytes, posted_ns, now_ns, false);
-    }
-
     fn delivered(
         &mut self,
         rail: RailId,

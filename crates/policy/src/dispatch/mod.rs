@@ -92,15 +92,12 @@ pub trait Rails<T> {
     /// Chooses a rail per slice among `candidates` (rails per tier); `out[i]` carries slice
     /// `i`. Leaves `out` shorter than the shape's count when it cannot choose.
     fn select(&mut self, candidates: &[Vec<RailId>; 3], shape: SliceShape, out: &mut Vec<RailId>);
-    /// A slice of `bytes` on `rail`, posted at `posted_ns`, was answered at `now_ns`.
-    fn completed(&mut self, rail: RailId, bytes: u64, posted_ns: u64, now_ns: u64);
     /// A slice of `bytes` on `rail`, posted at `posted_ns`, was answered at `now_ns`;
-    /// `app_limited` when the path could not show the rail's speed meanwhile (nothing else
-    /// was queued, or the slice found no queue ahead of it: the rail was idle or held below its
-    /// link by the window). Pass it to `DeviceSelector::on_delivered`, which then never lowers
-    /// the estimate from that sample. The dispatcher calls this, not `completed`; the default
-    /// forwards to `completed` and drops the flag, so an implementation written before the flag
-    /// learns from every sample as it did.
+    /// `app_limited` when the path could not show the rail's speed meanwhile (the slice found
+    /// no queue ahead of it on the rail: the rail was idle or held below its link by the
+    /// window). Pass it to `DeviceSelector::on_delivered`, which then never lowers the estimate
+    /// from that sample (data-path rule 8: dropping the flag would let a held-back rail's
+    /// estimate shrink its own window).
     fn delivered(
         &mut self,
         rail: RailId,
@@ -108,10 +105,7 @@ pub trait Rails<T> {
         posted_ns: u64,
         now_ns: u64,
         app_limited: bool,
-    ) {
-        let _ = app_limited;
-        self.completed(rail, bytes, posted_ns, now_ns);
-    }
+    );
     /// A slice of `bytes` on `rail` failed or was refused by the target.
     fn failed(&mut self, rail: RailId, bytes: u64);
     /// A slice of `bytes` charged to `rail` by `select` never went there.

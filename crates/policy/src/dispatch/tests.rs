@@ -99,11 +99,6 @@ impl Rails<Piece> for Host {
             out.clear();
         }
     }
-    fn completed(&mut self, rail: RailId, bytes: u64, posted_ns: u64, now_ns: u64) {
-        self.selector
-            .on_completed(rail, bytes, posted_ns, now_ns)
-            .unwrap();
-    }
     fn delivered(
         &mut self,
         rail: RailId,
