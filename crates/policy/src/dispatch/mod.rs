@@ -288,6 +288,10 @@ struct Path {
     controller: Box<dyn WindowController>,
     /// A drop was asked for and the path's slices have not all come back yet.
     dropping: bool,
+    /// The dispatcher gave the path up itself (a stall): the connections that drop closes are
+    /// not further errors of the rail. Counted once, at the drop; cleared once the path goes
+    /// from no live connection to some (remade).
+    dropped_by_us: bool,
     /// When to look again at a path whose oldest slice waited past half the timeout while no
     /// other path could take its slices: its half-timeout deadline has passed and means
     /// nothing until another path answers, so it must not be reported again at once (the
@@ -382,6 +386,7 @@ impl<T: Payload> Dispatcher<T> {
                 rtt: RttEstimator::new(),
                 controller: config.controller.build(),
                 dropping: false,
+                dropped_by_us: false,
                 stall_recheck_ns: 0,
             })
             .collect();
@@ -690,14 +695,25 @@ impl<T: Payload> Dispatcher<T> {
     /// `path` now has `live` connections alive (0: it cannot carry slices until reconnected).
     pub fn on_path(&mut self, _now: u64, path: PathId, live: usize) {
         let p = &mut self.paths[path];
+        // Remade after a drop: from no live connection to some. (Right after a drop the
+        // connections it closes may still count as live for a moment.)
+        if live > 0 && p.live == 0 {
+            p.dropped_by_us = false;
+        }
         p.live = live;
         p.refresh_usable();
     }
 
     /// A connection of `path` was lost, or connecting it failed: counts toward pausing it.
-    /// Returns true when this error paused the path.
+    /// Returns true when this error paused the path. The connections a stall's drop closes
+    /// (see [`Event::DropPath`]) do not count: the stall was counted once, when it was found,
+    /// and a rail that merely slowed down (a policer cut to a quarter of its rate, TCP backing
+    /// off meanwhile) must not be paused for `initial_pause` because it had four connections.
     pub fn on_path_error(&mut self, now: u64, path: PathId) -> bool {
         let p = &mut self.paths[path];
+        if p.dropped_by_us {
+            return false;
+        }
         let paused = p.health.on_error(now);
         p.refresh_usable();
         paused
@@ -761,7 +777,11 @@ impl<T: Payload> Dispatcher<T> {
             let waited = now.saturating_sub(oldest);
             let elsewhere = self.config.max_retries > 0 && self.progress_elsewhere(p, now);
             if (elsewhere && waited > suspect) || waited > self.config.timeout_ns {
-                self.paths[p].dropping = true;
+                let path = &mut self.paths[p];
+                path.dropping = true;
+                path.dropped_by_us = true;
+                path.health.on_error(now);
+                path.refresh_usable();
                 self.events.push_back(Event::DropPath {
                     path: p,
                     stalled: elsewhere,

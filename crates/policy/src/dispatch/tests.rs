@@ -385,6 +385,48 @@ fn a_stalled_path_is_dropped_while_another_answers() {
 }
 
 #[test]
+fn a_stall_counts_once_however_many_connections_its_drop_closes() {
+    let mut host = Host::new(&[100.0, 100.0], true);
+    let mut d = dispatcher(2);
+    let threshold = config().health.error_threshold;
+    d.on_submit(0, Priority::Low, pieces(0, 4, 64 << 10));
+    let posts = drain(&mut d, 0, &mut host);
+    let (stuck, answered): (Vec<_>, Vec<_>) = posts.into_iter().partition(|p| p.path == 0);
+    for p in answered {
+        d.on_completed(100 * US, p.id, None, &mut host);
+    }
+    d.on_timeout(500 * MS + 1, &mut host);
+    assert!(matches!(
+        d.poll_event(),
+        Some(Event::DropPath { path: 0, .. })
+    ));
+    // The drop closes every connection of the path; each reports its loss.
+    for _ in 0..threshold + 1 {
+        assert!(
+            !d.on_path_error(501 * MS, 0),
+            "a closed connection paused the rail"
+        );
+    }
+    d.on_path(502 * MS, 0, 0);
+    for p in stuck {
+        d.on_failed(502 * MS, p.id, p.item, Cause::Timeout, &mut host);
+    }
+    // Remade: the path carries again, and later losses count as errors again.
+    d.on_path(600 * MS, 0, 4);
+    assert!(d.is_usable(0));
+    let mut paused = false;
+    for i in 0..threshold - 1 {
+        paused = d.on_path_error(601 * MS + i as u64, 0);
+    }
+    assert!(
+        paused,
+        "the stall and {} more errors make {threshold}",
+        threshold - 1
+    );
+    assert!(!d.is_usable(0));
+}
+
+#[test]
 fn a_path_that_keeps_failing_is_paused_then_probed_back() {
     let mut host = Host::new(&[100.0, 100.0], true);
     let mut d = dispatcher(2);
