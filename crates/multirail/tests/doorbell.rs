@@ -220,3 +220,57 @@ fn two_threads_waiting_on_one_engine_both_get_messages() {
         assert_eq!(got, [b"one".to_vec(), b"two".to_vec()], "{name}");
     }
 }
+
+#[test]
+fn a_notification_wait_sleeps_wakes_on_each_notification_and_leaves_messages_to_recv() {
+    for (name, transport, dynamic) in LANES {
+        let rx = engine(transport, dynamic, 0);
+        let tx = engine(transport, dynamic, 0);
+        // Nothing sent: the wait ends empty at its timeout, having slept.
+        let t0 = Instant::now();
+        assert!(
+            rx.wait_notifications(Some(Duration::from_millis(100)))
+                .is_empty(),
+            "{name}"
+        );
+        assert!(
+            t0.elapsed() >= Duration::from_millis(100),
+            "{name}: woke early"
+        );
+        let rx_name = rx.name();
+        let sender = thread::spawn(move || {
+            thread::sleep(Duration::from_millis(100));
+            let seg = tx.open_segment(&rx_name).unwrap();
+            for i in 0..3u64 {
+                // A message before each notification: the notification wait must not return
+                // for it, and must not take it.
+                tx.send(seg, &message(1, i)).unwrap();
+                tx.send_notification(seg, &format!("n{i}")).unwrap();
+                thread::sleep(Duration::from_millis(50));
+            }
+            tx
+        });
+        let mut got = Vec::new();
+        while got.len() < 3 {
+            let batch = rx.wait_notifications(Some(Duration::from_secs(20)));
+            assert!(
+                !batch.is_empty(),
+                "{name}: notification {} never woke the wait",
+                got.len()
+            );
+            got.extend(batch.into_iter().map(|n| n.msg));
+        }
+        assert_eq!(got, ["n0", "n1", "n2"], "{name}");
+        for i in 0..3 {
+            let m = rx.recv(Some(Duration::from_secs(5))).unwrap();
+            assert_eq!(
+                m.map(|m| m.data),
+                Some(message(1, i)),
+                "{name}: message {i}"
+            );
+        }
+        let tx = sender.join().unwrap();
+        assert!(rx.message_stats().recv_sleeps >= 3, "{name}");
+        drop(tx);
+    }
+}

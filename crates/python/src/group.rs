@@ -76,13 +76,15 @@ const PY_BF_RELEASEBUFFER: c_int = 2;
 /// The bytes of a Python object with the buffer protocol (`bytes`, `bytearray`, `memoryview`,
 /// C-contiguous NumPy arrays...), borrowed without a copy; released on drop. The object
 /// cannot be resized while this lives.
-struct Borrowed<'py> {
+pub(crate) struct Borrowed<'py> {
     view: RawBuffer,
     _py: Python<'py>,
 }
 
 impl<'py> Borrowed<'py> {
-    fn new(obj: &Bound<'py, PyAny>) -> PyResult<Borrowed<'py>> {
+    /// Borrows the bytes of `obj`; fails with the TypeError (or BufferError) Python raises
+    /// for an object without the buffer protocol or not C-contiguous.
+    pub(crate) fn new(obj: &Bound<'py, PyAny>) -> PyResult<Borrowed<'py>> {
         let mut view = RawBuffer {
             buf: ptr::null_mut(),
             obj: ptr::null_mut(),
@@ -115,6 +117,18 @@ impl<'py> Borrowed<'py> {
     fn len(&self) -> usize {
         // A successful PyBUF_SIMPLE export has len >= 0.
         self.view.len.max(0) as usize
+    }
+
+    /// The borrowed bytes.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        if self.len() == 0 {
+            return &[];
+        }
+        // SAFETY: a successful PyBUF_SIMPLE export points at `len` contiguous bytes that stay
+        // alive and unresized until the export is released on drop, which the borrow of
+        // `self` outlives the returned slice. Another Python thread may write a mutable object
+        // meanwhile only while the GIL is released, which `'py` held here rules out.
+        unsafe { std::slice::from_raw_parts(self.ptr(), self.len()) }
     }
 }
 

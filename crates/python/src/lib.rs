@@ -7,13 +7,13 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use multirail::{BatchId, Config, Engine, Location, Opcode, SegmentId, Status, TransportChoice};
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
 /// Keys of per-priority figures in the dicts handed to Python, in priority order.
 const PRIORITY_NAMES: [&str; 3] = ["high", "medium", "low"];
@@ -231,6 +231,34 @@ fn status_str(s: &Status) -> &'static str {
         Status::Pending => "pending",
         Status::Completed => "completed",
         Status::Failed(_) => "failed",
+    }
+}
+
+/// How long a blocking call waits with the GIL released before it looks for Ctrl-C.
+const WAIT_SLICE: Duration = Duration::from_millis(100);
+
+/// Calls `attempt` with waits of at most [`WAIT_SLICE`] (GIL released) until it finds
+/// something or `timeout` seconds (None: no limit) pass, checking for signals between, so
+/// Ctrl-C interrupts a long wait. Fails on a bad `timeout`, an error of `attempt` or a signal.
+fn wait_in_slices<T: Send>(
+    py: Python<'_>,
+    timeout: Option<f64>,
+    attempt: impl Fn(Duration) -> multirail::Result<Option<T>> + Sync,
+) -> PyResult<Option<T>> {
+    // Beyond what an Instant can hold means no limit.
+    let deadline = timeout_arg(timeout)?.and_then(|t| Instant::now().checked_add(t));
+    loop {
+        let wait = match deadline {
+            Some(d) => d.saturating_duration_since(Instant::now()).min(WAIT_SLICE),
+            None => WAIT_SLICE,
+        };
+        if let Some(got) = py.allow_threads(|| attempt(wait)).map_err(to_py)? {
+            return Ok(Some(got));
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Ok(None);
+        }
+        py.check_signals()?;
     }
 }
 
@@ -832,6 +860,46 @@ impl NativeEngine {
             .into_iter()
             .map(|n| (n.from, n.msg))
             .collect()
+    }
+
+    /// [`receive_notifications`], but when none has arrived, waits (GIL released) up to
+    /// `timeout` seconds (None: no limit) for the first; `[]` when none came in time.
+    #[pyo3(signature = (timeout=None))]
+    fn wait_notifications(
+        &self,
+        py: Python<'_>,
+        timeout: Option<f64>,
+    ) -> PyResult<Vec<(String, String)>> {
+        let got = wait_in_slices(py, timeout, |wait| {
+            let got = self.engine.wait_notifications(Some(wait));
+            Ok((!got.is_empty()).then_some(got))
+        })?;
+        Ok(got
+            .unwrap_or_default()
+            .into_iter()
+            .map(|n| (n.from, n.msg))
+            .collect())
+    }
+
+    /// Sends the bytes of `data` (any C-contiguous object with the buffer protocol) to opened
+    /// segment `id` as a message (GIL released while it waits for the peer's credit).
+    fn send(&self, py: Python<'_>, id: u64, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let bytes = group::Borrowed::new(data)?.bytes().to_vec();
+        let engine = self.engine.clone();
+        py.allow_threads(move || engine.send(SegmentId(id), &bytes))
+            .map_err(to_py)
+    }
+
+    /// The next message from any peer as `(sender segment name, bytes)`, waiting (GIL
+    /// released) up to `timeout` seconds (None: no limit); None when none came in time.
+    #[pyo3(signature = (timeout=None))]
+    fn recv(
+        &self,
+        py: Python<'_>,
+        timeout: Option<f64>,
+    ) -> PyResult<Option<(String, Py<PyBytes>)>> {
+        let got = wait_in_slices(py, timeout, |wait| self.engine.recv(Some(wait)))?;
+        Ok(got.map(|m| (m.from.to_string(), PyBytes::new(py, &m.data).unbind())))
     }
 
     /// Sends a notification to segment `name` (opened on first use).

@@ -374,3 +374,51 @@ def test_a_target_sees_what_it_serves_and_the_metadata_store_state():
         meta = target.metadata_stats()
         assert meta["store"] == "not_used" and meta["store_failures_in_a_row"] == 0, meta
         assert initiator.metadata_stats()["lookups"] >= 1
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_messages_arrive_in_order_and_a_waiting_recv_sleeps(transport):
+    """Two-sided messages between two engines: every kind of buffer is sent, each arrives once,
+    in order with the notifications; a receive with nothing to get ends at its timeout with
+    None, having slept rather than spun; a notification wait wakes on a notification sent
+    while it sleeps; a message larger than the peer's receive buffers is an error naming it."""
+    with multirail.Engine(name="127.0.0.1", transport=transport) as rx, multirail.Engine(
+        name="127.0.0.1", transport=transport
+    ) as tx:
+        seg = tx.open_segment(rx.name)
+        arr = np.arange(256, dtype=np.uint32)
+        sent = [b"first", bytearray(b"second"), memoryview(b"third"), arr, b""]
+        for i, data in enumerate(sent):
+            tx.send(seg, data)
+            tx.notify(seg, f"after {i}")
+        for data in sent:
+            got = rx.recv(timeout=10)
+            assert got is not None
+            assert got == (tx.name, bytes(memoryview(data).cast("B")))
+        assert rx.notifications(timeout=10) == [(tx.name, f"after {i}") for i in range(len(sent))]
+
+        # Nothing comes: the wait sleeps (a spinning wait would use the whole second).
+        cpu, wall = time.thread_time(), time.monotonic()
+        assert rx.recv(timeout=1.0) is None
+        waited, used = time.monotonic() - wall, time.thread_time() - cpu
+        assert waited >= 1.0 and used < 0.3, (waited, used)
+        assert rx.notifications() == [] and rx.notifications(timeout=0.05) == []
+
+        def later():
+            time.sleep(0.3)
+            tx.notify(seg, "woke")
+
+        t = threading.Thread(target=later)
+        t.start()
+        assert rx.notifications(timeout=10) == [(tx.name, "woke")]
+        t.join()
+
+        with pytest.raises(multirail.Error, match=r"\d"):
+            tx.send(seg, bytes(64 << 20))
+        with pytest.raises(TypeError):
+            tx.send(seg, "a str has no buffer")
+        with pytest.raises(multirail.InvalidArgumentError, match="timeout"):
+            rx.recv(timeout=-1)
+        # The engine still works after the refused sends.
+        tx.send(seg, b"still here")
+        assert rx.recv(timeout=10) == (tx.name, b"still here")

@@ -16,8 +16,10 @@ impl Engine {
             .send(self, segment, MsgKind::Message, bytes)
     }
 
-    /// The next message from any peer, waiting (busy polling) up to `timeout` (`None`: no
-    /// limit); `Ok(None)` when none came in time.
+    /// The next message from any peer, waiting up to `timeout` (`None`: no limit); `Ok(None)`
+    /// when none came in time. The wait polls for `transports.<t>.receive.spin_us` (adapted to
+    /// how soon messages have been arriving), then sleeps on a doorbell that senders ring, so
+    /// a receiver waiting for a message that does not come costs no core.
     pub fn recv(&self, timeout: Option<Duration>) -> Result<Option<Message>> {
         self.messaging().recv(timeout)
     }
@@ -31,6 +33,13 @@ impl Engine {
     /// Notifications received since the last call, in arrival order (per peer: send order).
     pub fn receive_notifications(&self) -> Vec<Notification> {
         self.messaging().notifications()
+    }
+
+    /// [`Engine::receive_notifications`], but when none has arrived, waits up to `timeout`
+    /// (`None`: no limit) for the first, as [`Engine::recv`] waits (a short spin, then asleep
+    /// on the doorbell). Empty when none came in time. Messages meanwhile stay for `recv`.
+    pub fn wait_notifications(&self, timeout: Option<Duration>) -> Vec<Notification> {
+        self.messaging().wait_notifications(timeout)
     }
 
     /// Moves the messages this engine sends to `segment` onto `lane`. A dedicated lane has

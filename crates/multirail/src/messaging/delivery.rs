@@ -52,7 +52,23 @@ enum HeldItem {
     Lane(Arc<str>, LaneMsg),
 }
 
+/// What a waiting receiver waits for: a receive waits for a message and leaves notifications
+/// where they are, a notification wait the other way round.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Want {
+    Message,
+    Notification,
+}
+
 impl Delivered {
+    /// Whether what `want` waits for is here to be handed out.
+    pub(super) fn has(&self, want: Want) -> bool {
+        match want {
+            Want::Message => !self.ready.is_empty(),
+            Want::Notification => !self.notifications.is_empty(),
+        }
+    }
+
     pub(super) fn count(&self) -> usize {
         self.ready.len() + self.notifications.len() + self.held.len() + self.lanes.len()
     }

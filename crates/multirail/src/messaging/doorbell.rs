@@ -243,7 +243,7 @@ pub(super) enum Woke {
     Slept,
     /// Something was readable at once (within 100 µs).
     Quick,
-    /// The last poll before sleeping found a message: no sleep.
+    /// The last poll before sleeping found what the caller waits for: no sleep.
     Ready,
     /// Another thread sleeps on the set; this one waited for it to wake.
     Followed,
@@ -333,9 +333,9 @@ impl Rx {
 impl Messaging {
     /// Sleeps until something may have arrived or `left` passed (`None`: no limit): on the
     /// doorbell when no other thread does, else until that thread wakes; with `nap`, a plain
-    /// nap of a millisecond instead (see [`FRUITLESS_WAKES`]). The caller polls again
-    /// afterwards.
-    pub(super) fn sleep(&self, left: Option<Duration>, nap: bool) -> Woke {
+    /// nap of a millisecond instead (see [`FRUITLESS_WAKES`]). Returns at once when the last
+    /// poll before sleeping finds what the caller `want`s. The caller polls again afterwards.
+    pub(super) fn sleep(&self, left: Option<Duration>, nap: bool, want: Want) -> Woke {
         let bell = &self.bell;
         let mut set = match bell.set.try_lock() {
             Ok(set) => set,
@@ -370,7 +370,7 @@ impl Messaging {
             fence(Ordering::SeqCst);
             rx.liveness_due = true;
             self.poll(&mut rx);
-            if !rx.delivered.ready.is_empty() {
+            if rx.delivered.has(want) {
                 rx.set_asleep(false);
                 return Woke::Ready;
             }

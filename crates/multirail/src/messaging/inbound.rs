@@ -157,6 +157,21 @@ const YIELD_AFTER: Duration = Duration::from_micros(50);
 /// ...the same for polls that read sockets.
 const YIELD_AFTER_SOCKETS: Duration = Duration::from_micros(50);
 
+/// A thread whose waits have not looked at the clock for this long was quiet (or only ever
+/// found its messages at once); see [`QUIET_UNTIL`].
+const QUIET: Duration = Duration::from_millis(1);
+
+thread_local! {
+    /// When this thread's last wait last read the clock, and whether that wait slept. A wait
+    /// that starts after a silence or a sleep yields once as soon as it reads the clock: its
+    /// thread has just sent the first message after a silence (or the answer to one), and the
+    /// kernel likes to wake that message's receiver (or the first message's sender, which went
+    /// on to spin for this answer) on this very core, where it would wait [`YIELD_AFTER`] for
+    /// it. A thread in a busy exchange never meets the condition, so it pays nothing.
+    static QUIET_UNTIL: std::cell::Cell<(Option<Instant>, bool)> =
+        const { std::cell::Cell::new((None, false)) };
+}
+
 /// After this many polls in a row took in tcp messages, `recv` waits
 /// `transports.tcp.stream_pause_us` before the next poll (see there).
 const STREAM_STREAK: u32 = 4;
@@ -577,23 +592,47 @@ impl Messaging {
     /// The next message, waiting up to `timeout` (`None`: no limit): polling for the spin
     /// (see [`Spin`]), then asleep on the doorbell until something arrives (see `doorbell`).
     pub(crate) fn recv(&self, timeout: Option<Duration>) -> Result<Option<Message>> {
-        // The clock is read only once a wait gets long enough to look at it.
-        let mut start: Option<Instant> = None;
         if self.after_reply_pending.load(Ordering::Relaxed) {
             // A receive with buffers still held for a reply that never came: return them.
             self.release_after_reply();
         }
+        Ok(self.wait_for(timeout, Want::Message, |m, rx| m.take_ready(rx)))
+    }
+
+    /// The notifications received so far, waiting as [`Messaging::recv`] does up to `timeout`
+    /// (`None`: no limit) for the first when there is none; empty when none came in time.
+    pub(crate) fn wait_notifications(&self, timeout: Option<Duration>) -> Vec<Notification> {
+        self.wait_for(timeout, Want::Notification, |_, rx| {
+            if rx.delivered.notifications.is_empty() {
+                None
+            } else {
+                Some(rx.delivered.notifications.drain(..).collect())
+            }
+        })
+        .unwrap_or_default()
+    }
+
+    /// Waits up to `timeout` (`None`: no limit) until `take` finds what `want` names: polling
+    /// for the spin, then asleep on the doorbell. `None` when nothing came in time.
+    fn wait_for<T>(
+        &self,
+        timeout: Option<Duration>,
+        want: Want,
+        take: impl Fn(&Self, &mut Rx) -> Option<T>,
+    ) -> Option<T> {
+        // The clock is read only once a wait gets long enough to look at it.
+        let mut start: Option<Instant> = None;
         let spin = self.spin.current();
         let mut idle = 0u32;
-        // Wakes of this wait that found something readable at once and no message.
+        // Wakes of this wait that found something readable at once and nothing wanted.
         let mut quick_wakes = 0u32;
         loop {
-            let (got, costly) = self.recv_poll();
+            let (got, costly) = self.poll_for(&take);
             if let Some(m) = got {
                 if let Some(s) = start {
                     self.spin.learn(s.elapsed(), true);
                 }
-                return Ok(Some(m));
+                return Some(m);
             }
             // Reading the clock costs as much as a poll of memory: look at it every 32 such
             // polls, but after every poll that made system calls (a tcp read costs a µs).
@@ -602,10 +641,19 @@ impl Messaging {
                 std::hint::spin_loop();
                 continue;
             }
+            let first_look = start.is_none();
             let waited = start.get_or_insert_with(Instant::now).elapsed();
+            if first_look {
+                let s = start.expect("set above");
+                let (seen, slept) = QUIET_UNTIL.get();
+                QUIET_UNTIL.set((Some(s), false));
+                if slept || seen.is_none_or(|t| s.saturating_duration_since(t) > QUIET) {
+                    thread::yield_now();
+                }
+            }
             if timeout.is_some_and(|t| waited >= t) {
                 self.spin.learn(waited, false);
-                return Ok(None);
+                return None;
             }
             if waited < spin {
                 let after = if costly {
@@ -624,19 +672,20 @@ impl Messaging {
             if nap {
                 quick_wakes = 0;
             }
-            match self.sleep(timeout.map(|t| t - waited), nap) {
+            match self.sleep(timeout.map(|t| t - waited), nap, want) {
                 Woke::Quick => quick_wakes += 1,
                 Woke::Slept | Woke::Ready | Woke::Followed => {}
             }
+            QUIET_UNTIL.set((Some(Instant::now()), true));
         }
     }
 
-    /// One round of [`Messaging::recv`]: a message ready or taken in by one poll (and, with one
-    /// tcp peer, the reads of it that follow), if any; and whether the poll read sockets (made
-    /// system calls, a µs each).
-    fn recv_poll(&self) -> (Option<Message>, bool) {
+    /// One round of [`Messaging::wait_for`]: what `take` finds ready or taken in by one poll
+    /// (and, with one tcp peer, the reads of it that follow), if anything; and whether the
+    /// poll read sockets (made system calls, a µs each).
+    fn poll_for<T>(&self, take: &impl Fn(&Self, &mut Rx) -> Option<T>) -> (Option<T>, bool) {
         let mut rx = self.rx.lock().expect("rx poisoned");
-        if let Some(m) = self.take_ready(&mut rx) {
+        if let Some(m) = take(self, &mut rx) {
             return (Some(m), false);
         }
         if rx.tcp_streak >= STREAM_STREAK && !self.stream_pause.is_zero() {
@@ -651,7 +700,7 @@ impl Messaging {
             0
         };
         let costly = rx.polled_sockets;
-        if let Some(m) = self.take_ready(&mut rx) {
+        if let Some(m) = take(self, &mut rx) {
             return (Some(m), costly);
         }
         if let Some(i) = rx.sole_tcp {
@@ -661,7 +710,7 @@ impl Messaging {
                     break;
                 }
             }
-            return (self.take_ready(&mut rx), true);
+            return (take(self, &mut rx), true);
         }
         (None, costly)
     }

@@ -199,17 +199,6 @@ class Segment:
         b = self.buffers
         return b[0][0] if b else 0
 
-    def notify(self, segment: Union[Segment, int], msg: str) -> None:
-        """Sends ``msg`` to an opened segment as a notification; it arrives in order with this
-        engine's other messages to that peer. Raises :class:`PeerDisconnectedError`,
-        :class:`TransferTimeoutError`..."""
-        seg_id = segment.id if isinstance(segment, Segment) else _uint(segment, "segment")
-        self._native.send_notification(seg_id, msg)
-
-    def notifications(self) -> List[Tuple[str, str]]:
-        """Notifications received since the last call: ``[(sender segment name, msg), ...]``."""
-        return self._native.receive_notifications()
-
     def close(self) -> None:
         """Forgets the segment and closes its connections."""
         self._engine._native.close_segment(self.id)
@@ -854,9 +843,31 @@ class Engine:
         seg_id = segment.id if isinstance(segment, Segment) else _uint(segment, "segment")
         self._native.send_notification(seg_id, msg)
 
-    def notifications(self) -> List[Tuple[str, str]]:
-        """Notifications received since the last call: ``[(sender segment name, msg), ...]``."""
-        return self._native.receive_notifications()
+    def notifications(self, timeout: Optional[float] = 0.0) -> List[Tuple[str, str]]:
+        """Notifications received since the last call: ``[(sender segment name, msg), ...]``.
+        With none yet, waits up to ``timeout`` seconds (default 0: do not wait; None: no
+        limit) for the first, with the GIL released: a short spin, then asleep until a sender
+        rings, so a long wait costs no core. ``[]`` when none came in time."""
+        if timeout == 0.0:
+            return self._native.receive_notifications()
+        return self._native.wait_notifications(timeout)
+
+    def send(self, segment: Union[Segment, int], data: Any) -> None:
+        """Sends the bytes of ``data`` (``bytes``, ``bytearray``, ``memoryview``, a C-contiguous
+        NumPy array...) to an opened segment as a message; the peer gets them from
+        :meth:`recv`, after every message and notification this engine sent it before. Waits
+        (GIL released) while the peer has no receive buffer for us. Raises an
+        :class:`Error` subclass naming the limit for a message larger than the peer's receive
+        buffers, :class:`TransferTimeoutError` or :class:`PeerDisconnectedError`; TypeError
+        for an object without the buffer protocol."""
+        seg_id = segment.id if isinstance(segment, Segment) else _uint(segment, "segment")
+        self._native.send(seg_id, data)
+
+    def recv(self, timeout: Optional[float] = None) -> Optional[Tuple[str, bytes]]:
+        """The next message from any peer as ``(sender segment name, bytes)``, waiting up to
+        ``timeout`` seconds (None: no limit) with the GIL released: a short spin, then asleep
+        until a sender rings, so a long wait costs no core. None when none came in time."""
+        return self._native.recv(timeout)
 
     def join_group(
         self,

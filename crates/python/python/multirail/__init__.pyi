@@ -265,8 +265,13 @@ class Engine:
         """submit(requests).wait(timeout)."""
     def notify(self, segment: Union[Segment, int], msg: str) -> None:
         """Sends a notification to an opened segment."""
-    def notifications(self) -> List[Tuple[str, str]]:
-        """Notifications received since the last call: [(sender segment name, msg), ...]."""
+    def notifications(self, timeout: Optional[float] = 0.0) -> List[Tuple[str, str]]:
+        """Notifications received since the last call: [(sender segment name, msg), ...]; with
+        none yet, waits up to `timeout` seconds (0: no wait, None: no limit) for the first."""
+    def send(self, segment: Union[Segment, int], data: Any) -> None:
+        """Sends the bytes of `data` (buffer protocol) to an opened segment as a message."""
+    def recv(self, timeout: Optional[float] = None) -> Optional[Tuple[str, bytes]]:
+        """The next message as (sender segment name, bytes), or None after `timeout` seconds."""
     def traffic_stats(self) -> Dict[str, Dict[str, Any]]:
         """Per rail: bytes, slices, errors, priority_bytes, ewma_gbps, inflight_bytes, window_bytes."""
     def served_stats(self) -> Dict[str, Any]:
