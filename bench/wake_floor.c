@@ -1,0 +1,129 @@
+/* bench/wake_floor.c: the floor of "the first message after a silence" on this host, for
+ * bench/idle. A client thread sends a 128-byte message, then busy-polls for the answer; a
+ * server thread asleep in epoll_wait wakes, reads it and answers. Nothing else runs: no
+ * engine, no buffers, a few cache lines. Two modes, as multirail's lanes ring:
+ *   eventfd  the message is an eventfd write (how an shm sender rings a sleeping receiver)
+ *   tcp      one loopback TCP connection, TCP_NODELAY, 128 bytes each way
+ * It measures WARM busy round trips (the server then polls too), then N round trips each after
+ * GAP_MS of silence, and prints JSON: the busy one-way (half the median busy round trip) and
+ * the percentiles of (gap round trip - busy one-way), the same quantity
+ * `multirail pingpong --gap-ms` reports as the first message's delivery.
+ * Usage: wake_floor eventfd|tcp [N=300] [GAP_MS=10]
+ */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#define WARM 2000
+static int tcp_mode, ping_fd, pong_fd, server_sock;
+static volatile int server_polls = 1;
+
+static double now_us(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
+}
+
+static int take(int fd, char *buf) {
+  if (!tcp_mode) {
+    uint64_t v;
+    return read(fd, &v, 8) == 8;
+  }
+  return recv(fd, buf, 128, MSG_DONTWAIT) > 0;
+}
+
+static void give(int fd, char *buf) {
+  if (!tcp_mode) {
+    uint64_t one = 1;
+    if (write(fd, &one, 8) != 8) abort();
+  } else if (send(fd, buf, 128, 0) != 128) {
+    abort();
+  }
+}
+
+static void *server(void *arg) {
+  (void)arg;
+  char buf[128] = {0};
+  int in = tcp_mode ? server_sock : ping_fd, out = tcp_mode ? server_sock : pong_fd;
+  int ep = epoll_create1(0);
+  struct epoll_event e = {.events = EPOLLIN};
+  epoll_ctl(ep, EPOLL_CTL_ADD, in, &e);
+  for (;;) {
+    if (!server_polls) {
+      struct epoll_event o;
+      epoll_wait(ep, &o, 1, -1);
+    }
+    if (take(in, buf)) give(out, buf);
+  }
+  return NULL;
+}
+
+static int cmp(const void *a, const void *b) {
+  double d = *(const double *)a - *(const double *)b;
+  return d < 0 ? -1 : d > 0;
+}
+
+static double round_trip(int in, int out, char *buf) {
+  double t0 = now_us();
+  give(out, buf);
+  while (!take(in, buf)) {
+  }
+  return now_us() - t0;
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2 || (strcmp(argv[1], "eventfd") && strcmp(argv[1], "tcp"))) {
+    fprintf(stderr, "usage: wake_floor eventfd|tcp [N] [GAP_MS]\n");
+    return 2;
+  }
+  tcp_mode = !strcmp(argv[1], "tcp");
+  int n = argc > 2 ? atoi(argv[2]) : 300, gap_ms = argc > 3 ? atoi(argv[3]) : 10;
+  if (n < 1 || gap_ms < 0) return 2;
+  int client_sock = -1;
+  if (tcp_mode) {
+    int l = socket(AF_INET, SOCK_STREAM, 0), one = 1;
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(0x7f000001)};
+    socklen_t al = sizeof a;
+    if (bind(l, (void *)&a, al) || listen(l, 1) || getsockname(l, (void *)&a, &al)) return 1;
+    client_sock = socket(AF_INET, SOCK_STREAM, 0);
+    if (connect(client_sock, (void *)&a, al)) return 1;
+    server_sock = accept(l, 0, 0);
+    setsockopt(client_sock, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    setsockopt(server_sock, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  } else {
+    ping_fd = eventfd(0, EFD_NONBLOCK);
+    pong_fd = eventfd(0, EFD_NONBLOCK);
+  }
+  int in = tcp_mode ? client_sock : pong_fd, out = tcp_mode ? client_sock : ping_fd;
+  pthread_t t;
+  pthread_create(&t, NULL, server, NULL);
+  char buf[128] = {0};
+  double *warm = malloc(WARM * sizeof(double)), *gap = malloc(n * sizeof(double));
+  for (int i = 0; i < WARM; i++) warm[i] = round_trip(in, out, buf);
+  qsort(warm, WARM, sizeof(double), cmp);
+  double busy_one_way = warm[WARM / 2] / 2;
+  server_polls = 0;
+  round_trip(in, out, buf); /* the server is now asleep in epoll_wait between messages */
+  for (int i = 0; i < n; i++) {
+    usleep(gap_ms * 1000);
+    double r = round_trip(in, out, buf) - busy_one_way;
+    gap[i] = r < 0 ? 0 : r;
+  }
+  qsort(gap, n, sizeof(double), cmp);
+#define AT(p) gap[(int)((n - 1) * (p) + 0.5)]
+  printf("{\"mode\": \"%s\", \"gap_ms\": %d, \"n\": %d, \"busy_one_way_us\": %.3f, "
+         "\"p50_us\": %.2f, \"p90_us\": %.2f, \"p99_us\": %.2f, \"max_us\": %.2f}\n",
+         argv[1], gap_ms, n, busy_one_way, AT(0.5), AT(0.9), AT(0.99), gap[n - 1]);
+  return 0;
+}
