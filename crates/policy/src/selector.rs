@@ -49,6 +49,9 @@ const NONE: RailId = RailId::MAX;
 /// Default of [`SelectorConfig::min_sample_ns`]: a millisecond of busy time per sample.
 pub const DEFAULT_MIN_SAMPLE_NS: u64 = 1_000_000;
 
+/// Default of [`SelectorConfig::min_sample_bytes`]: eight slices of the default 128 KiB block.
+pub const DEFAULT_MIN_SAMPLE_BYTES: u64 = 1 << 20;
+
 /// Bytes per second in one Gbps.
 const BYTES_PER_S_PER_GBPS: f64 = 1e9 / 8.0;
 
@@ -136,6 +139,15 @@ pub struct SelectorConfig {
     /// of small slices swing by orders of magnitude; pooling the bytes and busy time of
     /// consecutive completions for a millisecond measures the rail instead of the jitter.
     pub min_sample_ns: u64,
+    /// Bytes a pooled bandwidth sample must also hold (multirail's own setting
+    /// `bandwidth_sample_min_bytes`; default [`DEFAULT_MIN_SAMPLE_BYTES`]; only with
+    /// `min_sample_ns` > 0). A rail policed by a token bucket lets a burst of the bucket's
+    /// size through at link speed after every pause; a millisecond of a rail policed to
+    /// 200 Mbit/s holds 25 KB, so a 32 KB burst doubled such a sample and the max filter kept
+    /// it. A megabyte dilutes bursts of tens of KB to a few percent (half of one left a rail
+    /// policed to 400 Mbit/s reading 22 % high), and on a rail fast enough to move it within
+    /// `min_sample_ns` changes nothing.
+    pub min_sample_bytes: u64,
     /// How the estimate learns (multirail's own setting `bandwidth_estimator`). Default
     /// [`BandwidthEstimator::Delivery`].
     pub estimator: BandwidthEstimator,
@@ -146,8 +158,8 @@ pub struct SelectorConfig {
 }
 
 impl Default for SelectorConfig {
-    /// TENT's defaults for TENT's keys; multirail's own keys (`min_sample_ns`, `estimator`,
-    /// `bandwidth_window_ns`) at theirs.
+    /// TENT's defaults for TENT's keys; multirail's own keys (`min_sample_ns`,
+    /// `min_sample_bytes`, `estimator`, `bandwidth_window_ns`) at theirs.
     fn default() -> Self {
         SelectorConfig {
             enable_smart_scheduling: true,
@@ -161,6 +173,7 @@ impl Default for SelectorConfig {
             min_bandwidth_gbps: 10.0,
             max_bandwidth_gbps: 800.0,
             min_sample_ns: DEFAULT_MIN_SAMPLE_NS,
+            min_sample_bytes: DEFAULT_MIN_SAMPLE_BYTES,
             estimator: BandwidthEstimator::Delivery,
             bandwidth_window_ns: DEFAULT_BANDWIDTH_WINDOW_NS,
         }
@@ -630,7 +643,8 @@ impl DeviceSelector {
     /// that this slice alone accounts for, and bytes over it is the rail's delivery rate.
     /// Timing from posting rather than queueing keeps the engine's own queue wait out of the
     /// estimate. With `min_sample_ns` > 0 the bytes and busy time of consecutive completions
-    /// are pooled until they span that much busy time, and the pool is one sample.
+    /// are pooled until they span that much busy time and hold `min_sample_bytes`, and the
+    /// pool is one sample.
     ///
     /// Completions the caller reaps in a batch carry the same `now_ns`; all but the first have
     /// a zero interval. They are folded into the first one's sample (its update is redone with
@@ -650,7 +664,7 @@ impl DeviceSelector {
         app_limited: bool,
     ) -> Result<(), SelectError> {
         let cfg = &self.cfg;
-        let min_sample_ns = cfg.min_sample_ns;
+        let (min_sample_ns, min_sample_bytes) = (cfg.min_sample_ns, cfg.min_sample_bytes);
         let r = self
             .rails
             .get_mut(rail)
@@ -683,7 +697,7 @@ impl DeviceSelector {
                 .segment_start_ns
                 .map_or(0, |st| r.segment_end_ns.saturating_sub(st));
             let busy = r.pooled_busy_ns + open;
-            if busy >= min_sample_ns {
+            if busy >= min_sample_ns && r.pooled_bytes >= min_sample_bytes {
                 let observed = r.pooled_bytes as f64 * NS_PER_S / busy as f64;
                 let mostly_limited = r.pooled_limited_bytes > r.pooled_bytes / 2;
                 let end = r.segment_end_ns;
@@ -1653,9 +1667,57 @@ mod tests {
         assert_eq!(ewma_gbps(&sel, 0), 100.0);
     }
 
+    /// A 10 Gbps NIC policed to 200 Mbit/s by a token bucket of 32 KB: every 3 ms pause lets
+    /// the next 32 KB through at link speed. The sender moves runs of eight 64 KiB slices, one
+    /// in flight, the first of a run posted on an idle rail (app-limited). Returns the highest
+    /// estimate (Gbps) over the second half of a second, read after every completion.
+    fn estimate_of_a_policed_rail(cfg: SelectorConfig) -> f64 {
+        const BUCKET: u64 = 32_000;
+        let (line, rate) = (10.0, 0.2);
+        let ns_for = |bytes: u64, gbps: f64| (bytes as f64 * 8.0 / gbps) as u64;
+        let mut sel = DeviceSelector::new(cfg, &[gbps(line)], 1);
+        let (mut t, mut highest) = (0, 0.0f64);
+        while t < 1_000 * MS {
+            t += 3 * MS;
+            let mut tokens = BUCKET;
+            for i in 0..8 {
+                sel.select_one(&[&[0]], S).unwrap();
+                let burst = tokens.min(S);
+                tokens -= burst;
+                let done = t + ns_for(burst, line) + ns_for(S - burst, rate);
+                sel.on_delivered(0, S, t, done, i == 0).unwrap();
+                t = done;
+                if t > 500 * MS {
+                    highest = highest.max(ewma_gbps(&sel, 0));
+                }
+            }
+        }
+        highest
+    }
+
     #[test]
-    fn delivery_learns_a_rail_at_3_percent_of_nominal_within_20_ms() {
-        // A 10 Gbps NIC policed to 300 Mbit/s: TENT's clamp would hold it at 1 Gbps.
+    fn a_token_bucket_burst_after_each_pause_does_not_inflate_the_estimate() {
+        let got = estimate_of_a_policed_rail(delivery());
+        assert!(
+            (got - 0.2).abs() <= 0.2 * 0.15,
+            "estimate up to {got} Gbps of a 0.2 Gbps rail"
+        );
+        // Samples of a millisecond alone catch the burst: the check has teeth.
+        let ms_only = SelectorConfig {
+            min_sample_bytes: 0,
+            ..delivery()
+        };
+        let inflated = estimate_of_a_policed_rail(ms_only);
+        assert!(
+            inflated > 0.2 * 1.15,
+            "millisecond samples read {inflated} Gbps"
+        );
+    }
+
+    #[test]
+    fn delivery_learns_a_rail_at_3_percent_of_nominal_within_80_ms() {
+        // A 10 Gbps NIC policed to 300 Mbit/s: TENT's clamp would hold it at 1 Gbps. A sample
+        // holds a megabyte, 28 ms of this rail.
         let mut sel = DeviceSelector::new(delivery(), &[gbps(10.0)], 1);
         let mut learned_at = None;
         saturate(
@@ -1676,7 +1738,7 @@ mod tests {
             },
         );
         let t = learned_at.expect("learned and kept");
-        assert!(t <= 20 * MS, "learned after {} ms", t / MS);
+        assert!(t <= 80 * MS, "learned after {} ms", t / MS);
         let tent = SelectorConfig {
             estimator: BandwidthEstimator::Tent,
             ..delivery()

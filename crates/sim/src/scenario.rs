@@ -170,6 +170,8 @@ pub struct Policy {
     pub max_bandwidth_gbps: f64,
     /// The engine's `transports.rdma.bandwidth_sample_min_us`: 0 to 1,000,000.
     pub bandwidth_sample_min_us: u64,
+    /// The engine's `transports.rdma.bandwidth_sample_min_bytes`: 0 to 1 GiB.
+    pub bandwidth_sample_min_bytes: u64,
     /// The engine's `transports.rdma.bandwidth_estimator`: `delivery` or `tent`.
     pub bandwidth_estimator: String,
     /// The engine's `transports.rdma.bandwidth_window_us`: 0 to 10,000,000.
@@ -237,6 +239,7 @@ impl Default for Policy {
             min_bandwidth_gbps: sel.min_bandwidth_gbps,
             max_bandwidth_gbps: sel.max_bandwidth_gbps,
             bandwidth_sample_min_us: sel.min_sample_ns / 1000,
+            bandwidth_sample_min_bytes: sel.min_sample_bytes,
             bandwidth_estimator: sel.estimator.name().into(),
             bandwidth_window_us: sel.bandwidth_window_ns / 1000,
             priority_promotion_timeout_us: promo.timeout_ns / 1000,
@@ -278,6 +281,7 @@ impl Policy {
             min_bandwidth_gbps: self.min_bandwidth_gbps,
             max_bandwidth_gbps: self.max_bandwidth_gbps,
             min_sample_ns: self.bandwidth_sample_min_us.saturating_mul(1000),
+            min_sample_bytes: self.bandwidth_sample_min_bytes,
             // Validation refuses any other name.
             estimator: BandwidthEstimator::from_name(&self.bandwidth_estimator).unwrap_or_default(),
             bandwidth_window_ns: self.bandwidth_window_us.saturating_mul(1000),
@@ -329,6 +333,12 @@ impl Policy {
                 self.bandwidth_sample_min_us,
                 0,
                 1_000_000,
+            ),
+            (
+                "bandwidth_sample_min_bytes",
+                self.bandwidth_sample_min_bytes,
+                0,
+                1 << 30,
             ),
             (
                 "bandwidth_window_us",

@@ -53,6 +53,10 @@ pub struct RdmaConfig {
     /// multirail's own: busy time, in microseconds, a rail's bandwidth sample must span before
     /// the EWMA learns from it (default 1000; 0 = every slice is a sample, as TENT does).
     pub bandwidth_sample_min_us: u64,
+    /// multirail's own: bytes a rail's bandwidth sample must also hold (default 1048576, eight
+    /// default slices; 0..=1 GiB; only with `bandwidth_sample_min_us` > 0), so that the burst
+    /// a token-bucket policer lets through after a pause is diluted instead of measured.
+    pub bandwidth_sample_min_bytes: u64,
     /// multirail's own: how a rail's bandwidth estimate learns. `"delivery"` (default): the
     /// largest delivery rate measured within `bandwidth_window_us`, with no floor tied to the
     /// NIC's reported speed, so a rail policed far below it is learned as it is; `"tent"`:
@@ -135,6 +139,7 @@ impl Default for RdmaConfig {
             qos_work_conserving: true,
             qos_promote_only_when_starved: promotion.only_when_starved,
             bandwidth_sample_min_us: sel.min_sample_ns / 1000,
+            bandwidth_sample_min_bytes: sel.min_sample_bytes,
             bandwidth_estimator: sel.estimator.name().to_string(),
             bandwidth_window_us: sel.bandwidth_window_ns / 1000,
             enable: true,
@@ -179,6 +184,7 @@ pub(crate) const RDMA_KEYS: &[&str] = &[
     "qos_work_conserving",
     "qos_promote_only_when_starved",
     "bandwidth_sample_min_us",
+    "bandwidth_sample_min_bytes",
     "bandwidth_estimator",
     "bandwidth_window_us",
     "enable",
@@ -211,6 +217,7 @@ impl RdmaConfig {
             min_bandwidth_gbps: self.min_bandwidth_gbps,
             max_bandwidth_gbps: self.max_bandwidth_gbps,
             min_sample_ns: self.bandwidth_sample_min_us.saturating_mul(1000),
+            min_sample_bytes: self.bandwidth_sample_min_bytes,
             // Validation refuses any other name; unvalidated, the default applies.
             estimator: BandwidthEstimator::from_name(&self.bandwidth_estimator).unwrap_or_default(),
             bandwidth_window_ns: self.bandwidth_window_us.saturating_mul(1000),
@@ -348,6 +355,12 @@ impl RdmaConfig {
             self.bandwidth_window_us,
             0,
             10_000_000,
+        )?;
+        within(
+            "bandwidth_sample_min_bytes",
+            self.bandwidth_sample_min_bytes,
+            0,
+            1 << 30,
         )?;
         within("max_endpoints", self.max_endpoints as u64, 1, 65536)?;
         within("max_wr", self.max_wr.into(), 16, 32768)?;

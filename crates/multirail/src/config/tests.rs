@@ -709,6 +709,12 @@ fn bandwidth_estimator_keys() {
     assert!(e.message.contains("\"delivery\" or \"tent\""), "{e}");
     let e = parse_err(&rdma(r#""bandwidth_window_us": 10000001"#));
     assert_eq!(e.key, "transports.rdma.bandwidth_window_us");
+    assert_eq!(d.bandwidth_sample_min_bytes, 1 << 20);
+    assert_eq!(d.selector_config().min_sample_bytes, 1 << 20);
+    let c = parse(&rdma(r#""bandwidth_sample_min_bytes": 0"#)).unwrap();
+    assert_eq!(c.transports.rdma.selector_config().min_sample_bytes, 0);
+    let e = parse_err(&rdma(r#""bandwidth_sample_min_bytes": 1073741825"#));
+    assert_eq!(e.key, "transports.rdma.bandwidth_sample_min_bytes");
 }
 
 #[test]
