@@ -30,7 +30,8 @@ pub struct ConnectionStats {
     pub refused_full: u64,
     /// Failed accepts (out of fds, mostly).
     pub accept_errors: u64,
-    /// Threads serving every connection.
+    /// Threads serving connections: the pool (`transports.tcp.serve_threads`) and as many
+    /// serving connections that carry HIGH slices.
     pub serve_threads: usize,
 }
 

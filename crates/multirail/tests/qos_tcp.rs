@@ -119,14 +119,32 @@ fn bulk_beside_high_goes_out_in_pieces_and_every_byte_lands() {
 /// put every frame on the wire whole and in sequence, so every byte written reads back.
 #[test]
 fn racing_high_submitters_beside_bulk_write_and_read_back_every_byte() {
+    racing_high_beside_bulk(Config::default());
+}
+
+/// With one connection per rail, HIGH and bulk slices take turns on it, so the target moves it
+/// between the serving pool and the thread that serves HIGH connections again and again.
+#[test]
+fn one_connection_carrying_high_and_bulk_by_turns_serves_every_byte() {
+    let config = Config::from_json_str(
+        r#"{"transports": {"tcp": {"connections_per_rail": 1}}}"#,
+        "test",
+    )
+    .expect("valid config");
+    racing_high_beside_bulk(config);
+}
+
+/// Four submitters write and read back HIGH requests of varied sizes while an 8 MiB LOW write
+/// moves, then the bulk is read back; every byte is checked.
+fn racing_high_beside_bulk(config: Config) {
     const BULK: usize = 8 << 20;
     const THREADS: usize = 4;
     const PER_THREAD: usize = 48;
     const HIGH: usize = 24 << 10;
     let region = BULK + THREADS * PER_THREAD * HIGH;
-    let target = Engine::new(Config::default(), "127.0.0.1:0").expect("engine starts");
+    let target = Engine::new(config.clone(), "127.0.0.1:0").expect("engine starts");
     let dst = target.allocate(region, Location::Any).unwrap();
-    let init = Engine::new(Config::default(), "127.0.0.1:0").expect("engine starts");
+    let init = Engine::new(config, "127.0.0.1:0").expect("engine starts");
     let src = init.allocate(region, Location::Any).unwrap();
     let back = init.allocate(region, Location::Any).unwrap();
     // SAFETY: no transfer is in flight on these buffers yet.

@@ -6,7 +6,12 @@
 //!
 //! A fixed pool of `transports.tcp.serve_threads` threads serves every connection through one
 //! epoll set: each connection is armed one-shot, so exactly one thread serves it at a time and
-//! a connection waiting for bytes holds no thread. What a connection costs is an fd and a small
+//! a connection waiting for bytes holds no thread. As many more threads serve the data
+//! connections whose latest request was HIGH (a client keeps one per rail for HIGH slices
+//! alone), from a set of their own: a HIGH slice never waits for a pool thread to finish a bulk
+//! turn, and those threads keep HIGH's CPU priority instead of waking at the bulk one of their
+//! last turn. (As many, not one: HIGH is the default priority, so on a host with many rails
+//! HIGH connections may carry everything.) What a connection costs is an fd and a small
 //! state, so the port bounds them: `max_connections` in all, `max_pending_connections` that
 //! have not finished the handshake (the oldest makes room, and none lingers past
 //! `connect_timeout_ms`). When the process runs out of fds, the oldest unproven connection is
@@ -112,11 +117,16 @@ struct Entry {
     gone: AtomicBool,
     /// Nanoseconds after the server's epoch of the last time it was served.
     last_active_ns: AtomicU64,
+    /// In the HIGH set (see the module documentation) rather than the pool's; changed only
+    /// by the thread serving the connection, while it is disarmed.
+    high: AtomicBool,
     state: Mutex<State>,
 }
 
 struct Shared {
     epoll: Epoll,
+    /// The set of connections carrying HIGH slices, served by threads of their own.
+    high_epoll: Epoll,
     wake: EventFd,
     listener: TcpListener,
     entries: Mutex<Slab<Arc<Entry>>>,
@@ -189,6 +199,11 @@ impl Server {
         epoll
             .add(&wake, EpollEvent::new(EpollFlags::EPOLLIN, WAKE))
             .map_err(os("watching the wake-up eventfd"))?;
+        let high_epoll =
+            Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).map_err(os("creating epoll"))?;
+        high_epoll
+            .add(&wake, EpollEvent::new(EpollFlags::EPOLLIN, WAKE))
+            .map_err(os("watching the wake-up eventfd"))?;
         epoll
             .add(
                 &listener,
@@ -197,6 +212,7 @@ impl Server {
             .map_err(os("watching the listener"))?;
         let shared = Arc::new(Shared {
             epoll,
+            high_epoll,
             wake,
             listener,
             entries: Mutex::new(Slab::new()),
@@ -220,11 +236,18 @@ impl Server {
             settings,
         });
         let mut threads = Vec::new();
-        for i in 0..shared.settings.serve_threads {
+        let pool = shared.settings.serve_threads;
+        for i in 0..2 * pool {
             let s = shared.clone();
+            let high = i >= pool;
+            let name = if high {
+                format!("mr-serve-high-{}", i - pool)
+            } else {
+                format!("mr-serve-{i}")
+            };
             let spawned = thread::Builder::new()
-                .name(format!("mr-serve-{i}"))
-                .spawn(move || serve_loop(&s));
+                .name(name)
+                .spawn(move || serve_loop(&s, high));
             match spawned {
                 Ok(t) => threads.push(t),
                 Err(e) => {
@@ -314,14 +337,16 @@ fn raise_fd_limit() {
     }
 }
 
-fn serve_loop(s: &Shared) {
+/// A serving thread: of the pool, or with `high` one serving the HIGH set.
+fn serve_loop(s: &Shared, high: bool) {
+    let set = if high { &s.high_epoll } else { &s.epoll };
     let mut nice = ThreadNice::for_this_thread(s.settings.nice);
     // One event per wait: a thread holding several ready connections would serve them in turn
     // while another thread sits idle.
     let mut events = [EpollEvent::empty(); 1];
     let timeout = u16::try_from(SWEEP_EVERY.as_millis()).unwrap_or(u16::MAX);
     loop {
-        let n = match s.epoll.wait(&mut events, timeout) {
+        let n = match set.wait(&mut events, timeout) {
             Ok(n) => n,
             Err(nix::errno::Errno::EINTR) => 0,
             Err(e) => {
@@ -369,7 +394,18 @@ impl Shared {
             .cloned()
     }
 
-    fn rearm(&self, e: &Entry, wait: Wait) {
+    /// The set connection `e` is in.
+    fn set_of(&self, e: &Entry) -> &Epoll {
+        if e.high.load(Ordering::Acquire) {
+            &self.high_epoll
+        } else {
+            &self.epoll
+        }
+    }
+
+    /// Arms `e` again for `wait`, in the HIGH set when `high`, else the pool's (moving it when
+    /// that changed).
+    fn rearm(&self, e: &Entry, wait: Wait, high: bool) {
         let flags = match wait {
             Wait::Read | Wait::Again => EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP,
             Wait::Write => EpollFlags::EPOLLOUT,
@@ -377,7 +413,20 @@ impl Shared {
         let mut ev = EpollEvent::new(armed(flags), e.token);
         // SAFETY: the entry owns the socket until its last holder drops it, and we hold it.
         let fd = unsafe { BorrowedFd::borrow_raw(e.fd) };
-        if let Err(err) = self.epoll.modify(fd, &mut ev) {
+        let armed = if e.high.load(Ordering::Acquire) == high {
+            self.set_of(e).modify(fd, &mut ev)
+        } else {
+            // Disarmed (one-shot) and served by this thread alone: no event is lost between.
+            let _ = self.set_of(e).delete(fd);
+            e.high.store(high, Ordering::Release);
+            let added = self.set_of(e).add(fd, ev);
+            if e.gone.load(Ordering::Acquire) {
+                // Closed meanwhile; its close took it out of the old set only.
+                let _ = self.set_of(e).delete(fd);
+            }
+            added
+        };
+        if let Err(err) = armed {
             // Closed by another thread meanwhile (shed, deadline): nothing to re-arm.
             if !e.gone.load(Ordering::Acquire) {
                 tracing::warn!(peer = %e.peer, error = %err, "cannot re-arm a connection");
@@ -402,7 +451,7 @@ impl Shared {
     fn forget(&self, e: &Entry) {
         // SAFETY: as in `rearm`: the caller holds the entry, which owns the socket.
         let fd = unsafe { BorrowedFd::borrow_raw(e.fd) };
-        let _ = self.epoll.delete(fd);
+        let _ = self.set_of(e).delete(fd);
         {
             let mut entries = self.entries.lock().expect("server poisoned");
             let idx = (e.token & 0xffff_ffff) as usize;
@@ -534,6 +583,7 @@ impl Shared {
                 pending: AtomicBool::new(true),
                 gone: AtomicBool::new(false),
                 last_active_ns: AtomicU64::new(self.now_ns()),
+                high: AtomicBool::new(false),
                 state: Mutex::new(state),
             });
             slot.insert(entry.clone());
@@ -644,15 +694,16 @@ impl Shared {
             return;
         };
         e.last_active_ns.store(self.now_ns(), Ordering::Relaxed);
-        let next = {
+        let (next, high) = {
             let mut st = e.state.lock().expect("connection poisoned");
             if e.gone.load(Ordering::Acquire) {
                 return;
             }
-            self.turn(&e, &mut st, nice)
+            let next = self.turn(&e, &mut st, nice);
+            (next, matches!(&*st, State::Data(d) if d.carries_high()))
         };
         match next {
-            Ok(Next::Wait(w)) => self.rearm(&e, w),
+            Ok(Next::Wait(w)) => self.rearm(&e, w, high),
             Ok(Next::Close) => self.close(&e),
             Ok(Next::HandOff(opening)) => self.hand_off(&e, Some(&opening)),
             Ok(Next::HandOffRdma) => self.hand_off(&e, None),

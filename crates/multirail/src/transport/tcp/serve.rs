@@ -245,6 +245,8 @@ pub(crate) struct DataConn {
     /// headers in staging were read.
     read_at: Instant,
     served: ServedTally,
+    /// Whether the latest request header was HIGH (see [`DataConn::carries_high`]).
+    high: bool,
 }
 
 // SAFETY: the raw destination pointer in `payload` points into a region kept alive by the Arc
@@ -263,7 +265,15 @@ impl DataConn {
             payload: None,
             read_at: Instant::now(),
             served,
+            high: false,
         }
+    }
+
+    /// Whether the latest request this connection brought was HIGH: a client keeps a
+    /// connection of each rail for HIGH slices alone, and the listener serves such a
+    /// connection on a thread that serves nothing else.
+    pub(crate) fn carries_high(&self) -> bool {
+        self.high
     }
 
     /// Serves what the socket holds without blocking. Returns what to wait for next, or
@@ -310,6 +320,7 @@ impl DataConn {
                 }
             }
             let h = RequestHeader::decode(self.staging.peek(wire::REQUEST_LEN))?;
+            self.high = h.priority == Priority::High;
             if self.out.urgent
                 && h.priority != Priority::High
                 && !self.out.flush(fd, &mut self.served)?
