@@ -451,6 +451,46 @@ fn messages_arrive_fifo_exactly_once(receive: &str, senders: u8, per_sender: u64
     );
 }
 
+/// A receiver with nothing to receive sleeps on its rail's completion channel: each message
+/// after 200 ms of silence wakes it, with a few sleeps per message where naps of a millisecond
+/// took about two hundred, and every message arrives whole and in order.
+#[test]
+fn a_receiver_asleep_wakes_on_the_completion_channel() {
+    if !rdma_here() {
+        return;
+    }
+    const MESSAGES: u64 = 5;
+    let conf = r#"{"transport": "rdma", "lanes": {"dynamic": false},
+        "transports": {"rdma": {"receive": {"spin_us": 0}}, "tcp": {"receive": {"spin_us": 0}},
+                       "shm": {"receive": {"spin_us": 0}}}}"#;
+    let receiver = initiator(conf);
+    let name = receiver.name();
+    let sender = std::thread::spawn(move || {
+        let engine = initiator(conf);
+        let seg = engine.open_segment(&name).unwrap();
+        for seq in 0..MESSAGES {
+            std::thread::sleep(Duration::from_millis(200));
+            engine.send(seg, &message(7, seq)).unwrap();
+        }
+        engine
+    });
+    for seq in 0..MESSAGES {
+        let m = receiver
+            .recv(Some(Duration::from_secs(20)))
+            .unwrap()
+            .unwrap_or_else(|| panic!("message {seq} never woke the receiver"));
+        assert_eq!(m.data, message(7, seq), "message {seq}");
+    }
+    let engine = sender.join().unwrap();
+    assert_eq!(receiver.rdma_stats().messages_received, MESSAGES);
+    let sleeps = receiver.message_stats().recv_sleeps;
+    assert!(
+        sleeps <= 10 * MESSAGES,
+        "{sleeps} sleeps for {MESSAGES} messages 200 ms apart: napping, not waiting on the channel"
+    );
+    drop(engine);
+}
+
 #[test]
 fn a_hundred_thousand_messages_arrive_fifo_exactly_once_over_the_srq_at_depth_63_and_1() {
     if !rdma_here() {

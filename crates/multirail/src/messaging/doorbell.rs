@@ -13,9 +13,12 @@
 //!   drains such bytes when it checks the stream, `drain_stream`). The eventfd is the better
 //!   bell: the kernel wakes a socket's reader as if the writer were about to sleep, on the
 //!   writer's core, where a sender that goes on to spin for the answer holds it off.
-//!   RDMA message lanes complete into completion queues that have no completion channel here,
-//!   so a receiver with RDMA connections sleeps in naps of [`RDMA_NAP`] instead (a thousand
-//!   wake-ups a second cost well under 1 % of a core; a message may wait up to a nap).
+//!   RDMA message lanes complete into a receive completion queue per rail that reports to a
+//!   completion channel: the receiver arms each queue (`ibv_req_notify_cq`) before its last
+//!   poll, and the channel's descriptor, in the set, turns readable at the next completion;
+//!   waking, the receiver takes and acknowledges the events. A rail whose device made no
+//!   channel (or arming failed) has the receiver sleep in naps of [`RDMA_NAP`] instead (a
+//!   thousand wake-ups a second cost well under 1 % of a core; a message may wait up to a nap).
 //! * **No lost wakeup.** The receiver stores the flag, issues a SeqCst fence and then polls
 //!   every ring once more before sleeping; a sender publishes its record (Release), issues a
 //!   SeqCst fence and then loads the flag. The two fences are ordered one way or the other:
@@ -293,6 +296,9 @@ impl BellSet {
         for r in &rx.readers {
             self.want.push((r.stream.as_raw_fd(), u64::MAX));
         }
+        for ch in rx.rdma_channels.iter().flatten() {
+            self.want.push((ch.fd(), u64::MAX - 1));
+        }
         if self.epoll.is_some() && self.want == self.fds {
             return Ok(());
         }
@@ -312,6 +318,15 @@ impl BellSet {
                 Err(e) => return Err(e.into()),
             }
         }
+        for ch in rx.rdma_channels.iter().flatten() {
+            // SAFETY: the channel owns the descriptor and `rx` keeps the channel (and so the
+            // descriptor) open while it is in this set; it leaves the set when closed.
+            let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(ch.fd()) };
+            match epoll.add(fd, EpollEvent::new(EpollFlags::EPOLLIN, 1)) {
+                Ok(()) | Err(nix::errno::Errno::EEXIST) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
         self.epoll = Some(epoll);
         std::mem::swap(&mut self.fds, &mut self.want);
         Ok(())
@@ -319,6 +334,29 @@ impl BellSet {
 }
 
 impl Rx {
+    /// Arms every RDMA receive completion queue to signal its channel at the next completion.
+    /// Returns whether each has a channel and was armed (else the sleep must be a nap).
+    fn arm_rdma(&mut self) -> bool {
+        let mut all = true;
+        for ((_, cq), ch) in self.rdma_cqs.iter().zip(&self.rdma_channels) {
+            all &= ch.is_some()
+                && cq
+                    .req_notify(false)
+                    .map_err(|e| tracing::debug!(error = %e, "arming a message completion queue"))
+                    .is_ok();
+        }
+        all
+    }
+
+    /// Takes (and acknowledges) the events the channels hold, so their descriptors stop being
+    /// readable; the completions themselves are polled as usual.
+    fn drain_rdma_events(&mut self) {
+        for ch in self.rdma_channels.iter().flatten() {
+            // Non-blocking: ends at EAGAIN once no event is left.
+            while ch.wait().is_ok() {}
+        }
+    }
+
     /// Sets (or clears) the sleeping flag of every shm ring messages arrive on.
     fn set_asleep(&mut self, asleep: bool) {
         for c in self.conns.iter().filter(|c| !c.dead) {
@@ -366,6 +404,9 @@ impl Messaging {
                 return Woke::Slept;
             }
             rx.set_asleep(true);
+            // Armed before the last poll: a completion after the poll signals the channel, one
+            // before it is found by the poll.
+            let rdma_armed = rx.arm_rdma();
             // Pairs with the senders' fence after publishing (see the module documentation).
             fence(Ordering::SeqCst);
             rx.liveness_due = true;
@@ -375,7 +416,7 @@ impl Messaging {
                 return Woke::Ready;
             }
             bell.sleepers.fetch_add(1, Ordering::Relaxed);
-            if rx.rdma_cqs.is_empty() {
+            if rdma_armed {
                 SLEEP_CAP
             } else {
                 RDMA_NAP
@@ -412,6 +453,7 @@ impl Messaging {
             let mut rx = self.rx.lock().expect("rx poisoned");
             bell.sleepers.fetch_sub(1, Ordering::Relaxed);
             rx.set_asleep(false);
+            rx.drain_rdma_events();
             rx.liveness_due = true;
         }
         let quick = readable && asleep.elapsed() < Duration::from_micros(100);

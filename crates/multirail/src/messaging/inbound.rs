@@ -109,6 +109,9 @@ pub(super) struct Rx {
     pub(super) liveness_due: bool,
     /// The receive completion queue of every RDMA rail a message connection uses.
     pub(super) rdma_cqs: Vec<(usize, CompletionQueue)>,
+    /// The completion channel each of `rdma_cqs` reports to once armed, same order (`None`:
+    /// that rail has none, and a receiver asleep naps).
+    pub(super) rdma_channels: Vec<Option<CompletionChannel>>,
     /// Completions polled at once (kept to avoid allocating per poll).
     pub(super) wcs: Vec<WorkCompletion>,
     /// Under dynamic lanes: the shared lane's tcp connections, asked once per poll which are

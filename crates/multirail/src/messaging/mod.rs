@@ -59,7 +59,9 @@ use multirail_policy::lanes::LaneMsg;
 use multirail_policy::receive::{
     BufferId, ConnId, Credits, ReceiveQueue, ReceiveSettings, ReturnOrder,
 };
-use multirail_verbs::{CompletionQueue, QueuePair, SharedReceiveQueue, WorkCompletion};
+use multirail_verbs::{
+    CompletionChannel, CompletionQueue, QueuePair, SharedReceiveQueue, WorkCompletion,
+};
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 
 use crate::config::{Config, TransportChoice};

@@ -260,13 +260,14 @@ impl Messaging {
         };
         let _ = stream.set_nodelay(true);
         stream.set_read_timeout(None).map_err(|e| e.to_string())?;
-        let cq = verbs.recv_cq(port)?;
+        let (cq, channel) = verbs.recv_cq_and_channel(port)?;
         let mut rx = self.rx.lock().expect("rx poisoned");
         if let Some(p) = own {
             rx.pools.insert(key, p);
         }
         if !rx.rdma_cqs.iter().any(|(p, _)| *p == port) {
             rx.rdma_cqs.push((port, cq));
+            rx.rdma_channels.push(channel);
         }
         if rx.wcs.is_empty() {
             rx.wcs = vec![WorkCompletion::default(); 32];

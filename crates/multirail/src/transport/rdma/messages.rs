@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use multirail_policy::pairing::{pair_rails, RailInfo};
 use multirail_policy::receive::ReceiveSettings;
 use multirail_verbs::{
-    Access, CompletionQueue, MemoryRegion, QpCaps, QueuePair, SharedReceiveQueue,
+    Access, CompletionChannel, CompletionQueue, MemoryRegion, QpCaps, QueuePair, SharedReceiveQueue,
 };
 
 use super::cm::{self, PortEnd, QpEnd};
@@ -115,13 +115,18 @@ pub(crate) struct MessageCounters {
     pub received: AtomicU64,
 }
 
+/// A port's receive completion queue of messages and the channel it reports to, if any.
+type RecvCq = (CompletionQueue, Option<CompletionChannel>);
+
 /// What messaging needs of the RDMA transport: its ports, their registrations of engine
 /// memory, and one receive completion queue per port for every message queue pair on it.
 pub(crate) struct MessageVerbs {
     ports: Vec<Arc<Port>>,
     registrations: Arc<Registrations>,
     config: RdmaConfig,
-    recv_cqs: Mutex<Vec<Option<CompletionQueue>>>,
+    /// Per port: the receive completion queue of messages, and the completion channel it
+    /// reports to once armed (`None` where the device would not make one).
+    recv_cqs: Mutex<Vec<Option<RecvCq>>>,
     /// Receive buffers posted per port, over all its queues (bounded by its CQ's depth).
     posted: Vec<AtomicUsize>,
     pub(crate) counters: Arc<MessageCounters>,
@@ -163,16 +168,38 @@ impl MessageVerbs {
 
     /// The receive completion queue of `port`, made on first use.
     pub(crate) fn recv_cq(&self, port: usize) -> Result<CompletionQueue, String> {
+        self.recv_cq_and_channel(port).map(|(cq, _)| cq)
+    }
+
+    /// The receive completion queue of `port` (made on first use) and the completion channel it
+    /// reports to when armed, on which a sleeping receiver waits (`None` where the device
+    /// would not make a channel, or its descriptor could not be made non-blocking: the receiver
+    /// then naps instead).
+    pub(crate) fn recv_cq_and_channel(&self, port: usize) -> Result<RecvCq, String> {
         let p = self.port(port)?;
         let mut cqs = self.recv_cqs.lock().expect("message CQs poisoned");
-        if let Some(cq) = &cqs[port] {
-            return Ok(cq.clone());
+        if let Some(made) = &cqs[port] {
+            return Ok(made.clone());
         }
         let depth = p.context.attr().max_cqe.min(RECV_CQ_DEPTH);
-        let cq = CompletionQueue::new(&p.context, depth)
-            .map_err(|e| format!("message completion queue on {}: {e}", p.descriptor.name()))?;
-        cqs[port] = Some(cq.clone());
-        Ok(cq)
+        let channel = match CompletionChannel::new(&p.context) {
+            Ok(ch) if set_nonblocking(ch.fd()) => Some(ch),
+            Ok(_) => {
+                tracing::warn!(rail = %p.descriptor.name(), "cannot make a completion channel non-blocking; a receiver asleep naps instead");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(rail = %p.descriptor.name(), error = %e, "no completion channel; a receiver asleep naps instead");
+                None
+            }
+        };
+        let cq = match &channel {
+            Some(ch) => CompletionQueue::with_channel(&p.context, depth, ch, port, 0),
+            None => CompletionQueue::new(&p.context, depth),
+        }
+        .map_err(|e| format!("message completion queue on {}: {e}", p.descriptor.name()))?;
+        cqs[port] = Some((cq.clone(), channel.clone()));
+        Ok((cq, channel))
     }
 
     fn port(&self, port: usize) -> Result<&Arc<Port>, String> {
@@ -453,6 +480,17 @@ impl SendQueuePair {
         // SAFETY: the caller keeps the memory in place for the region's life.
         unsafe { MemoryRegion::register(&self.port.pd, ptr, len, Access::LOCAL_WRITE) }
             .map_err(|e| e.to_string())
+    }
+}
+
+/// Makes descriptor `fd` non-blocking, so that draining a completion channel's events never
+/// sleeps. Returns whether it worked.
+fn set_nonblocking(fd: std::os::fd::RawFd) -> bool {
+    // SAFETY: fcntl on a descriptor the channel owns and keeps open; F_GETFL/F_SETFL read and
+    // set its status flags only.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
     }
 }
 
