@@ -511,3 +511,90 @@ fn check(registry: &MemoryRegistry, h: &RequestHeader) -> Result<Arc<Region>, St
     }
     Ok(region)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::Location;
+    use crate::stats::ServedStats;
+    use crate::transport::cpu_priority::NiceTable;
+    use std::io::{Read, Write};
+    use std::net::{IpAddr, Ipv4Addr};
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
+
+    const PAYLOAD: usize = 4096;
+
+    fn write_request(id: u64, addr: u64, key: u64, priority: Priority, fill: u8) -> Vec<u8> {
+        let mut h = [0u8; wire::REQUEST_LEN];
+        RequestHeader {
+            op: RequestOp::Write,
+            len: PAYLOAD as u32,
+            id,
+            addr,
+            key,
+            priority,
+        }
+        .encode(&mut h);
+        let mut out = h.to_vec();
+        out.extend(std::iter::repeat_n(fill, PAYLOAD));
+        out
+    }
+
+    /// A HIGH write's answer goes out before the lower-priority request behind it is served:
+    /// while the answer cannot be written (the initiator is not reading), the LOW request's
+    /// bytes stay in the socket, and they land once the answer is out.
+    #[test]
+    fn a_high_answer_goes_out_before_the_low_request_behind_it_is_served() {
+        let registry = MemoryRegistry::default();
+        let buf = registry.allocate(4 * PAYLOAD, Location::Any).unwrap();
+        let (mut initiator, target) = UnixStream::pair().unwrap();
+        target.set_nonblocking(true).unwrap();
+        // Fill the target's direction so that no answer can be written for now.
+        let mut filled = 0usize;
+        loop {
+            match (&target).write(&[0u8; 4096]) {
+                Ok(n) => filled += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => panic!("filling: {e}"),
+            }
+        }
+        let (high_at, low_at) = (buf.addr(), buf.addr() + 2 * PAYLOAD as u64);
+        let mut requests = write_request(1, high_at, buf.key(), Priority::High, 0xA1);
+        requests.extend(write_request(2, low_at, buf.key(), Priority::Low, 0xB2));
+        initiator.write_all(&requests).unwrap();
+
+        let stats = Arc::new(ServedStats::default());
+        let local = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        let mut conn = DataConn::new(&[], stats.tally(local, local, || "lo".into()));
+        let mut nice = ThreadNice::for_this_thread(NiceTable::new(0));
+        let fd = target.as_raw_fd();
+        let wait = conn.turn(fd, &registry, &mut nice).unwrap();
+        assert_eq!(wait, Some(Wait::Write), "waits to write the HIGH answer");
+        // SAFETY: nothing else writes this buffer; the turn above returned.
+        let (high, low) = unsafe {
+            let s = buf.as_slice();
+            (s[..PAYLOAD].to_vec(), s[2 * PAYLOAD..3 * PAYLOAD].to_vec())
+        };
+        assert!(high.iter().all(|&b| b == 0xA1), "the HIGH write landed");
+        assert!(
+            low.iter().all(|&b| b == 0),
+            "the LOW write was served before the HIGH answer went out"
+        );
+
+        // The initiator reads: the filler, then the answers, HIGH's first.
+        let mut sink = vec![0u8; filled];
+        initiator.read_exact(&mut sink).unwrap();
+        let wait = conn.turn(fd, &registry, &mut nice).unwrap();
+        assert_eq!(wait, Some(Wait::Read), "everything served");
+        // SAFETY: as above.
+        let low = unsafe { buf.as_slice()[2 * PAYLOAD..3 * PAYLOAD].to_vec() };
+        assert!(low.iter().all(|&b| b == 0xB2), "the LOW write landed");
+        let mut answers = [0u8; 2 * wire::RESPONSE_LEN];
+        initiator.read_exact(&mut answers).unwrap();
+        let first = ResponseHeader::decode(&answers[..wire::RESPONSE_LEN]).unwrap();
+        let second = ResponseHeader::decode(&answers[wire::RESPONSE_LEN..]).unwrap();
+        assert_eq!((first.id, first.status), (1, Status::Ok));
+        assert_eq!((second.id, second.status), (2, Status::Ok));
+    }
+}
