@@ -620,40 +620,18 @@ impl NativeGroup {
         py: Python<'_>,
         timeout: Option<f64>,
     ) -> PyResult<Option<(String, u64, Py<PyBytes>)>> {
-        let deadline = match timeout {
-            None => None,
-            Some(t) if t.is_finite() && t >= 0.0 => {
-                // Beyond what an Instant can hold means no limit.
-                Duration::try_from_secs_f64(t)
-                    .ok()
-                    .and_then(|d| Instant::now().checked_add(d))
-            }
-            Some(t) => {
-                return Err(InvalidArgumentError::new_err(format!(
-                    "invalid argument `timeout`: must be a non-negative number of seconds or \
-                     None, got {t}"
-                )))
-            }
-        };
-        loop {
+        // The group is fetched again each slice, so a `leave` from another thread is noticed.
+        let got = crate::wait_in_slices(py, timeout, RECV_SLICE, |py, wait| {
             let group = self.get()?;
-            let wait = match deadline {
-                Some(d) => d.saturating_duration_since(Instant::now()).min(RECV_SLICE),
-                None => RECV_SLICE,
-            };
-            let got = py.allow_threads(|| group.recv(Some(wait))).map_err(to_py)?;
-            if let Some(m) = got {
-                return Ok(Some((
-                    m.sender.to_string(),
-                    m.index,
-                    PyBytes::new(py, &m.bytes).unbind(),
-                )));
-            }
-            if deadline.is_some_and(|d| Instant::now() >= d) {
-                return Ok(None);
-            }
-            py.check_signals()?;
-        }
+            py.allow_threads(|| group.recv(Some(wait))).map_err(to_py)
+        })?;
+        Ok(got.map(|m| {
+            (
+                m.sender.to_string(),
+                m.index,
+                PyBytes::new(py, &m.bytes).unbind(),
+            )
+        }))
     }
 
     /// Counters of what the group did at this member.

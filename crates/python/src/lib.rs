@@ -237,22 +237,24 @@ fn status_str(s: &Status) -> &'static str {
 /// How long a blocking call waits with the GIL released before it looks for Ctrl-C.
 const WAIT_SLICE: Duration = Duration::from_millis(100);
 
-/// Calls `attempt` with waits of at most [`WAIT_SLICE`] (GIL released) until it finds
-/// something or `timeout` seconds (None: no limit) pass, checking for signals between, so
-/// Ctrl-C interrupts a long wait. Fails on a bad `timeout`, an error of `attempt` or a signal.
-fn wait_in_slices<T: Send>(
+/// Calls `attempt` with waits of at most `slice` until it finds something or `timeout`
+/// seconds (None: no limit) pass, checking for signals between, so Ctrl-C interrupts a long
+/// wait; `attempt` releases the GIL while it waits. Fails on a bad `timeout`, an error of
+/// `attempt` or a signal.
+pub(crate) fn wait_in_slices<T>(
     py: Python<'_>,
     timeout: Option<f64>,
-    attempt: impl Fn(Duration) -> multirail::Result<Option<T>> + Sync,
+    slice: Duration,
+    mut attempt: impl FnMut(Python<'_>, Duration) -> PyResult<Option<T>>,
 ) -> PyResult<Option<T>> {
     // Beyond what an Instant can hold means no limit.
     let deadline = timeout_arg(timeout)?.and_then(|t| Instant::now().checked_add(t));
     loop {
         let wait = match deadline {
-            Some(d) => d.saturating_duration_since(Instant::now()).min(WAIT_SLICE),
-            None => WAIT_SLICE,
+            Some(d) => d.saturating_duration_since(Instant::now()).min(slice),
+            None => slice,
         };
-        if let Some(got) = py.allow_threads(|| attempt(wait)).map_err(to_py)? {
+        if let Some(got) = attempt(py, wait)? {
             return Ok(Some(got));
         }
         if deadline.is_some_and(|d| Instant::now() >= d) {
@@ -870,8 +872,8 @@ impl NativeEngine {
         py: Python<'_>,
         timeout: Option<f64>,
     ) -> PyResult<Vec<(String, String)>> {
-        let got = wait_in_slices(py, timeout, |wait| {
-            let got = self.engine.wait_notifications(Some(wait));
+        let got = wait_in_slices(py, timeout, WAIT_SLICE, |py, wait| {
+            let got = py.allow_threads(|| self.engine.wait_notifications(Some(wait)));
             Ok((!got.is_empty()).then_some(got))
         })?;
         Ok(got
@@ -898,7 +900,10 @@ impl NativeEngine {
         py: Python<'_>,
         timeout: Option<f64>,
     ) -> PyResult<Option<(String, Py<PyBytes>)>> {
-        let got = wait_in_slices(py, timeout, |wait| self.engine.recv(Some(wait)))?;
+        let got = wait_in_slices(py, timeout, WAIT_SLICE, |py, wait| {
+            py.allow_threads(|| self.engine.recv(Some(wait)))
+                .map_err(to_py)
+        })?;
         Ok(got.map(|m| (m.from.to_string(), PyBytes::new(py, &m.data).unbind())))
     }
 
