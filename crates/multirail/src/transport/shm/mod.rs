@@ -395,18 +395,12 @@ impl ShmTransport {
             if until.is_some_and(|until| now >= until) {
                 return;
             }
-            let now_ns = shared.ns(now);
             let mut st = shared.lock();
-            let promoted = st.jobs.on_timeout(now_ns);
-            if promoted > 0 {
-                shared.qos.promoted(promoted);
-            }
-            let priority = match st.jobs.front(|_| true) {
-                Some((job, priority)) if job.batch == batch => priority,
-                _ => return,
+            let Some((taken, priority)) =
+                shared.take_head(&mut st, shared.ns(now), |job| job.batch == batch)
+            else {
+                return;
             };
-            let taken = st.jobs.pop(priority, now_ns).expect("the head exists");
-            shared.report_depths(&mut st);
             drop(st);
             shared.qos.host_dequeued(priority, taken.waited_ns, now);
             let job = taken.item;

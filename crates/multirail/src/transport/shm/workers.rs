@@ -79,6 +79,28 @@ impl Shared {
         self.state.lock().expect("shm queue poisoned")
     }
 
+    /// Promotes the jobs that have starved, then takes the head of the highest non-empty level
+    /// when `wanted` accepts it, with its level, and reports the new depths. The caller counts
+    /// it dequeued (`qos.host_dequeued`) once it has let go of the lock.
+    pub(super) fn take_head(
+        &self,
+        st: &mut QueueState,
+        now_ns: u64,
+        wanted: impl Fn(&CopyJob) -> bool,
+    ) -> Option<(multirail_policy::qos::Dequeued<CopyJob>, Priority)> {
+        let promoted = st.jobs.on_timeout(now_ns);
+        if promoted > 0 {
+            self.qos.promoted(promoted);
+        }
+        let priority = match st.jobs.front(|_| true) {
+            Some((job, priority)) if wanted(job) => priority,
+            _ => return None,
+        };
+        let taken = st.jobs.pop(priority, now_ns).expect("the head exists");
+        self.report_depths(st);
+        Some((taken, priority))
+    }
+
     /// `now` as nanoseconds on the queues' clock.
     pub(super) fn ns(&self, now: Instant) -> u64 {
         now.saturating_duration_since(self.epoch).as_nanos() as u64
@@ -147,13 +169,7 @@ pub(super) fn copy_worker(shared: &Shared) {
     loop {
         let now = Instant::now();
         let now_ns = shared.ns(now);
-        let promoted = st.jobs.on_timeout(now_ns);
-        if promoted > 0 {
-            shared.qos.promoted(promoted);
-        }
-        if let Some((_, prio)) = st.jobs.front(|_| true) {
-            let taken = st.jobs.pop(prio, now_ns).expect("the head exists");
-            shared.report_depths(&mut st);
+        if let Some((taken, prio)) = shared.take_head(&mut st, now_ns, |_| true) {
             drop(st);
             shared.qos.host_dequeued(prio, taken.waited_ns, now);
             let mut job = taken.item;
