@@ -109,6 +109,12 @@ pub struct BenchArgs {
     /// Print one JSON object instead of tables. Default: off.
     #[arg(long)]
     json: bool,
+    /// Submit each batch's blocks in a scattered order (the odd ones, then the even ones), so
+    /// no request starts where the one before it ended and the engine merges none of them
+    /// (`workers.merge_adjacent_max_bytes`): what blocks spread over a KV cache cost.
+    /// Default: off (blocks in address order).
+    #[arg(long)]
+    scatter: bool,
     /// Also print the engine's traffic report in TENT's text format (per-rail totals and EWMA
     /// bandwidth, then the priority queues), after the tables, or on stderr with --json.
     /// Default: off.
@@ -196,6 +202,22 @@ struct Plan {
     seg: SegmentId,
     transport: TransportChoice,
     submitters: Vec<Submitter>,
+    /// Blocks of a batch in scattered order (`--scatter`).
+    scatter: bool,
+}
+
+/// Which block of a batch of `batch` goes `k`-th: in address order, or scattered (the odd
+/// blocks, then the even ones: no block comes right after the block before it in memory).
+fn block_order(k: u64, batch: u64, scatter: bool) -> u64 {
+    if !scatter {
+        return k;
+    }
+    let odds = batch / 2;
+    if k < odds {
+        2 * k + 1
+    } else {
+        2 * (k - odds)
+    }
 }
 
 /// One submitting thread: its class of work and its own region of the buffers.
@@ -311,7 +333,7 @@ fn worker(engine: &Engine, plan: &Plan, index: usize, shared: &Shared) -> Thread
         let off = base + (step % steps) * per_batch;
         reqs.clear();
         for k in 0..me.batch as u64 {
-            let o = off + k * me.block;
+            let o = off + block_order(k, me.batch as u64, plan.scatter) * me.block;
             reqs.push(Request {
                 opcode: plan.op,
                 source: plan.local_base + o,
@@ -613,6 +635,7 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         seg,
         transport: args.transport,
         submitters,
+        scatter: args.scatter,
     });
     // Writing every local byte also faults its pages in before the clock starts.
     // SAFETY: nothing is in flight yet.
@@ -777,6 +800,7 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         "size": size,
         "block_size": args.block_size,
         "batch_size": args.batch_size,
+        "scatter": args.scatter,
         "threads": threads,
         "priority": priority_name(args.priority),
         "duration_s": secs,
@@ -1076,6 +1100,22 @@ fn verify(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_scattered_batch_covers_every_block_once_and_none_follows_its_neighbour() {
+        for batch in [1u64, 2, 3, 7, 1000] {
+            let order: Vec<u64> = (0..batch).map(|k| block_order(k, batch, true)).collect();
+            let mut seen = order.clone();
+            seen.sort_unstable();
+            assert_eq!(seen, (0..batch).collect::<Vec<_>>(), "batch {batch}");
+            assert!(
+                order.windows(2).all(|w| w[1] != w[0] + 1),
+                "batch {batch}: {order:?}"
+            );
+            let plain: Vec<u64> = (0..batch).map(|k| block_order(k, batch, false)).collect();
+            assert_eq!(plain, (0..batch).collect::<Vec<_>>());
+        }
+    }
 
     fn rail(name: &str, slices: u64, ewma: Option<f64>) -> RailTraffic {
         RailTraffic {

@@ -77,15 +77,37 @@ impl BatchSignal {
     }
 }
 
-/// One request in flight: finished when every part it was split into has reported.
+/// One request in flight: finished when every part it was split into has reported. Or a run
+/// of adjacent requests moved as one (see [`Task::run`]): finished the same way, it then
+/// reports its outcome to each request of the run.
 pub(crate) struct Task {
     remaining: AtomicU32,
     failed: AtomicBool,
     error: OnceLock<Error>,
     signal: Arc<BatchSignal>,
+    /// For a run: the tasks of the requests it moves (empty for a request's own task).
+    members: Vec<Arc<Task>>,
 }
 
 impl Task {
+    /// A task for a run of requests moved as one, holding one part (as a request's task is
+    /// created): each member gets one more part, which the run's outcome settles, so a member
+    /// finishes only after the run did, with the run's error if it failed. Call while each
+    /// member still holds the part it was created with. `members` must not be empty.
+    pub(crate) fn run(members: Vec<Arc<Task>>) -> Arc<Task> {
+        assert!(!members.is_empty(), "a run moves at least one request");
+        for m in &members {
+            m.add_parts(1);
+        }
+        Arc::new(Task {
+            remaining: AtomicU32::new(1),
+            failed: AtomicBool::new(false),
+            error: OnceLock::new(),
+            signal: members[0].signal.clone(),
+            members,
+        })
+    }
+
     /// Records one part as done (`Ok`) or failed; the first failure is the task's error.
     pub(crate) fn part_done(&self, outcome: Result<()>) {
         if let Err(e) = outcome {
@@ -93,6 +115,17 @@ impl Task {
             self.failed.store(true, Ordering::Release);
         }
         if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            if !self.members.is_empty() {
+                // A run is no request of its own: its members count.
+                let failed = self
+                    .failed
+                    .load(Ordering::Acquire)
+                    .then(|| self.error.get().cloned().expect("set before failed"));
+                for m in &self.members {
+                    m.part_done(failed.clone().map_or(Ok(()), Err));
+                }
+                return;
+            }
             let c = &self.signal.counters;
             if self.failed.load(Ordering::Acquire) {
                 c.failed.fetch_add(1, Ordering::Relaxed);
@@ -174,6 +207,7 @@ impl Batch {
                     failed: AtomicBool::new(false),
                     error: OnceLock::new(),
                     signal: self.signal.clone(),
+                    members: Vec::new(),
                 })
             })
             .collect();

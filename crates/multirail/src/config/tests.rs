@@ -1100,6 +1100,23 @@ fn window_settings_are_checked_and_name_their_key() {
 }
 
 #[test]
+fn merging_adjacent_requests_is_bounded_and_can_be_turned_off() {
+    let parse = |doc: &str| Config::from_json_str(doc, "test");
+    assert_eq!(
+        Config::default().workers.merge_adjacent_max_bytes,
+        1 << 20,
+        "merged runs of up to 1 MiB by default"
+    );
+    let off = parse(r#"{"workers": {"merge_adjacent_max_bytes": 0}}"#).unwrap();
+    assert_eq!(off.workers.merge_adjacent_max_bytes, 0);
+    let most = parse(r#"{"workers": {"merge_adjacent_max_bytes": 67108864}}"#).unwrap();
+    assert_eq!(most.workers.merge_adjacent_max_bytes, 64 << 20);
+    let e = parse(r#"{"workers": {"merge_adjacent_max_bytes": 67108865}}"#).unwrap_err();
+    assert_eq!(e.key, "workers.merge_adjacent_max_bytes");
+    assert!(e.to_string().contains("at most"), "{e}");
+}
+
+#[test]
 fn load_env_path() {
     let file = TempFile::new("env-path", &rdma(r#""slot_rotation_interval_ms": 9"#));
     let _env = EnvGuard::set(Some(file.0.to_str().unwrap()));

@@ -29,7 +29,17 @@ pub struct WorkersConfig {
     /// Bulk slices are not cut below this many bytes beside HIGH work (default 16384;
     /// 4096..=64 MiB): smaller ones cost more per byte than the wait they save.
     pub min_bulk_chunk: u64,
+    /// Requests of one submit call that follow one another in memory on both sides (same
+    /// target buffer, operation and priority; each starts where the one before it ended, here
+    /// and at the target) are moved as one, up to this many bytes (default 1 MiB; 0 = never;
+    /// at most 64 MiB). Each request still reports its own status; a failure of the whole
+    /// fails each request in it.
+    pub merge_adjacent_max_bytes: u64,
 }
+
+/// Default of `workers.merge_adjacent_max_bytes`: a run long enough that per-request costs
+/// vanish beside its bytes, short enough that the first request of a run completes soon.
+pub const DEFAULT_MERGE_ADJACENT_MAX_BYTES: u64 = 1 << 20;
 
 impl Default for WorkersConfig {
     fn default() -> Self {
@@ -42,6 +52,7 @@ impl Default for WorkersConfig {
             window: WindowConfig::default(),
             bulk_chunk_wait_us: dispatch::DEFAULT_HIGH_WAIT_NS / 1000,
             min_bulk_chunk: dispatch::DEFAULT_MIN_BULK_CHUNK,
+            merge_adjacent_max_bytes: DEFAULT_MERGE_ADJACENT_MAX_BYTES,
         }
     }
 }
@@ -205,6 +216,15 @@ impl WorkersConfig {
                 format!(
                     "must be within 4096..=67108864, got {}",
                     self.min_bulk_chunk
+                ),
+            ));
+        }
+        if self.merge_adjacent_max_bytes > MAX_BLOCK_SIZE {
+            return Err(ConfigError::new(
+                format!("{prefix}.merge_adjacent_max_bytes"),
+                format!(
+                    "must be at most {MAX_BLOCK_SIZE} (64 MiB; 0 = never merge), got {}",
+                    self.merge_adjacent_max_bytes
                 ),
             ));
         }

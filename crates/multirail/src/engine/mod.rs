@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::thread;
 use std::time::{Duration, Instant};
 
+mod merge;
 mod messages;
 mod prepared;
 
@@ -680,7 +681,9 @@ impl Engine {
 
     /// Hands validated requests to their transports, each as its batch task, every
     /// transport's share in one call (so shm resolves a peer's buffer once and queues a
-    /// batch's copies under one lock, with one wake-up).
+    /// batch's copies under one lock, with one wake-up). Runs of requests that follow one
+    /// another in memory on both sides go as one (`workers.merge_adjacent_max_bytes`; see
+    /// [`merge`]), each request still finishing with the run.
     fn post_all(
         &self,
         batch: u64,
@@ -695,10 +698,60 @@ impl Engine {
             ),
         >,
     ) {
+        let items: Vec<_> = items.collect();
+        let spans: Vec<merge::Span> = items
+            .iter()
+            .map(|(_, _, _, _, r, _)| merge::Span {
+                local: r.source,
+                remote: r.target_offset,
+                len: r.length,
+            })
+            .collect();
+        let registry = &self.inner.local.registry;
+        let mut region: Option<Arc<crate::memory::Region>> = None;
+        let runs = merge::runs(
+            &spans,
+            self.inner.config.workers.merge_adjacent_max_bytes,
+            |i| {
+                let (pa, ra, ba, la, a, _) = &items[i - 1];
+                let (pb, rb, bb, lb, b, _) = &items[i];
+                Arc::ptr_eq(pa, pb)
+                    && ra == rb
+                    && (ba.addr, ba.key) == (bb.addr, bb.key)
+                    && la == lb
+                    && a.opcode == b.opcode
+                    && a.priority == b.priority
+            },
+            // An rdma rail registers each region on its own: a run's local bytes stay in one.
+            |start, len| {
+                if !region.as_ref().is_some_and(|r| r.contains(start, 1)) {
+                    region = registry.find(start, 1);
+                }
+                region.as_ref().is_some_and(|r| r.contains(start, len))
+            },
+        );
         let mut shares: [Vec<(Arc<Peer>, Prepared)>; 3] = Default::default();
-        let mut tasks = Vec::with_capacity(items.size_hint().0);
-        for (peer, route, buffer, location, r, task) in items {
-            tasks.push(task.clone());
+        let mut parts = Vec::with_capacity(items.len());
+        let mut items = items.into_iter();
+        for run in runs {
+            let (peer, route, buffer, location, mut r, task) =
+                items.next().expect("runs cover every request");
+            parts.push(task.clone());
+            let task = if run.len() == 1 {
+                task
+            } else {
+                let mut members = Vec::with_capacity(run.len());
+                members.push(task);
+                for _ in 1..run.len() {
+                    let (.., next, t) = items.next().expect("runs cover every request");
+                    r.length += next.length;
+                    parts.push(t.clone());
+                    members.push(t);
+                }
+                let run_task = crate::batch::Task::run(members);
+                parts.push(run_task.clone());
+                run_task
+            };
             shares[route as usize].push((
                 peer,
                 Prepared {
@@ -720,7 +773,7 @@ impl Engine {
             }
         }
         // Drop the part each task was created with, now that every slice holds its own.
-        for task in tasks {
+        for task in parts {
             task.part_done(Ok(()));
         }
     }
