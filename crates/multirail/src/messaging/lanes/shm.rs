@@ -218,6 +218,9 @@ impl Messaging {
         lane: (Lane, u32),
         permit: ConnPermit,
     ) -> std::result::Result<(), String> {
+        // What can fail without a pool or ring to give back goes first.
+        let _ = stream.set_nodelay(true);
+        stream.set_read_timeout(None).map_err(|e| e.to_string())?;
         let (id, key, settings, fresh) = match self.receive_pool(lane.0, self.shm, SHARED_SHM) {
             Ok(p) => p,
             Err(e) => return Err(refuse(stream, e)),
@@ -227,10 +230,14 @@ impl Messaging {
             .allocate(Ring::bytes(settings.queue_depth), Location::Any)
         {
             Ok(b) => b,
-            Err(e) => return Err(refuse(stream, format!("message ring: {e}"))),
+            Err(e) => {
+                // A pool made for this connection alone is registered memory: give it back.
+                if let Some(p) = fresh {
+                    p.release(&self.registry);
+                }
+                return Err(refuse(stream, format!("message ring: {e}")));
+            }
         };
-        let _ = stream.set_nodelay(true);
-        stream.set_read_timeout(None).map_err(|e| e.to_string())?;
         let mut rx = self.rx.lock().expect("rx poisoned");
         self.keep_pool(&mut rx, key, fresh);
         let (ring_addr, ring_len, ring_handle) =

@@ -285,12 +285,13 @@ impl Messaging {
         lane: (Lane, u32),
         permit: ConnPermit,
     ) -> std::result::Result<(), String> {
+        // Before the pool is made: failing here leaves no registered memory behind.
+        let _ = stream.set_nodelay(true);
+        stream.set_read_timeout(None).map_err(|e| e.to_string())?;
         let (id, key, settings, fresh) = match self.receive_pool(lane.0, self.tcp, SHARED_TCP) {
             Ok(p) => p,
             Err(e) => return Err(refuse(stream, e)),
         };
-        let _ = stream.set_nodelay(true);
-        stream.set_read_timeout(None).map_err(|e| e.to_string())?;
         let mut rx = self.rx.lock().expect("rx poisoned");
         self.keep_pool(&mut rx, key, fresh);
         let staging = Staging::new(settings.buffer_size);
