@@ -482,6 +482,25 @@ int32_t multirail_batch_submit(multirail_engine_t e, uint64_t batch, const struc
 int32_t multirail_batch_status(multirail_engine_t e, uint64_t batch, size_t index, int32_t *status_out);
 
 /**
+ * Stores why request `index` of batch `batch` (in submission order) failed, as the code a
+ * call failing that way returns, in `*code_out`: MULTIRAIL_ERR_TIMEOUT when its peer answered
+ * nothing within `transports.tcp.timeout_ms`, MULTIRAIL_ERR_PEER when the peer refused it or
+ * went away, and so on; MULTIRAIL_OK while the request is pending or once it completed. When
+ * it failed, `multirail_last_error()` gives the message although the call returns
+ * MULTIRAIL_OK. Adjacent requests moved as one run share their run's failure.
+ *
+ * Returns MULTIRAIL_OK; MULTIRAIL_ERR_NULL_POINTER when `code_out` is NULL;
+ * MULTIRAIL_ERR_INVALID_ARGUMENT when `index` is not below the number of requests
+ * submitted; MULTIRAIL_ERR_UNKNOWN_HANDLE for an unknown engine or batch.
+ *
+ * Thread safety: safe from any thread, concurrently with any call on the same engine.
+ *
+ * # Safety
+ * `code_out` is NULL or valid for writing one `int32_t`.
+ */
+int32_t multirail_batch_request_error(multirail_engine_t e, uint64_t batch, size_t index, int32_t *code_out);
+
+/**
  * Stores the status of the whole batch `batch` in `*status_out`: MULTIRAIL_STATUS_FAILED
  * when any request failed (`multirail_last_error()` then says why although the call returns
  * MULTIRAIL_OK), else PENDING while any runs, else COMPLETED.

@@ -191,6 +191,48 @@ pub unsafe extern "C" fn multirail_batch_status(
     })
 }
 
+/// Stores why request `index` of batch `batch` (in submission order) failed, as the code a
+/// call failing that way returns, in `*code_out`: MULTIRAIL_ERR_TIMEOUT when its peer answered
+/// nothing within `transports.tcp.timeout_ms`, MULTIRAIL_ERR_PEER when the peer refused it or
+/// went away, and so on; MULTIRAIL_OK while the request is pending or once it completed. When
+/// it failed, `multirail_last_error()` gives the message although the call returns
+/// MULTIRAIL_OK. Adjacent requests moved as one run share their run's failure.
+///
+/// Returns MULTIRAIL_OK; MULTIRAIL_ERR_NULL_POINTER when `code_out` is NULL;
+/// MULTIRAIL_ERR_INVALID_ARGUMENT when `index` is not below the number of requests
+/// submitted; MULTIRAIL_ERR_UNKNOWN_HANDLE for an unknown engine or batch.
+///
+/// Thread safety: safe from any thread, concurrently with any call on the same engine.
+///
+/// # Safety
+/// `code_out` is NULL or valid for writing one `int32_t`.
+#[no_mangle]
+pub unsafe extern "C" fn multirail_batch_request_error(
+    e: multirail_engine_t,
+    batch: u64,
+    index: usize,
+    code_out: *mut i32,
+) -> i32 {
+    const FUNC: &str = "multirail_batch_request_error";
+    guard(FUNC, || {
+        check_out(code_out, "code_out")?;
+        let code = match handles::get(e)?.engine.status(BatchId(batch), index)? {
+            Status::Failed(err) => {
+                let failure = Failure::from(err);
+                note_last_error(&format!(
+                    "{FUNC}: request {index} of batch {batch} failed: {}",
+                    failure.message
+                ));
+                failure.code as i32
+            }
+            Status::Pending | Status::Completed => 0,
+        };
+        // SAFETY: `code_out` passed check_out and is writable by this function's contract.
+        unsafe { write_out(code_out, code) };
+        Ok(())
+    })
+}
+
 /// Stores the status of the whole batch `batch` in `*status_out`: MULTIRAIL_STATUS_FAILED
 /// when any request failed (`multirail_last_error()` then says why although the call returns
 /// MULTIRAIL_OK), else PENDING while any runs, else COMPLETED.

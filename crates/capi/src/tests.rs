@@ -72,6 +72,11 @@ fn transfer(e: multirail_engine_t, requests: &[multirail_request_t]) {
         ));
     }
     ok(multirail_batch_wait(e, batch, 30_000));
+    // A completed request has no failure to report.
+    let mut code = 1;
+    // SAFETY: valid output pointer.
+    unsafe { ok(multirail_batch_request_error(e, batch, 0, &mut code)) };
+    assert_eq!(code, 0);
     ok(multirail_batch_free(e, batch));
 }
 
@@ -327,6 +332,27 @@ fn a_failed_request_reports_failed_with_its_reason() {
     }
     assert_eq!(status, MULTIRAIL_STATUS_FAILED);
     assert!(last_error().contains("request 0"), "{}", last_error());
+    // Why, as a code: the target refused the request.
+    let mut code = 1;
+    // SAFETY: valid output pointer.
+    unsafe {
+        ok(multirail_batch_request_error(
+            initiator, batch, 0, &mut code,
+        ))
+    };
+    assert_eq!(code, Code::MULTIRAIL_ERR_PEER as i32, "{}", last_error());
+    assert!(last_error().contains("refused"), "{}", last_error());
+    // SAFETY: as above; a NULL output and an index past the batch are argument errors.
+    unsafe {
+        assert_eq!(
+            multirail_batch_request_error(initiator, batch, 0, std::ptr::null_mut()),
+            Code::MULTIRAIL_ERR_NULL_POINTER as i32
+        );
+        assert_eq!(
+            multirail_batch_request_error(initiator, batch, 1, &mut code),
+            Code::MULTIRAIL_ERR_INVALID_ARGUMENT as i32
+        );
+    }
     ok(multirail_batch_free(initiator, batch));
     ok(multirail_engine_free(initiator));
     ok(multirail_engine_free(target));

@@ -72,6 +72,7 @@ fn header_declares_the_agreed_functions_with_their_docs() {
         "multirail_batch_allocate",
         "multirail_batch_submit",
         "multirail_batch_status",
+        "multirail_batch_request_error",
         "multirail_batch_overall_status",
         "multirail_batch_wait",
         "multirail_batch_free",
