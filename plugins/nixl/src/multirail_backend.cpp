@@ -523,8 +523,10 @@ public:
         } else {
             // A request failed (a peer gone or silent past the transport timeout, a bad
             // range): the post is an error now, even if others still run.
-            MR_ERROR("transfer to '%s' failed: %s", h->remoteAgent.c_str(), failureReason(h).c_str());
-            h->done = NIXL_ERR_BACKEND;
+            nixl_status_t why = NIXL_ERR_BACKEND;
+            const std::string reason = failureReason(h, why);
+            MR_ERROR("transfer to '%s' failed: %s", h->remoteAgent.c_str(), reason.c_str());
+            h->done = why;
             h->draining = true;
         }
         // A repost takes a new batch; multirail keeps a batch alive for a notification still
@@ -662,13 +664,19 @@ private:
     }
 
     // What the first failed request of h's batch says about its failure.
-    std::string failureReason(const XferHandle *h) const {
+    // The first failed request's reason, and in `status` what it means to NIXL (a peer gone
+    // or silent: NIXL_ERR_REMOTE_DISCONNECT; anything else the backend's error).
+    std::string failureReason(const XferHandle *h, nixl_status_t &status) const {
+        status = NIXL_ERR_BACKEND;
         for (size_t i = 0; i < h->count; ++i) {
-            int32_t st = MULTIRAIL_STATUS_PENDING;
-            if (multirail_batch_status(engine_, h->batch, i, &st) != MULTIRAIL_OK) break;
-            if (st == MULTIRAIL_STATUS_FAILED)
+            int32_t code = MULTIRAIL_OK;
+            if (multirail_batch_request_error(engine_, h->batch, i, &code) != MULTIRAIL_OK) break;
+            if (code != MULTIRAIL_OK) {
+                const nixl_status_t mapped = toNixl(code);
+                if (mapped == NIXL_ERR_REMOTE_DISCONNECT) status = mapped;
                 return "request " + std::to_string(i) + " of " + std::to_string(h->count) + ": " +
                     lastError();
+            }
         }
         return "(no reason given)";
     }

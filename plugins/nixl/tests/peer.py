@@ -61,13 +61,19 @@ def written_by(source):
     return out
 
 
+# The class of the exception behind the latest "ERR" (NIXL raises one per error status, e.g.
+# nixlRemoteDisconnectError for NIXL_ERR_REMOTE_DISCONNECT).
+LAST_ERR = {"class": None}
+
+
 def wait_done(agent, handle, timeout):
     """Polls a posted handle: "DONE", "ERR" (NIXL raises on an error status) or "TIMEOUT"."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             state = agent.check_xfer_state(handle)
-        except Exception:
+        except Exception as e:
+            LAST_ERR["class"] = type(e).__name__
             return "ERR"
         if state != "PROC":
             return state
@@ -78,7 +84,8 @@ def wait_done(agent, handle, timeout):
 def post(agent, handle, notif=b""):
     try:
         return agent.transfer(handle, notif)
-    except Exception:
+    except Exception as e:
+        LAST_ERR["class"] = type(e).__name__
         return "ERR"
 
 
@@ -348,7 +355,7 @@ def until_error(report, tconn, name, transport, config, limit_s):
             at = time.monotonic()
             break
     report.send(("result", {"state": state, "after_s": None if at is None else at - killed_at,
-                            "posts": posts}))
+                            "posts": posts, "error": LAST_ERR["class"]}))
 
 
 @guarded

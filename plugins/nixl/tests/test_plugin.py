@@ -66,6 +66,8 @@ def stop_peer_and_time_err(agents, transport, sig):
     report.send(("killed", stopped_at))
     out = receive(report, "result", limit_s + 10)
     assert out["state"] == "ERR", out
+    # NIXL's status for a peer gone or silent, whether the post or the check found it.
+    assert out["error"] == "nixlRemoteDisconnectError", out
     # Within the transport timeout, plus room for a busy machine.
     assert out["after_s"] <= TCP_TIMEOUT_MS / 1000 + 3.0, out
     print(f"{transport}: ERR {out['after_s']:.3f} s after {signal.Signals(sig).name} "
