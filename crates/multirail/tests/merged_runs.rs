@@ -224,17 +224,21 @@ fn a_failed_run_fails_every_request_in_it_with_the_reason() {
     );
     // The target stops serving the buffer; the initiator still has it in its descriptor.
     target.free(&remote).unwrap();
+    let before = slices_sent(&init);
     let batch = init.allocate_batch(reqs.len()).unwrap();
     init.submit(batch, &reqs).unwrap();
     assert!(
         init.wait(batch, WAIT).is_err(),
         "the batch reports a failure"
     );
+    // 256 KiB in one run: 4 slices of 64 KiB, not one per request.
+    let sent = slices_sent(&init) - before;
+    assert!(sent < 64, "the 64 requests went as a run, {sent} slices");
     for i in 0..reqs.len() {
         match init.status(batch, i).unwrap() {
             Status::Failed(e) => {
                 let msg = e.to_string();
-                assert!(!msg.is_empty(), "request {i} says why it failed");
+                assert!(msg.contains("refused"), "request {i} says why: {msg}");
             }
             other => panic!("request {i} of the failed run: {other:?}"),
         }
