@@ -8,7 +8,9 @@
  * GAP_MS of silence, and prints JSON: the busy one-way (half the median busy round trip) and
  * the percentiles of (gap round trip - busy one-way), the same quantity
  * `multirail pingpong --gap-ms` reports as the first message's delivery.
- * Usage: wake_floor eventfd|tcp [N=300] [GAP_MS=10]
+ * With `poll` the server never sleeps: it busy polls through the gaps too, so what remains is
+ * what a silence costs without any wake-up (caches and, for tcp, the network stack gone cold).
+ * Usage: wake_floor eventfd|tcp [N=300] [GAP_MS=10] [poll]
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -84,12 +86,13 @@ static double round_trip(int in, int out, char *buf) {
 
 int main(int argc, char **argv) {
   if (argc < 2 || (strcmp(argv[1], "eventfd") && strcmp(argv[1], "tcp"))) {
-    fprintf(stderr, "usage: wake_floor eventfd|tcp [N] [GAP_MS]\n");
+    fprintf(stderr, "usage: wake_floor eventfd|tcp [N] [GAP_MS] [poll]\n");
     return 2;
   }
   tcp_mode = !strcmp(argv[1], "tcp");
   int n = argc > 2 ? atoi(argv[2]) : 300, gap_ms = argc > 3 ? atoi(argv[3]) : 10;
-  if (n < 1 || gap_ms < 0) return 2;
+  int keep_polling = argc > 4 && !strcmp(argv[4], "poll");
+  if (n < 1 || gap_ms < 0 || (argc > 4 && !keep_polling)) return 2;
   int client_sock = -1;
   if (tcp_mode) {
     int l = socket(AF_INET, SOCK_STREAM, 0), one = 1;
@@ -113,8 +116,10 @@ int main(int argc, char **argv) {
   for (int i = 0; i < WARM; i++) warm[i] = round_trip(in, out, buf);
   qsort(warm, WARM, sizeof(double), cmp);
   double busy_one_way = warm[WARM / 2] / 2;
-  server_polls = 0;
-  round_trip(in, out, buf); /* the server is now asleep in epoll_wait between messages */
+  if (!keep_polling) {
+    server_polls = 0;
+    round_trip(in, out, buf); /* the server is now asleep in epoll_wait between messages */
+  }
   for (int i = 0; i < n; i++) {
     usleep(gap_ms * 1000);
     double r = round_trip(in, out, buf) - busy_one_way;
@@ -122,8 +127,8 @@ int main(int argc, char **argv) {
   }
   qsort(gap, n, sizeof(double), cmp);
 #define AT(p) gap[(int)((n - 1) * (p) + 0.5)]
-  printf("{\"mode\": \"%s\", \"gap_ms\": %d, \"n\": %d, \"busy_one_way_us\": %.3f, "
+  printf("{\"mode\": \"%s\", \"server\": \"%s\", \"gap_ms\": %d, \"n\": %d, \"busy_one_way_us\": %.3f, "
          "\"p50_us\": %.2f, \"p90_us\": %.2f, \"p99_us\": %.2f, \"max_us\": %.2f}\n",
-         argv[1], gap_ms, n, busy_one_way, AT(0.5), AT(0.9), AT(0.99), gap[n - 1]);
+         argv[1], keep_polling ? "polls" : "sleeps", gap_ms, n, busy_one_way, AT(0.5), AT(0.9), AT(0.99), gap[n - 1]);
   return 0;
 }
