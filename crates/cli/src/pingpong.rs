@@ -381,9 +381,13 @@ fn client(config: Config, args: &PingpongArgs, target: &str) -> Result<(), Failu
         let t0 = clock.now();
         engine.send(seg, &msg)?;
         drop(previous.take());
-        let answer = engine
-            .recv(Some(ANSWER_TIMEOUT))?
-            .ok_or_else(|| anyhow::anyhow!("no answer to round trip {i} within 10 s"))?;
+        let answer = engine.recv(Some(ANSWER_TIMEOUT))?.ok_or_else(|| {
+            anyhow::anyhow!(
+                "no answer to round trip {i} within {} s from {target}: is it a `multirail \
+                     pingpong --server`? (a `multirail target` takes messages but answers none)",
+                ANSWER_TIMEOUT.as_secs()
+            )
+        })?;
         let took = clock.now().wrapping_sub(t0);
         if answer.data.len() != args.size {
             return Err(anyhow::anyhow!(
