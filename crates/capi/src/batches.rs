@@ -225,7 +225,7 @@ pub unsafe extern "C" fn multirail_batch_request_error(
                 ));
                 failure.code as i32
             }
-            Status::Pending | Status::Completed => 0,
+            Status::Pending | Status::Completed => Code::MULTIRAIL_OK as i32,
         };
         // SAFETY: `code_out` passed check_out and is writable by this function's contract.
         unsafe { write_out(code_out, code) };
