@@ -759,13 +759,18 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
     };
     // What the local target served (this engine served nothing): its report as it stopped.
     // Over shm the target's CPU sees no request, so its counts stay 0 there.
-    if let (Some(text), Some(target)) = (tent_text.as_mut(), local_target.take()) {
-        match target.stop_and_read() {
-            Some(served) if !served.trim().is_empty() => {
-                text.push_str("=== Target ===\n");
-                text.push_str(&served);
+    // (The target is taken only when its report is wanted: taken and dropped, it would stop.)
+    if let Some(text) = tent_text.as_mut() {
+        if let Some(target) = local_target.take() {
+            // Our connections go first, so the target's stop is not taken for a failing rail.
+            engine.shutdown();
+            match target.stop_and_read() {
+                Some(served) if !served.trim().is_empty() => {
+                    text.push_str("=== Target ===\n");
+                    text.push_str(&served);
+                }
+                _ => text.push_str("=== Target ===\n(the local target printed no served report)\n"),
             }
-            _ => text.push_str("=== Target ===\n(the local target printed no served report)\n"),
         }
     }
     let gbps = total_bytes as f64 / secs / 1e9;
@@ -836,6 +841,10 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         }
     }
     drop(metrics);
+    // Threads of ours may hold the engine past this drop: shut it down first, so a local
+    // target stopping after it closes no connection still in use (which would be reported as a
+    // failing rail).
+    engine.shutdown();
     drop(engine);
     drop(local_target);
     Ok(())

@@ -306,3 +306,32 @@ fn rails_without_samples_report_no_bandwidth() {
         .expect("a network rail carried the slices");
     assert!(lo["ewma_gbps"].as_f64().unwrap() > 0.0, "{lo}");
 }
+
+#[test]
+fn a_local_tcp_bench_ends_without_pausing_a_rail() {
+    // Ending the run must neither stop the local target under connections still in use nor
+    // count our own shutdown against the rail: either made every such run warn "rail paused
+    // after repeated errors". With --tent-stats the target stops early on purpose (for its
+    // served report), after this engine has shut down.
+    for extra in [None, Some("--tent-stats")] {
+        let mut args = vec![
+            "bench",
+            "--local",
+            "--transport",
+            "tcp",
+            "--size",
+            "64MiB",
+            "--duration",
+            "300ms",
+        ];
+        args.extend(extra);
+        let out = multirail(&args);
+        let err = stderr(&out);
+        assert!(out.status.success(), "{args:?}: {err}");
+        assert!(!err.contains("rail paused"), "{args:?}: {err}");
+        if extra.is_some() {
+            let text = format!("{}{err}", stdout(&out));
+            assert!(text.contains("=== Target ==="), "{args:?}: {text}");
+        }
+    }
+}

@@ -445,6 +445,11 @@ impl ConnOwner for TcpPeer {
 
     fn connection_lost(&self, rail: usize, err: &Error) {
         self.set_last_loss(err);
+        if self.given_up() {
+            // Closing the peer (or giving up on it) takes its connections down: that is no
+            // rail's fault, and counting it would pause healthy rails with a warning.
+            return;
+        }
         let p = self.lock().path_of(rail);
         if let Some(p) = p {
             if self.path_error(p) {
