@@ -10,7 +10,10 @@
  * `multirail pingpong --gap-ms` reports as the first message's delivery.
  * With `poll` the server never sleeps: it busy polls through the gaps too, so what remains is
  * what a silence costs without any wake-up (caches and, for tcp, the network stack gone cold).
- * Usage: wake_floor eventfd|tcp [N=300] [GAP_MS=10] [poll]
+ * The server runs in its own process by default, as `multirail pingpong --local`'s does: on a
+ * virtual machine a wake-up that switches address spaces costs more (~1.3 x here) than one
+ * between two threads of a process, which `threads` measures.
+ * Usage: wake_floor eventfd|tcp [N=300] [GAP_MS=10] [sleep|poll] [procs|threads]
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -22,14 +25,19 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <signal.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #define WARM 2000
 static int tcp_mode, ping_fd, pong_fd, server_sock;
-static volatile int server_polls = 1;
+/* Shared with a server process: whether it polls (1) or sleeps in epoll_wait (0). */
+static volatile int *server_polls;
 
 static double now_us(void) {
   struct timespec t;
@@ -62,7 +70,7 @@ static void *server(void *arg) {
   struct epoll_event e = {.events = EPOLLIN};
   epoll_ctl(ep, EPOLL_CTL_ADD, in, &e);
   for (;;) {
-    if (!server_polls) {
+    if (!*server_polls) {
       struct epoll_event o;
       epoll_wait(ep, &o, 1, -1);
     }
@@ -86,13 +94,21 @@ static double round_trip(int in, int out, char *buf) {
 
 int main(int argc, char **argv) {
   if (argc < 2 || (strcmp(argv[1], "eventfd") && strcmp(argv[1], "tcp"))) {
-    fprintf(stderr, "usage: wake_floor eventfd|tcp [N] [GAP_MS] [poll]\n");
+    fprintf(stderr, "usage: wake_floor eventfd|tcp [N] [GAP_MS] [sleep|poll] [procs|threads]\n");
     return 2;
   }
   tcp_mode = !strcmp(argv[1], "tcp");
   int n = argc > 2 ? atoi(argv[2]) : 300, gap_ms = argc > 3 ? atoi(argv[3]) : 10;
   int keep_polling = argc > 4 && !strcmp(argv[4], "poll");
-  if (n < 1 || gap_ms < 0 || (argc > 4 && !keep_polling)) return 2;
+  int threads = argc > 5 && !strcmp(argv[5], "threads");
+  if (n < 1 || gap_ms < 0 || (argc > 4 && !keep_polling && strcmp(argv[4], "sleep")) ||
+      (argc > 5 && !threads && strcmp(argv[5], "procs")) || argc > 6) {
+    fprintf(stderr, "usage: wake_floor eventfd|tcp [N] [GAP_MS] [sleep|poll] [procs|threads]\n");
+    return 2;
+  }
+  server_polls = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (server_polls == MAP_FAILED) return 1;
+  *server_polls = 1;
   int client_sock = -1;
   if (tcp_mode) {
     int l = socket(AF_INET, SOCK_STREAM, 0), one = 1;
@@ -109,15 +125,28 @@ int main(int argc, char **argv) {
     pong_fd = eventfd(0, EFD_NONBLOCK);
   }
   int in = tcp_mode ? client_sock : pong_fd, out = tcp_mode ? client_sock : ping_fd;
-  pthread_t t;
-  pthread_create(&t, NULL, server, NULL);
+  pid_t child = -1;
+  if (threads) {
+    pthread_t t;
+    pthread_create(&t, NULL, server, NULL);
+  } else {
+    child = fork();
+    if (child < 0) return 1;
+    if (child == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlives the client */
+      if (tcp_mode) close(client_sock);
+      server(NULL);
+      _exit(0);
+    }
+    if (tcp_mode) close(server_sock);
+  }
   char buf[128] = {0};
   double *warm = malloc(WARM * sizeof(double)), *gap = malloc(n * sizeof(double));
   for (int i = 0; i < WARM; i++) warm[i] = round_trip(in, out, buf);
   qsort(warm, WARM, sizeof(double), cmp);
   double busy_one_way = warm[WARM / 2] / 2;
   if (!keep_polling) {
-    server_polls = 0;
+    *server_polls = 0;
     round_trip(in, out, buf); /* the server is now asleep in epoll_wait between messages */
   }
   for (int i = 0; i < n; i++) {
@@ -127,8 +156,12 @@ int main(int argc, char **argv) {
   }
   qsort(gap, n, sizeof(double), cmp);
 #define AT(p) gap[(int)((n - 1) * (p) + 0.5)]
-  printf("{\"mode\": \"%s\", \"server\": \"%s\", \"gap_ms\": %d, \"n\": %d, \"busy_one_way_us\": %.3f, "
+  if (child > 0) {
+    kill(child, SIGKILL);
+    waitpid(child, NULL, 0);
+  }
+  printf("{\"mode\": \"%s\", \"shape\": \"%s\", \"server\": \"%s\", \"gap_ms\": %d, \"n\": %d, \"busy_one_way_us\": %.3f, "
          "\"p50_us\": %.2f, \"p90_us\": %.2f, \"p99_us\": %.2f, \"max_us\": %.2f}\n",
-         argv[1], keep_polling ? "polls" : "sleeps", gap_ms, n, busy_one_way, AT(0.5), AT(0.9), AT(0.99), gap[n - 1]);
+         argv[1], threads ? "threads" : "procs", keep_polling ? "polls" : "sleeps", gap_ms, n, busy_one_way, AT(0.5), AT(0.9), AT(0.99), gap[n - 1]);
   return 0;
 }

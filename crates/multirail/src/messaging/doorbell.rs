@@ -10,7 +10,9 @@
 //!   publishing clears it and rings: it writes to the receiver's eventfd, which it fetched from
 //!   the receiver's process when it connected ([`fetch_bell`], `pidfd_getfd`), or, where that
 //!   is not allowed, one byte on its connection's stream (which is in the set too; the receiver
-//!   drains such bytes when it checks the stream, `drain_stream`). The eventfd is the better
+//!   drains such bytes when it checks the stream, `drain_stream`). The eventfd sits in the
+//!   set edge-triggered, so a woken receiver reads nothing back from it (every write is an
+//!   event; its count is never read, and 2^64 rings do not fill it). The eventfd is the better
 //!   bell: the kernel wakes a socket's reader as if the writer were about to sleep, on the
 //!   writer's core, where a sender that goes on to spin for the answer holds it off.
 //!   RDMA message lanes complete into a receive completion queue per rail that reports to a
@@ -305,7 +307,10 @@ impl BellSet {
         // A new set rather than edits: a descriptor closed since (its connection reaped) left
         // the old set by itself, and its number may already name another socket.
         let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?;
-        epoll.add(local, EpollEvent::new(EpollFlags::EPOLLIN, 0))?;
+        epoll.add(
+            local,
+            EpollEvent::new(EpollFlags::EPOLLIN | EpollFlags::EPOLLET, 0),
+        )?;
         let streams = rx
             .conns
             .iter()
@@ -426,26 +431,25 @@ impl Messaging {
         let wait = left.unwrap_or(limit).min(limit);
         let asleep = Instant::now();
         let s = &mut *set;
-        let readable = if nap {
+        // Whether something was readable, and whether that was only the eventfd (then no
+        // stream changed, and the liveness check's system calls can wait for the next sleep).
+        let (readable, only_bell) = if nap {
             thread::sleep(wait.min(FRUITLESS_NAP));
-            false
+            (false, false)
         } else {
             // Rounded up: a wait never ends before its deadline.
             let ms = wait.as_nanos().div_ceil(1_000_000).min(i32::MAX as u128) as i32;
             let epoll = s.epoll.as_ref().expect("synced above");
             let timeout = EpollTimeout::try_from(ms).unwrap_or(EpollTimeout::NONE);
             match epoll.wait(&mut s.events, timeout) {
-                Ok(n) => {
-                    if s.events[..n].iter().any(|e| e.data() == 0) {
-                        let _ = bell.local.read();
-                    }
-                    n > 0
-                }
-                Err(nix::errno::Errno::EINTR) => false,
+                // The eventfd is edge-triggered: every ring is an event, and nothing reads the
+                // count back (a system call on the way to the message).
+                Ok(n) => (n > 0, n > 0 && s.events[..n].iter().all(|e| e.data() == 0)),
+                Err(nix::errno::Errno::EINTR) => (false, false),
                 Err(e) => {
                     tracing::warn!(error = %e, "waiting on the message doorbell");
                     thread::sleep(FRUITLESS_NAP.min(wait));
-                    false
+                    (false, false)
                 }
             }
         };
@@ -454,7 +458,8 @@ impl Messaging {
             bell.sleepers.fetch_sub(1, Ordering::Relaxed);
             rx.set_asleep(false);
             rx.drain_rdma_events();
-            rx.liveness_due = true;
+            // A stream that closed is readable, so a wake by the eventfd alone saw none close.
+            rx.liveness_due |= !only_bell;
         }
         let quick = readable && asleep.elapsed() < Duration::from_micros(100);
         drop(set);

@@ -626,6 +626,9 @@ impl Messaging {
         // The clock is read only once a wait gets long enough to look at it.
         let mut start: Option<Instant> = None;
         let spin = self.spin.current();
+        // A thread whose last wait slept has just answered the message that woke it (or sent
+        // the first after a silence): the first miss reads the clock, to yield at once below.
+        let mut look_now = QUIET_UNTIL.get().1;
         let mut idle = 0u32;
         // Wakes of this wait that found something readable at once and nothing wanted.
         let mut quick_wakes = 0u32;
@@ -640,7 +643,7 @@ impl Messaging {
             // Reading the clock costs as much as a poll of memory: look at it every 32 such
             // polls, but after every poll that made system calls (a tcp read costs a µs).
             idle = idle.wrapping_add(if costly { 32 } else { 1 });
-            if !idle.is_multiple_of(32) {
+            if !std::mem::take(&mut look_now) && !idle.is_multiple_of(32) {
                 std::hint::spin_loop();
                 continue;
             }
