@@ -250,3 +250,130 @@ fn a_receiver_that_is_not_polling_still_takes_in_the_shared_tcp_lane() {
     }
     assert!(rx.recv(Some(Duration::from_millis(50))).unwrap().is_none());
 }
+
+/// A receiver that polled and then stops (busy elsewhere) is served by its lanes thread too:
+/// the thread leaves the shared lane to a receiver that polls, and takes it over within a
+/// pass once the polls stop.
+#[test]
+fn a_receiver_that_stops_polling_still_takes_in_the_shared_tcp_lane() {
+    let json = r#"{"transport": "tcp", "transports": {"tcp": {"timeout_ms": 2000}}}"#;
+    let rx = Engine::new(Config::from_json_str(json, "t").unwrap(), "127.0.0.1:0").unwrap();
+    let tx = Engine::new(Config::from_json_str(json, "t").unwrap(), "127.0.0.1:0").unwrap();
+    let seg = tx.open_segment(&rx.name()).unwrap();
+    // The receiver polls for a while, as an application in a receive loop does.
+    for n in 0..200u64 {
+        tx.send(seg, &n.to_le_bytes()).unwrap();
+        let m = rx
+            .recv(Some(Duration::from_secs(5)))
+            .unwrap()
+            .expect("a message");
+        assert_eq!(u64::from_le_bytes(m.data[..8].try_into().unwrap()), n);
+    }
+    let count = 48u64;
+    for n in 0..count {
+        tx.send(seg, &n.to_le_bytes())
+            .unwrap_or_else(|e| panic!("send {n} to a receiver that stopped polling: {e}"));
+    }
+    assert_eq!(tx.lanes().outgoing[0].lane, Lane::Shared);
+    for n in 0..count {
+        let m = rx
+            .recv(Some(Duration::from_secs(5)))
+            .unwrap()
+            .expect("a message");
+        assert_eq!(u64::from_le_bytes(m.data[..8].try_into().unwrap()), n);
+    }
+    assert!(rx.recv(Some(Duration::from_millis(50))).unwrap().is_none());
+}
+
+/// The system call number each of this process's lanes threads is in now (`None`: running).
+fn lanes_thread_syscalls() -> Vec<Option<i64>> {
+    let mut out = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if comm.trim() != "mr-lanes" {
+            continue;
+        }
+        let now = std::fs::read_to_string(task.path().join("syscall")).unwrap_or_default();
+        out.push(now.split_whitespace().next().and_then(|n| n.parse().ok()));
+    }
+    out
+}
+
+/// While the application takes the shared tcp lane's messages itself (it polls in `recv`, or
+/// sleeps on its doorbell, which the lane's connections ring), its lanes thread does not wait
+/// on the lane's connections: a thread waiting there is woken by every message that comes,
+/// in the sender's system call, for nothing. It waits there again once the application stops
+/// receiving.
+///
+/// It runs in a child process of its own (this test binary again, with only this test), so
+/// that the only lanes threads in sight are its engine's.
+#[test]
+fn the_lanes_thread_leaves_the_shared_lane_to_a_receiving_application() {
+    const ALONE: &str = "MULTIRAIL_TEST_LANES_THREAD_ALONE";
+    const NAME: &str = "the_lanes_thread_leaves_the_shared_lane_to_a_receiving_application";
+    if std::env::var_os(ALONE).is_none() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", NAME, "--nocapture", "--test-threads=1"])
+            .env(ALONE, "1")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        return;
+    }
+    let ppoll = libc::SYS_ppoll;
+    for spin_us in [0u64, 1_000_000] {
+        // The previous engine's lanes thread ends at its next pass (within 160 ms).
+        let gone = Instant::now() + Duration::from_secs(5);
+        while !lanes_thread_syscalls().is_empty() {
+            assert!(
+                Instant::now() < gone,
+                "a dropped engine's lanes thread is still running"
+            );
+            thread::sleep(Duration::from_millis(10));
+        }
+        let json = format!(
+            r#"{{"transport": "tcp", "transports": {{"tcp": {{"receive": {{"spin_us": {spin_us}, "adaptive_spin": false}}}}}}}}"#
+        );
+        let rx = Arc::new(
+            Engine::new(Config::from_json_str(&json, "t").unwrap(), "127.0.0.1:0").unwrap(),
+        );
+        let how = if spin_us == 0 {
+            "asleep on the doorbell"
+        } else {
+            "polling"
+        };
+        // Nothing receiving: the lanes thread waits on the shared lane.
+        let mut waited_there = false;
+        for _ in 0..100 {
+            thread::sleep(Duration::from_millis(10));
+            let now = lanes_thread_syscalls();
+            assert_eq!(now.len(), 1, "one engine, one lanes thread");
+            waited_there |= now[0] == Some(ppoll);
+        }
+        assert!(
+            waited_there,
+            "with nothing receiving the lanes thread never waited on the shared lane"
+        );
+        let receiver = {
+            let rx = rx.clone();
+            thread::spawn(move || rx.recv(Some(Duration::from_millis(1500))).unwrap())
+        };
+        // Every pass of the lanes thread ends within 8 ticks (at most 160 ms).
+        thread::sleep(Duration::from_millis(400));
+        for _ in 0..50 {
+            let now = lanes_thread_syscalls();
+            assert_ne!(
+                now[0],
+                Some(ppoll),
+                "the lanes thread waits on the shared lane while the application receives ({how})"
+            );
+            thread::sleep(Duration::from_millis(10));
+        }
+        assert!(receiver.join().unwrap().is_none());
+    }
+}

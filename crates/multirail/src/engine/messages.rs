@@ -189,10 +189,14 @@ const SHARED_LANE_GAP: Duration = Duration::from_micros(200);
 
 /// The thread that drives dynamic lanes (`crate::messaging` dynamic module): every tick (up
 /// to 8 ticks while the lanes are settled) it reads receivers' answers, scores peers and
-/// negotiates, and performs lane switches. Between passes it waits on the shared tcp lane's
-/// connections and, while the application is not polling, reads them into the shared
-/// receive pool itself (see [`wait_serving_the_shared_lane`]). Runs until the engine is
-/// dropped; logs and gives up dynamic lanes when it cannot be spawned.
+/// negotiates, and performs lane switches. Between passes, while the application neither
+/// polled since the last pass nor sleeps on the doorbell, it waits on the shared tcp lane's
+/// connections and reads them into the shared receive pool itself (see
+/// [`wait_serving_the_shared_lane`]); otherwise it just sleeps. A thread waiting on those
+/// connections is woken by every message that comes, in the sender's system call: with the
+/// receiver attending to them itself that was a second wake-up per message for nothing
+/// (after a silence, on an idle core: ~1.5 x the first message's delivery over tcp). Runs
+/// until the engine is dropped; logs and gives up dynamic lanes when it cannot be spawned.
 pub(super) fn spawn_lanes_driver(inner: Weak<Inner>) {
     let spawned = thread::Builder::new()
         .name("mr-lanes".into())
@@ -203,17 +207,21 @@ pub(super) fn spawn_lanes_driver(inner: Weak<Inner>) {
             // clock (idle progress, which keeps a quiet sender's scores decaying, and request
             // timeouts) still runs on time: the sleep ends when it falls due.
             let mut quiet = 0u32;
+            // Receive polls when the last wait ended: any since were the application's.
+            let mut seen_polls: Option<u64> = None;
             let shared_lane = match inner.upgrade() {
                 Some(inner) => Engine { inner }.messaging().shared_lane_fd(),
                 None => return,
             };
             loop {
-                let (active, due, tick, polls) = {
+                let (active, due, tick, polls, attended) = {
                     let Some(inner) = inner.upgrade() else { return };
                     let engine = Engine { inner };
+                    let polled = seen_polls.is_some_and(|s| s != engine.messaging().polls());
                     let (active, due) = engine.messaging().drive_lanes(&engine);
                     let m = engine.messaging();
-                    (active, due, m.lanes_tick(), m.polls())
+                    let attended = polled || m.receiver_asleep();
+                    (active, due, m.lanes_tick(), m.polls(), attended)
                 };
                 quiet = if active {
                     0
@@ -224,10 +232,13 @@ pub(super) fn spawn_lanes_driver(inner: Weak<Inner>) {
                 if let Some(due) = due {
                     sleep = sleep.min(due.max(Duration::from_millis(1)));
                 }
-                match &shared_lane {
-                    Some(fd) => wait_serving_the_shared_lane(&inner, fd, sleep, polls),
-                    None => thread::sleep(sleep),
-                }
+                seen_polls = Some(match &shared_lane {
+                    Some(fd) if !attended => wait_serving_the_shared_lane(&inner, fd, sleep, polls),
+                    _ => {
+                        thread::sleep(sleep);
+                        polls
+                    }
+                });
             }
         });
     if let Err(e) = spawned {
@@ -242,35 +253,38 @@ pub(super) fn spawn_lanes_driver(inner: Weak<Inner>) {
 /// them and the wait goes on as a sleep. Without this a receiver that did not poll held every
 /// sender on its shared lane to the one credit a new connection starts with: a sender's second
 /// message timed out against a receiver busy for longer than `transports.tcp.timeout_ms`.
+/// Returns the receive polls counted when it last looked (its own included).
 fn wait_serving_the_shared_lane(
     inner: &Weak<Inner>,
     fd: &std::os::fd::OwnedFd,
     sleep: Duration,
     mut polls: u64,
-) {
+) -> u64 {
     let until = Instant::now() + sleep;
     loop {
         let left = until.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return;
+            return polls;
         }
         match readable_within(fd, left) {
             Ok(true) => {}
-            Ok(false) => return,
+            Ok(false) => return polls,
             Err(e) => {
                 tracing::debug!(error = %e, "waiting on the shared tcp lane");
                 thread::sleep(left);
-                return;
+                return polls;
             }
         }
         {
-            let Some(inner) = inner.upgrade() else { return };
+            let Some(inner) = inner.upgrade() else {
+                return polls;
+            };
             let m = Engine { inner }.messaging().clone();
             if m.polls() != polls {
                 // The application polls: its polls read the lane.
                 drop(m);
                 thread::sleep(left);
-                return;
+                return polls;
             }
             m.poke();
             polls = m.polls();

@@ -374,6 +374,12 @@ impl Rx {
 }
 
 impl Messaging {
+    /// Whether a receive sleeps on the doorbell now: it wakes for whatever comes on any
+    /// connection, so nothing else need watch them.
+    pub(crate) fn receiver_asleep(&self) -> bool {
+        self.bell.sleepers.load(Ordering::Relaxed) > 0
+    }
+
     /// Sleeps until something may have arrived or `left` passed (`None`: no limit): on the
     /// doorbell when no other thread does, else until that thread wakes; with `nap`, a plain
     /// nap of a millisecond instead (see [`FRUITLESS_WAKES`]). Returns at once when the last
