@@ -230,9 +230,40 @@ fn a_sender_dying_while_dedicated_frees_its_lane_tcp() {
 /// once and in order when it does.
 #[test]
 fn a_receiver_that_is_not_polling_still_takes_in_the_shared_tcp_lane() {
+    burst_to_a_receiver_not_polling(false);
+}
+
+/// The same when the receiver polled until just before (its lanes thread leaves the shared lane
+/// to a receiver that polls) and then stopped: the lanes thread takes the lane over within a
+/// pass, in time for a new sender, who starts with one credit.
+#[test]
+fn a_receiver_that_stops_polling_still_takes_in_the_shared_tcp_lane() {
+    burst_to_a_receiver_not_polling(true);
+}
+
+/// A new sender sends a burst on the shared tcp lane to a receiver that does not poll meanwhile
+/// (after taking an earlier sender's 200 messages in a receive loop when `polled_before`); then
+/// the receiver takes every message, in order.
+fn burst_to_a_receiver_not_polling(polled_before: bool) {
     let json = r#"{"transport": "tcp", "transports": {"tcp": {"timeout_ms": 2000}}}"#;
-    let rx = Engine::new(Config::from_json_str(json, "t").unwrap(), "127.0.0.1:0").unwrap();
-    let tx = Engine::new(Config::from_json_str(json, "t").unwrap(), "127.0.0.1:0").unwrap();
+    let engine = || Engine::new(Config::from_json_str(json, "t").unwrap(), "127.0.0.1:0").unwrap();
+    let rx = engine();
+    let take = |n: u64| {
+        let m = rx
+            .recv(Some(Duration::from_secs(5)))
+            .unwrap()
+            .expect("a message");
+        assert_eq!(u64::from_le_bytes(m.data[..8].try_into().unwrap()), n);
+    };
+    if polled_before {
+        let earlier = engine();
+        let seg = earlier.open_segment(&rx.name()).unwrap();
+        for n in 0..200u64 {
+            earlier.send(seg, &n.to_le_bytes()).unwrap();
+            take(n);
+        }
+    }
+    let tx = engine();
     let seg = tx.open_segment(&rx.name()).unwrap();
     // Fewer than the shared pool's buffers (64): they all fit before the application takes one.
     let count = 48u64;
@@ -242,45 +273,7 @@ fn a_receiver_that_is_not_polling_still_takes_in_the_shared_tcp_lane() {
     }
     assert_eq!(tx.lanes().outgoing[0].lane, Lane::Shared);
     for n in 0..count {
-        let m = rx
-            .recv(Some(Duration::from_secs(5)))
-            .unwrap()
-            .expect("a message");
-        assert_eq!(u64::from_le_bytes(m.data[..8].try_into().unwrap()), n);
-    }
-    assert!(rx.recv(Some(Duration::from_millis(50))).unwrap().is_none());
-}
-
-/// A receiver that polled and then stops (busy elsewhere) is served by its lanes thread too:
-/// the thread leaves the shared lane to a receiver that polls, and takes it over within a
-/// pass once the polls stop.
-#[test]
-fn a_receiver_that_stops_polling_still_takes_in_the_shared_tcp_lane() {
-    let json = r#"{"transport": "tcp", "transports": {"tcp": {"timeout_ms": 2000}}}"#;
-    let rx = Engine::new(Config::from_json_str(json, "t").unwrap(), "127.0.0.1:0").unwrap();
-    let tx = Engine::new(Config::from_json_str(json, "t").unwrap(), "127.0.0.1:0").unwrap();
-    let seg = tx.open_segment(&rx.name()).unwrap();
-    // The receiver polls for a while, as an application in a receive loop does.
-    for n in 0..200u64 {
-        tx.send(seg, &n.to_le_bytes()).unwrap();
-        let m = rx
-            .recv(Some(Duration::from_secs(5)))
-            .unwrap()
-            .expect("a message");
-        assert_eq!(u64::from_le_bytes(m.data[..8].try_into().unwrap()), n);
-    }
-    let count = 48u64;
-    for n in 0..count {
-        tx.send(seg, &n.to_le_bytes())
-            .unwrap_or_else(|e| panic!("send {n} to a receiver that stopped polling: {e}"));
-    }
-    assert_eq!(tx.lanes().outgoing[0].lane, Lane::Shared);
-    for n in 0..count {
-        let m = rx
-            .recv(Some(Duration::from_secs(5)))
-            .unwrap()
-            .expect("a message");
-        assert_eq!(u64::from_le_bytes(m.data[..8].try_into().unwrap()), n);
+        take(n);
     }
     assert!(rx.recv(Some(Duration::from_millis(50))).unwrap().is_none());
 }
