@@ -6,6 +6,8 @@ mod netns;
 
 use std::io::{BufRead, BufReader};
 use std::process::Child;
+use std::sync::mpsc::Receiver;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use netns::Rails;
@@ -41,6 +43,39 @@ fn rail_bytes(report: &serde_json::Value, name: &str) -> u64 {
 }
 
 const TOTAL: u64 = 256 << 20;
+
+/// What a bench's throughput report per interval (on stderr) holds: bytes are flowing.
+const FLOWING: &str = "\"gb_per_s\"";
+
+/// Drains `bench`'s stderr on a thread of its own, so the bench never blocks on it: each line
+/// also goes to the receiver as it comes, and the thread returns the whole log.
+fn watch(bench: &mut Child) -> (Receiver<String>, JoinHandle<String>) {
+    let stderr = BufReader::new(bench.stderr.take().unwrap());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let drain = std::thread::spawn(move || {
+        let mut log = String::new();
+        for line in stderr.lines().map_while(Result::ok) {
+            let _ = tx.send(line.clone());
+            log.push_str(&line);
+            log.push('\n');
+        }
+        log
+    });
+    (rx, drain)
+}
+
+/// Waits (30 s at most) for a line of `lines` that `wanted`; fails naming `what` otherwise.
+fn wait_for(lines: &Receiver<String>, what: &str, wanted: impl Fn(&str) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(line) if wanted(&line) => return,
+            Ok(_) => {}
+            Err(_) => panic!("never saw {what} on the bench's stderr"),
+        }
+    }
+}
 
 fn transfer_256_mib(prefix: &str, smart: bool) {
     let rails = match Rails::up(prefix) {
@@ -155,25 +190,9 @@ fn transfer_survives_a_rail_going_down() {
         "100ms",
     ];
     let mut bench = rails.bench(&config(true), &args);
-    // Take the rail down only once bytes are flowing (the bench reports throughput per
-    // interval on stderr), then keep draining stderr so the bench never blocks on it.
-    let stderr = BufReader::new(bench.stderr.take().unwrap());
-    let (flowing_tx, flowing_rx) = std::sync::mpsc::channel();
-    let drain = std::thread::spawn(move || {
-        let mut log = String::new();
-        for line in stderr.lines().map_while(Result::ok) {
-            if line.contains("\"gb_per_s\"") {
-                let _ = flowing_tx.send(());
-            }
-            log.push_str(&line);
-            log.push('\n');
-        }
-        log
-    });
-    assert!(
-        flowing_rx.recv_timeout(Duration::from_secs(30)).is_ok(),
-        "the bench never started moving bytes"
-    );
+    // Take the rail down only once bytes are flowing.
+    let (lines, drain) = watch(&mut bench);
+    wait_for(&lines, "the bench moving bytes", |l| l.contains(FLOWING));
     std::thread::sleep(Duration::from_millis(300));
     let t0 = Instant::now();
     rails.run(&["down", "0"]);
@@ -198,6 +217,72 @@ fn transfer_survives_a_rail_going_down() {
         .map(|r| r["errors"].as_u64().unwrap())
         .sum();
     eprintln!("slices retried after the rail went down: {errors}");
+}
+
+/// A rail paused because its link went down rejoins as soon as the link is back, not when its
+/// pause (30 s) ends: its interface carries the bench's bytes again within the run.
+#[test]
+fn a_rail_paused_by_a_dead_link_rejoins_once_the_link_is_back() {
+    let prefix = "mrtl";
+    let rails = match Rails::up(prefix) {
+        Ok(r) => r,
+        Err(why) => {
+            eprintln!("{why}");
+            return;
+        }
+    };
+    let (mut target, name) = rails.target("256MiB");
+    let args = [
+        "--target",
+        &name,
+        "--op",
+        "write",
+        "--block-size",
+        "1MiB",
+        "--batch-size",
+        "8",
+        "--size",
+        "256MiB",
+        "--duration",
+        "6",
+        "--verify",
+        "--interval",
+        "100ms",
+    ];
+    let mut bench = rails.bench(&config(true), &args);
+    let (lines, drain) = watch(&mut bench);
+    wait_for(&lines, "the bench moving bytes", |l| l.contains(FLOWING));
+    std::thread::sleep(Duration::from_millis(300));
+    rails.run(&["down", "0"]);
+    let rail = format!("{prefix}b0");
+    wait_for(&lines, "rail 0 paused", |l| {
+        l.contains("paused after repeated errors") && l.contains(&rail)
+    });
+    let before = rails.counters();
+    let restored = Instant::now();
+    rails.run(&["restore", "0"]);
+    let out = bench.wait_with_output().unwrap();
+    let after = rails.counters();
+    let log = drain.join().unwrap();
+    target.kill().ok();
+    target.wait().ok();
+    assert!(out.status.success(), "bench failed: {log}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        report["verified_bytes"].as_u64().unwrap(),
+        TOTAL,
+        "every byte checked"
+    );
+    let sent =
+        after[&rail]["tx_bytes"].as_u64().unwrap() - before[&rail]["tx_bytes"].as_u64().unwrap();
+    eprintln!(
+        "rail 0 sent {sent} bytes in the {:?} after its link came back",
+        restored.elapsed()
+    );
+    assert!(
+        sent >= 16 << 20,
+        "rail 0 sent only {sent} bytes after its link came back: still paused? {log}"
+    );
 }
 
 /// An initiator killed while every link to the target is down never gets its FIN through; the

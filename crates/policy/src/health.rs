@@ -130,6 +130,20 @@ impl RailHealth {
         }
     }
 
+    /// The rail's link came back up after it was seen down: what paused the rail may be gone,
+    /// so a pause ends now and the rail wants its probe at once (the probe still decides; a
+    /// failed one pauses it for longer, as after any pause). Returns true when this ended a
+    /// pause early.
+    pub fn on_link_up(&mut self, now_ns: u64) -> bool {
+        match self.state {
+            RailState::Paused { until_ns } if until_ns > now_ns => {
+                self.state = RailState::Paused { until_ns: now_ns };
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Result of a probe: success brings the rail back, failure pauses it for longer.
     pub fn on_probe(&mut self, now_ns: u64, ok: bool) {
         if self.state != RailState::Probing {
@@ -192,6 +206,27 @@ mod tests {
         }
         assert_eq!(pauses, vec![60, 120, 240, 300, 300, 300]);
         h.on_probe(now, true);
+        assert!(h.is_up());
+    }
+
+    #[test]
+    fn a_link_coming_back_ends_the_pause_and_the_probe_still_decides() {
+        let mut h = RailHealth::new(HealthConfig::default());
+        assert!(!h.on_link_up(0), "nothing to end on a rail that is up");
+        for t in [0, 1, 2] {
+            h.on_error(t * S);
+        }
+        assert!(!h.poll_probe(5 * S));
+        assert!(h.on_link_up(5 * S));
+        assert_eq!(h.poll_timeout(), Some(5 * S));
+        assert!(h.poll_probe(5 * S));
+        assert!(!h.on_link_up(6 * S), "a probe is out: nothing to end");
+        // The link came up, but the rail still fails: the next pause is twice as long.
+        h.on_probe(6 * S, false);
+        assert_eq!(h.state(), RailState::Paused { until_ns: 66 * S });
+        assert!(h.on_link_up(7 * S));
+        assert!(h.poll_probe(7 * S));
+        h.on_probe(7 * S, true);
         assert!(h.is_up());
     }
 

@@ -719,6 +719,13 @@ impl<T: Payload> Dispatcher<T> {
         paused
     }
 
+    /// The link of `path` came back up after it was seen down: a pause ends now, so the next
+    /// [`Dispatcher::on_timeout`] asks for its probe ([`RailHealth::on_link_up`]). Returns
+    /// true when a pause ended early (the caller arms its timer for now).
+    pub fn on_link_up(&mut self, now: u64, path: PathId) -> bool {
+        self.paths[path].health.on_link_up(now)
+    }
+
     /// The probe of `path` asked for by [`Event::Probe`] succeeded (`ok`) or failed.
     pub fn on_probe(&mut self, now: u64, path: PathId, ok: bool) {
         let p = &mut self.paths[path];

@@ -272,6 +272,8 @@ pub(crate) struct Driver<L: Link> {
     last_loss: Mutex<Option<Error>>,
     /// A remake of the path is under way on its own thread.
     remaking: Vec<AtomicBool>,
+    /// The link check found the path's link down and has not seen it up since.
+    link_was_down: Vec<AtomicBool>,
     /// Reused by `pump` so dealing allocates nothing; a pump running meanwhile on another
     /// thread (or nested in this one: a connection dying during a handoff) finds it taken and
     /// uses a fresh one.
@@ -295,6 +297,7 @@ impl<L: Link> Driver<L> {
             timer,
             dispatch: Mutex::new(Dispatcher::new(config, &path_rails)),
             remaking: path_rails.iter().map(|_| AtomicBool::new(false)).collect(),
+            link_was_down: path_rails.iter().map(|_| AtomicBool::new(false)).collect(),
             path_rails,
             env: env.clone(),
             link,
@@ -700,7 +703,9 @@ impl<L: Link> Driver<L> {
         self.pump();
     }
 
-    /// The link duty, on the engine's link timer: closes paths whose link went down and
+    /// The link duty, on the engine's link timer: closes paths whose link went down, probes at
+    /// once a paused path whose link came back (the pause would otherwise outlast the outage by
+    /// up to its whole length: 30 s at first, longer for a rail that failed before), and
     /// remakes healthy paths that lost connections (on threads of their own).
     pub(crate) fn check_links(&self) {
         if self.given_up() {
@@ -709,6 +714,7 @@ impl<L: Link> Driver<L> {
         self.link.before_link_check(self);
         for p in 0..self.paths() {
             if self.link.link_down(p) {
+                self.link_was_down[p].store(true, Ordering::Relaxed);
                 let err = Error::PeerDisconnected {
                     peer: self.name.clone(),
                     reason: format!("link of {} {} is down", L::PATH, self.link.path_name(p)),
@@ -717,6 +723,14 @@ impl<L: Link> Driver<L> {
                 self.set_last_loss(&err);
                 self.refresh_path(p);
                 continue;
+            }
+            if self.link_was_down[p].swap(false, Ordering::Relaxed) {
+                let mut d = self.lock();
+                if d.on_link_up(self.now_ns(), p) {
+                    tracing::info!(peer = %self.name, path = %self.link.path_name(p), "link of paused {} is up again: probing it now", L::PATH);
+                    // Due now: the timer runs the probe, as at the end of any pause.
+                    self.arm(&mut d);
+                }
             }
             if self.link.needs_remake(p) && self.lock().is_up(p) {
                 self.reconnect_in_background(p, false);
