@@ -27,8 +27,8 @@ pub struct TargetProcess {
 }
 
 impl TargetProcess {
-    /// Starts a target serving `size` bytes on a free loopback port with config `conf` (inline
-    /// JSON) and waits for its segment name.
+    /// Starts a target serving `size` bytes on a free loopback port (unless `extra` says
+    /// `--listen`) with config `conf` (inline JSON) and waits for its segment name.
     pub fn start(size: &str, conf: Option<&str>) -> TargetProcess {
         Self::start_with(size, conf, &[])
     }
@@ -47,7 +47,11 @@ impl TargetProcess {
         configure: impl FnOnce(&mut Command),
     ) -> TargetProcess {
         let mut cmd = Command::new(multirail_bin());
-        cmd.args(["target", "--listen", "127.0.0.1:0", "--size", size])
+        cmd.arg("target");
+        if !extra.contains(&"--listen") {
+            cmd.args(["--listen", "127.0.0.1:0"]);
+        }
+        cmd.args(["--size", size])
             .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

@@ -270,6 +270,66 @@ fn opening_connections_to_a_stopped_peer_fails_within_the_connect_timeout() {
     assert!(waited < Duration::from_millis(2500), "{waited:?}");
 }
 
+/// A handle keeps the process it was opened on: once that process exits, requests through it
+/// are refused with an error that says to open the segment again, and a segment opened again
+/// reaches the process restarted at the same address, both ways, every byte checked.
+#[test]
+fn a_restarted_peer_is_reached_through_the_segment_opened_again() {
+    let first = TargetProcess::start("16MiB", None);
+    let name = first.name.clone();
+    let engine = engine_with_timeout(2000);
+    let local = engine.allocate(4 << 20, Location::Any).unwrap();
+    let write = |seg: SegmentId| {
+        run(
+            &engine,
+            &[Request {
+                transport: Some(TransportChoice::Tcp),
+                ..Request::write(local.addr(), seg, first_buffer(&engine, seg), 4 << 20)
+            }],
+        )
+    };
+    let old = engine.open_segment(&name).unwrap();
+    write(old).unwrap();
+    first.signal(libc::SIGKILL);
+    drop(first);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let refused = loop {
+        match write(old) {
+            Err(e @ Error::PeerDisconnected { .. }) => break e,
+            Err(e) if Instant::now() < deadline => eprintln!("meanwhile: {e}"),
+            other => assert!(Instant::now() < deadline, "death never noticed: {other:?}"),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        refused.to_string().contains("open the segment again"),
+        "{refused}"
+    );
+
+    let second = TargetProcess::start_with("16MiB", None, &["--listen", &name]);
+    assert_eq!(second.name, name, "restarted at the same address");
+    let seg = engine.open_segment(&name).unwrap();
+    // SAFETY: no transfer touches `local` while these slices live.
+    pattern::fill(unsafe { local.as_mut_slice() }, 0, 42);
+    write(seg).unwrap();
+    // SAFETY: as above; the write has completed.
+    unsafe { local.as_mut_slice() }.fill(0);
+    run(
+        &engine,
+        &[Request {
+            transport: Some(TransportChoice::Tcp),
+            ..Request::read(local.addr(), seg, first_buffer(&engine, seg), 4 << 20)
+        }],
+    )
+    .unwrap();
+    // SAFETY: the read has completed and nothing else moves into `local`.
+    let back = unsafe { local.as_slice() };
+    assert!(
+        pattern::first_mismatch(back, 0, 42).is_none(),
+        "the bytes read back from the restarted peer are the ones written"
+    );
+}
+
 #[test]
 fn dead_same_host_peer_is_refused_over_shm() {
     let doomed = TargetProcess::start("16MiB", None);

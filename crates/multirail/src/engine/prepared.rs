@@ -151,10 +151,10 @@ impl Engine {
             }
             asked.insert(peer.id);
             if peer.process_exited() {
-                return Err(Error::PeerDisconnected {
-                    peer: peer.name.clone(),
-                    reason: "the process serving the segment has exited".into(),
-                });
+                return Err(super::exited(
+                    peer,
+                    "open the segment again and prepare the list again",
+                ));
             }
         }
         let tasks = b.add_tasks(indices.len())?;
