@@ -189,6 +189,11 @@ impl Drop for Killed {
 /// An echo server in a child process (`multirail pingpong --server`) over `transport`, and its
 /// segment name.
 fn echo_server(transport: &str) -> (Killed, String) {
+    echo_server_at(transport, "127.0.0.1:0")
+}
+
+/// As [`echo_server`], listening at `listen`.
+fn echo_server_at(transport: &str, listen: &str) -> (Killed, String) {
     use std::io::BufRead;
     let mut child = Command::new(env!("CARGO_BIN_EXE_multirail"))
         .args([
@@ -197,7 +202,7 @@ fn echo_server(transport: &str) -> (Killed, String) {
             "--transport",
             transport,
             "--listen",
-            "127.0.0.1:0",
+            listen,
         ])
         .env_remove("MULTIRAIL_CONF")
         .stdout(std::process::Stdio::piped())
@@ -288,4 +293,72 @@ fn a_million_messages_through_a_thousand_lane_switches_tcp() {
 #[test]
 fn a_million_messages_through_a_thousand_lane_switches_shm() {
     a_million_messages_through_a_thousand_lane_switches("shm");
+}
+
+/// A receiver process that dies: the sender's messages to it fail soon after (the lanes
+/// thread sees the connection's end within a pass), with an error that says to open the
+/// segment again, instead of going on into a ring nobody reads; opened again, the segment
+/// reaches the receiver restarted at the same address.
+fn a_sender_learns_its_receiver_died_and_reaches_its_restart(transport: &str) {
+    use multirail::{Config, Engine, Error};
+    use std::time::{Duration, Instant};
+    let (server, name) = echo_server(transport);
+    let conf = format!(r#"{{"transport": "{transport}"}}"#);
+    let engine = Engine::new(Config::from_json_str(&conf, "test").unwrap(), "127.0.0.1:0").unwrap();
+    let old = engine.open_segment(&name).unwrap();
+    engine.send(old, b"first").unwrap();
+    let echo = engine.recv(Some(Duration::from_secs(10))).unwrap();
+    assert_eq!(echo.expect("the first echo").data, b"first");
+    // Quiet for a while: the lanes thread's passes stretch to their longest (8 ticks).
+    std::thread::sleep(Duration::from_secs(1));
+    drop(server);
+    let died = Instant::now();
+    let mut sent_meanwhile = 0;
+    let refused = loop {
+        match engine.send(old, b"to the dead") {
+            Ok(()) => sent_meanwhile += 1,
+            Err(e @ Error::PeerDisconnected { .. })
+                if e.to_string().contains("open the segment again") =>
+            {
+                break e
+            }
+            Err(e) => eprintln!("meanwhile: {e}"),
+        }
+        // A pass after the death finds it (here ~30 ms), not the sweep that reads every
+        // connection, once in 16 passes (here ~235 ms, and 46 messages lost meanwhile).
+        assert!(
+            died.elapsed() < Duration::from_millis(200),
+            "sends to a dead receiver still succeed {:?} after it died ({sent_meanwhile} sent)",
+            died.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    eprintln!(
+        "{transport}: refused {:?} after the receiver died ({sent_meanwhile} sends before): {refused}",
+        died.elapsed()
+    );
+    assert!(
+        engine.send(old, b"again").is_err(),
+        "the old handle stays refused"
+    );
+
+    let (_restarted, again) = echo_server_at(transport, &name);
+    assert_eq!(again, name, "restarted at the same address");
+    let seg = engine.open_segment(&name).unwrap();
+    engine.send(seg, b"to the restarted").unwrap();
+    let echo = engine.recv(Some(Duration::from_secs(10))).unwrap();
+    assert_eq!(
+        echo.expect("an echo from the restarted receiver").data,
+        b"to the restarted"
+    );
+}
+
+#[test]
+fn a_sender_learns_its_receiver_died_and_reaches_its_restart_tcp() {
+    a_sender_learns_its_receiver_died_and_reaches_its_restart("tcp");
+}
+
+#[test]
+fn a_sender_learns_its_receiver_died_and_reaches_its_restart_shm() {
+    a_sender_learns_its_receiver_died_and_reaches_its_restart("shm");
 }

@@ -88,6 +88,19 @@ impl Peer {
         true
     }
 
+    /// The error for a request or message to this peer once its process is known to have
+    /// exited: a handle keeps the process it was opened on (a restarted one has other buffers,
+    /// keys and message connections), so the caller must do `what` to reach whoever serves the
+    /// segment now.
+    pub(crate) fn exited_error(&self, what: &str) -> crate::error::Error {
+        crate::error::Error::PeerDisconnected {
+            peer: self.name.clone(),
+            reason: format!(
+                "the process serving the segment has exited; {what} to reach a process serving it now"
+            ),
+        }
+    }
+
     /// True when the peer is known to have exited (same-host peers only; remote peers are
     /// judged by their connections).
     pub(crate) fn process_exited(&self) -> bool {

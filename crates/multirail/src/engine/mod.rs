@@ -819,7 +819,7 @@ impl Engine {
             }
         };
         if !memo.alive.contains(peer.id) && peer.process_exited() {
-            return Err(exited(&peer, "open the segment again"));
+            return Err(peer.exited_error("open the segment again"));
         }
         memo.alive.insert(peer.id);
         let buffer = match &memo.buffer {
@@ -1348,17 +1348,5 @@ fn spawn_upkeep(inner: Weak<Inner>) -> Option<thread::Thread> {
             tracing::error!(error = %e, "cannot spawn the upkeep thread: no timeouts or probes");
             None
         }
-    }
-}
-
-/// The error for a request to `peer`, whose process is known to have exited: a handle keeps
-/// the process it was opened on (a restarted one has other buffers and keys), so the caller
-/// must do `what` to reach whoever serves the segment now.
-fn exited(peer: &Peer, what: &str) -> Error {
-    Error::PeerDisconnected {
-        peer: peer.name.clone(),
-        reason: format!(
-            "the process serving the segment has exited; {what} to reach a process serving it now"
-        ),
     }
 }

@@ -151,10 +151,7 @@ impl Engine {
             }
             asked.insert(peer.id);
             if peer.process_exited() {
-                return Err(super::exited(
-                    peer,
-                    "open the segment again and prepare the list again",
-                ));
+                return Err(peer.exited_error("open the segment again and prepare the list again"));
             }
         }
         let tasks = b.add_tasks(indices.len())?;

@@ -503,11 +503,22 @@ impl Messaging {
             .lock()
             .expect("out poisoned")
             .iter()
-            .filter(|(id, _)| all || watched.contains(id))
             .map(|(id, c)| (*id, c.clone()))
             .collect();
+        // Every pass, whatever the sweep: connections whose receiver closed its end (its
+        // process exited, the connection was reset) are read to that end below, which drops
+        // them. Otherwise an shm sender would go on writing into the ring of a process that is
+        // gone, its messages lost without an error, until its credits ran out.
+        let ended = if all {
+            HashSet::new()
+        } else {
+            ended_streams(&conns)
+        };
         let mut poked = false;
-        for (id, conn) in conns {
+        for (id, conn) in conns
+            .into_iter()
+            .filter(|(id, _)| all || watched.contains(id) || ended.contains(id))
+        {
             let Ok(mut c) = conn.try_lock() else {
                 // A sender holds it and reads what came back itself (tcp) or soon lets go.
                 continue;
@@ -684,4 +695,41 @@ impl Messaging {
             receive_bytes,
         }
     }
+}
+
+/// The peers among `conns` whose stream says the receiver closed its end or the connection
+/// broke (`POLLRDHUP`, `POLLHUP`, `POLLERR`), found by one `poll` without reading anything.
+/// A connection a sender holds is skipped: that sender reads the stream itself.
+fn ended_streams(conns: &[(u64, Arc<Mutex<OutConn>>)]) -> HashSet<u64> {
+    use std::os::fd::AsRawFd;
+    let mut ids = Vec::with_capacity(conns.len());
+    let mut fds = Vec::with_capacity(conns.len());
+    for (id, conn) in conns {
+        let Ok(c) = conn.try_lock() else { continue };
+        if c.retired {
+            continue;
+        }
+        ids.push(*id);
+        fds.push(libc::pollfd {
+            fd: c.link.stream.as_raw_fd(),
+            events: libc::POLLRDHUP,
+            revents: 0,
+        });
+    }
+    if fds.is_empty() {
+        return HashSet::new();
+    }
+    // SAFETY: `fds` is a live vector of `fds.len()` pollfds, and each descriptor stays open
+    // for the call: `conns` holds every connection, so none is dropped meanwhile. Zero
+    // timeout; poll only writes `revents`.
+    let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
+    if rc <= 0 {
+        return HashSet::new();
+    }
+    let ended = libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR;
+    ids.into_iter()
+        .zip(&fds)
+        .filter(|(_, f)| f.revents & ended != 0)
+        .map(|(id, _)| id)
+        .collect()
 }

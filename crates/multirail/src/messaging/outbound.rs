@@ -31,6 +31,11 @@ impl Messaging {
         if let Some(c) = self.out.lock().expect("out poisoned").get(&peer.id) {
             return Ok(c.clone());
         }
+        if peer.process_exited() {
+            // A new connection would reach whatever listens there now (a restarted process),
+            // which this handle does not name: say so, as a transfer does.
+            return Err(peer.exited_error("open the segment again"));
+        }
         let lane = self.next_lane(peer.id, None);
         let conn = Arc::new(Mutex::new(self.connect_lane(engine, peer, lane)?));
         let mut out = self.out.lock().expect("out poisoned");
