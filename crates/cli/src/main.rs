@@ -169,10 +169,27 @@ fn run() -> ExitCode {
             ExitCode::from(EXIT_USAGE)
         }
         Err(Failure::Runtime(e)) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", chain_message(&e));
             ExitCode::from(EXIT_RUNTIME)
         }
     }
+}
+
+/// `e` and its causes, joined by ": ", each cause left out when the text before it already
+/// ends with it: the engine's errors print their OS error themselves, and also give it as
+/// their source ("Address already in use" once, not twice).
+fn chain_message(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let part = cause.to_string();
+        if text.is_empty() {
+            text = part;
+        } else if !text.ends_with(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+    }
+    text
 }
 
 /// The progress bar of a run lasting `duration`: hidden under `--json` or when stderr is not

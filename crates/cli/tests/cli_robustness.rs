@@ -827,3 +827,23 @@ fn a_sim_scenario_out_of_range_is_refused_naming_the_key() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A runtime error names its OS error once: the engine's errors print it themselves and also
+/// give it as their source, which the error chain printed a second time.
+#[test]
+fn a_port_in_use_is_named_once() {
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = busy.local_addr().unwrap().to_string();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_multirail"));
+    cmd.args(["target", "--size", "1MiB", "--listen", &addr])
+        .env_remove("MULTIRAIL_CONF");
+    let out = run(cmd, Duration::from_secs(30));
+    assert_eq!(out.status.and_then(|s| s.code()), Some(1), "{}", out.stderr);
+    assert!(out.stderr.contains(&addr), "{}", out.stderr);
+    assert_eq!(
+        out.stderr.matches("Address already in use").count(),
+        1,
+        "{}",
+        out.stderr
+    );
+}
