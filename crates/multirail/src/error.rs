@@ -106,13 +106,16 @@ pub enum Error {
         /// What was observed.
         reason: String,
     },
-    /// A slice got no answer from the peer within `transports.tcp.timeout_ms`.
-    #[error("no answer from peer {peer} within {timeout_ms} ms")]
+    /// A slice got no answer from the peer within `transports.tcp.timeout_ms`, or a message
+    /// no credit (the receiver took none of the sender's messages in meanwhile).
+    #[error("no answer from peer {peer} within {timeout_ms} ms{detail}")]
     Timeout {
         /// Segment name of the peer.
         peer: String,
         /// The configured timeout.
         timeout_ms: u64,
+        /// What the wait was for, when it was not a transfer's answer ("" for those).
+        detail: &'static str,
     },
     /// The peer checked the slice and refused it (unknown buffer, wrong key, out of bounds).
     #[error("peer {peer} refused the slice: {reason}")]

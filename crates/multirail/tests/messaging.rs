@@ -177,16 +177,52 @@ fn a_burst_to_a_receiver_not_polling_stops_at_the_shared_pools_depth() {
     sender.join().unwrap();
 }
 
+/// A receiver that takes nothing in: the sender's send times out once the room the receiver
+/// gives it is used up, with an error that says why, and every message sent before it is
+/// still delivered, in order, once the receiver calls `recv`.
+fn a_sender_without_room_times_out(transport: &str, sent_before: usize) {
+    let json = format!(
+        r#"{{"transport": "{transport}", "lanes": {{"dynamic": false}},
+            "transports": {{"tcp": {{"timeout_ms": 200, "receive": {{"queue_depth": 2}}}},
+                            "shm": {{"receive": {{"queue_depth": 2}}}}}}}}"#
+    );
+    let a = Engine::new(Config::from_json_str(&json, "t").unwrap(), "127.0.0.1:0").unwrap();
+    let b = Engine::new(Config::from_json_str(&json, "t").unwrap(), "127.0.0.1:0").unwrap();
+    let seg = a.open_segment(&b.name()).unwrap();
+    let mut sent = 0u32;
+    let e = loop {
+        match a.send(seg, &sent.to_le_bytes()) {
+            Ok(()) => sent += 1,
+            Err(e) => break e,
+        }
+        assert!(
+            sent < 100_000,
+            "a receiver taking nothing in never held the sender back"
+        );
+    };
+    assert!(matches!(e, multirail::Error::Timeout { .. }), "{e}");
+    assert!(e.to_string().contains("not calling recv"), "{e}");
+    assert!(
+        sent as usize >= sent_before,
+        "{sent} sent before the timeout"
+    );
+    for i in 0..sent {
+        let m = b.recv(Some(Duration::from_secs(5))).unwrap();
+        assert_eq!(
+            m.expect("a message sent before the timeout").data,
+            i.to_le_bytes()
+        );
+    }
+}
+
 #[test]
 fn a_sender_without_credits_times_out() {
-    let json = r#"{"transport": "tcp", "lanes": {"dynamic": false}, "transports": {"tcp": {"timeout_ms": 200, "receive": {"queue_depth": 2}}}}"#;
-    let a = Engine::new(Config::from_json_str(json, "t").unwrap(), "127.0.0.1:0").unwrap();
-    let b = Engine::new(Config::from_json_str(json, "t").unwrap(), "127.0.0.1:0").unwrap();
-    let seg = a.open_segment(&b.name()).unwrap();
-    a.send(seg, b"1").unwrap();
-    a.send(seg, b"2").unwrap();
-    let e = a.send(seg, b"3").unwrap_err();
-    assert!(matches!(e, multirail::Error::Timeout { .. }), "{e}");
+    a_sender_without_room_times_out("tcp", 2);
+}
+
+#[test]
+fn a_sender_without_ring_space_times_out_shm() {
+    a_sender_without_room_times_out("shm", 2);
 }
 
 fn notification_after_data(transport: &str) {

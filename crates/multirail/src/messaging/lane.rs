@@ -86,6 +86,9 @@ impl Link {
         Error::Timeout {
             peer: self.peer.clone(),
             timeout_ms: timeout.as_millis() as u64,
+            detail: " for room to send a message: the receiver took none of this engine's \
+                     messages in meanwhile (it is not calling recv, or is frozen), and the room \
+                     it gives them (credits, ring space) is used up",
         }
     }
 

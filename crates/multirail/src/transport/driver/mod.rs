@@ -365,6 +365,7 @@ impl<L: Link> Driver<L> {
         Error::Timeout {
             peer: self.name.clone(),
             timeout_ms: self.env.timeout.as_millis() as u64,
+            detail: "",
         }
     }
 

@@ -397,6 +397,7 @@ impl Conn {
             Error::Timeout {
                 peer: self.peer.clone(),
                 timeout_ms: self.settings.timeout.as_millis() as u64,
+                detail: "",
             }
         } else {
             Error::PeerDisconnected {
