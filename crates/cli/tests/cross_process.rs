@@ -290,6 +290,17 @@ fn a_restarted_peer_is_reached_through_the_segment_opened_again() {
     };
     let old = engine.open_segment(&name).unwrap();
     write(old).unwrap();
+    let list = engine
+        .prepare(
+            &[multirail::PreparedEntry {
+                source: local.addr(),
+                target: old,
+                target_offset: first_buffer(&engine, old),
+                length: 4096,
+            }],
+            Some(TransportChoice::Tcp),
+        )
+        .unwrap();
     first.signal(libc::SIGKILL);
     drop(first);
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -304,6 +315,14 @@ fn a_restarted_peer_is_reached_through_the_segment_opened_again() {
     assert!(
         refused.to_string().contains("open the segment again"),
         "{refused}"
+    );
+    let batch = engine.allocate_batch(1).unwrap();
+    let posted = engine
+        .submit_prepared(batch, list, Opcode::Write, multirail::PRIO_HIGH, None)
+        .unwrap_err();
+    assert!(
+        posted.to_string().contains("prepare the list again"),
+        "{posted}"
     );
 
     let second = TargetProcess::start_with("16MiB", None, &["--listen", &name]);
