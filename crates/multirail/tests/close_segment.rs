@@ -70,3 +70,36 @@ fn shutting_down_closes_message_connections_while_handles_live() {
     );
     drop(clone);
 }
+
+/// A transfer in flight when its engine shuts down fails with that reason, not with its rails
+/// "down" (they were closed on purpose).
+#[test]
+fn a_transfer_cut_short_by_shutdown_says_so() {
+    let (init, target) = (engine(), engine());
+    let remote = target.allocate(256 << 20, Location::Any).unwrap();
+    let src = init.allocate(256 << 20, Location::Any).unwrap();
+    let seg = init.open_segment(&target.name()).unwrap();
+    let reqs: Vec<Request> = (0..16u64)
+        .map(|i| {
+            Request::write(
+                src.addr() + i * (16 << 20),
+                seg,
+                remote.addr() + i * (16 << 20),
+                16 << 20,
+            )
+        })
+        .collect();
+    let batch = init.allocate_batch(reqs.len()).unwrap();
+    init.submit(batch, &reqs).unwrap();
+    init.shutdown();
+    match init.wait(batch, Some(Duration::from_secs(10))) {
+        // The whole 256 MiB landed before the shutdown took effect: nothing to check.
+        Ok(()) => eprintln!("the transfer finished before the shutdown"),
+        Err(e) => {
+            let text = e.to_string();
+            eprintln!("wait: {text}");
+            assert!(text.contains("engine shut down"), "{text}");
+            assert!(!text.contains("is down"), "{text}");
+        }
+    }
+}

@@ -443,15 +443,22 @@ impl<L: Link> Driver<L> {
             let err = match verdict {
                 Verdict::Timeout => self.timeout_error(),
                 Verdict::Failed(_) => item.last_error.clone().unwrap_or_else(|| self.down_error()),
+                Verdict::RailsDown if self.closed.load(Ordering::Acquire) => {
+                    // Closed on purpose (the engine shut down, the segment moved): that is
+                    // the reason, not the paths it took down with it.
+                    self.last_loss
+                        .lock()
+                        .expect("peer poisoned")
+                        .clone()
+                        .unwrap_or_else(|| self.down_error())
+                }
                 Verdict::RailsDown => {
                     // Say why, from the slice's own failure or the peer's last lost path.
                     // Paths lost to timeouts mean the peer went silent.
-                    let closed = self.closed.load(Ordering::Acquire);
-                    let last = item.last_error.clone().or_else(|| {
-                        (!closed)
-                            .then(|| self.last_loss.lock().expect("peer poisoned").clone())
-                            .flatten()
-                    });
+                    let last = item
+                        .last_error
+                        .clone()
+                        .or_else(|| self.last_loss.lock().expect("peer poisoned").clone());
                     match last {
                         Some(e @ Error::Timeout { .. }) => e,
                         Some(e) => Error::PeerDisconnected {
@@ -795,6 +802,7 @@ impl<L: Link> Driver<L> {
             peer: self.name.clone(),
             reason: reason.to_owned(),
         };
+        self.set_last_loss(&err);
         self.link.close(self, &err);
         let now = Instant::now();
         let mut rails = self.rails(now);
