@@ -103,3 +103,45 @@ fn a_transfer_cut_short_by_shutdown_says_so() {
         }
     }
 }
+
+/// Shutting an engine down ends the waits of its receivers, with nothing: no message can
+/// arrive any more, and a thread blocked in `recv` without a timeout must not block forever.
+#[test]
+fn shutting_down_ends_a_receive_waiting_without_a_timeout() {
+    for transport in ["tcp", "shm"] {
+        let config =
+            Config::from_json_str(&format!(r#"{{"transport": "{transport}"}}"#), "t").unwrap();
+        let (rx, tx) = (
+            Engine::new(config.clone(), "127.0.0.1:0").unwrap(),
+            Engine::new(config, "127.0.0.1:0").unwrap(),
+        );
+        let seg = tx.open_segment(&rx.name()).unwrap();
+        tx.send(seg, b"first").unwrap();
+        let first = rx.recv(Some(Duration::from_secs(5))).unwrap();
+        assert_eq!(first.expect("the first message").data, b"first");
+        let waiters: Vec<_> = (0..3)
+            .map(|i| {
+                let rx = rx.clone();
+                std::thread::spawn(move || {
+                    if i == 0 {
+                        rx.wait_notifications(None).len()
+                    } else {
+                        usize::from(rx.recv(None).unwrap().is_some())
+                    }
+                })
+            })
+            .collect();
+        // Asleep on the doorbell, and the others waiting for the sleeper.
+        std::thread::sleep(Duration::from_millis(300));
+        let shut = Instant::now();
+        rx.shutdown();
+        for w in waiters {
+            assert_eq!(w.join().unwrap(), 0, "{transport}: nothing arrived");
+        }
+        let took = shut.elapsed();
+        assert!(
+            took < Duration::from_secs(2),
+            "{transport}: the waits ended {took:?} after the shutdown"
+        );
+    }
+}

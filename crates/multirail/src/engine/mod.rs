@@ -1064,7 +1064,9 @@ impl Engine {
 
     /// Stops serving: withdraws the descriptor from the metadata store (if it keeps them),
     /// closes the control port and every connection. Later calls still work on local state but
-    /// peers can no longer reach or look up this engine.
+    /// peers can no longer reach or look up this engine. Threads waiting in [`Engine::recv`] or
+    /// [`Engine::wait_notifications`] return at once, with what had arrived or with nothing
+    /// (`Ok(None)`, no notifications), whatever their timeout.
     pub fn shutdown(&self) {
         self.inner.withdraw_descriptor();
         self.inner.server.lock().expect("server poisoned").take();

@@ -278,6 +278,14 @@ impl Doorbell {
         })
     }
 
+    /// Wakes every waiting thread: the one asleep on the set, and those waiting for it. For
+    /// the engine's shutdown; the caller has made its waits end at their next look.
+    pub(super) fn wake_all(&self) {
+        let _ = self.local.write(1);
+        let _g = self.followers.lock().expect("followers poisoned");
+        self.woke.notify_all();
+    }
+
     /// Wakes the sleeping receiver, if any (the caller holds the receive lock, under which
     /// `sleepers` changes).
     pub(super) fn ring_local(&self) {
@@ -392,7 +400,9 @@ impl Messaging {
                 let mut g = bell.followers.lock().expect("followers poisoned");
                 // Checked again under the followers' lock, which the sleeper takes to signal:
                 // a sleeper that left in between is not waited for.
-                if bell.set.try_lock().is_ok() {
+                if bell.set.try_lock().is_ok() || self.is_closed() {
+                    // (Closed: checked under the lock `wake_all` signals under, so the
+                    // signal is not missed.)
                     return Woke::Followed;
                 }
                 *g += 1;

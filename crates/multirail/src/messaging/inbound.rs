@@ -661,6 +661,10 @@ impl Messaging {
                 self.spin.learn(waited, false);
                 return None;
             }
+            if self.is_closed() {
+                // Shut down: nothing more can arrive, and what had arrived was polled above.
+                return None;
+            }
             if waited < spin {
                 let after = if costly {
                     YIELD_AFTER_SOCKETS

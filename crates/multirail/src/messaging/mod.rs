@@ -357,6 +357,9 @@ pub(crate) struct Messaging {
     rx: Mutex<Rx>,
     /// Whether `Rx::after_reply` holds buffers (read without taking the lock on every send).
     after_reply_pending: AtomicBool,
+    /// Set by [`Messaging::close_all`] (the engine shut down): nothing more can arrive, so a
+    /// wait returns instead of sleeping on.
+    closed: AtomicBool,
     out: Mutex<HashMap<u64, Arc<Mutex<OutConn>>, BuildHasherDefault<IdHasher>>>,
     /// Per peer: the lane its messages take and the epoch of the next connection to it.
     lanes: Mutex<HashMap<u64, PeerLane, BuildHasherDefault<IdHasher>>>,
@@ -425,6 +428,14 @@ impl Messaging {
     pub(crate) fn close_all(&self) {
         let conns: Vec<_> = self.out.lock().expect("out poisoned").drain().collect();
         drop(conns);
+        self.closed.store(true, Ordering::Release);
+        // Whoever waits in `recv` or for notifications returns now, with what is left.
+        self.bell.wake_all();
+    }
+
+    /// Whether the engine shut down (see [`Messaging::close_all`]).
+    pub(super) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
     }
 
     /// Counts of messages sent and received so far.
@@ -471,6 +482,7 @@ impl Messaging {
                 ..Rx::default()
             }),
             after_reply_pending: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
             out: Mutex::default(),
             lanes: Mutex::default(),
             retiring: Mutex::default(),

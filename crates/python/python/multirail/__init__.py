@@ -923,7 +923,9 @@ class Engine:
 
     def close(self) -> None:
         """Stops serving (the port and every connection close) and releases the engine: later
-        calls raise :class:`Error`. Buffers stay usable as memory. Closing twice is harmless."""
+        calls raise :class:`Error`; a ``recv`` or notification wait blocked in another thread
+        returns at once (``None``, or no notifications). Buffers stay usable as memory. Closing
+        twice is harmless."""
         native, self._native = self._native, _Closed()
         if not isinstance(native, _Closed):
             native.shutdown()
