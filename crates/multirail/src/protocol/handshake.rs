@@ -253,6 +253,16 @@ impl ServerHandshake {
     }
 }
 
+/// `bytes` as text when they are printable ASCII (what an HTTP server or an SSH daemon sends
+/// first), else as hex.
+fn printable(bytes: &[u8]) -> String {
+    if bytes.iter().all(|b| b.is_ascii_graphic() || *b == b' ') {
+        format!("{:?}", String::from_utf8_lossy(bytes))
+    } else {
+        format!("{bytes:02x?}")
+    }
+}
+
 /// Parsed server challenge.
 struct Challenge {
     auth: bool,
@@ -262,7 +272,10 @@ struct Challenge {
 
 fn decode_challenge(b: &[u8; CHALLENGE_LEN]) -> std::result::Result<Challenge, String> {
     if b[..4] != CHALLENGE_MAGIC {
-        return Err(format!("bad challenge magic {:02x?}", &b[..4]));
+        return Err(format!(
+            "it is not a multirail engine: its first bytes {} are not a handshake's",
+            printable(&b[..4])
+        ));
     }
     let version = u16::from_le_bytes([b[4], b[5]]);
     if version != crate::segment::PROTOCOL_VERSION {
@@ -501,6 +514,19 @@ mod tests {
         assert_eq!(o, Some(Outcome::Accepted(ConnKind::Control)));
         assert_eq!(out.len(), CHALLENGE_LEN + VERDICT_LEN);
         assert!(hs.on_bytes(&[1], &mut out).is_err());
+    }
+
+    #[test]
+    fn an_answer_from_something_else_says_it_is_not_a_multirail_engine() {
+        let mut http = [b' '; CHALLENGE_LEN];
+        http[..15].copy_from_slice(b"HTTP/1.1 400 Ba");
+        let e = decode_challenge(&http).err().expect("not a challenge");
+        assert!(e.contains("not a multirail engine"), "{e}");
+        assert!(e.contains("\"HTTP\""), "{e}");
+        let e = decode_challenge(&[0xffu8; CHALLENGE_LEN])
+            .err()
+            .expect("not a challenge");
+        assert!(e.contains("[ff, ff, ff, ff]"), "{e}");
     }
 
     #[test]
