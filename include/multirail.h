@@ -284,8 +284,10 @@ int32_t multirail_engine_new(const char *config_json, const char *listen, multir
  *
  * Thread safety: safe from any thread, but `e` must not be in use by another thread while it
  * is freed: a call that raced the free completes on the engine being freed (which is then
- * released when that call returns) or returns MULTIRAIL_ERR_UNKNOWN_HANDLE; a blocking wait
- * or receive on it may then wait for its full timeout.
+ * released when that call returns) or returns MULTIRAIL_ERR_UNKNOWN_HANDLE. A
+ * `multirail_recv` blocked on it returns at once (MULTIRAIL_ERR_WAIT_TIMEOUT, unless a
+ * message had arrived), and a `multirail_batch_wait` as soon as its transfers fail with the
+ * shutdown.
  */
 int32_t multirail_engine_free(multirail_engine_t e);
 

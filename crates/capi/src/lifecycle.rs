@@ -85,8 +85,10 @@ pub unsafe extern "C" fn multirail_engine_new(
 ///
 /// Thread safety: safe from any thread, but `e` must not be in use by another thread while it
 /// is freed: a call that raced the free completes on the engine being freed (which is then
-/// released when that call returns) or returns MULTIRAIL_ERR_UNKNOWN_HANDLE; a blocking wait
-/// or receive on it may then wait for its full timeout.
+/// released when that call returns) or returns MULTIRAIL_ERR_UNKNOWN_HANDLE. A
+/// `multirail_recv` blocked on it returns at once (MULTIRAIL_ERR_WAIT_TIMEOUT, unless a
+/// message had arrived), and a `multirail_batch_wait` as soon as its transfers fail with the
+/// shutdown.
 #[no_mangle]
 pub extern "C" fn multirail_engine_free(e: multirail_engine_t) -> i32 {
     guard("multirail_engine_free", || {

@@ -165,6 +165,35 @@ fn a_handle_freed_under_other_threads_gives_unknown_handle() {
     );
 }
 
+/// A `multirail_recv` blocked without a timeout returns once another thread frees the engine
+/// (it used to wait on for good).
+#[test]
+fn freeing_an_engine_ends_a_receive_blocked_on_it() {
+    let e = engine("tcp");
+    std::thread::scope(|s| {
+        let receiver = s.spawn(|| {
+            let mut len = 0usize;
+            // SAFETY: no buffer (cap 0) and a valid length pointer; -1: no timeout.
+            unsafe { multirail_recv(e, -1, null_mut(), 0, &mut len, null_mut(), 0) }
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        let freed = std::time::Instant::now();
+        ok(multirail_engine_free(e));
+        let rc = receiver.join().unwrap();
+        assert_eq!(
+            rc,
+            Code::MULTIRAIL_ERR_WAIT_TIMEOUT as i32,
+            "{}",
+            last_error()
+        );
+        assert!(
+            freed.elapsed() < Duration::from_secs(2),
+            "returned {:?} after the free",
+            freed.elapsed()
+        );
+    });
+}
+
 /// Polls `multirail_notifications` with a buffer of `cap` bytes until it succeeds.
 fn notifications(e: multirail_engine_t, cap: usize) -> (i32, usize, String) {
     let mut buf = vec![0 as c_char; cap.max(1)];
