@@ -872,9 +872,11 @@ impl NativeEngine {
         py: Python<'_>,
         timeout: Option<f64>,
     ) -> PyResult<Vec<(String, String)>> {
+        // A wait that found nothing ends once the engine shut down (`close` in another
+        // thread): nothing can arrive any more.
         let got = wait_in_slices(py, timeout, WAIT_SLICE, |py, wait| {
             let got = py.allow_threads(|| self.engine.wait_notifications(Some(wait)));
-            Ok((!got.is_empty()).then_some(got))
+            Ok((!got.is_empty() || self.engine.is_shut_down()).then_some(got))
         })?;
         Ok(got
             .unwrap_or_default()
@@ -900,10 +902,18 @@ impl NativeEngine {
         py: Python<'_>,
         timeout: Option<f64>,
     ) -> PyResult<Option<(String, Py<PyBytes>)>> {
+        // As in `wait_notifications`: nothing more arrives once the engine shut down.
         let got = wait_in_slices(py, timeout, WAIT_SLICE, |py, wait| {
-            py.allow_threads(|| self.engine.recv(Some(wait)))
-                .map_err(to_py)
-        })?;
+            let m = py
+                .allow_threads(|| self.engine.recv(Some(wait)))
+                .map_err(to_py)?;
+            Ok(match m {
+                Some(m) => Some(Some(m)),
+                None if self.engine.is_shut_down() => Some(None),
+                None => None,
+            })
+        })?
+        .flatten();
         Ok(got.map(|m| (m.from.to_string(), PyBytes::new(py, &m.data).unbind())))
     }
 

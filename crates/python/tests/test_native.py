@@ -156,6 +156,33 @@ def test_closed_engine_stops_serving(spawn_peer):
             b.open_segment(name)
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_close_ends_waits_in_other_threads(transport):
+    """close() in one thread ends a recv or notification wait without a timeout in others:
+    nothing can arrive any more, and the waits return None and [] instead of blocking (or
+    spinning) for good."""
+    e = multirail.Engine(name="127.0.0.1", transport=transport)
+    got = {}
+
+    def wait(what, call):
+        got[what] = call()
+
+    waiters = [
+        threading.Thread(target=wait, args=("recv", lambda: e.recv(timeout=None)), daemon=True),
+        threading.Thread(target=wait, args=("notifications", lambda: e.notifications(timeout=None)), daemon=True),
+    ]
+    for w in waiters:
+        w.start()
+    time.sleep(0.3)
+    closed = time.monotonic()
+    e.close()
+    for w in waiters:
+        w.join(timeout=5)
+    took = time.monotonic() - closed
+    assert got == {"recv": None, "notifications": []}, got
+    assert took < 2, f"the waits ended {took:.2f} s after close()"
+
+
 def test_every_error_is_a_multirail_error():
     names = [n for n in multirail.__all__ if n.endswith("Error")]
     assert len(names) == 22

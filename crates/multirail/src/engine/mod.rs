@@ -1075,6 +1075,12 @@ impl Engine {
         self.inner.messaging.close_all();
     }
 
+    /// Whether [`Engine::shutdown`] was called (on this handle or a clone): nothing can arrive
+    /// any more, so a binding that waits in slices stops waiting.
+    pub fn is_shut_down(&self) -> bool {
+        self.inner.messaging.is_closed()
+    }
+
     /// Counts of the RDMA data path: `ibv_post_send` calls, work requests, signalled
     /// completions, slices and queue pairs lost. All zero without RDMA.
     pub fn rdma_stats(&self) -> RdmaStats {

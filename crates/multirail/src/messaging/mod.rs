@@ -434,7 +434,7 @@ impl Messaging {
     }
 
     /// Whether the engine shut down (see [`Messaging::close_all`]).
-    pub(super) fn is_closed(&self) -> bool {
+    pub(crate) fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
     }
 
