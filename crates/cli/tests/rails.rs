@@ -64,6 +64,25 @@ fn watch(bench: &mut Child) -> (Receiver<String>, JoinHandle<String>) {
     (rx, drain)
 }
 
+/// Starts `bench` writing 256 MiB to the target `name` over the rails (smart mode, every byte
+/// verified at the end, throughput per 100 ms on stderr) with the block, batch and length of
+/// `run`, and returns once bytes have flowed for a moment: the bench, its stderr's lines as
+/// they come, and the thread that returns its whole stderr.
+fn flowing_writes(
+    rails: &Rails,
+    name: &str,
+    run: &[&str],
+) -> (Child, Receiver<String>, JoinHandle<String>) {
+    let mut args = vec!["--target", name, "--op", "write", "--size", "256MiB"];
+    args.extend_from_slice(run);
+    args.extend_from_slice(&["--verify", "--interval", "100ms"]);
+    let mut bench = rails.bench(&config(true), &args);
+    let (lines, drain) = watch(&mut bench);
+    wait_for(&lines, "the bench moving bytes", |l| l.contains(FLOWING));
+    std::thread::sleep(Duration::from_millis(300));
+    (bench, lines, drain)
+}
+
 /// Waits (30 s at most) for a line of `lines` that `wanted`; fails naming `what` otherwise.
 fn wait_for(lines: &Receiver<String>, what: &str, wanted: impl Fn(&str) -> bool) {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -78,12 +97,8 @@ fn wait_for(lines: &Receiver<String>, what: &str, wanted: impl Fn(&str) -> bool)
 }
 
 fn transfer_256_mib(prefix: &str, smart: bool) {
-    let rails = match Rails::up(prefix) {
-        Ok(r) => r,
-        Err(why) => {
-            eprintln!("{why}");
-            return;
-        }
+    let Some(rails) = Rails::up_or_skip(prefix) else {
+        return;
     };
     let (mut target, name) = rails.target("256MiB");
     let before = rails.counters();
@@ -164,36 +179,20 @@ fn baseline_mode_moves_256_mib_over_four_shaped_rails() {
 #[test]
 fn transfer_survives_a_rail_going_down() {
     let prefix = "mrtf";
-    let rails = match Rails::up(prefix) {
-        Ok(r) => r,
-        Err(why) => {
-            eprintln!("{why}");
-            return;
-        }
+    let Some(rails) = Rails::up_or_skip(prefix) else {
+        return;
     };
     let (mut target, name) = rails.target("256MiB");
-    let args = [
-        "--target",
-        &name,
-        "--op",
-        "write",
+    let run = [
         "--block-size",
         "4MiB",
         "--batch-size",
         "4",
-        "--size",
-        "256MiB",
         "--total",
         "512MiB",
-        "--verify",
-        "--interval",
-        "100ms",
     ];
-    let mut bench = rails.bench(&config(true), &args);
-    // Take the rail down only once bytes are flowing.
-    let (lines, drain) = watch(&mut bench);
-    wait_for(&lines, "the bench moving bytes", |l| l.contains(FLOWING));
-    std::thread::sleep(Duration::from_millis(300));
+    // The rail goes down only once bytes are flowing.
+    let (bench, _lines, drain) = flowing_writes(&rails, &name, &run);
     let t0 = Instant::now();
     rails.run(&["down", "0"]);
     let out = bench.wait_with_output().unwrap();
@@ -224,35 +223,19 @@ fn transfer_survives_a_rail_going_down() {
 #[test]
 fn a_rail_paused_by_a_dead_link_rejoins_once_the_link_is_back() {
     let prefix = "mrtl";
-    let rails = match Rails::up(prefix) {
-        Ok(r) => r,
-        Err(why) => {
-            eprintln!("{why}");
-            return;
-        }
+    let Some(rails) = Rails::up_or_skip(prefix) else {
+        return;
     };
     let (mut target, name) = rails.target("256MiB");
-    let args = [
-        "--target",
-        &name,
-        "--op",
-        "write",
+    let run = [
         "--block-size",
         "1MiB",
         "--batch-size",
         "8",
-        "--size",
-        "256MiB",
         "--duration",
         "6",
-        "--verify",
-        "--interval",
-        "100ms",
     ];
-    let mut bench = rails.bench(&config(true), &args);
-    let (lines, drain) = watch(&mut bench);
-    wait_for(&lines, "the bench moving bytes", |l| l.contains(FLOWING));
-    std::thread::sleep(Duration::from_millis(300));
+    let (bench, lines, drain) = flowing_writes(&rails, &name, &run);
     rails.run(&["down", "0"]);
     let rail = format!("{prefix}b0");
     wait_for(&lines, "rail 0 paused", |l| {
@@ -291,12 +274,8 @@ fn a_rail_paused_by_a_dead_link_rejoins_once_the_link_is_back() {
 #[test]
 fn a_target_drops_connections_of_an_initiator_that_vanished_behind_dead_links() {
     let prefix = "mrka";
-    let rails = match Rails::up(prefix) {
-        Ok(r) => r,
-        Err(why) => {
-            eprintln!("{why}");
-            return;
-        }
+    let Some(rails) = Rails::up_or_skip(prefix) else {
+        return;
     };
     let conf = r#"{"transports": {"tcp": {"keepalive_ms": 1000, "timeout_ms": 1500}}}"#;
     let (mut target, name) = rails.target_with("64MiB", Some(conf));

@@ -43,6 +43,11 @@ impl Rails {
         }
     }
 
+    /// As [`Rails::up`], printing why it cannot instead: `None` tells the test to skip.
+    pub fn up_or_skip(prefix: &str) -> Option<Rails> {
+        Rails::up(prefix).map_err(|why| eprintln!("{why}")).ok()
+    }
+
     pub fn run(&self, args: &[&str]) -> Output {
         let out = Command::new(script())
             .args(args)
