@@ -107,7 +107,8 @@ pub enum Error {
         reason: String,
     },
     /// A slice got no answer from the peer within `transports.tcp.timeout_ms`, or a message
-    /// no credit (the receiver took none of the sender's messages in meanwhile).
+    /// found no room at the receiver in that time (it took none of the sender's messages in
+    /// meanwhile; `detail` says so).
     #[error("no answer from peer {peer} within {timeout_ms} ms{detail}")]
     Timeout {
         /// Segment name of the peer.
