@@ -180,7 +180,7 @@ fn a_burst_to_a_receiver_not_polling_stops_at_the_shared_pools_depth() {
 /// A receiver that takes nothing in: the sender's send times out once the room the receiver
 /// gives it is used up, with an error that says why, and every message sent before it is
 /// still delivered, in order, once the receiver calls `recv`.
-fn a_sender_without_room_times_out(transport: &str, sent_before: usize) {
+fn a_sender_without_room_times_out(transport: &str) {
     let json = format!(
         r#"{{"transport": "{transport}", "lanes": {{"dynamic": false}},
             "transports": {{"tcp": {{"timeout_ms": 200, "receive": {{"queue_depth": 2}}}},
@@ -202,10 +202,8 @@ fn a_sender_without_room_times_out(transport: &str, sent_before: usize) {
     };
     assert!(matches!(e, multirail::Error::Timeout { .. }), "{e}");
     assert!(e.to_string().contains("not calling recv"), "{e}");
-    assert!(
-        sent as usize >= sent_before,
-        "{sent} sent before the timeout"
-    );
+    // At least the receive queue's depth (2) went out before the sender was held back.
+    assert!(sent >= 2, "{sent} sent before the timeout");
     for i in 0..sent {
         let m = b.recv(Some(Duration::from_secs(5))).unwrap();
         assert_eq!(
@@ -217,12 +215,12 @@ fn a_sender_without_room_times_out(transport: &str, sent_before: usize) {
 
 #[test]
 fn a_sender_without_credits_times_out() {
-    a_sender_without_room_times_out("tcp", 2);
+    a_sender_without_room_times_out("tcp");
 }
 
 #[test]
 fn a_sender_without_ring_space_times_out_shm() {
-    a_sender_without_room_times_out("shm", 2);
+    a_sender_without_room_times_out("shm");
 }
 
 fn notification_after_data(transport: &str) {
