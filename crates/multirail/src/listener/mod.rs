@@ -4,14 +4,18 @@
 //! transport. What it hands out and reports (permits, the traits of those that take
 //! connections over, [`ConnectionStats`]) lives in `server`, below every transport.
 //!
-//! A fixed pool of `transports.tcp.serve_threads` threads serves every connection through one
-//! epoll set: each connection is armed one-shot, so exactly one thread serves it at a time and
-//! a connection waiting for bytes holds no thread. As many more threads serve the data
+//! A fixed pool of `transports.tcp.serve_threads` threads serves every connection, each thread
+//! from an epoll set of its own: a connection is homed on the thread with the fewest
+//! connections when it arrives, and armed one-shot, so exactly one thread serves it at a time
+//! and a connection waiting for bytes holds no thread. One set per thread rather than one set
+//! for all: a request arriving in several segments (a 64 KiB slice and its header are two on
+//! loopback) makes the kernel wake one more waiter of the set per segment, and with the pool
+//! sharing a set every second wake-up found nothing to do. As many more threads serve the data
 //! connections whose latest request was HIGH (a client keeps one per rail for HIGH slices
-//! alone), from a set of their own: a HIGH slice never waits for a pool thread to finish a bulk
-//! turn, and those threads keep HIGH's CPU priority instead of waking at the bulk one of their
-//! last turn. (As many, not one: HIGH is the default priority, so on a host with many rails
-//! HIGH connections may carry everything.) What a connection costs is an fd and a small
+//! alone), each from a HIGH set of its own, the one beside its home's: a HIGH slice never waits
+//! for a pool thread to finish a bulk turn, and those threads keep HIGH's CPU priority instead
+//! of waking at the bulk one of their last turn. (As many, not one: HIGH is the default
+//! priority, so on a host with many rails HIGH connections may carry everything.) What a connection costs is an fd and a small
 //! state, so the port bounds them: `max_connections` in all, `max_pending_connections` that
 //! have not finished the handshake (the oldest makes room, and none lingers past
 //! `connect_timeout_ms`). When the process runs out of fds, the oldest unproven connection is
@@ -117,16 +121,21 @@ struct Entry {
     gone: AtomicBool,
     /// Nanoseconds after the server's epoch of the last time it was served.
     last_active_ns: AtomicU64,
-    /// In the HIGH set (see the module documentation) rather than the pool's; changed only
-    /// by the thread serving the connection, while it is disarmed.
+    /// In its home's HIGH set (see the module documentation) rather than its pool set;
+    /// changed only by the thread serving the connection, while it is disarmed.
     high: AtomicBool,
+    /// The serving thread (pool and HIGH) whose sets the connection is in.
+    home: usize,
     state: Mutex<State>,
 }
 
 struct Shared {
-    epoll: Epoll,
-    /// The set of connections carrying HIGH slices, served by threads of their own.
-    high_epoll: Epoll,
+    /// One set per pool thread; the listener is in the first.
+    pool_sets: Vec<Epoll>,
+    /// One set per HIGH serving thread, for the connections carrying HIGH slices.
+    high_sets: Vec<Epoll>,
+    /// Connections homed on each thread, to home a new one on the least loaded.
+    homed: Vec<AtomicUsize>,
     wake: EventFd,
     listener: TcpListener,
     entries: Mutex<Slab<Arc<Entry>>>,
@@ -193,26 +202,28 @@ impl Server {
             );
         }
         let os = |what: &'static str| move |e: nix::Error| Error::io(what, e.into());
-        let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).map_err(os("creating epoll"))?;
         let wake = EventFd::new().map_err(os("creating eventfd"))?;
-        // Level-triggered and not one-shot: once written at shutdown it wakes every thread.
-        epoll
-            .add(&wake, EpollEvent::new(EpollFlags::EPOLLIN, WAKE))
-            .map_err(os("watching the wake-up eventfd"))?;
-        let high_epoll =
-            Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).map_err(os("creating epoll"))?;
-        high_epoll
-            .add(&wake, EpollEvent::new(EpollFlags::EPOLLIN, WAKE))
-            .map_err(os("watching the wake-up eventfd"))?;
-        epoll
+        let pool = settings.serve_threads.max(1);
+        let mut sets = Vec::with_capacity(2 * pool);
+        for _ in 0..2 * pool {
+            let set = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).map_err(os("creating epoll"))?;
+            // Level-triggered and not one-shot: once written at shutdown it wakes every thread.
+            set.add(&wake, EpollEvent::new(EpollFlags::EPOLLIN, WAKE))
+                .map_err(os("watching the wake-up eventfd"))?;
+            sets.push(set);
+        }
+        let high_sets = sets.split_off(pool);
+        let pool_sets = sets;
+        pool_sets[0]
             .add(
                 &listener,
                 EpollEvent::new(armed(EpollFlags::EPOLLIN), LISTENER),
             )
             .map_err(os("watching the listener"))?;
         let shared = Arc::new(Shared {
-            epoll,
-            high_epoll,
+            pool_sets,
+            high_sets,
+            homed: (0..pool).map(|_| AtomicUsize::new(0)).collect(),
             wake,
             listener,
             entries: Mutex::new(Slab::new()),
@@ -236,18 +247,17 @@ impl Server {
             settings,
         });
         let mut threads = Vec::new();
-        let pool = shared.settings.serve_threads;
         for i in 0..2 * pool {
             let s = shared.clone();
-            let high = i >= pool;
+            let (high, home) = (i >= pool, i % pool);
             let name = if high {
-                format!("mr-serve-high-{}", i - pool)
+                format!("mr-serve-high-{home}")
             } else {
-                format!("mr-serve-{i}")
+                format!("mr-serve-{home}")
             };
             let spawned = thread::Builder::new()
                 .name(name)
-                .spawn(move || serve_loop(&s, high));
+                .spawn(move || serve_loop(&s, high, home));
             match spawned {
                 Ok(t) => threads.push(t),
                 Err(e) => {
@@ -337,9 +347,14 @@ fn raise_fd_limit() {
     }
 }
 
-/// A serving thread: of the pool, or with `high` one serving the HIGH set.
-fn serve_loop(s: &Shared, high: bool) {
-    let set = if high { &s.high_epoll } else { &s.epoll };
+/// The serving thread of the connections homed on `home`: of the pool, or with `high` the one
+/// serving those of them that carry HIGH slices.
+fn serve_loop(s: &Shared, high: bool, home: usize) {
+    let set = if high {
+        &s.high_sets[home]
+    } else {
+        &s.pool_sets[home]
+    };
     let mut nice = ThreadNice::for_this_thread(s.settings.nice);
     // One event per wait: a thread holding several ready connections would serve them in turn
     // while another thread sits idle.
@@ -397,10 +412,15 @@ impl Shared {
     /// The set connection `e` is in.
     fn set_of(&self, e: &Entry) -> &Epoll {
         if e.high.load(Ordering::Acquire) {
-            &self.high_epoll
+            &self.high_sets[e.home]
         } else {
-            &self.epoll
+            &self.pool_sets[e.home]
         }
+    }
+
+    /// The serving thread with the fewest connections, counted as one more.
+    fn take_home(&self) -> usize {
+        take_least(&self.homed)
     }
 
     /// Arms `e` again for `wait`, in the HIGH set when `high`, else the pool's (moving it when
@@ -452,6 +472,7 @@ impl Shared {
         // SAFETY: as in `rearm`: the caller holds the entry, which owns the socket.
         let fd = unsafe { BorrowedFd::borrow_raw(e.fd) };
         let _ = self.set_of(e).delete(fd);
+        self.homed[e.home].fetch_sub(1, Ordering::Relaxed);
         {
             let mut entries = self.entries.lock().expect("server poisoned");
             let idx = (e.token & 0xffff_ffff) as usize;
@@ -519,7 +540,7 @@ impl Shared {
 
     fn rearm_listener(&self) {
         let mut ev = EpollEvent::new(armed(EpollFlags::EPOLLIN), LISTENER);
-        if let Err(e) = self.epoll.modify(&self.listener, &mut ev) {
+        if let Err(e) = self.pool_sets[0].modify(&self.listener, &mut ev) {
             tracing::error!(error = %e, "cannot re-arm the listener");
         }
     }
@@ -568,6 +589,7 @@ impl Shared {
             out: Vec::new(),
             outcome: None,
         };
+        let home = self.take_home();
         let entry = {
             let mut entries = self.entries.lock().expect("server poisoned");
             let slot = entries.vacant_entry();
@@ -584,6 +606,7 @@ impl Shared {
                 gone: AtomicBool::new(false),
                 last_active_ns: AtomicU64::new(self.now_ns()),
                 high: AtomicBool::new(false),
+                home,
                 state: Mutex::new(state),
             });
             slot.insert(entry.clone());
@@ -598,7 +621,7 @@ impl Shared {
             armed(EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP),
             entry.token,
         );
-        if let Err(e) = self.epoll.add(bfd, ev) {
+        if let Err(e) = self.pool_sets[home].add(bfd, ev) {
             tracing::warn!(%peer, error = %e, "cannot watch a new connection");
             self.close(&entry);
         }
@@ -894,6 +917,21 @@ impl Shared {
     }
 }
 
+/// The index of the smallest of `counts` (the first of equals), which is counted as one more.
+/// Homes a connection: connections arriving one after another go to every thread in turn, and
+/// a thread whose connections closed gets the next ones.
+fn take_least(counts: &[AtomicUsize]) -> usize {
+    let i = counts
+        .iter()
+        .enumerate()
+        .min_by_key(|(_, n)| n.load(Ordering::Relaxed))
+        .map_or(0, |(i, _)| i);
+    if let Some(n) = counts.get(i) {
+        n.fetch_add(1, Ordering::Relaxed);
+    }
+    i
+}
+
 /// True at most once a second per `last`: for warnings a flood of clients could repeat.
 fn once_a_second(last: &Mutex<Option<Instant>>) -> bool {
     let mut last = last.lock().expect("server poisoned");
@@ -922,4 +960,22 @@ fn write_pending(fd: RawFd, out: &mut Vec<u8>) -> Result<bool, String> {
         }
     }
     Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connections_are_homed_on_the_least_loaded_thread() {
+        let counts: Vec<AtomicUsize> = (0..3).map(|_| AtomicUsize::new(0)).collect();
+        let homes: Vec<usize> = (0..4).map(|_| take_least(&counts)).collect();
+        assert_eq!(homes, [0, 1, 2, 0]);
+        // Thread 1's connection closes: the next one goes there.
+        counts[1].fetch_sub(1, Ordering::Relaxed);
+        assert_eq!(take_least(&counts), 1);
+        let held: Vec<usize> = counts.iter().map(|n| n.load(Ordering::Relaxed)).collect();
+        assert_eq!(held, [2, 1, 1]);
+        assert_eq!(take_least(&[]), 0, "no thread: index 0, nothing counted");
+    }
 }
