@@ -12,15 +12,15 @@
 //! loopback) makes the kernel wake one more waiter of the set per segment, and with the pool
 //! sharing a set every second wake-up found nothing to do. As many more threads serve the data
 //! connections whose latest request was HIGH (a client keeps one per rail for HIGH slices
-//! alone), each from a HIGH set of its own, the one beside its home's: a HIGH slice never waits
-//! for a pool thread to finish a bulk turn, and those threads keep HIGH's CPU priority instead
-//! of waking at the bulk one of their last turn. (As many, not one: HIGH is the default
-//! priority, so on a host with many rails HIGH connections may carry everything.) What a connection costs is an fd and a small
-//! state, so the port bounds them: `max_connections` in all, `max_pending_connections` that
-//! have not finished the handshake (the oldest makes room, and none lingers past
-//! `connect_timeout_ms`). When the process runs out of fds, the oldest unproven connection is
-//! shed, then the member connection idle the longest, and accepting backs off; members'
-//! connections are otherwise kept however long they stay idle.
+//! alone), each from a HIGH set of its own, one per home: a HIGH slice never waits for a pool
+//! thread to finish a bulk turn, and those threads keep HIGH's CPU priority instead of waking
+//! at the bulk one of their last turn. (As many, not one: HIGH is the default priority, so on
+//! a host with many rails HIGH connections may carry everything.) What a connection costs is
+//! an fd and a small state, so the port bounds them: `max_connections` in all,
+//! `max_pending_connections` that have not finished the handshake (the oldest makes room, and
+//! none lingers past `connect_timeout_ms`). When the process runs out of fds, the oldest
+//! unproven connection is shed, then the member connection idle the longest, and accepting
+//! backs off; members' connections are otherwise kept however long they stay idle.
 //!
 //! What data connections serve is counted per rail (the local address a connection arrived
 //! on), operation, priority and peer address ([`crate::stats::ServedTraffic`]).
@@ -350,11 +350,7 @@ fn raise_fd_limit() {
 /// The serving thread of the connections homed on `home`: of the pool, or with `high` the one
 /// serving those of them that carry HIGH slices.
 fn serve_loop(s: &Shared, high: bool, home: usize) {
-    let set = if high {
-        &s.high_sets[home]
-    } else {
-        &s.pool_sets[home]
-    };
+    let set = s.set(high, home);
     let mut nice = ThreadNice::for_this_thread(s.settings.nice);
     // One event per wait: a thread holding several ready connections would serve them in turn
     // while another thread sits idle.
@@ -409,18 +405,18 @@ impl Shared {
             .cloned()
     }
 
-    /// The set connection `e` is in.
-    fn set_of(&self, e: &Entry) -> &Epoll {
-        if e.high.load(Ordering::Acquire) {
-            &self.high_sets[e.home]
+    /// The set of the connections homed on `home`: those carrying HIGH slices when `high`.
+    fn set(&self, high: bool, home: usize) -> &Epoll {
+        if high {
+            &self.high_sets[home]
         } else {
-            &self.pool_sets[e.home]
+            &self.pool_sets[home]
         }
     }
 
-    /// The serving thread with the fewest connections, counted as one more.
-    fn take_home(&self) -> usize {
-        take_least(&self.homed)
+    /// The set connection `e` is in.
+    fn set_of(&self, e: &Entry) -> &Epoll {
+        self.set(e.high.load(Ordering::Acquire), e.home)
     }
 
     /// Arms `e` again for `wait`, in the HIGH set when `high`, else the pool's (moving it when
@@ -589,7 +585,7 @@ impl Shared {
             out: Vec::new(),
             outcome: None,
         };
-        let home = self.take_home();
+        let home = take_least(&self.homed);
         let entry = {
             let mut entries = self.entries.lock().expect("server poisoned");
             let slot = entries.vacant_entry();
