@@ -7,6 +7,9 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 
+/// How long a waiting poll runs before it starts yielding its core between looks.
+const SPIN_BEFORE_YIELDING: Duration = Duration::from_micros(50);
+
 /// State of one request, or of a whole batch.
 #[derive(Debug, Clone)]
 pub enum Status {
@@ -270,7 +273,8 @@ impl Batch {
     }
 
     /// Blocks until every request finished or `timeout` passes, polling for the first `spin`
-    /// of that time before sleeping.
+    /// of that time (yielding the core now and then after [`SPIN_BEFORE_YIELDING`]) before
+    /// sleeping.
     pub(crate) fn wait(&self, timeout: Option<Duration>, spin: Duration) -> Result<()> {
         let start = Instant::now();
         let deadline = timeout.map(|t| start + t);
@@ -278,11 +282,20 @@ impl Batch {
             let spin_until = deadline.map_or(start + spin, |d| d.min(start + spin));
             // Reading the clock every poll would cost more than the poll.
             let mut polls = 0u32;
+            let yield_from = start + SPIN_BEFORE_YIELDING;
             while self.unfinished() > 0 {
                 std::hint::spin_loop();
                 polls = polls.wrapping_add(1);
-                if polls.is_multiple_of(64) && Instant::now() >= spin_until {
-                    break;
+                if polls.is_multiple_of(64) {
+                    let now = Instant::now();
+                    if now >= spin_until {
+                        break;
+                    }
+                    if now >= yield_from {
+                        // A thread that would finish the batch (a reader woken on this core)
+                        // gets to run; on an idle core this returns at once.
+                        std::thread::yield_now();
+                    }
                 }
             }
         }

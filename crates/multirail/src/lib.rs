@@ -34,6 +34,7 @@ pub(crate) mod rails;
 pub mod segment;
 pub mod server;
 pub mod slots;
+pub(crate) mod spin;
 pub mod stats;
 pub mod topology;
 pub mod transport;

@@ -79,7 +79,8 @@ fn empty_document_gives_all_defaults() {
     assert_eq!(c.workers.max_slices_per_request, 64);
     assert_eq!(c.workers.max_slices_per_write, 32);
     assert_eq!(c.workers.shm_copy_threads, 2);
-    assert_eq!(c.workers.wait_spin_us, 100);
+    assert_eq!(c.workers.wait_spin_us, 1000);
+    assert!(c.workers.adaptive_wait_spin);
     assert!(c.rails.is_empty());
     assert_eq!(c.metadata.kind, MetadataKind::P2p);
     assert_eq!(c.metadata.servers, None);

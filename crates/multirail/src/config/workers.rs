@@ -15,11 +15,16 @@ pub struct WorkersConfig {
     pub max_slices_per_write: u32,
     /// Threads copying for the shared-memory transport (default 2); 1..=64.
     pub shm_copy_threads: usize,
-    /// Microseconds `wait` polls for completion before it sleeps, while the engine moves no
-    /// MEDIUM or LOW bytes (default 100; 0 = always sleep at once; at most 10000). Waking a
-    /// sleeping thread, on an idle core of a virtual machine above all, can take longer than a
-    /// 64 KiB transfer; with bulk moving the cores are busy and a poller would slow it.
+    /// Most microseconds `wait` polls for completion before it sleeps, while the engine moves
+    /// no MEDIUM or LOW bytes (default 1000; 0 = always sleep at once; at most 10000). Waking
+    /// a sleeping thread, on an idle core of a virtual machine above all, can take longer than
+    /// a 64 KiB transfer; with bulk moving the cores are busy and a poller would slow it.
     pub wait_spin_us: u32,
+    /// The spin of `wait` follows how long recent waits lasted (default true): the full
+    /// `wait_spin_us` while they end within it, down to none the more of the recent waits
+    /// (about eight) outlasted it, so waits for long transfers sleep at once. False: every
+    /// wait spins the full `wait_spin_us`.
+    pub adaptive_wait_spin: bool,
     /// How much each path to a peer keeps in flight, on every transport that carries rails.
     pub window: WindowConfig,
     /// Most microseconds of a rail's bandwidth one bulk slice carries while HIGH work is
@@ -48,7 +53,8 @@ impl Default for WorkersConfig {
             max_slices_per_request: 64,
             max_slices_per_write: 32,
             shm_copy_threads: 2,
-            wait_spin_us: 100,
+            wait_spin_us: 1000,
+            adaptive_wait_spin: true,
             window: WindowConfig::default(),
             bulk_chunk_wait_us: dispatch::DEFAULT_HIGH_WAIT_NS / 1000,
             min_bulk_chunk: dispatch::DEFAULT_MIN_BULK_CHUNK,

@@ -163,8 +163,9 @@ struct Inner {
     prepared: Mutex<HashMap<u64, Arc<prepared::PreparedList>>>,
     next_prepared: AtomicU64,
     stats: Arc<TrafficStats>,
-    /// How long `wait` polls before sleeping while no bulk moves (`workers.wait_spin_us`).
-    wait_spin: Duration,
+    /// How long `wait` polls before sleeping while no bulk moves: at most
+    /// `workers.wait_spin_us`, learned from how long such waits have lasted.
+    wait_spin: crate::spin::Spin,
     shm: ShmTransport,
     tcp: TcpTransport,
     rdma: Arc<RdmaTransport>,
@@ -355,7 +356,13 @@ impl Engine {
             prepared: Mutex::default(),
             next_prepared: AtomicU64::new(1),
             stats,
-            wait_spin: Duration::from_micros(workers.wait_spin_us.into()),
+            // No floor: a wait for a transfer that outlasts the spin pays one wake-up in a
+            // small share of its time, and may sleep at once.
+            wait_spin: crate::spin::Spin::new(
+                Duration::from_micros(workers.wait_spin_us.into()),
+                Duration::ZERO,
+                workers.adaptive_wait_spin,
+            ),
             fallback_logged: OnceLock::new(),
             server: Mutex::new(Some(server)),
             messaging,
@@ -958,8 +965,9 @@ impl Engine {
     /// Blocks until every request of the batch finished or `timeout` passed (`None`: no
     /// limit). Returns the first failure, or `WaitTimeout`. Same-host copies of the batch that
     /// no copy worker has started yet are done by the calling thread. While no bulk (MEDIUM or
-    /// LOW) bytes move, in this engine or another sharing its slots, polls for up to
-    /// `workers.wait_spin_us` before sleeping.
+    /// LOW) bytes move, in this engine or another sharing its slots, polls before sleeping: up
+    /// to `workers.wait_spin_us`, less the more of the recent waits outlasted that
+    /// (`workers.adaptive_wait_spin`).
     pub fn wait(&self, id: BatchId, timeout: Option<Duration>) -> Result<()> {
         let batch = self.batch(id)?;
         // Copies of this batch still queued for the shm workers are done here rather than
@@ -967,12 +975,14 @@ impl Engine {
         let until = timeout.and_then(|t| Instant::now().checked_add(t));
         self.inner.shm.help(id.0, until, || batch.unfinished() == 0);
         let timeout = until.map(|until| until.saturating_duration_since(Instant::now()));
-        let spin = if self.inner.qos.bulk_moving(Instant::now()) {
-            Duration::ZERO
-        } else {
-            self.inner.wait_spin
-        };
-        batch.wait(timeout, spin)
+        if self.inner.qos.bulk_moving(Instant::now()) {
+            return batch.wait(timeout, Duration::ZERO);
+        }
+        let started = Instant::now();
+        let outcome = batch.wait(timeout, self.inner.wait_spin.current());
+        let ended = !matches!(outcome, Err(Error::WaitTimeout { .. }));
+        self.inner.wait_spin.learn(started.elapsed(), ended);
+        outcome
     }
 
     /// What the engine has carried since it started. Per rail: bytes, slices and errors, bytes

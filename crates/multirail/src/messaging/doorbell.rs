@@ -1,5 +1,5 @@
 //! Waiting that costs nothing: a receive wait spins for a short while (adaptive, see
-//! [`Spin`]), then sleeps on a doorbell until something arrives.
+//! `crate::spin::Spin`), then sleeps on a doorbell until something arrives.
 //!
 //! * **The doorbell.** One epoll set per engine holds the stream of every connection a message
 //!   can arrive on (and duplex readers), plus an eventfd the engine rings itself ([`Doorbell::
@@ -148,72 +148,6 @@ pub(super) fn drain_stream(stream: &TcpStream) -> bool {
             Ok(Some(0)) => return true,
             Ok(Some(_)) => continue,
             Ok(None) | Err(_) => return false,
-        }
-    }
-}
-
-/// How long a receive wait spins before it sleeps: `transports.<t>.receive.spin_us` at most
-/// and, when adaptive, less the more of the recent waits outlasted it: a receiver whose
-/// messages come within the spin keeps spinning through the gap (a wait now and then that its
-/// peer was descheduled through does not change that), while one whose messages come seldom
-/// sleeps after a quarter of it. The quarter stays above a busy tcp round trip here (~10 µs
-/// against the default 200 µs): a receiver that saw long waits (its peer descheduled on a
-/// loaded machine) must not fall into sleeping between the messages of a ping-pong.
-pub(super) struct Spin {
-    /// The most a wait spins, ns.
-    cap: u64,
-    /// The least an adaptive spin shrinks to, ns.
-    floor: u64,
-    adaptive: bool,
-    /// The share of recent waits that outlasted the cap, in 1/1024 (a moving average over
-    /// about eight waits).
-    long: AtomicU32,
-}
-
-/// One in [`Spin::long`].
-const SHARE: u32 = 1024;
-
-impl Spin {
-    /// A spin of at most `cap`, adapting when `adaptive`.
-    pub(super) fn new(cap: Duration, adaptive: bool) -> Spin {
-        let cap = cap.as_nanos().min(u64::MAX as u128) as u64;
-        Spin {
-            cap,
-            floor: cap / 4,
-            adaptive,
-            long: AtomicU32::new(0),
-        }
-    }
-
-    /// The spin the next wait takes.
-    pub(super) fn current(&self) -> Duration {
-        if !self.adaptive {
-            return Duration::from_nanos(self.cap);
-        }
-        let long = self.long.load(Ordering::Relaxed).min(SHARE) as u64;
-        let ns = self.floor + (self.cap - self.floor) * (SHARE as u64 - long) / SHARE as u64;
-        Duration::from_nanos(ns)
-    }
-
-    /// A wait ended after `waited`, with a message (`came`) or at its timeout. A message within
-    /// the cap counts as a short wait, anything that outlasted the cap as a long one; a timeout
-    /// shorter than the cap says nothing about when messages come.
-    pub(super) fn learn(&self, waited: Duration, came: bool) {
-        if !self.adaptive {
-            return;
-        }
-        let long = waited.as_nanos() >= self.cap as u128;
-        if !(came || long) {
-            return;
-        }
-        let share = self.long.load(Ordering::Relaxed);
-        let next = if long {
-            share + (SHARE - share.min(SHARE)) / 8
-        } else {
-            share - share / 8
-        };
-        if next != share {
-            self.long.store(next, Ordering::Relaxed);
         }
     }
 }
@@ -487,43 +421,5 @@ impl Messaging {
         } else {
             Woke::Slept
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_spin_shrinks_while_waits_outlast_it_and_comes_back_when_messages_come_soon() {
-        let cap = Duration::from_micros(160);
-        let s = Spin::new(cap, true);
-        assert_eq!(s.current(), cap);
-        // A wait now and then that outlasts the cap barely moves it.
-        s.learn(Duration::from_millis(5), true);
-        for _ in 0..20 {
-            s.learn(Duration::from_micros(3), true);
-        }
-        assert!(s.current() > cap * 9 / 10, "{:?}", s.current());
-        // Messages that come seldom: down to a quarter.
-        for _ in 0..60 {
-            s.learn(Duration::from_millis(10), true);
-        }
-        assert!(s.current() < cap * 26 / 100, "{:?}", s.current());
-        assert!(s.current() >= cap / 4);
-        // Short timeouts say nothing; long ones count as long waits.
-        let before = s.current();
-        s.learn(Duration::from_micros(10), false);
-        assert_eq!(s.current(), before);
-        // Messages coming soon again: back up to (nearly) the cap.
-        for _ in 0..60 {
-            s.learn(Duration::from_micros(20), true);
-        }
-        assert!(s.current() > cap * 9 / 10, "{:?}", s.current());
-        // Not adaptive: always the cap.
-        let fixed = Spin::new(cap, false);
-        fixed.learn(Duration::from_secs(1), true);
-        assert_eq!(fixed.current(), cap);
-        assert_eq!(Spin::new(Duration::ZERO, true).current(), Duration::ZERO);
     }
 }

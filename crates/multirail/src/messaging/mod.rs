@@ -70,12 +70,13 @@ use crate::memory::{Buffer, Location, MemoryRegistry, PeerMapping};
 use crate::peer::Peer;
 use crate::segment::SegmentId;
 use crate::server::ConnPermit;
+use crate::spin::Spin;
 use crate::transport::handshake::{self, Membership};
 use crate::transport::rdma::messages::{MessageEndpoint, MessageVerbs, ENDPOINT_LEN};
 use crate::transport::sockio;
 use crate::transport::wire::{self, ConnKind, MsgHeader, MsgKind, MSG_HEADER_LEN};
 use delivery::*;
-use doorbell::{Doorbell, Spin, Woke};
+use doorbell::{Doorbell, Woke};
 use dynamic::{parse_back, Dynamic, Retiring, RetiringFrom};
 use inbound::*;
 use lane::{credit, Link, ReaderParts, RecvCx, RecvLane, SendLane};
@@ -498,11 +499,11 @@ impl Messaging {
                 // One wait covers every transport: the longest spin, adaptive unless a
                 // transport says otherwise.
                 let r = [&t.tcp.receive, &t.shm.receive, &t.rdma.receive];
-                let cap = r.iter().map(|r| r.spin_us).max().unwrap_or(0);
-                Spin::new(
-                    Duration::from_micros(cap),
-                    r.iter().all(|r| r.adaptive_spin),
-                )
+                // The floor: a receiver whose peer was descheduled now and then must not fall
+                // into sleeping between the messages of a ping-pong (a quarter of the default
+                // stays above a busy tcp round trip).
+                let cap = Duration::from_micros(r.iter().map(|r| r.spin_us).max().unwrap_or(0));
+                Spin::new(cap, cap / 4, r.iter().all(|r| r.adaptive_spin))
             },
         })
     }

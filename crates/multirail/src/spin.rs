@@ -1,0 +1,139 @@
+//! How long a waiting thread polls before it sleeps, learned from how long its recent waits
+//! lasted. Polling costs a core while it lasts; sleeping costs a wake-up when the wait ends,
+//! which on a virtual machine with an idle vCPU is tens of microseconds (the kernel places the
+//! woken thread on the idle vCPU and must interrupt it out of its halt). A wait that usually
+//! ends within the spin should keep spinning; one that usually outlasts it should sleep soon.
+//!
+//! Two users, with different floors: a message receive (`messaging`) never spins less than a
+//! quarter of its cap, since a receiver whose peer was descheduled now and then must not fall
+//! into sleeping between the messages of a ping-pong; a batch `wait` (`engine`) may learn to
+//! sleep at once, since a transfer that outlasts the cap (a 16 MiB batch takes milliseconds)
+//! pays its one wake-up in well under a percent of its time.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+/// The spin policy of one kind of wait: at most `cap`, and when adaptive, less the more of
+/// the recent waits outlasted it (down to `floor`). Shared by the threads that wait; each
+/// reads and updates it with relaxed atomics (a lost update only blurs the average).
+#[derive(Debug)]
+pub(crate) struct Spin {
+    /// The most a wait spins, ns.
+    cap: u64,
+    /// The least an adaptive spin shrinks to, ns.
+    floor: u64,
+    adaptive: bool,
+    /// The share of recent waits that outlasted the cap, in 1/1024 (a moving average over
+    /// about eight waits).
+    long: AtomicU32,
+}
+
+/// One in [`Spin::long`].
+const SHARE: u32 = 1024;
+
+impl Spin {
+    /// A spin of at most `cap`, adapting down to `floor` (at most `cap`) when `adaptive`.
+    pub(crate) fn new(cap: Duration, floor: Duration, adaptive: bool) -> Spin {
+        let cap = cap.as_nanos().min(u64::MAX as u128) as u64;
+        let floor = (floor.as_nanos().min(u64::MAX as u128) as u64).min(cap);
+        Spin {
+            cap,
+            floor,
+            adaptive,
+            long: AtomicU32::new(0),
+        }
+    }
+
+    /// The spin the next wait takes.
+    pub(crate) fn current(&self) -> Duration {
+        if !self.adaptive {
+            return Duration::from_nanos(self.cap);
+        }
+        let long = self.long.load(Ordering::Relaxed).min(SHARE) as u64;
+        let ns = self.floor + (self.cap - self.floor) * (SHARE as u64 - long) / SHARE as u64;
+        Duration::from_nanos(ns)
+    }
+
+    /// A wait ended after `waited`, with what it waited for (`came`) or at its timeout. An end
+    /// within the cap counts as a short wait, anything that outlasted the cap as a long one; a
+    /// timeout shorter than the cap says nothing about when waits end.
+    pub(crate) fn learn(&self, waited: Duration, came: bool) {
+        if !self.adaptive {
+            return;
+        }
+        let long = waited.as_nanos() >= self.cap as u128;
+        if !(came || long) {
+            return;
+        }
+        let share = self.long.load(Ordering::Relaxed);
+        // Steps of an eighth, rounded up so that the average reaches both ends.
+        let next = if long {
+            share + (SHARE - share.min(SHARE)).div_ceil(8)
+        } else {
+            share - share.div_ceil(8)
+        };
+        if next != share {
+            self.long.store(next, Ordering::Relaxed);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_spin_shrinks_while_waits_outlast_it_and_comes_back_when_they_end_soon() {
+        let cap = Duration::from_micros(160);
+        let s = Spin::new(cap, cap / 4, true);
+        assert_eq!(s.current(), cap);
+        // A wait now and then that outlasts the cap barely moves it.
+        s.learn(Duration::from_millis(5), true);
+        for _ in 0..20 {
+            s.learn(Duration::from_micros(3), true);
+        }
+        assert!(s.current() > cap * 9 / 10, "{:?}", s.current());
+        // Waits that end late: down to the floor, a quarter here.
+        for _ in 0..60 {
+            s.learn(Duration::from_millis(10), true);
+        }
+        assert!(s.current() < cap * 26 / 100, "{:?}", s.current());
+        assert!(s.current() >= cap / 4);
+        // Short timeouts say nothing; long ones count as long waits.
+        let before = s.current();
+        s.learn(Duration::from_micros(10), false);
+        assert_eq!(s.current(), before);
+        // Waits ending soon again: back up to (nearly) the cap.
+        for _ in 0..60 {
+            s.learn(Duration::from_micros(20), true);
+        }
+        assert!(s.current() > cap * 9 / 10, "{:?}", s.current());
+        // Not adaptive: always the cap.
+        let fixed = Spin::new(cap, Duration::ZERO, false);
+        fixed.learn(Duration::from_secs(1), true);
+        assert_eq!(fixed.current(), cap);
+        assert_eq!(
+            Spin::new(Duration::ZERO, Duration::ZERO, true).current(),
+            Duration::ZERO
+        );
+    }
+
+    #[test]
+    fn a_zero_floor_learns_to_sleep_at_once_and_a_floor_above_the_cap_is_the_cap() {
+        let cap = Duration::from_micros(1000);
+        let s = Spin::new(cap, Duration::ZERO, true);
+        for _ in 0..80 {
+            s.learn(Duration::from_millis(4), true);
+        }
+        assert_eq!(s.current(), Duration::ZERO);
+        for _ in 0..80 {
+            s.learn(Duration::from_micros(300), true);
+        }
+        assert_eq!(s.current(), cap);
+        let over = Spin::new(cap, cap * 2, true);
+        for _ in 0..80 {
+            over.learn(Duration::from_millis(4), true);
+        }
+        assert_eq!(over.current(), cap);
+    }
+}
