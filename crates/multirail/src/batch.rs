@@ -6,9 +6,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-
-/// How long a waiting poll runs before it starts yielding its core between looks.
-const SPIN_BEFORE_YIELDING: Duration = Duration::from_micros(50);
+use crate::spin::YIELD_AFTER;
 
 /// State of one request, or of a whole batch.
 #[derive(Debug, Clone)]
@@ -273,7 +271,7 @@ impl Batch {
     }
 
     /// Blocks until every request finished or `timeout` passes, polling for the first `spin`
-    /// of that time (yielding the core now and then after [`SPIN_BEFORE_YIELDING`]) before
+    /// of that time (yielding the core now and then after [`YIELD_AFTER`]) before
     /// sleeping.
     pub(crate) fn wait(&self, timeout: Option<Duration>, spin: Duration) -> Result<()> {
         let start = Instant::now();
@@ -282,7 +280,7 @@ impl Batch {
             let spin_until = deadline.map_or(start + spin, |d| d.min(start + spin));
             // Reading the clock every poll would cost more than the poll.
             let mut polls = 0u32;
-            let yield_from = start + SPIN_BEFORE_YIELDING;
+            let yield_from = start + YIELD_AFTER;
             while self.unfinished() > 0 {
                 std::hint::spin_loop();
                 polls = polls.wrapping_add(1);

@@ -463,7 +463,7 @@ impl Shared {
         self.open.fetch_sub(1, Ordering::AcqRel);
     }
 
-    /// Takes the entry out of the epoll set and the table, and out of the pending count.
+    /// Takes the entry out of the epoll set, the table, its home's count and the pending count.
     fn forget(&self, e: &Entry) {
         // SAFETY: as in `rearm`: the caller holds the entry, which owns the socket.
         let fd = unsafe { BorrowedFd::borrow_raw(e.fd) };

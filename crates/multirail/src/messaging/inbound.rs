@@ -149,15 +149,7 @@ fn pause(d: Duration) {
 /// about 5 µs of system calls with the receive lock held.
 const SOLE_READS: u32 = 16;
 
-/// A waiting receive that has spun this long yields its core now and then, so that a peer
-/// sharing the core (more pollers than cores; or a receiver that a wake-up placed on its
-/// sender's core, where it stays while other work keeps the other cores busy) answers within
-/// tens of µs rather than a time slice. Far longer than a busy wait (under 1 µs over shm, ~8 µs
-/// over tcp here): a yield lets whatever else is runnable have the core, and yielding after
-/// 4 µs (shm) and 12 µs (tcp) made a quiet ping-pong's p99 ten times worse (0.9 -> 10 µs over
-/// shm) while its median stayed put.
-const YIELD_AFTER: Duration = Duration::from_micros(50);
-/// ...the same for polls that read sockets.
+/// [`YIELD_AFTER`], for polls that read sockets.
 const YIELD_AFTER_SOCKETS: Duration = Duration::from_micros(50);
 
 /// A thread whose waits have not looked at the clock for this long was quiet (or only ever

@@ -70,7 +70,7 @@ use crate::memory::{Buffer, Location, MemoryRegistry, PeerMapping};
 use crate::peer::Peer;
 use crate::segment::SegmentId;
 use crate::server::ConnPermit;
-use crate::spin::Spin;
+use crate::spin::{Spin, YIELD_AFTER};
 use crate::transport::handshake::{self, Membership};
 use crate::transport::rdma::messages::{MessageEndpoint, MessageVerbs, ENDPOINT_LEN};
 use crate::transport::sockio;
