@@ -301,6 +301,7 @@ impl Policy {
                 window_bdps: self.window_bdps,
                 lean_bdps: self.window_lean_bdps,
                 max_queue_ns: self.window_max_queue_us.saturating_mul(1000),
+                pipe_slice: self.block_size,
             })
         };
         DispatchConfig {

@@ -1098,6 +1098,12 @@ fn window_settings_are_checked_and_name_their_key() {
         Config::default().workers.dispatch_config().controller,
         dispatch::ControllerKind::default()
     );
+    // The full window's pipes are of at least a slice of `workers.block_size`.
+    let c = Config::from_json_str(r#"{"workers": {"block_size": 16384}}"#, "t").unwrap();
+    match c.workers.dispatch_config().controller {
+        dispatch::ControllerKind::Bdp(b) => assert_eq!(b.pipe_slice, 16384),
+        other => panic!("{other:?}"),
+    }
 }
 
 #[test]

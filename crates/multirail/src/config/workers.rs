@@ -67,8 +67,12 @@ impl WorkersConfig {
     /// The dispatcher settings these keys give (window controller, bulk chunking beside HIGH);
     /// the transport fills in its timeout, retries and promotion.
     pub fn dispatch_config(&self) -> dispatch::DispatchConfig {
+        let mut controller = self.window.controller();
+        if let dispatch::ControllerKind::Bdp(bdp) = &mut controller {
+            bdp.pipe_slice = self.block_size;
+        }
         dispatch::DispatchConfig {
-            controller: self.window.controller(),
+            controller,
             high_wait_ns: self.bulk_chunk_wait_us.saturating_mul(1000),
             min_bulk_chunk: self.min_bulk_chunk,
             ..dispatch::DispatchConfig::default()
@@ -131,6 +135,7 @@ impl WindowConfig {
                 window_bdps: self.bdps,
                 lean_bdps: self.lean_bdps,
                 max_queue_ns: self.max_queue_us.saturating_mul(1000),
+                pipe_slice: dispatch::BdpController::default().pipe_slice,
             }),
             WindowControllerKind::Fixed => {
                 dispatch::ControllerKind::Fixed(dispatch::FixedController {

@@ -161,6 +161,13 @@ pub struct BdpController {
     pub lean_bdps: f64,
     /// Most time's worth of the rail's bandwidth either window holds, ns.
     pub max_queue_ns: u64,
+    /// Smallest slice the full window's pipes are computed with, bytes (the engine's
+    /// `workers.block_size`). A path carrying requests smaller than a slice (4 KiB KV blocks
+    /// that nothing merges) keeps as many bytes in flight as one carrying full slices. Sized
+    /// by its own 4 KiB slices, the pipe floor was about 10 KB on loopback: two or three
+    /// slices in flight, each round trip paying the threads' wake-ups, and tcp moved 85,000
+    /// requests per second whatever their size.
+    pub pipe_slice: u64,
 }
 
 impl Default for BdpController {
@@ -170,6 +177,7 @@ impl Default for BdpController {
             window_bdps: DEFAULT_WINDOW_BDPS,
             lean_bdps: DEFAULT_LEAN_BDPS,
             max_queue_ns: DEFAULT_MAX_QUEUE_NS,
+            pipe_slice: crate::slicing::DEFAULT_BLOCK_SIZE,
         }
     }
 }
@@ -180,10 +188,10 @@ impl WindowController for BdpController {
     }
 
     /// `full` is `window_bdps` bandwidth-delay products (bandwidth × the smallest fixed round
-    /// trip) and at least [`FULL_PIPES`] pipes, `lean` is `lean_bdps` of them and at least one
-    /// *pipe* (one product plus the
-    /// slice: what keeps the rail busy, since a slice is answered only after its whole length
-    /// went on the wire), then at most `max_queue_ns` of the bandwidth, and at least one slice.
+    /// trip) and at least [`FULL_PIPES`] pipes of a slice of at least
+    /// [`pipe_slice`](Self::pipe_slice), `lean` is `lean_bdps` of them and at least one
+    /// *pipe* (one product plus the slice: what keeps the rail busy, since a slice is answered
+    /// only after its whole length went on the wire), then at most `max_queue_ns` of the bandwidth, and at least one slice.
     /// The margin of `full` covers what the estimate misses on a CPU-bound link such as
     /// loopback; the time cap keeps a slow rail's queue short.
     ///
@@ -203,13 +211,16 @@ impl WindowController for BdpController {
         };
         let bdp = bytes_per_sec * fixed as f64 / 1e9;
         let pipe = bdp + slice as f64;
+        // The full window's pipes are of a full slice at least; the lean window keeps the
+        // slice's own, so bulk cut into short pieces beside HIGH keeps little queued ahead of
+        // it on a slow rail.
+        let full_pipe = bdp + slice.max(self.pipe_slice) as f64;
         let cap = bytes_per_sec * self.max_queue_ns as f64 / 1e9;
-        let bound =
-            |bdps: f64, pipes: f64| ((bdps * bdp).max(pipes * pipe).min(cap) as u64).max(slice);
+        let bound = |bdps: f64, pipes: f64| ((bdps * bdp).max(pipes).min(cap) as u64).max(slice);
         Window {
-            full: bound(self.window_bdps, FULL_PIPES),
-            lean: bound(self.lean_bdps, 1.0),
-            pipe: bound(0.0, 1.0),
+            full: bound(self.window_bdps, FULL_PIPES * full_pipe),
+            lean: bound(self.lean_bdps, pipe),
+            pipe: bound(0.0, pipe),
         }
     }
 }
@@ -312,12 +323,12 @@ mod tests {
         // Two slices in flight at least: the rail then delivers more than its estimate.
         assert!(w.full >= 2 * slice, "{w:?}");
         // Even with no fixed part at all (a window controller fed by another estimator), the
-        // full window holds two pipes.
+        // full window holds two pipes (of at least a full slice, `pipe_slice`).
         let zero = RttEstimator {
             min_fixed_ns: Some(0),
             ..RttEstimator::new()
         };
-        assert_eq!(c.window(&zero, 0.5e9, slice).full, 2 * slice);
+        assert_eq!(c.window(&zero, 0.5e9, slice).full, 2 * c.pipe_slice);
         assert_eq!(c.window(&zero, 0.5e9, slice).lean, slice);
     }
 
@@ -341,6 +352,28 @@ mod tests {
         let mut slow = RttEstimator::new();
         slow.on_sample(1_000_000, 0, 1e9);
         assert_eq!(c.window(&slow, 1e9, 65536).full, 1_000_000);
+    }
+
+    #[test]
+    fn small_slices_keep_the_pipe_of_a_full_slice() {
+        let c = BdpController::default();
+        let mut rtt = RttEstimator::new();
+        // 4 µs fixed at 3 GB/s: a product of 12 kB, below a 64 KiB slice.
+        rtt.on_sample(4_000, 0, 3e9);
+        let small = c.window(&rtt, 3e9, 4096);
+        let full = c.window(&rtt, 3e9, c.pipe_slice);
+        // 4 KiB slices hold what 64 KiB ones do: two pipes of a product plus 64 KiB.
+        assert_eq!(small.full, full.full);
+        assert_eq!(small.full, 2 * (12_000 + 65_536));
+        // The lean window and the pipe keep the slice's own size: bulk cut short beside HIGH
+        // keeps little in flight.
+        assert_eq!(small.lean, 12_000 + 4096);
+        assert_eq!(small.pipe, small.lean);
+        // A slice larger than pipe_slice counts in full.
+        let big = c.window(&rtt, 3e9, 1 << 20);
+        assert_eq!(big.full, 2 * (12_000 + (1 << 20)));
+        // The time cap still wins on a slow rail: 1 ms of 10 MB/s is 10 kB (one slice at least).
+        assert_eq!(c.window(&rtt, 10e6, 4096).full, 10_000);
     }
 
     #[test]
