@@ -30,6 +30,11 @@ const SLICES_PER_WRITE: usize = 64;
 /// Largest HIGH slice a submitting thread writes itself (see [`Conn::send_now`]): one default
 /// slice, which an idle connection's socket buffer takes whole.
 const DIRECT_WRITE_MAX: u64 = 64 * 1024;
+/// READ answers of at most this many bytes are read through the reader's staging, with the
+/// answers behind them, as many as the socket holds: copying 4 KiB out of staging costs less
+/// than the two system calls (header, then payload) that would read it alone. Larger payloads
+/// go straight from the socket to their destination.
+const SMALL_READ: usize = 16 * 1024;
 
 /// Settings of the tcp transport, taken from `transports.tcp`.
 #[derive(Debug, Clone)]
@@ -543,13 +548,17 @@ fn sender_loop(conn: &Arc<Conn>, rx: Receiver<Msg>) {
 
 /// Reads exactly one response header, pulling in more bytes only when no READ payload can
 /// follow, so payload bytes land in registered memory and not in the staging buffer.
+/// Reads until staging holds a response header and takes it. While READs are outstanding a
+/// read stops at the header, so a large payload behind it goes straight to its destination,
+/// unless `bulk_ok` (the latest READ answer was small: more like it probably follow).
 fn fill_header(
     staging: &mut Staging,
     fd: RawFd,
     reads_outstanding: bool,
+    bulk_ok: bool,
 ) -> std::io::Result<[u8; wire::RESPONSE_LEN]> {
     while staging.available() < wire::RESPONSE_LEN {
-        let want = if reads_outstanding {
+        let want = if reads_outstanding && !bulk_ok {
             wire::RESPONSE_LEN - staging.available()
         } else {
             usize::MAX
@@ -583,13 +592,15 @@ fn reap(conn: &Arc<Conn>, staging: &mut Staging) -> Result<()> {
     // delivered together rather than as a burst of impossibly short intervals.
     let mut now = Instant::now();
     let mut nice = ThreadNice::for_this_thread(conn.settings.nice);
+    let mut small_reads = false;
     loop {
         nice.follow(
             Priority::from_u8(conn.carrying.load(Ordering::Relaxed)).unwrap_or(Priority::High),
         );
         let reads = conn.reads_outstanding.load(Ordering::Acquire) > 0;
         let must_read = staging.available() < wire::RESPONSE_LEN;
-        let raw = fill_header(staging, conn.fd, reads).map_err(|e| conn.io_failure("", &e))?;
+        let raw = fill_header(staging, conn.fd, reads, small_reads)
+            .map_err(|e| conn.io_failure("", &e))?;
         if must_read {
             now = Instant::now();
         }
@@ -642,6 +653,24 @@ fn reap(conn: &Arc<Conn>, staging: &mut Staging) -> Result<()> {
                 }
                 let dst = slice.local as *mut u8;
                 let len = slice.len as usize;
+                small_reads = len <= SMALL_READ;
+                if small_reads && staging.available() < len {
+                    // Through staging (it holds 64 KiB), with whatever answers follow.
+                    while staging.available() < len {
+                        match staging.read_from(conn.fd, usize::MAX) {
+                            Ok(0) => {
+                                let eof = std::io::Error::new(
+                                    std::io::ErrorKind::UnexpectedEof,
+                                    "connection closed by peer inside a read answer",
+                                );
+                                return Err(requeue(inflight, conn.io_failure("", &eof)));
+                            }
+                            Ok(_) => {}
+                            Err(e) => return Err(requeue(inflight, conn.io_failure("", &e))),
+                        }
+                    }
+                    now = Instant::now();
+                }
                 // SAFETY: `dst..dst+len` is this READ slice's destination in registered memory,
                 // which the submitter keeps registered until the slice completes, and which
                 // nothing else writes meanwhile; it is not the staging buffer.
