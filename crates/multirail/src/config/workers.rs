@@ -67,12 +67,8 @@ impl WorkersConfig {
     /// The dispatcher settings these keys give (window controller, bulk chunking beside HIGH);
     /// the transport fills in its timeout, retries and promotion.
     pub fn dispatch_config(&self) -> dispatch::DispatchConfig {
-        let mut controller = self.window.controller();
-        if let dispatch::ControllerKind::Bdp(bdp) = &mut controller {
-            bdp.pipe_slice = self.block_size;
-        }
         dispatch::DispatchConfig {
-            controller,
+            controller: self.window.controller(self.block_size),
             high_wait_ns: self.bulk_chunk_wait_us.saturating_mul(1000),
             min_bulk_chunk: self.min_bulk_chunk,
             ..dispatch::DispatchConfig::default()
@@ -127,15 +123,16 @@ impl Default for WindowConfig {
 }
 
 impl WindowConfig {
-    /// The controller these settings describe.
-    pub fn controller(&self) -> dispatch::ControllerKind {
+    /// The controller these settings describe, for slices of `block_size` bytes
+    /// (`workers.block_size`: the least slice a full window's pipes are counted in).
+    pub fn controller(&self, block_size: u64) -> dispatch::ControllerKind {
         match self.controller {
             WindowControllerKind::Bdp => dispatch::ControllerKind::Bdp(dispatch::BdpController {
                 initial_window: self.initial_bytes,
                 window_bdps: self.bdps,
                 lean_bdps: self.lean_bdps,
                 max_queue_ns: self.max_queue_us.saturating_mul(1000),
-                pipe_slice: dispatch::BdpController::default().pipe_slice,
+                pipe_slice: block_size,
             }),
             WindowControllerKind::Fixed => {
                 dispatch::ControllerKind::Fixed(dispatch::FixedController {

@@ -149,9 +149,6 @@ fn pause(d: Duration) {
 /// about 5 µs of system calls with the receive lock held.
 const SOLE_READS: u32 = 16;
 
-/// [`YIELD_AFTER`], for polls that read sockets.
-const YIELD_AFTER_SOCKETS: Duration = Duration::from_micros(50);
-
 /// A thread whose waits have not looked at the clock for this long was quiet (or only ever
 /// found its messages at once); see [`QUIET_UNTIL`].
 const QUIET: Duration = Duration::from_millis(1);
@@ -658,12 +655,7 @@ impl Messaging {
                 return None;
             }
             if waited < spin {
-                let after = if costly {
-                    YIELD_AFTER_SOCKETS
-                } else {
-                    YIELD_AFTER
-                };
-                if waited > after && (costly || idle.is_multiple_of(64)) {
+                if waited > YIELD_AFTER && (costly || idle.is_multiple_of(64)) {
                     // A peer on this core (more pollers than cores, or a receiver our message
                     // just woke, which the kernel likes to place here) gets to run now.
                     thread::yield_now();

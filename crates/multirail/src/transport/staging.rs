@@ -82,6 +82,33 @@ impl Staging {
         Ok(n)
     }
 
+    /// Reads from `fd` (blocking) until at least `n` bytes are staged (`n` at most the
+    /// capacity): only the missing bytes when `exact`, else whatever each read brings, which
+    /// may be more. Fails with `UnexpectedEof` when the peer closes first (`what` says inside
+    /// what), or with the socket's error.
+    pub(crate) fn fill_to(
+        &mut self,
+        fd: RawFd,
+        n: usize,
+        exact: bool,
+        what: &str,
+    ) -> std::io::Result<()> {
+        while self.available() < n {
+            let want = if exact {
+                n - self.available()
+            } else {
+                usize::MAX
+            };
+            if self.read_from(fd, want)? == 0 {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("connection closed by peer {what}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Moves up to `len` staged bytes to `dst` and consumes them; returns how many.
     ///
     /// # Safety

@@ -191,7 +191,8 @@ impl WindowController for BdpController {
     /// trip) and at least [`FULL_PIPES`] pipes of a slice of at least
     /// [`pipe_slice`](Self::pipe_slice), `lean` is `lean_bdps` of them and at least one
     /// *pipe* (one product plus the slice: what keeps the rail busy, since a slice is answered
-    /// only after its whole length went on the wire), then at most `max_queue_ns` of the bandwidth, and at least one slice.
+    /// only after its whole length went on the wire), then at most `max_queue_ns` of the
+    /// bandwidth, and at least one slice.
     /// The margin of `full` covers what the estimate misses on a CPU-bound link such as
     /// loopback; the time cap keeps a slow rail's queue short.
     ///

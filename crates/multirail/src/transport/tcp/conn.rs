@@ -546,8 +546,6 @@ fn sender_loop(conn: &Arc<Conn>, rx: Receiver<Msg>) {
     conn.hand_back(rest, conn.dead_error());
 }
 
-/// Reads exactly one response header, pulling in more bytes only when no READ payload can
-/// follow, so payload bytes land in registered memory and not in the staging buffer.
 /// Reads until staging holds a response header and takes it. While READs are outstanding a
 /// read stops at the header, so a large payload behind it goes straight to its destination,
 /// unless `bulk_ok` (the latest READ answer was small: more like it probably follow).
@@ -557,19 +555,8 @@ fn fill_header(
     reads_outstanding: bool,
     bulk_ok: bool,
 ) -> std::io::Result<[u8; wire::RESPONSE_LEN]> {
-    while staging.available() < wire::RESPONSE_LEN {
-        let want = if reads_outstanding && !bulk_ok {
-            wire::RESPONSE_LEN - staging.available()
-        } else {
-            usize::MAX
-        };
-        if staging.read_from(fd, want)? == 0 {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                "connection closed by peer",
-            ));
-        }
-    }
+    let exact = reads_outstanding && !bulk_ok;
+    staging.fill_to(fd, wire::RESPONSE_LEN, exact, "between answers")?;
     let h: [u8; wire::RESPONSE_LEN] = staging
         .peek(wire::RESPONSE_LEN)
         .try_into()
@@ -656,18 +643,8 @@ fn reap(conn: &Arc<Conn>, staging: &mut Staging) -> Result<()> {
                 small_reads = len <= SMALL_READ;
                 if small_reads && staging.available() < len {
                     // Through staging (it holds 64 KiB), with whatever answers follow.
-                    while staging.available() < len {
-                        match staging.read_from(conn.fd, usize::MAX) {
-                            Ok(0) => {
-                                let eof = std::io::Error::new(
-                                    std::io::ErrorKind::UnexpectedEof,
-                                    "connection closed by peer inside a read answer",
-                                );
-                                return Err(requeue(inflight, conn.io_failure("", &eof)));
-                            }
-                            Ok(_) => {}
-                            Err(e) => return Err(requeue(inflight, conn.io_failure("", &e))),
-                        }
+                    if let Err(e) = staging.fill_to(conn.fd, len, false, "inside a read answer") {
+                        return Err(requeue(inflight, conn.io_failure("", &e)));
                     }
                     now = Instant::now();
                 }

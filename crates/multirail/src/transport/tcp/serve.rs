@@ -239,16 +239,25 @@ struct Payload {
     read_at: Instant,
 }
 
+/// The kind of the latest request on a connection, which says what probably follows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LastRequest {
+    /// A READ: more headers, and nothing else, may be read at once.
+    Read,
+    /// A WRITE of at most [`SMALL_PAYLOAD`] bytes: reads fill staging, payloads and all.
+    SmallWrite,
+    /// A larger WRITE: reads stop at the next header, so its payload goes straight to memory.
+    LargeWrite,
+}
+
 /// One data connection's serving state.
 pub(crate) struct DataConn {
     staging: Staging,
     /// Where refused payloads are read to be dropped; allocated on first use.
     scratch: Vec<u8>,
     out: Responses,
-    last_was_read: bool,
-    /// The latest request was a WRITE of at most [`SMALL_PAYLOAD`] bytes: more like it
-    /// probably follow, so reads fill staging instead of stopping at the next header.
-    small_writes: bool,
+    /// What the latest request was: how much the next read of headers may take.
+    last: LastRequest,
     payload: Option<Payload>,
     /// When the last socket read that brought request header bytes returned: the time the
     /// headers in staging were read.
@@ -270,8 +279,7 @@ impl DataConn {
             staging: Staging::new(STAGING, early),
             scratch: Vec::new(),
             out: Responses::new(),
-            last_was_read: false,
-            small_writes: false,
+            last: LastRequest::LargeWrite,
             payload: None,
             read_at: Instant::now(),
             served,
@@ -346,8 +354,11 @@ impl DataConn {
             nice.follow(h.priority);
             match h.op {
                 RequestOp::Write => {
-                    self.last_was_read = false;
-                    self.small_writes = h.len as usize <= SMALL_PAYLOAD;
+                    self.last = if h.len as usize <= SMALL_PAYLOAD {
+                        LastRequest::SmallWrite
+                    } else {
+                        LastRequest::LargeWrite
+                    };
                     let (dst, status) = match check(registry, &h) {
                         Ok(region) => (Some((h.addr as usize as *mut u8, region)), Status::Ok),
                         Err(status) => (None, status),
@@ -364,7 +375,7 @@ impl DataConn {
                     self.take_staged_payload();
                 }
                 RequestOp::Read => {
-                    self.last_was_read = true;
+                    self.last = LastRequest::Read;
                     match check(registry, &h) {
                         Ok(region) => {
                             self.out.push_timed(
@@ -405,12 +416,10 @@ impl DataConn {
     fn read_headers(&mut self, fd: RawFd) -> Result<Option<usize>, String> {
         let st = &mut self.staging;
         st.compact();
-        let want = if self.small_writes {
-            st.tail().len()
-        } else if self.last_was_read {
-            st.tail().len().min(16 * wire::REQUEST_LEN)
-        } else {
-            wire::REQUEST_LEN - st.available()
+        let want = match self.last {
+            LastRequest::SmallWrite => st.tail().len(),
+            LastRequest::Read => st.tail().len().min(16 * wire::REQUEST_LEN),
+            LastRequest::LargeWrite => wire::REQUEST_LEN - st.available(),
         };
         match sockio::recv_nonblocking(fd, &mut st.tail()[..want]) {
             Ok(Some(n)) => {
@@ -574,7 +583,7 @@ mod tests {
     }
 
     /// Sends `requests` from another thread and serves them until `answers` responses came
-    /// back; returns them in the order they came.
+    /// back (failing after 30 s); returns them in the order they came.
     fn serve_all(
         registry: &MemoryRegistry,
         requests: Vec<u8>,
@@ -596,7 +605,9 @@ mod tests {
                 .map(|r| ResponseHeader::decode(r).unwrap())
                 .collect::<Vec<_>>()
         });
+        let deadline = Instant::now() + std::time::Duration::from_secs(30);
         while !reader.is_finished() {
+            assert!(Instant::now() < deadline, "not every request was answered");
             conn.turn(fd, registry, &mut nice).unwrap();
             std::thread::yield_now();
         }
