@@ -26,6 +26,7 @@
 //!   another rail, at most `max_retries` times; a path that keeps failing is paused and probed
 //!   back ([`crate::health`]).
 
+mod finish;
 mod window;
 
 #[cfg(test)]
@@ -41,6 +42,7 @@ pub use window::{
 use crate::health::{HealthConfig, RailHealth};
 use crate::qos::{Priority, PriorityQueues, PromotionConfig, LEVELS};
 use crate::selector::{RailId, SliceShape};
+use finish::PathLoad;
 
 /// Index of a path among the dispatcher's (the order given to [`Dispatcher::new`]).
 pub type PathId = usize;
@@ -281,6 +283,8 @@ struct Path {
     usable: bool,
     /// Bytes posted and not yet answered.
     posted: u64,
+    /// When the path was last given a slice (0 = never).
+    last_posted_ns: u64,
     /// Posting order: answers may come back out of order across connections, so finished
     /// entries stay until they reach the front; the front is the oldest slice in flight.
     inflight: VecDeque<InFlight>,
@@ -359,6 +363,8 @@ struct Scratch {
     tiers: Vec<u8>,
     /// Per path: what the priority being dealt may hold there.
     allowed: Vec<u64>,
+    /// Usable paths that admit the priority being dealt, with what they hold.
+    loads: Vec<(PathId, PathLoad)>,
 }
 
 impl<T: Payload> Dispatcher<T> {
@@ -382,6 +388,7 @@ impl<T: Payload> Dispatcher<T> {
                 health: RailHealth::new(config.health),
                 usable: false,
                 posted: 0,
+                last_posted_ns: 0,
                 inflight: VecDeque::new(),
                 rtt: RttEstimator::new(),
                 controller: config.controller.build(),
@@ -900,6 +907,7 @@ impl<T: Payload> Dispatcher<T> {
         self.next_seq += 1;
         let path = &mut self.paths[p];
         path.posted += len;
+        path.last_posted_ns = now;
         path.inflight.push_back(InFlight {
             seq,
             len,
@@ -941,6 +949,7 @@ impl<T: Payload> Dispatcher<T> {
         let mut tiers = std::mem::take(&mut self.scratch.tiers);
         let mut allowed = std::mem::take(&mut self.scratch.allowed);
         allowed.resize(self.paths.len(), 0);
+        let mut loads = std::mem::take(&mut self.scratch.loads);
         // Priorities whose turn it is; one that finds no rail is skipped this round so lower
         // ones may still use rails reserved away from it.
         let mut blocked = [false; LEVELS];
@@ -979,6 +988,7 @@ impl<T: Payload> Dispatcher<T> {
                 c.clear();
             }
             let mut room = 0u64;
+            loads.clear();
             for (p, path) in self.paths.iter().enumerate() {
                 allowed[p] = 0;
                 if !path.usable || !rails.rail_admits(path.rail, prio) {
@@ -992,10 +1002,33 @@ impl<T: Payload> Dispatcher<T> {
                 let window = self.window(p, slice);
                 rails.note_window(path.rail, window.full);
                 allowed[p] = allowance(prio, window, high_active, bulk_active);
-                if !smart || path.posted < allowed[p] {
-                    let tier = tiers.get(path.rail).copied().unwrap_or(0).min(2) as usize;
-                    candidates[tier].push(path.rail);
-                    room += allowed[p].saturating_sub(path.posted);
+                loads.push((
+                    p,
+                    PathLoad {
+                        bytes_per_sec: self.bandwidth.get(path.rail).copied().unwrap_or(0.0),
+                        posted: path.posted,
+                        slice,
+                        allowed: allowed[p],
+                        probe: path.posted == 0
+                            && now.saturating_sub(path.last_posted_ns) >= finish::PROBE_AFTER_NS,
+                    },
+                ));
+            }
+            // Smart mode keeps the tail of the queue off paths that would finish it late.
+            let horizon = if smart {
+                let queued = (0..self.queue.level_len(level))
+                    .map_while(|k| self.queue.get(level, k))
+                    .map(|q| q.item.len());
+                finish::horizon(loads.iter().map(|(_, load)| load), queued)
+            } else {
+                f64::INFINITY
+            };
+            for &(p, load) in loads.iter() {
+                if !smart || (load.has_room() && load.on_time(load.posted, horizon)) {
+                    let rail = self.paths[p].rail;
+                    let tier = tiers.get(rail).copied().unwrap_or(0).min(2) as usize;
+                    candidates[tier].push(rail);
+                    room += allowed[p].saturating_sub(load.posted);
                 }
             }
             if candidates.iter().all(Vec::is_empty) {
@@ -1031,8 +1064,14 @@ impl<T: Payload> Dispatcher<T> {
                 let p = self.path_of(rail).expect("candidates have paths");
                 let fits = if smart {
                     // The selector spreads a run by predicted finish, which can heap more on
-                    // the fastest path than its room: the excess waits for the next deal.
-                    self.paths[p].posted < allowed[p]
+                    // the fastest path than its room, or more on a slow one than it finishes
+                    // by the horizon: the excess waits for the next deal.
+                    let posted = self.paths[p].posted;
+                    posted < allowed[p]
+                        && loads
+                            .iter()
+                            .find(|(lp, _)| *lp == p)
+                            .is_none_or(|(_, load)| load.on_time(posted, horizon))
                 } else {
                     self.paths[p].posted < self.window(p, len).full
                 };
@@ -1072,6 +1111,7 @@ impl<T: Payload> Dispatcher<T> {
         self.scratch.selected = selected;
         self.scratch.tiers = tiers;
         self.scratch.allowed = allowed;
+        self.scratch.loads = loads;
         self.expire_queue(now, rails);
         if (0..LEVELS).any(|l| {
             self.queue.level_len(Priority::ALL[l]) > 0 && !rails.slot_admits(Priority::ALL[l])
