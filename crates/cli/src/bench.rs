@@ -305,6 +305,15 @@ fn take_budget(budget: &AtomicU64, bytes: u64) -> bool {
         .is_ok()
 }
 
+/// Bytes from the start of `sub`'s region that a run can touch: the batches its walk covers
+/// before wrapping, and with a byte budget (`--total`) no more batches than the budget pays
+/// for, since the threads draw whole batches from it.
+fn reachable(sub: &Submitter, total: Option<u64>) -> u64 {
+    let per_batch = sub.block * sub.batch as u64;
+    let walk = sub.region / per_batch * per_batch;
+    total.map_or(walk, |t| walk.min(t / per_batch * per_batch))
+}
+
 /// Counters shared by the benchmark threads.
 struct Shared {
     stop: AtomicBool,
@@ -651,7 +660,8 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         // way, one pattern for both sides as a function of the target offset, would let a
         // lost write pass a verified write, since the target would already hold its bytes.)
         // Benches verifying against the same target at the same time would overwrite each
-        // other's patterns; run them one after another.
+        // other's patterns; run them one after another. With --total only what the budget
+        // reaches is written: on slow rails the whole region could take longer than the run.
         for sub in &plan.submitters {
             transfer(
                 &engine,
@@ -659,7 +669,7 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
                 Opcode::Write,
                 plan.local_base + sub.base,
                 sub.base,
-                sub.region,
+                reachable(sub, args.total),
             )
             .context("verify: writing the reference pattern to the target before reading")?;
         }
@@ -1160,6 +1170,28 @@ mod tests {
         assert_eq!(measured_ewma(Some(40.0), Some(400.0)), Some(40.0));
         assert_eq!(measured_ewma(None, Some(400.0)), None);
         assert_eq!(measured_ewma(Some(7.5), None), Some(7.5));
+    }
+
+    #[test]
+    fn a_byte_budget_reaches_only_the_batches_it_pays_for() {
+        let sub = Submitter {
+            class: 0,
+            priority: multirail::PRIO_HIGH,
+            block: 4096,
+            batch: 16,
+            base: 0,
+            region: 1 << 20,
+        };
+        // 64 KiB per batch, 16 batches before the walk wraps.
+        assert_eq!(reachable(&sub, None), 1 << 20);
+        assert_eq!(reachable(&sub, Some(200 << 10)), 192 << 10);
+        assert_eq!(reachable(&sub, Some(64 << 20)), 1 << 20);
+        // A region that is not a whole number of batches: the walk stops before its end.
+        let odd = Submitter {
+            region: (1 << 20) + 4096,
+            ..sub
+        };
+        assert_eq!(reachable(&odd, None), 1 << 20);
     }
 
     #[test]
