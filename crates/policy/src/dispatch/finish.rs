@@ -26,10 +26,11 @@ pub(crate) struct PathLoad {
     pub slice: u64,
     /// Bytes its window lets the priority being dealt hold there.
     pub allowed: u64,
-    /// Idle and given nothing for [`PROBE_AFTER_NS`]: it fills its window whatever its
-    /// finish, so an estimate that fell while it was kept off (a stall, a rail that failed and
-    /// came back) is measured again instead of keeping it off for good. A window's worth, not
-    /// one slice: the estimator may pool samples until they span some busy time.
+    /// Idle and given nothing for [`PROBE_AFTER_NS`], or within [`PROBE_SPAN_NS`] of the slice
+    /// that ended such an idle time: it fills its window whatever its finish, so an estimate
+    /// that fell while it was kept off (a stall, a rail that failed and came back) is measured
+    /// again instead of keeping it off for good. A span, not one slice: the estimator pools
+    /// completions until they hold a millisecond of busy time.
     pub probe: bool,
 }
 
@@ -56,6 +57,10 @@ impl PathLoad {
 /// that a recovered rail is seen within a fraction of a second, rarely enough that the slices
 /// it costs at the tail of batches are few.
 pub(crate) const PROBE_AFTER_NS: u64 = 50_000_000;
+
+/// How long a probe lasts once it took its first slice, ns: a few of the estimator's pooled
+/// samples (a millisecond of busy time each), so the estimate can climb back in one probe.
+pub(crate) const PROBE_SPAN_NS: u64 = 5_000_000;
 
 /// Queued slices the horizon reads at most: past that much the queue is long enough for every
 /// path (the horizon is then unbounded), and a deal must stay cheap.

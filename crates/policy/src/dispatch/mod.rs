@@ -285,6 +285,9 @@ struct Path {
     posted: u64,
     /// When the path was last given a slice (0 = never).
     last_posted_ns: u64,
+    /// Until when the path is probed whatever the finish horizon says (see
+    /// [`finish::PathLoad::probe`]).
+    probe_until_ns: u64,
     /// Posting order: answers may come back out of order across connections, so finished
     /// entries stay until they reach the front; the front is the oldest slice in flight.
     inflight: VecDeque<InFlight>,
@@ -304,6 +307,12 @@ struct Path {
 }
 
 impl Path {
+    /// Nothing in flight and nothing given for [`finish::PROBE_AFTER_NS`]: a slice given now
+    /// starts a probe.
+    fn idle_long(&self, now: u64) -> bool {
+        self.posted == 0 && now.saturating_sub(self.last_posted_ns) >= finish::PROBE_AFTER_NS
+    }
+
     fn refresh_usable(&mut self) {
         self.usable = self.live > 0 && self.health.is_up();
     }
@@ -389,6 +398,7 @@ impl<T: Payload> Dispatcher<T> {
                 usable: false,
                 posted: 0,
                 last_posted_ns: 0,
+                probe_until_ns: 0,
                 inflight: VecDeque::new(),
                 rtt: RttEstimator::new(),
                 controller: config.controller.build(),
@@ -906,6 +916,9 @@ impl<T: Payload> Dispatcher<T> {
         let seq = self.next_seq;
         self.next_seq += 1;
         let path = &mut self.paths[p];
+        if path.idle_long(now) {
+            path.probe_until_ns = now.saturating_add(finish::PROBE_SPAN_NS);
+        }
         path.posted += len;
         path.last_posted_ns = now;
         path.inflight.push_back(InFlight {
@@ -1009,8 +1022,7 @@ impl<T: Payload> Dispatcher<T> {
                         posted: path.posted,
                         slice,
                         allowed: allowed[p],
-                        probe: path.posted == 0
-                            && now.saturating_sub(path.last_posted_ns) >= finish::PROBE_AFTER_NS,
+                        probe: now < path.probe_until_ns || path.idle_long(now),
                     },
                 ));
             }
