@@ -294,6 +294,8 @@ struct ThreadResult {
     requests: u64,
     touched: u64,
     error: Option<String>,
+    /// When the thread's last batch completed (or failed).
+    ended: Instant,
 }
 
 /// Takes one batch's bytes from the shared budget; false once it is spent.
@@ -337,6 +339,7 @@ fn worker(engine: &Engine, plan: &Plan, index: usize, shared: &Shared) -> Thread
         requests,
         touched,
         error: Some(e),
+        ended: Instant::now(),
     };
     while !stop.load(Ordering::Relaxed) && take_budget(budget, per_batch) {
         let off = base + (step % steps) * per_batch;
@@ -376,6 +379,7 @@ fn worker(engine: &Engine, plan: &Plan, index: usize, shared: &Shared) -> Thread
         requests,
         touched,
         error: None,
+        ended: Instant::now(),
     }
 }
 
@@ -739,7 +743,14 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         .into_iter()
         .map(|h| h.join().expect("bench thread"))
         .collect();
-    let secs = start.elapsed().as_secs_f64();
+    // Timed to the last batch's completion, not to the tick that saw the threads done: a run
+    // ended by --total would otherwise count up to a tick (100 ms) of nothing.
+    let secs = results
+        .iter()
+        .map(|r| r.ended)
+        .max()
+        .map_or_else(|| start.elapsed(), |ended| ended.duration_since(start))
+        .as_secs_f64();
     progress.finish_and_clear();
     printed?;
     if let Some(e) = results.iter().find_map(|r| r.error.clone()) {
