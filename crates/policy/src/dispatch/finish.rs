@@ -80,6 +80,7 @@ pub(crate) fn horizon<'a>(
     let mut latest = 0.0f64;
     let mut rate = 0.0;
     let mut posted = 0.0;
+    let mut judged = 0;
     for load in loads {
         let Some(finish) = load.finish_s(load.posted) else {
             continue;
@@ -94,8 +95,10 @@ pub(crate) fn horizon<'a>(
         }
         rate += load.bytes_per_sec;
         posted += load.posted as f64;
+        judged += 1;
     }
-    if rate <= 0.0 || latest <= soonest {
+    // One path has no other to leave the tail to (and a deal on loopback stays cheap).
+    if judged < 2 || latest <= soonest {
         return f64::INFINITY;
     }
     // Queued bytes past which even the latest finish comes before the rest drains.
@@ -108,6 +111,26 @@ pub(crate) fn horizon<'a>(
         }
     }
     soonest.max((queued_bytes + posted) / rate)
+}
+
+/// Bytes pieces are cut in: whole pages.
+const PAGE: u64 = 4096;
+
+/// The piece of a slice of `len` bytes that a path with room but past the horizon for the
+/// whole slice can still finish by `horizon`: its bytes are done with the rest of the batch
+/// instead of waiting for a faster path. Whole pages, at least `min_piece` and less than
+/// `len`; `None` when no such piece exists (or the horizon is unbounded, the path full, its
+/// bandwidth unknown).
+pub(crate) fn tail_piece(load: &PathLoad, horizon: f64, len: u64, min_piece: u64) -> Option<u64> {
+    if !load.has_room() || load.bytes_per_sec <= 0.0 || !horizon.is_finite() {
+        return None;
+    }
+    let fits = horizon * load.bytes_per_sec - load.posted as f64;
+    if fits < min_piece as f64 {
+        return None;
+    }
+    let piece = (fits.min(len as f64) as u64) & !(PAGE - 1);
+    (piece >= min_piece && piece < len).then_some(piece)
 }
 
 #[cfg(test)]
@@ -221,6 +244,26 @@ mod tests {
         // Enough for a sample: its window, not one slice.
         let h = horizon(&loads, [SLICE; 4]);
         assert!(loads[0].on_time(3 * SLICE, h));
+    }
+
+    #[test]
+    fn a_slow_rail_past_the_horizon_takes_the_piece_it_finishes_in_time() {
+        // The fast rails full, two slices left: the horizon is 2.45 ms (see above) and the
+        // 150 Mbit/s rail moves 45 KB by then: 44 KiB in whole pages.
+        let loads = [
+            load(18.75, 0, true),
+            load(37.5, 2 * SLICE, false),
+            load(56.25, 2 * SLICE, false),
+            load(75.0, SLICE, false),
+        ];
+        let h = horizon(&loads, [SLICE, SLICE]);
+        assert_eq!(tail_piece(&loads[0], h, SLICE, 16 << 10), Some(44 << 10));
+        // Not below the smallest piece, not from a full path, not past an unbounded horizon.
+        assert_eq!(tail_piece(&loads[0], h, SLICE, 48 << 10), None);
+        assert_eq!(tail_piece(&loads[1], h, SLICE, 4096), None);
+        assert_eq!(tail_piece(&loads[0], f64::INFINITY, SLICE, 4096), None);
+        // A whole slice that fits is no piece: it goes as it is.
+        assert_eq!(tail_piece(&loads[0], 1.0, SLICE, 4096), None);
     }
 
     #[test]

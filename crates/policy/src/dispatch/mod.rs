@@ -892,6 +892,26 @@ impl<T: Payload> Dispatcher<T> {
         path.controller.window(&path.rtt, bw, slice)
     }
 
+    /// The piece of a slice of `len` bytes that path `p` (allowed `allowed` bytes in flight)
+    /// can still finish by `horizon`, if it cannot finish the whole slice (smart mode only:
+    /// `loads` is empty otherwise). See [`finish::tail_piece`].
+    fn piece_for(
+        &self,
+        p: PathId,
+        loads: &[(PathId, PathLoad)],
+        horizon: f64,
+        len: u64,
+        allowed: u64,
+    ) -> Option<u64> {
+        let (_, load) = loads.iter().find(|(lp, _)| *lp == p)?;
+        let now_load = PathLoad {
+            posted: self.paths[p].posted,
+            allowed,
+            ..*load
+        };
+        finish::tail_piece(&now_load, horizon, len, self.config.min_bulk_chunk)
+    }
+
     /// Largest bulk slice `rail` may carry while HIGH work is active: `high_wait_ns` of its
     /// estimated bandwidth, in whole pages, at least `min_bulk_chunk`.
     fn bulk_chunk(&self, rail: RailId) -> u64 {
@@ -1044,6 +1064,42 @@ impl<T: Payload> Dispatcher<T> {
                 }
             }
             if candidates.iter().all(Vec::is_empty) {
+                // Past the horizon for the whole slice, a slow path with room may still finish
+                // a piece of it in time: cut that off the head and post it there.
+                let piece = loads
+                    .iter()
+                    .filter_map(|(p, load)| {
+                        finish::tail_piece(load, horizon, len, self.config.min_bulk_chunk)
+                            .map(|piece| (*p, piece))
+                    })
+                    .max_by_key(|&(_, piece)| piece);
+                if let (true, Some((p, piece))) = (smart && !split, piece) {
+                    let rail = self.paths[p].rail;
+                    candidates[0].push(rail);
+                    rails.select(&candidates, SliceShape::uniform(1, piece), &mut selected);
+                    if selected.first() == Some(&rail) {
+                        let mut q = self.queue.pop(level, now).expect("head exists");
+                        let rest = q.item.item.split_off(piece);
+                        let requeued = Queued {
+                            item: rest,
+                            rail: None,
+                            attempts: q.item.attempts,
+                            since_ns: q.item.since_ns,
+                        };
+                        rails.dequeued(prio, q.waited_ns);
+                        self.post_on(p, q.item, prio, now);
+                        self.queue.push_front(
+                            requeued,
+                            level,
+                            now.saturating_sub(q.waited_ns),
+                            now,
+                        );
+                        continue;
+                    }
+                    for &rail in &selected {
+                        rails.unassigned(rail, piece);
+                    }
+                }
                 blocked[level.index()] = true;
                 continue;
             }
@@ -1102,6 +1158,25 @@ impl<T: Payload> Dispatcher<T> {
                             q.waited_ns,
                         ));
                     }
+                    rails.dequeued(prio, q.waited_ns);
+                    self.post_on(p, q.item, prio, now);
+                } else if let Some(piece) = (!split)
+                    .then(|| self.piece_for(p, &loads, horizon, len, allowed[p]))
+                    .flatten()
+                {
+                    // Past the horizon for the whole slice, the path still finishes a piece in
+                    // time: it takes that, the rest waits at the head.
+                    let rest = q.item.item.split_off(piece);
+                    rails.unassigned(rail, rest.len());
+                    rests.push((
+                        Queued {
+                            item: rest,
+                            rail: None,
+                            attempts: q.item.attempts,
+                            since_ns: q.item.since_ns,
+                        },
+                        q.waited_ns,
+                    ));
                     rails.dequeued(prio, q.waited_ns);
                     self.post_on(p, q.item, prio, now);
                 } else if smart {

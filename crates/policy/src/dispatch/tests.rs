@@ -763,37 +763,37 @@ fn bulk_beside_high_keeps_at_least_a_pipe_in_flight() {
 /// Runs batches of `count` slices of `len` bytes, one batch at a time as a single submitting
 /// thread does, over paths that each serve their slices in order at `gbps[path]` (what the
 /// selector is told, so its estimates are right from the start). Returns, per batch, how long
-/// it took (ns) and how many of its slices each path carried.
+/// it took (ns) and how many of its bytes each path carried.
 fn run_batches(gbps: &[f64], batches: usize, count: u64, len: u64) -> Vec<(u64, Vec<u64>)> {
     let mut host = Host::new(gbps, true);
     let mut d = dispatcher(gbps.len());
     let mut now = 0u64;
     // Per path: when its link is free, and its slices in flight with when each finishes.
     let mut free = vec![0u64; gbps.len()];
-    let mut flight: Vec<(u64, SliceId, u64)> = Vec::new();
+    let mut flight: Vec<(u64, SliceId, u64, u64)> = Vec::new();
     let mut out = Vec::new();
     for b in 0..batches {
         let start = now;
         let mut carried = vec![0u64; gbps.len()];
         d.on_submit(now, Priority::Low, pieces(b as u32, count, len));
-        let mut done = 0;
-        while done < count {
+        let mut left = count * len;
+        while left > 0 {
             for post in drain(&mut d, now, &mut host) {
                 let p = post.path;
                 let wire_ns = (post.item.len as f64 * 8.0 / gbps[p]) as u64;
                 free[p] = free[p].max(now) + wire_ns;
-                flight.push((free[p], post.id, now));
-                carried[p] += 1;
+                flight.push((free[p], post.id, now, post.item.len));
+                carried[p] += post.item.len;
             }
             let (i, _) = flight
                 .iter()
                 .enumerate()
-                .min_by_key(|(_, (at, _, _))| *at)
+                .min_by_key(|(_, (at, _, _, _))| *at)
                 .expect("slices in flight while the batch is not done");
-            let (at, id, sent) = flight.swap_remove(i);
+            let (at, id, sent, bytes) = flight.swap_remove(i);
             now = at;
             d.on_completed(now, id, Some(sent), &mut host);
-            done += 1;
+            left -= bytes;
         }
         out.push((now - start, carried));
     }
@@ -804,17 +804,21 @@ fn run_batches(gbps: &[f64], batches: usize, count: u64, len: u64) -> Vec<(u64, 
 fn the_tail_of_a_batch_is_not_left_to_a_slow_rail() {
     // Four rails policed at 150, 300, 450 and 600 Mbit/s; batches of 16 × 64 KiB. Dealt by
     // room alone, the 150 Mbit/s rail took a second slice whenever its window freed first
-    // (7 ms for the two, against 6.1 ms for the best split of the batch: 1, 3, 5 and 7).
+    // (7 ms for the two). The best split in whole slices (1, 3, 5 and 7) takes 6.1 ms; with
+    // pieces cut at the tail the batch can come close to the rails' sum, 5.6 ms.
     let gbps = [0.15, 0.3, 0.45, 0.6];
-    let best_ns = 7 * (64u64 << 10) * 8 * 1_000 / 600;
+    let batch = 16 * (64u64 << 10);
+    let whole_slices_ns = 7 * (64u64 << 10) * 8 * 1_000 / 600;
+    let sum_ns = batch * 8 * 1_000 / 1_500;
     for (i, (took_ns, carried)) in run_batches(&gbps, 20, 16, 64 << 10).iter().enumerate() {
         assert!(
-            carried[0] <= 1,
+            carried[0] <= 2 * batch / 10,
             "batch {i}: the slowest rail carried {carried:?}"
         );
         assert!(
-            *took_ns <= best_ns + best_ns / 10,
-            "batch {i} took {took_ns} ns against {best_ns} for the best split ({carried:?})"
+            *took_ns < whole_slices_ns && *took_ns <= sum_ns + sum_ns / 20,
+            "batch {i} took {took_ns} ns; whole slices {whole_slices_ns}, the sum {sum_ns} \
+             ({carried:?})"
         );
     }
 }
@@ -823,6 +827,6 @@ fn the_tail_of_a_batch_is_not_left_to_a_slow_rail() {
 fn equal_rails_share_every_batch() {
     // The horizon keeps nothing off rails of one speed.
     for (i, (_, carried)) in run_batches(&[0.6; 4], 10, 16, 64 << 10).iter().enumerate() {
-        assert_eq!(carried, &vec![4; 4], "batch {i}");
+        assert_eq!(carried, &vec![4 * (64 << 10); 4], "batch {i}");
     }
 }
