@@ -260,6 +260,19 @@ struct Queued<T> {
     since_ns: u64,
 }
 
+impl<T: Payload> Queued<T> {
+    /// Cuts the slice after `at` bytes and returns the rest, queued as this one was (same
+    /// retries, same wait clock) and not charged to any rail.
+    fn rest_after(&mut self, at: u64) -> Queued<T> {
+        Queued {
+            item: self.item.split_off(at),
+            rail: None,
+            attempts: self.attempts,
+            since_ns: self.since_ns,
+        }
+    }
+}
+
 /// A slice posted and not yet answered.
 #[derive(Debug, Clone, Copy)]
 struct InFlight {
@@ -893,8 +906,9 @@ impl<T: Payload> Dispatcher<T> {
     }
 
     /// The piece of a slice of `len` bytes that path `p` (allowed `allowed` bytes in flight)
-    /// can still finish by `horizon`, if it cannot finish the whole slice (smart mode only:
-    /// `loads` is empty otherwise). See [`finish::tail_piece`].
+    /// can still finish by `horizon`, if it cannot finish the whole slice; `None` when `p` is
+    /// not among `loads` or the horizon is unbounded (always, outside smart mode). See
+    /// [`finish::tail_piece`].
     fn piece_for(
         &self,
         p: PathId,
@@ -1079,13 +1093,7 @@ impl<T: Payload> Dispatcher<T> {
                     rails.select(&candidates, SliceShape::uniform(1, piece), &mut selected);
                     if selected.first() == Some(&rail) {
                         let mut q = self.queue.pop(level, now).expect("head exists");
-                        let rest = q.item.item.split_off(piece);
-                        let requeued = Queued {
-                            item: rest,
-                            rail: None,
-                            attempts: q.item.attempts,
-                            since_ns: q.item.since_ns,
-                        };
+                        let requeued = q.item.rest_after(piece);
                         rails.dequeued(prio, q.waited_ns);
                         self.post_on(p, q.item, prio, now);
                         self.queue.push_front(
@@ -1143,40 +1151,23 @@ impl<T: Payload> Dispatcher<T> {
                 } else {
                     self.paths[p].posted < self.window(p, len).full
                 };
-                if fits {
+                // Where the slice is cut before it goes: to a bulk chunk beside HIGH, or (past
+                // the horizon for the whole slice) to the piece the path still finishes in
+                // time. The rest waits at the head.
+                let cut = if fits {
                     let chunk = self.bulk_chunk(rail);
-                    if split && q.item.item.len() > chunk {
-                        let rest = q.item.item.split_off(chunk);
-                        rails.unassigned(rail, rest.len());
-                        rests.push((
-                            Queued {
-                                item: rest,
-                                rail: None,
-                                attempts: q.item.attempts,
-                                since_ns: q.item.since_ns,
-                            },
-                            q.waited_ns,
-                        ));
+                    (split && q.item.item.len() > chunk).then_some(chunk)
+                } else if !split {
+                    self.piece_for(p, &loads, horizon, len, allowed[p])
+                } else {
+                    None
+                };
+                if fits || cut.is_some() {
+                    if let Some(at) = cut {
+                        let rest = q.item.rest_after(at);
+                        rails.unassigned(rail, rest.item.len());
+                        rests.push((rest, q.waited_ns));
                     }
-                    rails.dequeued(prio, q.waited_ns);
-                    self.post_on(p, q.item, prio, now);
-                } else if let Some(piece) = (!split)
-                    .then(|| self.piece_for(p, &loads, horizon, len, allowed[p]))
-                    .flatten()
-                {
-                    // Past the horizon for the whole slice, the path still finishes a piece in
-                    // time: it takes that, the rest waits at the head.
-                    let rest = q.item.item.split_off(piece);
-                    rails.unassigned(rail, rest.len());
-                    rests.push((
-                        Queued {
-                            item: rest,
-                            rail: None,
-                            attempts: q.item.attempts,
-                            since_ns: q.item.since_ns,
-                        },
-                        q.waited_ns,
-                    ));
                     rails.dequeued(prio, q.waited_ns);
                     self.post_on(p, q.item, prio, now);
                 } else if smart {
