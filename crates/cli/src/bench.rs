@@ -4,7 +4,7 @@
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{ChildStdout, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant, SystemTime};
@@ -321,6 +321,8 @@ struct Shared {
     stop: AtomicBool,
     bytes: AtomicU64,
     budget: AtomicU64,
+    /// Threads whose work is over.
+    finished: AtomicUsize,
 }
 
 fn worker(engine: &Engine, plan: &Plan, index: usize, shared: &Shared) -> ThreadResult {
@@ -687,13 +689,22 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         stop: AtomicBool::new(false),
         bytes: AtomicU64::new(0),
         budget: AtomicU64::new(args.total.unwrap_or(u64::MAX)),
+        finished: AtomicUsize::new(0),
     });
     let progress = crate::timed_progress(args.json, args.duration);
     let start = Instant::now();
+    let main_thread = thread::current();
     let handles: Vec<_> = (0..threads)
         .map(|i| {
             let (engine, plan, shared) = (engine.clone(), plan.clone(), shared.clone());
-            thread::spawn(move || worker(&engine, &plan, i, &shared))
+            let main_thread = main_thread.clone();
+            thread::spawn(move || {
+                let result = worker(&engine, &plan, i, &shared);
+                // A run ended by --total (or a failure) is reported at once, not at the tick.
+                shared.finished.fetch_add(1, Ordering::Release);
+                main_thread.unpark();
+                result
+            })
         })
         .collect();
     let deadline = if args.total.is_some() {
@@ -710,9 +721,11 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
     let (mut mark, mut mark_bytes) = (start, rail_bytes(&engine));
     // A line that could not be printed ends the run, after the threads have stopped.
     let mut printed = Ok(());
-    while printed.is_ok() && start.elapsed() < deadline && !handles.iter().all(|h| h.is_finished())
+    while printed.is_ok()
+        && start.elapsed() < deadline
+        && shared.finished.load(Ordering::Acquire) < handles.len()
     {
-        thread::sleep(tick);
+        thread::park_timeout(tick);
         if let Some(interval) = args.interval {
             if mark.elapsed() >= interval {
                 let (now, bytes) = (Instant::now(), rail_bytes(&engine));
