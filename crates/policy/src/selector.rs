@@ -52,11 +52,6 @@ pub const DEFAULT_MIN_SAMPLE_NS: u64 = 1_000_000;
 /// Default of [`SelectorConfig::min_sample_bytes`]: eight slices of the default 128 KiB block.
 pub const DEFAULT_MIN_SAMPLE_BYTES: u64 = 1 << 20;
 
-/// A rail's first pooled sample below this fraction of its reported speed is taken without the
-/// bytes a rise needs (`min_sample_bytes`): it says the reported speed is far off, not that a
-/// burst came through.
-const FAR_BELOW_ESTIMATE: f64 = 0.5;
-
 /// Bytes per second in one Gbps.
 const BYTES_PER_S_PER_GBPS: f64 = 1e9 / 8.0;
 
@@ -146,8 +141,7 @@ pub struct SelectorConfig {
     pub min_sample_ns: u64,
     /// Bytes a pooled bandwidth sample must also hold (multirail's own setting
     /// `bandwidth_sample_min_bytes`; default [`DEFAULT_MIN_SAMPLE_BYTES`]; only with
-    /// `min_sample_ns` > 0), except a rail's first sample when it is below half the reported
-    /// speed: that needs only the busy time. A rail policed by a token bucket lets a burst of the bucket's
+    /// `min_sample_ns` > 0). A rail policed by a token bucket lets a burst of the bucket's
     /// size through at link speed after every pause; a millisecond of a rail policed to
     /// 200 Mbit/s holds 25 KB, so a 32 KB burst doubled such a sample and the max filter kept
     /// it. A megabyte dilutes bursts of tens of KB to a few percent (half of one left a rail
@@ -345,8 +339,6 @@ struct Rail {
     /// completion in it.
     segment_start_ns: Option<u64>,
     segment_end_ns: u64,
-    /// A pooled sample has been learned from: the estimate is no longer the reported speed.
-    pooled_learned: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -504,7 +496,6 @@ impl DeviceSelector {
                     filter: MaxFilter::default(),
                     segment_start_ns: None,
                     segment_end_ns: 0,
-                    pooled_learned: false,
                 };
                 rail.secs_per_byte = 1.0 / theoretical_bps;
                 rail
@@ -706,29 +697,11 @@ impl DeviceSelector {
                 .segment_start_ns
                 .map_or(0, |st| r.segment_end_ns.saturating_sub(st));
             let busy = r.pooled_busy_ns + open;
-            let observed = r.pooled_bytes as f64 * NS_PER_S / busy.max(1) as f64;
-            // The first sample of a rail still estimated at its NIC's reported speed is taken
-            // after the busy time alone when it is far below it: a token bucket's burst only
-            // ever makes a short sample *faster*, so the megabyte guards rises, and a rail
-            // policed far below its reported speed is then learned within milliseconds of its
-            // first slices instead of after a megabyte (53 ms on a rail policed to 150
-            // Mbit/s, while every batch waited for the slices the reported speed had sent
-            // there). Later samples all hold the megabyte: cutting the slower pools short
-            // would leave the megabyte samples to pools that began fast, and the max filter
-            // would keep those.
-            let first_far_below = !r.pooled_learned && observed < r.ewma_bps * FAR_BELOW_ESTIMATE;
-            if busy >= min_sample_ns && (r.pooled_bytes >= min_sample_bytes || first_far_below) {
+            if busy >= min_sample_ns && r.pooled_bytes >= min_sample_bytes {
+                let observed = r.pooled_bytes as f64 * NS_PER_S / busy as f64;
                 let mostly_limited = r.pooled_limited_bytes > r.pooled_bytes / 2;
                 let end = r.segment_end_ns;
-                let before = r.ewma_bps;
                 r.learn(cfg, observed, mostly_limited, end);
-                let learned = !(mostly_limited && observed <= before);
-                if learned && !r.pooled_learned && cfg.estimator == BandwidthEstimator::Delivery {
-                    // The reported speed was no measurement: the first one replaces it
-                    // outright instead of being smoothed against it.
-                    r.set_ewma(observed);
-                }
-                r.pooled_learned |= learned;
                 r.pooled_bytes = 0;
                 r.pooled_busy_ns = 0;
                 r.pooled_limited_bytes = 0;
@@ -1742,11 +1715,9 @@ mod tests {
     }
 
     #[test]
-    fn delivery_learns_a_rail_at_3_percent_of_nominal_within_10_ms() {
+    fn delivery_learns_a_rail_at_3_percent_of_nominal_within_80_ms() {
         // A 10 Gbps NIC policed to 300 Mbit/s: TENT's clamp would hold it at 1 Gbps. A sample
-        // that raises the estimate holds a megabyte, 28 ms of this rail; one that lowers it
-        // needs only a millisecond of busy time (learned after 3.5 ms here, 56 ms when every
-        // sample needed the megabyte).
+        // holds a megabyte, 28 ms of this rail.
         let mut sel = DeviceSelector::new(delivery(), &[gbps(10.0)], 1);
         let mut learned_at = None;
         saturate(
@@ -1767,7 +1738,7 @@ mod tests {
             },
         );
         let t = learned_at.expect("learned and kept");
-        assert!(t <= 10 * MS, "learned after {} ms", t / MS);
+        assert!(t <= 80 * MS, "learned after {} ms", t / MS);
         let tent = SelectorConfig {
             estimator: BandwidthEstimator::Tent,
             ..delivery()

@@ -116,13 +116,23 @@ pub(crate) fn horizon<'a>(
 /// Bytes pieces are cut in: whole pages.
 const PAGE: u64 = 4096;
 
+/// Slices are cut into pieces only on paths where a whole slice takes at least this long on
+/// the wire, s: there a piece's answer comes hundreds of microseconds sooner. On a fast or
+/// CPU-bound link (several rails over loopback: 64 KiB in about 20 µs) pieces would only be
+/// more slices to copy and answer.
+pub(crate) const PIECE_MIN_SLICE_S: f64 = 500e-6;
+
 /// The piece of a slice of `len` bytes that a path with room but past the horizon for the
 /// whole slice can still finish by `horizon`: its bytes are done with the rest of the batch
 /// instead of waiting for a faster path. Whole pages, at least `min_piece` and less than
 /// `len`; `None` when no such piece exists (or the horizon is unbounded, the path full, its
-/// bandwidth unknown).
+/// bandwidth unknown, or a whole slice takes it less than [`PIECE_MIN_SLICE_S`]).
 pub(crate) fn tail_piece(load: &PathLoad, horizon: f64, len: u64, min_piece: u64) -> Option<u64> {
-    if !load.has_room() || load.bytes_per_sec <= 0.0 || !horizon.is_finite() {
+    if !load.has_room()
+        || load.bytes_per_sec <= 0.0
+        || (len as f64) < PIECE_MIN_SLICE_S * load.bytes_per_sec
+        || !horizon.is_finite()
+    {
         return None;
     }
     let fits = horizon * load.bytes_per_sec - load.posted as f64;
@@ -264,6 +274,13 @@ mod tests {
         assert_eq!(tail_piece(&loads[0], f64::INFINITY, SLICE, 4096), None);
         // A whole slice that fits is no piece: it goes as it is.
         assert_eq!(tail_piece(&loads[0], 1.0, SLICE, 4096), None);
+        // Nor on a path that puts a whole slice on the wire within half a millisecond (here
+        // 200 MB/s: 0.33 ms), where a piece saves less than its own answer costs.
+        let fast = PathLoad {
+            bytes_per_sec: 200.0 * MB,
+            ..loads[0]
+        };
+        assert_eq!(tail_piece(&fast, 0.2e-3, SLICE, 4096), None);
     }
 
     #[test]
