@@ -15,7 +15,7 @@
 //! - Slices are dealt only while a path's window has room (see [`window`]): backlog waits here,
 //!   where the selector can still choose, not in socket buffers.
 //! - In smart mode a path with room takes a slice only if it finishes it by the finish horizon
-//!   (see [`finish`]), so the tail of a batch waits for a fast rail instead of a slow one; a
+//!   (module `finish`), so the tail of a batch waits for a fast rail instead of a slow one; a
 //!   slow rail past it takes the piece it finishes in time.
 //! - Beside HIGH work, bulk keeps to the lean window and travels in pieces a HIGH slice can pass
 //!   soon ([`DispatchConfig::high_wait_ns`]); HIGH takes the path's reserved connection.
