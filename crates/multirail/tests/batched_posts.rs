@@ -4,7 +4,7 @@
 //! whole, each in its own place, and the batch's statistics count every byte once.
 
 mod common;
-use common::pattern;
+use common::{pattern, run_batch};
 use std::time::Duration;
 
 use multirail::{Buffer, Config, Engine, Location, Opcode, Request, TransportChoice};
@@ -177,12 +177,7 @@ fn scattered_small_requests_over_tcp_each_land_in_their_place() {
                 r
             })
             .collect();
-        let batch = init.allocate_batch(requests.len()).unwrap();
-        init.submit(batch, &requests).unwrap();
-        init.wait(batch, Some(Duration::from_secs(60))).unwrap();
-        for k in 0..requests.len() {
-            assert!(init.status(batch, k).unwrap().is_completed(), "{op:?} {k}");
-        }
+        run_batch(&init, &requests);
     }
     // SAFETY: both batches completed; nothing writes these buffers now.
     let (sent, landed, read) = unsafe { (src.as_slice(), remote.as_slice(), back.as_slice()) };

@@ -31,13 +31,7 @@ fn run(init: &Engine, reqs: &[Request]) {
             ..*r
         })
         .collect();
-    let b = init.allocate_batch(reqs.len()).unwrap();
-    init.submit(b, &reqs).unwrap();
-    init.wait(b, Some(Duration::from_secs(60))).unwrap();
-    for i in 0..reqs.len() {
-        assert!(init.status(b, i).unwrap().is_completed(), "request {i}");
-    }
-    init.free_batch(b).unwrap();
+    common::run_batch(init, &reqs);
 }
 
 /// Slices the initiator cuts `r` into, as its configuration plans them.

@@ -12,3 +12,22 @@ pub fn pattern(seed: u64, buf: &mut [u8]) {
         chunk.copy_from_slice(&bytes[..chunk.len()]);
     }
 }
+
+/// Submits `requests` as one batch of `engine`, waits for it (60 s at most), checks that every
+/// request completed, and frees the batch.
+#[allow(dead_code)] // not every test binary that includes these helpers submits batches
+pub fn run_batch(engine: &multirail::Engine, requests: &[multirail::Request]) {
+    let batch = engine.allocate_batch(requests.len()).unwrap();
+    engine.submit(batch, requests).unwrap();
+    engine
+        .wait(batch, Some(std::time::Duration::from_secs(60)))
+        .unwrap();
+    for i in 0..requests.len() {
+        assert!(
+            engine.status(batch, i).unwrap().is_completed(),
+            "request {i} of {}",
+            requests.len()
+        );
+    }
+    engine.free_batch(batch).unwrap();
+}

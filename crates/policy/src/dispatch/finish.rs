@@ -88,9 +88,7 @@ pub(crate) fn horizon<'a>(
         soonest = soonest.min(finish);
         if load.has_room() {
             // The last slice its window lets it take in this deal starts below `allowed`.
-            let fullest = load
-                .finish_s(load.allowed.max(load.posted))
-                .unwrap_or(finish);
+            let fullest = (load.allowed + load.slice) as f64 / load.bytes_per_sec;
             latest = latest.max(fullest);
         }
         rate += load.bytes_per_sec;
@@ -112,9 +110,6 @@ pub(crate) fn horizon<'a>(
     }
     soonest.max((queued_bytes + posted) / rate)
 }
-
-/// Bytes pieces are cut in: whole pages.
-const PAGE: u64 = 4096;
 
 /// Slices are cut into pieces only on paths where a whole slice takes at least this long on
 /// the wire, s: there a piece's answer comes hundreds of microseconds sooner. On a fast or
@@ -139,7 +134,7 @@ pub(crate) fn tail_piece(load: &PathLoad, horizon: f64, len: u64, min_piece: u64
     if fits < min_piece as f64 {
         return None;
     }
-    let piece = (fits.min(len as f64) as u64) & !(PAGE - 1);
+    let piece = (fits.min(len as f64) as u64) & !(super::PAGE - 1);
     (piece >= min_piece && piece < len).then_some(piece)
 }
 

@@ -47,6 +47,9 @@ use crate::qos::{Priority, PriorityQueues, PromotionConfig, LEVELS};
 use crate::selector::{RailId, SliceShape};
 use finish::PathLoad;
 
+/// Bulk chunks beside HIGH and tail pieces are cut in whole pages of this many bytes.
+const PAGE: u64 = 4096;
+
 /// Index of a path among the dispatcher's (the order given to [`Dispatcher::new`]).
 pub type PathId = usize;
 
@@ -936,7 +939,7 @@ impl<T: Payload> Dispatcher<T> {
             Some(bw) if bw > 0.0 => {
                 let bytes =
                     (bw * self.config.high_wait_ns as f64 / 1e9).min(u32::MAX as f64) as u64;
-                (bytes & !4095).max(self.config.min_bulk_chunk)
+                (bytes & !(PAGE - 1)).max(self.config.min_bulk_chunk)
             }
             _ => u64::MAX,
         }
