@@ -149,6 +149,17 @@ fn pause(d: Duration) {
 /// about 5 µs of system calls with the receive lock held.
 const SOLE_READS: u32 = 16;
 
+/// Whether a wait reads the clock after a poll that found nothing (counted in `idle`):
+/// reading it costs as much as a poll of memory, so every 32 such polls, but after every poll
+/// that made system calls (`costly`: a tcp read costs a µs), and once at once when `look_now`
+/// (which it clears). Counting a costly poll as 32 cheap ones instead let a wait that began
+/// with a cheap poll never come back to a multiple of 32: it never read the clock again, never
+/// timed out and never slept (a `recv` with a 10 s timeout spun for 20 minutes).
+fn looks_at_clock(idle: &mut u32, costly: bool, look_now: &mut bool) -> bool {
+    *idle = idle.wrapping_add(1);
+    std::mem::take(look_now) || costly || idle.is_multiple_of(32)
+}
+
 /// A thread whose waits have not looked at the clock for this long was quiet (or only ever
 /// found its messages at once); see [`QUIET_UNTIL`].
 const QUIET: Duration = Duration::from_millis(1);
@@ -629,10 +640,7 @@ impl Messaging {
                 }
                 return Some(m);
             }
-            // Reading the clock costs as much as a poll of memory: look at it every 32 such
-            // polls, but after every poll that made system calls (a tcp read costs a µs).
-            idle = idle.wrapping_add(if costly { 32 } else { 1 });
-            if !std::mem::take(&mut look_now) && !idle.is_multiple_of(32) {
+            if !looks_at_clock(&mut idle, costly, &mut look_now) {
                 std::hint::spin_loop();
                 continue;
             }
@@ -852,5 +860,30 @@ impl crate::server::MessageListener for Messaging {
         permit: ConnPermit,
     ) -> std::result::Result<(), String> {
         Messaging::accept(self, stream, opening, permit)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::looks_at_clock;
+
+    #[test]
+    fn a_wait_reads_the_clock_after_every_costly_poll_whatever_came_before() {
+        let (mut idle, mut look_now) = (0u32, false);
+        // A cheap poll first (a message pool, no socket yet): not yet.
+        assert!(!looks_at_clock(&mut idle, false, &mut look_now));
+        // Then only polls that read sockets: each looks, so the timeout is seen.
+        for _ in 0..100 {
+            assert!(looks_at_clock(&mut idle, true, &mut look_now));
+        }
+        // Cheap polls look once in 32.
+        let looks = (0..320)
+            .filter(|_| looks_at_clock(&mut idle, false, &mut look_now))
+            .count();
+        assert_eq!(looks, 10);
+        // Asked to look now: once, then back to the cadence.
+        look_now = true;
+        assert!(looks_at_clock(&mut idle, false, &mut look_now));
+        assert!(!look_now);
     }
 }
