@@ -81,6 +81,13 @@ pub struct BenchArgs {
     /// at most 1GiB (said on stderr).
     #[arg(long, value_parser = limits::size(1, MAX_BYTES))]
     size: Option<u64>,
+    /// Where in the target's buffer this run's regions begin (e.g. 512MiB; 0 to 1 TiB), so
+    /// several benches against one long-lived target, each given its own offset, move and
+    /// --verify their own bytes at the same time. The run takes --size bytes from there (by
+    /// default what is left of the target's buffer, at most 1GiB); a `--local` target is made
+    /// this much larger. Default: 0.
+    #[arg(long, default_value = "0", value_parser = limits::size(0, MAX_BYTES))]
+    target_offset: u64,
     /// Stop after moving this many bytes (e.g. 256MiB; at least one batch, at most 64 TiB)
     /// instead of after --duration. Default: off.
     #[arg(long, value_parser = limits::size(1, MAX_TOTAL))]
@@ -563,14 +570,27 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
     check_flags(&args, &classes)?;
     // What can be checked without the target is checked before a target starts.
     let local_size = args.size.unwrap_or(DEFAULT_SIZE);
+    let offset = args.target_offset;
     if args.local || args.size.is_some() {
         check_memory(local_size, args.local)?;
         plan_regions(local_size, &classes, args.batch_size, threads)?;
     }
     let mut local_target = if args.local {
+        let target_size = local_size.checked_add(offset).filter(|&s| s <= MAX_BYTES);
+        let target_size = target_size.ok_or_else(|| {
+            Failure::Usage(format!(
+                "--target-offset {} plus --size {} is more than a target serves ({})",
+                units::format_size(offset),
+                units::format_size(local_size),
+                units::format_size(MAX_BYTES)
+            ))
+        })?;
+        if offset > 0 {
+            check_memory(target_size, args.local)?;
+        }
         Some(LocalTarget::start(
             config_path,
-            local_size,
+            target_size,
             args.tent_stats,
         )?)
     } else {
@@ -591,14 +611,29 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
     let seg = engine.open_segment(&target_name)?;
     let descriptor = engine.segment_descriptor(seg)?;
     let largest = descriptor.buffers.iter().map(|b| b.len).max().unwrap_or(0);
+    if largest > 0 && offset >= largest {
+        return Err(Failure::Usage(format!(
+            "--target-offset {} is past the end of what segment {target_name} serves (its \
+             largest buffer is {})",
+            units::format_size(offset),
+            units::format_size(largest)
+        )));
+    }
+    // What the run can take from its offset to the end of the largest buffer.
+    let room = largest - offset.min(largest);
+    let from_offset = if offset > 0 {
+        format!(" from --target-offset {}", units::format_size(offset))
+    } else {
+        String::new()
+    };
     let size = match args.size {
-        Some(size) if size > largest => {
+        Some(size) if size > room => {
             return Err(Failure::Usage(format!(
-                "--size {} is larger than what segment {target_name} serves (its largest buffer \
-                 is {}); give --size {} or less, or leave it out",
+                "--size {} is larger than what segment {target_name} serves{from_offset} (its \
+                 largest buffer is {}); give --size {} or less, or leave it out",
                 units::format_size(size),
                 units::format_size(largest),
-                units::format_size(largest)
+                units::format_size(room)
             )))
         }
         Some(size) => size,
@@ -610,17 +645,19 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         None => {
             // A target started with a smaller --size is still worth benchmarking against: take
             // what it offers rather than fail on the 1 GiB default.
-            let size = largest.min(DEFAULT_SIZE);
+            let size = room.min(DEFAULT_SIZE);
             if !args.local {
                 eprintln!(
                     "bench: using --size {} ({})",
                     units::format_size(size),
-                    if size < largest {
+                    if size < room {
                         format!(
-                            "the target serves {}; capped at {}",
-                            units::format_size(largest),
+                            "the target serves {}{from_offset}; capped at {}",
+                            units::format_size(room),
                             units::format_size(DEFAULT_SIZE)
                         )
+                    } else if offset > 0 {
+                        format!("the rest of the target's largest buffer{from_offset}")
                     } else {
                         "the target's largest buffer".to_owned()
                     }
@@ -634,8 +671,13 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
     let remote = descriptor
         .buffers
         .iter()
-        .find(|b| b.len >= size)
-        .ok_or_else(|| anyhow!("segment {target_name} has no buffer of at least {size} bytes"))?;
+        .find(|b| b.len >= offset + size)
+        .ok_or_else(|| {
+            anyhow!(
+                "segment {target_name} has no buffer of at least {} bytes",
+                offset + size
+            )
+        })?;
     let len = usize::try_from(size).map_err(|_| Failure::Usage("--size too large".into()))?;
     let local = engine.allocate(len, Location::Any)?;
     let op = match args.op {
@@ -646,7 +688,7 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         op,
         seed: fresh_seed(),
         local_base: local.addr(),
-        remote_base: remote.addr,
+        remote_base: remote.addr + offset,
         seg,
         transport: args.transport,
         submitters,
@@ -666,7 +708,7 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         // way, one pattern for both sides as a function of the target offset, would let a
         // lost write pass a verified write, since the target would already hold its bytes.)
         // Benches verifying against the same target at the same time would overwrite each
-        // other's patterns; run them one after another. With --total only what the budget
+        // other's patterns unless each has its own --target-offset. With --total only what the budget
         // reaches is written: on slow rails the whole region could take longer than the run.
         for sub in &plan.submitters {
             transfer(

@@ -335,3 +335,87 @@ fn a_local_tcp_bench_ends_without_pausing_a_rail() {
         }
     }
 }
+
+/// Runs `multirail bench` with `args` as a child process without waiting for it.
+fn spawn_bench(args: &[&str]) -> std::process::Child {
+    std::process::Command::new(common::multirail_bin())
+        .arg("bench")
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawning bench")
+}
+
+#[test]
+fn benches_with_their_own_target_offsets_verify_at_the_same_time() {
+    let target = TargetProcess::start("64MiB", None);
+    for op in ["write", "read"] {
+        // Two clients on one target at once, one over tcp and one over shm, each on its own
+        // half of the buffer: each checks its own bytes, so neither sees the other's pattern.
+        let run = |offset: &str, transport: &str| {
+            spawn_bench(&[
+                "--target",
+                target.name.as_str(),
+                "--target-offset",
+                offset,
+                "--size",
+                "32MiB",
+                "--block-size",
+                "256KiB",
+                "--batch-size",
+                "4",
+                "--duration",
+                "500ms",
+                "--op",
+                op,
+                "--transport",
+                transport,
+                "--verify",
+                "--json",
+            ])
+        };
+        let clients = [run("0", "tcp"), run("32MiB", "shm")];
+        for c in clients {
+            let out = c.wait_with_output().unwrap();
+            assert!(out.status.success(), "{op}: {}", stderr(&out));
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert!(v["verified_bytes"].as_u64().unwrap() > 0, "{op}");
+        }
+    }
+
+    // Without --size the run takes the rest of the buffer from its offset, and says so.
+    let out = multirail(&[
+        "bench",
+        "--target",
+        &target.name,
+        "--target-offset",
+        "48MiB",
+        "--block-size",
+        "256KiB",
+        "--duration",
+        "200ms",
+        "--verify",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--size 16 MiB"), "{}", stderr(&out));
+
+    // Offsets that leave no room are usage errors naming what the target serves.
+    for (offset, size) in [("64MiB", None), ("48MiB", Some("32MiB"))] {
+        let mut args = vec![
+            "bench",
+            "--target",
+            &target.name,
+            "--target-offset",
+            offset,
+            "--duration",
+            "200ms",
+        ];
+        args.extend(size.map(|s| ["--size", s]).into_iter().flatten());
+        let out = multirail(&args);
+        assert_eq!(out.status.code(), Some(2), "{offset}: {}", stderr(&out));
+        assert!(stderr(&out).contains("--target-offset"), "{}", stderr(&out));
+        assert!(stderr(&out).contains("64 MiB"), "{}", stderr(&out));
+    }
+}
