@@ -78,14 +78,12 @@ impl Path {
             }
         }
         let conns = self.conns.lock().expect("path poisoned");
-        let n = conns.len();
-        let start = self.next.fetch_add(1, Ordering::Relaxed);
         let is_high = |c: &Arc<Conn>| high.as_ref().is_some_and(|h| Arc::ptr_eq(h, c));
-        (0..n)
-            .map(|k| &conns[(start + k) % n])
-            .find(|c| !c.is_dead() && !is_high(c))
-            .or(high.as_ref())
-            .cloned()
+        let turn = self.next.fetch_add(1, Ordering::Relaxed);
+        match whose_turn(&conns, |c| !c.is_dead() && !is_high(c), turn) {
+            Some(i) => Some(conns[i].clone()),
+            None => high,
+        }
     }
 
     /// Makes a live connection the HIGH one if the current one is gone; returns how many
@@ -112,6 +110,23 @@ impl Path {
             .map(|s| s.trim() == "down")
             .unwrap_or(false)
     }
+}
+
+/// The index in `conns` of the one whose turn `turn` is: the turns go round those for which
+/// `takes_turns` holds, so each gets the same share. `None` when none takes turns. (Counted
+/// over all of them, skipping the ones that take none, the one after a skipped one took its
+/// turns too: over three connections, one kept for HIGH, the next took two slices in three.)
+fn whose_turn<T>(conns: &[T], takes_turns: impl Fn(&T) -> bool, turn: usize) -> Option<usize> {
+    let n = conns.iter().filter(|c| takes_turns(c)).count();
+    if n == 0 {
+        return None;
+    }
+    conns
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| takes_turns(c))
+        .nth(turn % n)
+        .map(|(i, _)| i)
 }
 
 /// A peer reached over tcp: the driver over its paths' connections.
@@ -553,5 +568,29 @@ impl Transport for TcpTransport {
 
     fn post(&self, reqs: Vec<(Arc<Peer>, Prepared)>, plans: &Plans) {
         self.peers.post(reqs, plans, |peer| self.connected(peer));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::whose_turn;
+
+    #[test]
+    fn bulk_turns_are_shared_evenly_by_the_connections_that_take_them() {
+        // Three connections, the first kept for HIGH (takes no turns).
+        let takes = [false, true, true];
+        let mut share = [0u32; 3];
+        for turn in 0..300 {
+            share[whose_turn(&takes, |t| *t, turn).unwrap()] += 1;
+        }
+        assert_eq!(share, [0, 150, 150]);
+        // The HIGH one in the middle, four in all, and a counter that wraps.
+        let takes = [true, false, true, true];
+        let mut share = [0u32; 4];
+        for k in 0..300 {
+            share[whose_turn(&takes, |t| *t, (usize::MAX - 150).wrapping_add(k)).unwrap()] += 1;
+        }
+        assert!(share[1] == 0 && share.iter().all(|&s| s == 0 || s.abs_diff(100) <= 1));
+        assert_eq!(whose_turn(&[false, false], |t| *t, 7), None);
     }
 }
