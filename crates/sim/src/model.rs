@@ -503,6 +503,9 @@ impl<'a> Sim<'a> {
             connection,
             ..
         } = post;
+        // HIGH spread over the connections (`Spread`) is modelled on the reserved lane: a
+        // modelled NIC's lanes share its rate, and the spread buys CPU at the ends, which the
+        // model does not count.
         let lane = usize::from(connection == Connection::Shared);
         self.host.last_posted[priority.index()] = Some(self.now);
         let nic = &mut self.nics[rail];

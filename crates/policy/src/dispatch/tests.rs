@@ -180,6 +180,7 @@ fn slices_go_out_only_while_windows_have_room() {
 #[test]
 fn high_takes_the_reserved_connection_and_goes_first() {
     let mut host = Host::new(&[100.0], true);
+    host.bulk = true;
     let mut d = dispatcher(1);
     d.on_submit(0, Priority::Low, pieces(0, 4, 64 << 10));
     d.on_submit(0, Priority::High, pieces(1, 2, 64 << 10));
@@ -187,7 +188,37 @@ fn high_takes_the_reserved_connection_and_goes_first() {
     assert_eq!(posts[0].priority, Priority::High);
     assert_eq!(posts[1].priority, Priority::High);
     assert_eq!(posts[0].connection, Connection::Reserved);
+    assert_eq!(posts[1].connection, Connection::Reserved);
     assert_eq!(posts[2].priority, Priority::Low);
+}
+
+#[test]
+fn a_large_high_transfer_spreads_over_the_connections_only_while_no_bulk_moves() {
+    let mut host = Host::new(&[100.0], true);
+    let mut d = dispatcher(1);
+    // HIGH alone: the first slice keeps to the reserved connection, the rest may spread.
+    d.on_submit(0, Priority::High, pieces(0, 8, 64 << 10));
+    let posts = drain(&mut d, 0, &mut host);
+    assert_eq!(posts.len(), 8);
+    assert_eq!(posts[0].connection, Connection::Reserved);
+    assert!(posts[1..]
+        .iter()
+        .all(|p| p.connection == Connection::Spread));
+    for p in &posts {
+        d.on_completed(10 * US, p.id, None, &mut host);
+    }
+    // A request of one slice on the idle path: the reserved connection.
+    d.on_submit(20 * US, Priority::High, pieces(1, 1, 4096));
+    let one = drain(&mut d, 20 * US, &mut host);
+    assert_eq!(one[0].connection, Connection::Reserved);
+    d.on_completed(30 * US, one[0].id, None, &mut host);
+    // Bulk queued or moving anywhere in the engine: every HIGH slice keeps to the reserved
+    // connection, so none queues behind bulk bytes.
+    host.bulk = true;
+    d.on_submit(40 * US, Priority::High, pieces(2, 8, 64 << 10));
+    let posts = drain(&mut d, 40 * US, &mut host);
+    assert_eq!(posts.len(), 8);
+    assert!(posts.iter().all(|p| p.connection == Connection::Reserved));
 }
 
 #[test]

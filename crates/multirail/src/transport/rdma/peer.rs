@@ -316,8 +316,10 @@ impl Link for RdmaLink {
                 continue;
             };
             let qp = match post.connection {
-                Connection::Reserved => &qps[1],
-                _ => &qps[0],
+                // The NIC moves the bytes whichever queue pair carries them: HIGH keeps to
+                // its own, where no bulk work request is ever queued ahead of it.
+                Connection::Reserved | Connection::Spread => &qps[1],
+                Connection::Shared => &qps[0],
             };
             let rkey = post.item.key.rkeys[path.remote_rail];
             let p = post.path;

@@ -64,7 +64,8 @@ struct Path {
 
 impl Path {
     /// A live connection for `connection`: the reserved one takes the HIGH connection, the
-    /// rest take turns on the others; either falls back to any live connection.
+    /// rest (shared and spread) take turns on the others; either falls back to any live
+    /// connection.
     fn pick(&self, connection: Connection) -> Option<Arc<Conn>> {
         let high = self
             .high
@@ -78,6 +79,7 @@ impl Path {
             }
         }
         let conns = self.conns.lock().expect("path poisoned");
+
         let is_high = |c: &Arc<Conn>| high.as_ref().is_some_and(|h| Arc::ptr_eq(h, c));
         let turn = self.next.fetch_add(1, Ordering::Relaxed);
         match whose_turn(&conns, |c| !c.is_dead() && !is_high(c), turn) {
