@@ -50,6 +50,12 @@ use finish::PathLoad;
 /// Bulk chunks beside HIGH and tail pieces are cut in whole pages of this many bytes.
 const PAGE: u64 = 4096;
 
+/// A HIGH transfer spreads over a path's connections (see [`Connection::Spread`]) only on a rail
+/// estimated at least this fast, bytes/s (16 Gbit/s): one stream fills a slower one, and on
+/// rails policed far below 10 Gbit/s two flows per rail only made the bandwidth estimate read
+/// high (one rail 18 % above what it carried) and a batch's slices finish later.
+const SPREAD_MIN_BYTES_PER_SEC: f64 = 2e9;
+
 /// Index of a path among the dispatcher's (the order given to [`Dispatcher::new`]).
 pub type PathId = usize;
 
@@ -137,9 +143,9 @@ pub enum Connection {
     Reserved,
     /// Any of the others, in turn.
     Shared,
-    /// A HIGH slice posted while no bulk (MEDIUM or LOW) work is queued or moving and the
-    /// path already carries a HIGH slice: with nothing to keep it apart from, it may take any
-    /// connection. Over tcp it takes turns on the others, as bulk does, so a large HIGH
+    /// A HIGH slice posted on a fast rail while no bulk (MEDIUM or LOW) work is queued or
+    /// moving and the path already carries a HIGH slice: with nothing to keep it apart from,
+    /// it may take any connection. Over tcp it takes turns on the others, as bulk does, so a large HIGH
     /// transfer is carried by more than one byte stream and serving thread (one stream
     /// carried about 3.3 GB/s on loopback, two about 3.9); a transport whose connections cost
     /// it nothing to keep apart may treat it as `Reserved`.
@@ -970,10 +976,12 @@ impl<T: Payload> Dispatcher<T> {
         if path.idle_long(now) {
             path.probe_until_ns = now.saturating_add(finish::PROBE_SPAN_NS);
         }
+        let fast =
+            self.bandwidth.get(path.rail).copied().unwrap_or(0.0) >= SPREAD_MIN_BYTES_PER_SEC;
         let connection = match priority {
             // The first HIGH slice on an idle path (a request of one slice, the latency case)
             // keeps to the reserved connection, whose threads have just served HIGH.
-            Priority::High if !self.bulk_active && path.posted > 0 => Connection::Spread,
+            Priority::High if fast && !self.bulk_active && path.posted > 0 => Connection::Spread,
             Priority::High => Connection::Reserved,
             _ => Connection::Shared,
         };
