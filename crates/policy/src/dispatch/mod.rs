@@ -145,10 +145,10 @@ pub enum Connection {
     Shared,
     /// A HIGH slice posted on a fast rail while no bulk (MEDIUM or LOW) work is queued or
     /// moving and the path already carries a HIGH slice: with nothing to keep it apart from,
-    /// it may take any connection. Over tcp it takes turns on the others, as bulk does, so a large HIGH
-    /// transfer is carried by more than one byte stream and serving thread (one stream
-    /// carried about 3.3 GB/s on loopback, two about 3.9); a transport whose connections cost
-    /// it nothing to keep apart may treat it as `Reserved`.
+    /// it may take any connection. Over tcp it takes turns on the others, as bulk does, so a
+    /// large HIGH transfer is carried by more than one byte stream and serving thread (one
+    /// stream carried about 3.3 GB/s on loopback, two about 3.9); a transport whose
+    /// connections cost it nothing to keep apart may treat it as `Reserved`.
     Spread,
 }
 

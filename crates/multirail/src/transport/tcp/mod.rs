@@ -79,7 +79,6 @@ impl Path {
             }
         }
         let conns = self.conns.lock().expect("path poisoned");
-
         let is_high = |c: &Arc<Conn>| high.as_ref().is_some_and(|h| Arc::ptr_eq(h, c));
         let turn = self.next.fetch_add(1, Ordering::Relaxed);
         match whose_turn(&conns, |c| !c.is_dead() && !is_high(c), turn) {
@@ -115,9 +114,9 @@ impl Path {
 }
 
 /// The index in `conns` of the one whose turn `turn` is: the turns go round those for which
-/// `takes_turns` holds, so each gets the same share. `None` when none takes turns. (Counted
-/// over all of them, skipping the ones that take none, the one after a skipped one took its
-/// turns too: over three connections, one kept for HIGH, the next took two slices in three.)
+/// `takes_turns` holds, so each gets the same share; `None` when none takes turns. (Turns
+/// counted over all of them, skipping the ones that take none, fell on the one after a skipped
+/// one: of three connections, one kept for HIGH, the next took two slices in three.)
 fn whose_turn<T>(conns: &[T], takes_turns: impl Fn(&T) -> bool, turn: usize) -> Option<usize> {
     let n = conns.iter().filter(|c| takes_turns(c)).count();
     if n == 0 {
