@@ -6,7 +6,8 @@ use super::*;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TcpConfig {
-    /// Connections opened per (local rail, remote rail) pair to each peer (default 2); 1..=64.
+    /// Connections per (local rail, remote rail) pair to each peer that take turns carrying
+    /// bulk slices (default 2); 1..=64. Each pair opens one more, kept for HIGH slices.
     pub connections_per_rail: usize,
     /// How long a peer may answer nothing, on any rail, while requests to it are outstanding
     /// (queued or in flight), in milliseconds (default 5000); >= 1. Counted from the later of
