@@ -143,12 +143,14 @@ pub enum Connection {
     Reserved,
     /// Any of the others, in turn.
     Shared,
-    /// A HIGH slice posted on a fast rail while no bulk (MEDIUM or LOW) work is queued or
-    /// moving and the path already carries a HIGH slice: with nothing to keep it apart from,
-    /// it may take any connection. Over tcp it takes turns on the others, as bulk does, so a
-    /// large HIGH transfer is carried by more than one byte stream and serving thread (one
-    /// stream carried about 3.3 GB/s on loopback, two about 3.9); a transport whose
-    /// connections cost it nothing to keep apart may treat it as `Reserved`.
+    /// A HIGH slice posted on the peer's only usable path, over a fast rail, while no bulk
+    /// (MEDIUM or LOW) work is queued or moving and the path already carries a HIGH slice:
+    /// with nothing to keep it apart from, it may take any connection. Over tcp it takes turns
+    /// on the others, as bulk does, so a large HIGH transfer is carried by more than one byte
+    /// stream and serving thread (one stream carried about 3.3 GB/s on loopback, two about
+    /// 3.9). Over several paths it already is: spreading there too cost two 20 Gbit/s rails
+    /// 14 % of their throughput. A transport whose connections cost it nothing to keep apart
+    /// may treat it as `Reserved`.
     Spread,
 }
 
@@ -392,9 +394,10 @@ pub struct Dispatcher<T> {
     closed: bool,
     /// Queue depths at the last `take_depth_change`.
     reported: [usize; LEVELS],
-    /// Bulk (MEDIUM or LOW) work was queued or moving anywhere in the engine at the start of
-    /// the current deal: HIGH slices then keep to the reserved connections.
-    bulk_active: bool,
+    /// At the start of the current deal, HIGH slices may spread over a path's connections:
+    /// no bulk (MEDIUM or LOW) work was queued or moving anywhere in the engine, and one path
+    /// alone was usable (see [`Connection::Spread`]).
+    may_spread: bool,
     /// Scratch space reused by every deal, so dealing allocates nothing once warm.
     scratch: Scratch,
 }
@@ -456,7 +459,7 @@ impl<T: Payload> Dispatcher<T> {
             silent: false,
             closed: false,
             reported: [0; LEVELS],
-            bulk_active: false,
+            may_spread: false,
             scratch: Scratch::default(),
             config,
         }
@@ -981,7 +984,7 @@ impl<T: Payload> Dispatcher<T> {
         let connection = match priority {
             // The first HIGH slice on an idle path (a request of one slice, the latency case)
             // keeps to the reserved connection, whose threads have just served HIGH.
-            Priority::High if fast && !self.bulk_active && path.posted > 0 => Connection::Spread,
+            Priority::High if fast && self.may_spread && path.posted > 0 => Connection::Spread,
             Priority::High => Connection::Reserved,
             _ => Connection::Shared,
         };
@@ -1018,7 +1021,9 @@ impl<T: Payload> Dispatcher<T> {
             rails.promoted(promoted);
         }
         rails.bandwidths(&mut self.bandwidth);
-        self.bulk_active = rails.has_work(Priority::Medium) || rails.has_work(Priority::Low);
+        let bulk_active = rails.has_work(Priority::Medium) || rails.has_work(Priority::Low);
+        self.may_spread =
+            !bulk_active && self.paths.iter().filter(|p| p.usable).take(2).count() == 1;
         let smart = rails.smart();
         let mut candidates = std::mem::take(&mut self.scratch.candidates);
         let mut selected = std::mem::take(&mut self.scratch.selected);

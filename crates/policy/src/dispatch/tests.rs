@@ -193,7 +193,7 @@ fn high_takes_the_reserved_connection_and_goes_first() {
 }
 
 #[test]
-fn a_large_high_transfer_spreads_over_the_connections_of_a_fast_rail_while_no_bulk_moves() {
+fn a_large_high_transfer_spreads_over_the_connections_of_a_lone_fast_path_while_no_bulk_moves() {
     let mut host = Host::new(&[100.0], true);
     let mut d = dispatcher(1);
     // HIGH alone: the first slice keeps to the reserved connection, the rest may spread.
@@ -217,6 +217,13 @@ fn a_large_high_transfer_spreads_over_the_connections_of_a_fast_rail_while_no_bu
     host.bulk = true;
     d.on_submit(40 * US, Priority::High, pieces(2, 8, 64 << 10));
     let posts = drain(&mut d, 40 * US, &mut host);
+    assert_eq!(posts.len(), 8);
+    assert!(posts.iter().all(|p| p.connection == Connection::Reserved));
+    // Over two paths a HIGH transfer already takes two streams: every slice stays reserved.
+    let mut host = Host::new(&[100.0, 100.0], true);
+    let mut d = dispatcher(2);
+    d.on_submit(0, Priority::High, pieces(4, 8, 64 << 10));
+    let posts = drain(&mut d, 0, &mut host);
     assert_eq!(posts.len(), 8);
     assert!(posts.iter().all(|p| p.connection == Connection::Reserved));
     // A rail one stream fills (1 Gbit/s) keeps HIGH on the reserved connection alone.
