@@ -586,7 +586,17 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
             ))
         })?;
         if offset > 0 {
-            check_memory(target_size, args.local)?;
+            // This host holds our buffer and the target's, which is `offset` larger.
+            let both = local_size.saturating_add(target_size);
+            limits::fits_in_memory("--size", both, 1).map_err(|_| {
+                Failure::Usage(format!(
+                    "--size {} on both sides plus --target-offset {} needs {}, more than this \
+                     host's memory",
+                    units::format_size(local_size),
+                    units::format_size(offset),
+                    units::format_size(both)
+                ))
+            })?;
         }
         Some(LocalTarget::start(
             config_path,
@@ -620,7 +630,7 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         )));
     }
     // What the run can take from its offset to the end of the largest buffer.
-    let room = largest - offset.min(largest);
+    let room = largest.saturating_sub(offset);
     let from_offset = if offset > 0 {
         format!(" from --target-offset {}", units::format_size(offset))
     } else {
@@ -708,8 +718,9 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         // way, one pattern for both sides as a function of the target offset, would let a
         // lost write pass a verified write, since the target would already hold its bytes.)
         // Benches verifying against the same target at the same time would overwrite each
-        // other's patterns unless each has its own --target-offset. With --total only what the budget
-        // reaches is written: on slow rails the whole region could take longer than the run.
+        // other's patterns unless each has its own --target-offset. With --total only what
+        // the budget reaches is written: on slow rails the whole region could take longer
+        // than the run.
         for sub in &plan.submitters {
             transfer(
                 &engine,

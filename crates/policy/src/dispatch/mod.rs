@@ -396,7 +396,7 @@ pub struct Dispatcher<T> {
     reported: [usize; LEVELS],
     /// At the start of the current deal, HIGH slices may spread over a path's connections:
     /// no bulk (MEDIUM or LOW) work was queued or moving anywhere in the engine, and one path
-    /// alone was usable (see [`Connection::Spread`]).
+    /// alone was usable, on a fast rail (see [`Connection::Spread`]).
     may_spread: bool,
     /// Scratch space reused by every deal, so dealing allocates nothing once warm.
     scratch: Scratch,
@@ -979,12 +979,10 @@ impl<T: Payload> Dispatcher<T> {
         if path.idle_long(now) {
             path.probe_until_ns = now.saturating_add(finish::PROBE_SPAN_NS);
         }
-        let fast =
-            self.bandwidth.get(path.rail).copied().unwrap_or(0.0) >= SPREAD_MIN_BYTES_PER_SEC;
         let connection = match priority {
             // The first HIGH slice on an idle path (a request of one slice, the latency case)
             // keeps to the reserved connection, whose threads have just served HIGH.
-            Priority::High if fast && self.may_spread && path.posted > 0 => Connection::Spread,
+            Priority::High if self.may_spread && path.posted > 0 => Connection::Spread,
             Priority::High => Connection::Reserved,
             _ => Connection::Shared,
         };
@@ -1009,6 +1007,20 @@ impl<T: Payload> Dispatcher<T> {
         });
     }
 
+    /// Whether HIGH slices dealt now may spread over their path's connections (see
+    /// [`Connection::Spread`]): no bulk work in the engine, one usable path, and its rail
+    /// estimated at least [`SPREAD_MIN_BYTES_PER_SEC`] by the current deal's bandwidths.
+    fn may_spread(&self, rails: &impl Rails<T>) -> bool {
+        let mut usable = self.paths.iter().filter(|p| p.usable);
+        let (Some(only), None) = (usable.next(), usable.next()) else {
+            return false;
+        };
+        let bulk_active = rails.has_work(Priority::Medium) || rails.has_work(Priority::Low);
+        let fast =
+            self.bandwidth.get(only.rail).copied().unwrap_or(0.0) >= SPREAD_MIN_BYTES_PER_SEC;
+        !bulk_active && fast
+    }
+
     /// Deals queued slices to paths, highest priority first, while some usable path that the
     /// priority may use has room in its window and the global slot admits the priority.
     fn deal(&mut self, now: u64, rails: &mut impl Rails<T>) {
@@ -1021,9 +1033,7 @@ impl<T: Payload> Dispatcher<T> {
             rails.promoted(promoted);
         }
         rails.bandwidths(&mut self.bandwidth);
-        let bulk_active = rails.has_work(Priority::Medium) || rails.has_work(Priority::Low);
-        self.may_spread =
-            !bulk_active && self.paths.iter().filter(|p| p.usable).take(2).count() == 1;
+        self.may_spread = self.may_spread(rails);
         let smart = rails.smart();
         let mut candidates = std::mem::take(&mut self.scratch.candidates);
         let mut selected = std::mem::take(&mut self.scratch.selected);
