@@ -158,7 +158,10 @@ fn numbers_out_of_range_exit_2_naming_the_flag() {
         (&["--mix", "high:64KiB:600,low:1MiB:600"], "--mix"),
         // The local target would serve more than a target may, or than this host holds.
         (&["--target-offset", "1TiB"], "--target-offset"),
-        (&["--size", "8GiB", "--target-offset", "1000GiB"], "--target-offset"),
+        (
+            &["--size", "8GiB", "--target-offset", "1000GiB"],
+            "--target-offset",
+        ),
     ];
     for (args, flag) in cases {
         assert_usage(args, flag);
