@@ -906,7 +906,8 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         },
         "rails": rails.iter().map(|r| serde_json::json!({
             "name": r.name, "bytes": r.bytes, "slices": r.slices, "errors": r.errors,
-            "ewma_gbps": r.ewma_gbps, "inflight_bytes": r.inflight_bytes, "window_bytes": r.window_bytes,
+            "ewma_gbps": r.ewma_gbps, "assumed_gbps": assumed_for(&assumed, &r.name),
+            "inflight_bytes": r.inflight_bytes, "window_bytes": r.window_bytes,
             "priority_bytes": {"high": r.priority_bytes[0], "medium": r.priority_bytes[1], "low": r.priority_bytes[2]},
         })).collect::<Vec<_>>(),
         "verified_bytes": verified,

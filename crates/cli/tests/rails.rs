@@ -331,3 +331,61 @@ fn a_target_drops_connections_of_an_initiator_that_vanished_behind_dead_links() 
         now_fds - idle_fds
     );
 }
+
+/// A rail given by hand (`rails`) without a speed takes its interface's (the veth's 10 Gbit/s),
+/// as a discovered one does. Given a speed far above what it carries (400 Gbit/s on a rail
+/// policed at 200 Mbit/s), a fresh engine still keeps its queue short: its window grows from
+/// the initial one by what the rail answers (slow start), so 64 MiB queued at once by four
+/// threads does not all go out at once, and no slice waits past the 2 s timeout that the whole
+/// transfer (2.7 s at that rate) would exceed.
+#[test]
+fn a_rail_given_by_hand_takes_its_interfaces_speed_and_is_not_overrun_when_told_a_faster_one() {
+    let prefix = "mrth";
+    let Some(rails) = Rails::up_or_skip(prefix) else {
+        return;
+    };
+    let (mut target, name) = rails.target("64MiB");
+    let run = |speed: &str| {
+        let conf = format!(
+            r#"{{"rails": [{{"name": "{prefix}b3", "address": "10.77.3.2"{speed}}}],
+                 "transports": {{"tcp": {{"timeout_ms": 2000}}}}}}"#
+        );
+        let args = [
+            "--target",
+            &name,
+            "--op",
+            "write",
+            "--block-size",
+            "4MiB",
+            "--batch-size",
+            "4",
+            "--threads",
+            "4",
+            "--size",
+            "64MiB",
+            "--total",
+            "64MiB",
+            "--verify",
+        ];
+        finish(rails.bench(&conf, &args))
+    };
+    let by_interface = run("");
+    let told = run(r#", "bandwidth_gbps": 400"#);
+    target.kill().ok();
+    target.wait().ok();
+    let rail = |report: &serde_json::Value| {
+        report["rails"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["name"] == format!("{prefix}b3"))
+            .cloned()
+            .unwrap_or_else(|| panic!("no rail {prefix}b3: {report}"))
+    };
+    assert_eq!(rail(&by_interface)["assumed_gbps"], 10.0, "{by_interface}");
+    assert_eq!(rail(&told)["assumed_gbps"], 400.0, "{told}");
+    for report in [&by_interface, &told] {
+        assert_eq!(report["verified_bytes"].as_u64().unwrap(), 64 << 20);
+        assert_eq!(rail(report)["errors"], 0, "{report}");
+    }
+}

@@ -128,6 +128,22 @@ fn read_sys(path: &str) -> Option<String> {
         .map(|s| s.trim().to_owned())
 }
 
+/// The link speed interface `name` reports in sysfs, Gbit/s; `None` when it reports none
+/// (a virtual interface down, loopback) or nonsense (`-1`).
+fn sysfs_speed_gbps(name: &str) -> Option<f64> {
+    read_sys(&format!("/sys/class/net/{name}/speed"))
+        .and_then(|s| s.parse::<i64>().ok())
+        .filter(|s| *s > 0)
+        .map(|s| s as f64 / 1000.0)
+}
+
+/// The NUMA node of interface `name`'s device, -1 when sysfs does not say.
+fn sysfs_numa_node(name: &str) -> i32 {
+    read_sys(&format!("/sys/class/net/{name}/device/numa_node"))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(-1)
+}
+
 /// Speed the scheduler assumes for a rail: the reported one when it lies in `[min, max]`, else
 /// the default (so a NIC that reports nothing or nonsense gets a sane figure).
 pub fn theoretical_bandwidth(reported: Option<f64>, default: f64, min: f64, max: f64) -> f64 {
@@ -200,13 +216,24 @@ impl Topology {
                     ))
                 })?;
                 let iface = ifaces.iter().find(|f| IpAddr::V4(f.address) == address);
+                // What the config leaves out comes from the interface that holds the address,
+                // as for discovered rails: a rail given by hand without a speed would otherwise
+                // be assumed at `default_bandwidth_gbps` (400), and a fresh engine would deal a
+                // 10 Gbit/s NIC 40 times what it can carry in its first round trips.
+                let reported = r
+                    .bandwidth_gbps
+                    .or_else(|| iface.and_then(|f| sysfs_speed_gbps(&f.name)));
+                let numa_node = match (r.numa_node, iface) {
+                    (-1, Some(f)) => sysfs_numa_node(&f.name),
+                    (n, _) => n,
+                };
                 rails.push(Rail {
                     name: r.name.clone(),
                     address,
                     prefix_len: iface.map_or(32, |f| f.prefix_len),
-                    numa_node: r.numa_node,
-                    reported_gbps: r.bandwidth_gbps,
-                    bandwidth_gbps: theoretical(r.bandwidth_gbps),
+                    numa_node,
+                    reported_gbps: reported,
+                    bandwidth_gbps: theoretical(reported),
                     is_interface: iface.is_some_and(|f| f.name == r.name),
                 });
             }
@@ -227,18 +254,12 @@ impl Topology {
             };
             pick.into_iter()
                 .map(|f| {
-                    let base = format!("/sys/class/net/{}", f.name);
-                    let reported = read_sys(&format!("{base}/speed"))
-                        .and_then(|s| s.parse::<i64>().ok())
-                        .filter(|s| *s > 0)
-                        .map(|s| s as f64 / 1000.0);
+                    let reported = sysfs_speed_gbps(&f.name);
                     Rail {
                         name: f.name.clone(),
                         address: IpAddr::V4(f.address),
                         prefix_len: f.prefix_len,
-                        numa_node: read_sys(&format!("{base}/device/numa_node"))
-                            .and_then(|s| s.parse().ok())
-                            .unwrap_or(-1),
+                        numa_node: sysfs_numa_node(&f.name),
                         reported_gbps: reported,
                         bandwidth_gbps: theoretical(reported),
                         is_interface: true,

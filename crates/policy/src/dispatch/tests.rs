@@ -178,6 +178,67 @@ fn slices_go_out_only_while_windows_have_room() {
 }
 
 #[test]
+fn a_rail_assumed_far_faster_than_it_carries_is_not_dealt_past_the_peers_timeout() {
+    // A rail assumed at 400 Gbit/s (a rail given by hand without its speed) that a token
+    // bucket holds at 100 Mbit/s (12.5 MB/s), one FIFO stream, 64 MiB of 128 KiB slices (what
+    // four bench threads queue at once) and the engine's 5 s timeout. The first answer used
+    // to open a window of a millisecond at the assumed speed (50 MB): the whole transfer went
+    // out at once, its last slice 5.4 s behind the first, and the path was dropped as silent.
+    let mut host = Host::new(&[400.0], true);
+    let mut d = Dispatcher::new(
+        DispatchConfig {
+            timeout_ns: 5_000 * MS,
+            ..config()
+        },
+        &[0],
+    );
+    d.on_path(0, 0, 2);
+    let slice = 128u64 << 10;
+    let rate = 12.5e6;
+    d.on_submit(0, Priority::Low, pieces(0, 512, slice));
+    // Posted slices in the link's order, each with the time its last byte arrives.
+    let mut link: VecDeque<(Post<Piece>, u64)> = VecDeque::new();
+    let mut link_free = 0u64;
+    let (mut now, mut delivered, mut most_in_flight, mut longest_wait) = (0u64, 0u64, 0u64, 0u64);
+    loop {
+        for post in drain(&mut d, now, &mut host) {
+            link_free = link_free.max(now) + (post.item.len as f64 * 1e9 / rate) as u64;
+            link.push_back((post, link_free));
+        }
+        most_in_flight = most_in_flight.max(d.in_flight(0));
+        let Some((post, done)) = link.pop_front() else {
+            break;
+        };
+        // The dispatcher's timer runs through the wait, as the engine's does.
+        while let Some(due) = d.poll_timeout().filter(|&t| t < done) {
+            now = now.max(due);
+            d.on_timeout(now, &mut host);
+            assert_eq!(d.poll_event(), None, "at {} ms", now / MS);
+            now += MS;
+        }
+        now = done;
+        // The link is FIFO: the slice it answers is the path's oldest.
+        let posted = d.paths[0].oldest_posted_ns().expect("a slice in flight");
+        longest_wait = longest_wait.max(done - posted);
+        d.on_completed(now, post.id, None, &mut host);
+        delivered += post.item.len;
+    }
+    assert_eq!(delivered, 512 * slice, "every slice answered");
+    assert!(d.poll_failed().is_none());
+    // Slow start: never more in flight than the initial window plus what was answered, and
+    // the estimate then learns the rail long before its queue nears the timeout.
+    assert!(
+        most_in_flight < 8 << 20,
+        "{most_in_flight} bytes in flight at once"
+    );
+    assert!(
+        longest_wait < 1_000 * MS,
+        "a slice waited {} ms",
+        longest_wait / MS
+    );
+}
+
+#[test]
 fn high_takes_the_reserved_connection_and_goes_first() {
     let mut host = Host::new(&[100.0], true);
     host.bulk = true;

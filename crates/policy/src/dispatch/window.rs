@@ -50,6 +50,9 @@ pub struct RttEstimator {
     smoothed_ns: Option<u64>,
     var_ns: u64,
     latest_ns: u64,
+    /// Bytes of every slice answered so far: how far the window has grown from its initial
+    /// size (see [`BdpController::window`]).
+    answered_bytes: u64,
 }
 
 impl RttEstimator {
@@ -62,6 +65,7 @@ impl RttEstimator {
     /// bandwidth is estimated at `bytes_per_sec` (0 = unknown: the whole round trip counts as
     /// fixed). A zero round trip carries no information and is ignored.
     pub fn on_sample(&mut self, rtt_ns: u64, bytes: u64, bytes_per_sec: f64) {
+        self.answered_bytes = self.answered_bytes.saturating_add(bytes);
         if rtt_ns == 0 {
             return;
         }
@@ -88,6 +92,11 @@ impl RttEstimator {
                 self.smoothed_ns = Some((7 * s + rtt_ns) / 8);
             }
         }
+    }
+
+    /// Bytes of every slice answered on the path so far.
+    pub fn answered_bytes(&self) -> u64 {
+        self.answered_bytes
     }
 
     /// Smallest fixed part of a round trip seen, ns; `None` before the first sample.
@@ -201,6 +210,13 @@ impl WindowController for BdpController {
     /// smaller again. With at least a pipe in flight an underestimated rail delivers more than
     /// its estimate, so the estimate (and the window with it) climbs back to the link's rate,
     /// as BBR's congestion-window gain above one product does.
+    ///
+    /// Whatever the product says, no window exceeds `initial_window` plus the bytes answered
+    /// on the path so far (TCP's slow start: it can double once per round trip). Until samples
+    /// teach it otherwise the estimate is the rail's *assumed* speed, and a rail policed at a
+    /// hundredth of it (or given by hand with the 400 Gbit/s default) would otherwise be dealt
+    /// a millisecond of that speed at its first answer: 50 MB on a 100 Mbit/s rail, four
+    /// seconds of queue, and its oldest slice past the peer's timeout.
     fn window(&self, rtt: &RttEstimator, bytes_per_sec: f64, slice: u64) -> Window {
         let Some(fixed) = rtt.min_fixed_ns() else {
             let w = self.initial_window.max(slice);
@@ -216,7 +232,8 @@ impl WindowController for BdpController {
         // slice's own, so bulk cut into short pieces beside HIGH keeps little queued ahead of
         // it on a slow rail.
         let full_pipe = bdp + slice.max(self.pipe_slice) as f64;
-        let cap = bytes_per_sec * self.max_queue_ns as f64 / 1e9;
+        let grown = self.initial_window.saturating_add(rtt.answered_bytes()) as f64;
+        let cap = (bytes_per_sec * self.max_queue_ns as f64 / 1e9).min(grown);
         let bound = |bdps: f64, pipes: f64| ((bdps * bdp).max(pipes).min(cap) as u64).max(slice);
         Window {
             full: bound(self.window_bdps, FULL_PIPES * full_pipe),
@@ -371,10 +388,40 @@ mod tests {
         assert_eq!(small.lean, 12_000 + 4096);
         assert_eq!(small.pipe, small.lean);
         // A slice larger than pipe_slice counts in full.
+        // Past slow start (see the next test), a path that answered a few megabytes.
+        rtt.answered_bytes = 8 << 20;
         let big = c.window(&rtt, 3e9, 1 << 20);
         assert_eq!(big.full, 2 * (12_000 + (1 << 20)));
         // The time cap still wins on a slow rail: 1 ms of 10 MB/s is 10 kB (one slice at least).
         assert_eq!(c.window(&rtt, 10e6, 4096).full, 10_000);
+    }
+
+    #[test]
+    fn a_window_grows_from_the_initial_one_by_what_the_path_answered() {
+        // A rail assumed at 400 Gbit/s (50 GB/s) that carries 100 Mbit/s: its first answer
+        // comes 10 ms after it was posted, and the product at the assumed speed is huge.
+        let c = BdpController::default();
+        let mut rtt = RttEstimator::new();
+        let slice = 128 << 10;
+        rtt.on_sample(10_000_000, slice, 50e9);
+        let w = c.window(&rtt, 50e9, slice);
+        assert_eq!(w.full, DEFAULT_INITIAL_WINDOW + slice);
+        assert_eq!(w.lean, DEFAULT_INITIAL_WINDOW + slice);
+        assert_eq!(w.pipe, DEFAULT_INITIAL_WINDOW + slice);
+        for _ in 0..7 {
+            rtt.on_sample(80_000_000, slice, 50e9);
+        }
+        assert_eq!(rtt.answered_bytes(), 8 * slice);
+        assert_eq!(
+            c.window(&rtt, 50e9, slice).full,
+            DEFAULT_INITIAL_WINDOW + 8 * slice
+        );
+        // Once the estimate has come down, the product capped in time (a millisecond of
+        // 12.5 MB/s, raised to one slice) is the smaller bound.
+        assert_eq!(c.window(&rtt, 12.5e6, slice).full, slice);
+        // A zero round trip teaches nothing about the path, but its bytes were answered.
+        rtt.on_sample(0, slice, 50e9);
+        assert_eq!(rtt.answered_bytes(), 9 * slice);
     }
 
     #[test]
