@@ -10,9 +10,11 @@ pub struct RailConfig {
     pub name: String,
     /// Local IP address the rail's sockets bind to; must parse as an IPv4 or IPv6 address.
     pub address: String,
-    /// NUMA node of the NIC; -1 = unknown (default).
+    /// NUMA node of the NIC; -1 (default) = from sysfs for the interface holding `address`,
+    /// else unknown.
     pub numa_node: i32,
-    /// Theoretical bandwidth in Gbit/s; None = from sysfs or `default_bandwidth_gbps`. > 0 if given.
+    /// Theoretical bandwidth in Gbit/s; None = what the interface holding `address` reports
+    /// in sysfs, else `default_bandwidth_gbps`. > 0 if given.
     pub bandwidth_gbps: Option<f64>,
 }
 

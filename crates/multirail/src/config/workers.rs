@@ -103,6 +103,7 @@ pub struct WindowConfig {
     /// so a slow rail's queue never holds more than that for a HIGH slice to wait behind.
     pub max_queue_us: u64,
     /// Window before a path has measured a round trip, bytes (default 1 MiB; 4096..=1 GiB).
+    /// The `bdp` window then grows from it by the bytes the path answered (slow start).
     pub initial_bytes: u64,
     /// The window of the `fixed` controller, bytes (default 4 MiB; 4096..=1 GiB).
     pub fixed_bytes: u64,
