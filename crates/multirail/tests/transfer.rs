@@ -212,6 +212,15 @@ fn unknown_and_unreachable_segments_are_errors() {
         init.open_segment("127.0.0.1:notaport"),
         Err(Error::SegmentUnreachable { .. })
     ));
+    // Nothing named at all (a target that failed to start printed no name) says so.
+    for blank in ["", "  "] {
+        let err = init.open_segment(blank).unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidArgument { arg: "name", .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("segment name is empty"), "{err}");
+    }
 }
 
 #[test]

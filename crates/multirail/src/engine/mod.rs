@@ -451,8 +451,17 @@ impl Engine {
     /// its `metadata.segment_name` or `host:port`; the descriptor says where to connect).
     /// Opening an already open segment returns the same id. Fails with `SegmentUnreachable`
     /// when nothing answers there, or the store does not know the segment or does not answer
-    /// within `metadata.timeout_ms` (the reason names the store).
+    /// within `metadata.timeout_ms` (the reason names the store), and with `InvalidArgument`
+    /// when `name` is empty or blank.
     pub fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        if name.trim().is_empty() {
+            // Said here: a resolver's "segment  is unreachable" hides that nothing was named
+            // (a target that failed to start printed no name for its caller to read).
+            return Err(Error::invalid(
+                "name",
+                format!("the segment name is empty ({name:?}); want host:port or a published name"),
+            ));
+        }
         let existing = {
             let peers = self.inner.peers.read().expect("peers poisoned");
             peers
