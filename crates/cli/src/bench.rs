@@ -611,7 +611,9 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         (None, Some(t)) => t.clone(),
         (None, None) => return Err(Failure::Usage("--target or --local is required".into())),
     };
-    let listen = if args.local {
+    let listen = if args.local || reached_over_loopback(&target_name) {
+        // Nothing beyond this host needs to reach us: listening everywhere would offer this
+        // run's memory to the network (and warn so on every run).
         "127.0.0.1:0"
     } else {
         "0.0.0.0:0"
@@ -938,6 +940,12 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
     Ok(())
 }
 
+/// Whether segment `name` is `host:port` with an IPv4 loopback host (a published name that is not
+/// an address is not).
+fn reached_over_loopback(name: &str) -> bool {
+    multirail::metadata::resolve(name).is_ok_and(|a| a.is_ipv4() && a.ip().is_loopback())
+}
+
 /// A rail's EWMA bandwidth if it is a measurement: the scheduler starts every rail's EWMA at the
 /// speed it assumes for it (`assumed_gbps`, e.g. 400 Gbps for a NIC that reports none) and only
 /// completed slices move it away (learning from several samples with min/max clamps never lands
@@ -1197,6 +1205,16 @@ fn verify(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_an_ipv4_loopback_target_keeps_the_client_on_loopback() {
+        assert!(reached_over_loopback("127.0.0.1:4000"));
+        assert!(reached_over_loopback("127.0.0.5:4000"));
+        assert!(!reached_over_loopback("10.1.2.3:4000"));
+        assert!(!reached_over_loopback("[::1]:4000"));
+        assert!(!reached_over_loopback("prefill-0"));
+        assert!(!reached_over_loopback(""));
+    }
 
     #[test]
     fn a_scattered_batch_covers_every_block_once_and_none_follows_its_neighbour() {

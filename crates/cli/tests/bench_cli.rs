@@ -389,6 +389,12 @@ fn benches_with_their_own_target_offsets_verify_at_the_same_time() {
             assert!(out.status.success(), "{op}: {}", stderr(&out));
             let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
             assert!(v["verified_bytes"].as_u64().unwrap() > 0, "{op}");
+            // A client of a loopback target listens on loopback only.
+            assert!(
+                !stderr(&out).contains("listening beyond loopback"),
+                "{op}: {}",
+                stderr(&out)
+            );
         }
     }
 
