@@ -387,8 +387,8 @@ mod tests {
         // keeps little in flight.
         assert_eq!(small.lean, 12_000 + 4096);
         assert_eq!(small.pipe, small.lean);
-        // A slice larger than pipe_slice counts in full.
-        // Past slow start (see the next test), a path that answered a few megabytes.
+        // A slice larger than pipe_slice counts in full, on a path past slow start (see the
+        // next test) that answered a few megabytes.
         rtt.answered_bytes = 8 << 20;
         let big = c.window(&rtt, 3e9, 1 << 20);
         assert_eq!(big.full, 2 * (12_000 + (1 << 20)));
