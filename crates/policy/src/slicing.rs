@@ -52,6 +52,9 @@ impl fmt::Display for SliceError {
 
 impl std::error::Error for SliceError {}
 
+/// Most times a plan's block size grows for a fast rail (see [`SlicePlan::grown_for`]).
+pub const MAX_SLICE_GROWTH: u64 = 4;
+
 /// Parameters of slicing, built once from config.
 ///
 /// The fields are public so the plan can be written as a literal; [`SlicePlan::slices`] and
@@ -112,6 +115,25 @@ impl SlicePlan {
             slice_size,
             length,
         })
+    }
+
+    /// This plan with its block size doubled while what a rail moving `bytes_per_sec` carries
+    /// in `slice_ns` holds the doubled size, at most [`MAX_SLICE_GROWTH`] times the plan's. A
+    /// stream transport pays per slice what an RDMA work request does not (a frame and an
+    /// answer, a serving thread's turn on each end): on a fast rail bigger slices move the same
+    /// bytes for fewer of those, while a slow rail, which a slice already keeps busy for long,
+    /// keeps the plan's. `slice_ns` 0 or an unknown bandwidth (0) leave the plan as it is.
+    pub fn grown_for(&self, bytes_per_sec: f64, slice_ns: u64) -> SlicePlan {
+        let room = bytes_per_sec * slice_ns as f64 / 1e9;
+        let most = self.block_size.saturating_mul(MAX_SLICE_GROWTH);
+        let mut block_size = self.block_size;
+        while block_size < most && (block_size.saturating_mul(2) as f64) <= room {
+            block_size = block_size.saturating_mul(2).min(most);
+        }
+        SlicePlan {
+            block_size,
+            ..*self
+        }
     }
 
     /// Number of slices [`SlicePlan::slices`] yields for a request of `length` bytes.
@@ -369,6 +391,26 @@ pub fn job_pieces(runs: JobSpans, max_job: u64) -> (usize, impl Iterator<Item = 
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_plan_grows_in_doublings_to_what_a_fast_rail_moves_in_the_slice_time() {
+        let plan = SlicePlan::new(64 << 10, 32).unwrap();
+        // 80 µs: 10 Gbit/s (1.25 GB/s) moves 100 KB, under a doubling: the plan's slices.
+        assert_eq!(plan.grown_for(1.25e9, 80_000), plan);
+        // 3 GB/s moves 240 KB: 128 KiB fits, 256 KiB does not; 4 GB/s (320 KB) takes 256 KiB.
+        assert_eq!(plan.grown_for(3e9, 80_000).block_size, 128 << 10);
+        assert_eq!(plan.grown_for(3e9, 80_000).max_slices, 32);
+        assert_eq!(plan.grown_for(4e9, 80_000).block_size, 256 << 10);
+        // 400 Gbit/s: at most four times the plan's.
+        assert_eq!(plan.grown_for(50e9, 80_000).block_size, 256 << 10);
+        // Off, unknown bandwidth, or a block size that is no power of two (capped, not past).
+        assert_eq!(plan.grown_for(50e9, 0), plan);
+        assert_eq!(plan.grown_for(0.0, 80_000), plan);
+        let odd = SlicePlan::new(100_000, 8).unwrap();
+        assert_eq!(odd.grown_for(50e9, 1_000_000).block_size, 400_000);
+        let huge = SlicePlan::new(u64::MAX / 2, 8).unwrap();
+        assert_eq!(huge.grown_for(f64::MAX, u64::MAX).block_size, u64::MAX);
+    }
+
     fn spans(block: u64, max_slices: u32, length: u64, workers: usize) -> Vec<JobSpan> {
         let plan = SlicePlan::new(block, max_slices).unwrap();
         job_spans(&plan.slices(length).unwrap(), workers, MIB).collect()

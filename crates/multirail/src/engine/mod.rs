@@ -244,6 +244,7 @@ impl Engine {
             nice: NiceTable::new(tcp_cfg.bulk_thread_nice),
             membership: membership.clone(),
             keepalive: Duration::from_millis(tcp_cfg.keepalive_ms),
+            slice_time: Duration::from_micros(tcp_cfg.slice_time_us),
             dispatch: config.workers.dispatch_config(),
         };
         let scheduler = Arc::new(RailScheduler::new(

@@ -490,6 +490,16 @@ impl<T: Payload> Dispatcher<T> {
         self.paths[path].usable
     }
 
+    /// The largest bandwidth estimate, bytes per second, among the rails of the usable paths
+    /// (as of the last deal; 0 before any, or with no usable path).
+    pub fn fastest_usable_bandwidth(&self) -> f64 {
+        self.paths
+            .iter()
+            .filter(|p| p.usable)
+            .filter_map(|p| self.bandwidth.get(p.rail).copied())
+            .fold(0.0, f64::max)
+    }
+
     /// True when `path`'s health lets it carry slices (whatever its connections).
     pub fn is_up(&self, path: PathId) -> bool {
         self.paths[path].health.is_up()

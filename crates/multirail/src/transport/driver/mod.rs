@@ -191,6 +191,12 @@ pub(crate) trait Link: Send + Sync + Sized + 'static {
     /// fails with that).
     fn slices(&self, req: &Prepared, plan: &SlicePlan) -> Result<Vec<OutSlice<Self::Key>>>;
 
+    /// How long a slice may keep the peer's fastest usable rail busy: the plan's slices grow
+    /// toward it (see [`SlicePlan::grown_for`]). 0, the default, keeps the plan's slices.
+    fn slice_time_ns(&self) -> u64 {
+        0
+    }
+
     /// Gives each dealt slice to its path; says what could not be given.
     fn hand_over(
         &self,
@@ -389,9 +395,16 @@ impl<L: Link> Driver<L> {
         if self.is_dead() {
             return reqs;
         }
+        let slice_ns = self.link.slice_time_ns();
+        let fastest = if slice_ns > 0 {
+            self.lock().fastest_usable_bandwidth()
+        } else {
+            0.0
+        };
         let mut sliced = Vec::with_capacity(reqs.len());
         for req in reqs {
-            match self.link.slices(&req, plans.of(req.op)) {
+            let plan = plans.of(req.op).grown_for(fastest, slice_ns);
+            match self.link.slices(&req, &plan) {
                 Ok(slices) => sliced.push((req, slices)),
                 Err(e) => req.fail(e),
             }

@@ -50,6 +50,9 @@ pub(crate) struct TcpSettings {
     pub membership: Membership,
     /// Idle time before TCP keepalive probes a connection.
     pub keepalive: Duration,
+    /// How long a slice may keep the peer's fastest rail busy (`slice_time_us`; zero keeps
+    /// `workers.block_size`).
+    pub slice_time: Duration,
     /// Dispatcher settings beyond the timeout and retries above (window controller, bulk
     /// chunking beside HIGH, rail health).
     pub dispatch: multirail_policy::dispatch::DispatchConfig,

@@ -339,6 +339,10 @@ impl Link for TcpLink {
 
     const PATH: &'static str = "rail";
 
+    fn slice_time_ns(&self) -> u64 {
+        self.settings.slice_time.as_nanos() as u64
+    }
+
     fn slices(&self, req: &Prepared, plan: &SlicePlan) -> Result<Vec<Outgoing>> {
         let slices = plan
             .slices(req.len)
