@@ -33,13 +33,17 @@ fn finish(child: Child) -> serde_json::Value {
         .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
 }
 
-fn rail_bytes(report: &serde_json::Value, name: &str) -> u64 {
+/// The entry of rail `name` in a bench report's `rails`, if it has one.
+fn rail_report<'a>(report: &'a serde_json::Value, name: &str) -> Option<&'a serde_json::Value> {
     report["rails"]
         .as_array()
         .unwrap()
         .iter()
         .find(|r| r["name"] == name)
-        .map_or(0, |r| r["bytes"].as_u64().unwrap())
+}
+
+fn rail_bytes(report: &serde_json::Value, name: &str) -> u64 {
+    rail_report(report, name).map_or(0, |r| r["bytes"].as_u64().unwrap())
 }
 
 const TOTAL: u64 = 256 << 20;
@@ -374,11 +378,7 @@ fn a_rail_given_by_hand_takes_its_interfaces_speed_and_is_not_overrun_when_told_
     target.kill().ok();
     target.wait().ok();
     let rail = |report: &serde_json::Value| {
-        report["rails"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|r| r["name"] == format!("{prefix}b3"))
+        rail_report(report, &format!("{prefix}b3"))
             .cloned()
             .unwrap_or_else(|| panic!("no rail {prefix}b3: {report}"))
     };

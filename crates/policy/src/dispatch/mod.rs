@@ -1022,13 +1022,10 @@ impl<T: Payload> Dispatcher<T> {
     /// estimated at least [`SPREAD_MIN_BYTES_PER_SEC`] by the current deal's bandwidths.
     fn may_spread(&self, rails: &impl Rails<T>) -> bool {
         let mut usable = self.paths.iter().filter(|p| p.usable);
-        let (Some(only), None) = (usable.next(), usable.next()) else {
-            return false;
-        };
+        let one_path = usable.next().is_some() && usable.next().is_none();
         let bulk_active = rails.has_work(Priority::Medium) || rails.has_work(Priority::Low);
-        let fast =
-            self.bandwidth.get(only.rail).copied().unwrap_or(0.0) >= SPREAD_MIN_BYTES_PER_SEC;
-        !bulk_active && fast
+        // With one usable path, the fastest usable rail is that path's.
+        one_path && !bulk_active && self.fastest_usable_bandwidth() >= SPREAD_MIN_BYTES_PER_SEC
     }
 
     /// Deals queued slices to paths, highest priority first, while some usable path that the
