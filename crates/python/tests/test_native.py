@@ -391,9 +391,16 @@ def test_a_target_sees_what_it_serves_and_the_metadata_store_state():
         seg = initiator.open_segment(target.name)
         initiator.transfer(multirail.Request(multirail.WRITE, src, seg, dst.addr, size), timeout=10)
         initiator.transfer(multirail.Request(multirail.READ, src, seg, dst.addr, size), timeout=10)
-        served = target.served_stats()
-        written = sum(r["write"]["bytes"] for r in served["rails"].values())
-        read = sum(r["read"]["bytes"] for r in served["rails"].values())
+        # A write is counted before it is acknowledged; a read once its answer is written to
+        # the socket, which the reader can see a moment before the target has counted it.
+        deadline = time.monotonic() + 5
+        while True:
+            served = target.served_stats()
+            written = sum(r["write"]["bytes"] for r in served["rails"].values())
+            read = sum(r["read"]["bytes"] for r in served["rails"].values())
+            if read >= size or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
         assert written == size and read == size, served
         assert sum(p["write"]["bytes"] for p in served["peers"].values()) == size, served
         # The initiator served nothing.
