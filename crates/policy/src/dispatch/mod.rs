@@ -144,8 +144,9 @@ pub enum Connection {
     /// Any of the others, in turn.
     Shared,
     /// A HIGH slice posted on the peer's only usable path, over a fast rail, while no bulk
-    /// (MEDIUM or LOW) work is queued or moving and the path already carries a HIGH slice:
-    /// with nothing to keep it apart from, it may take any connection. Over tcp it takes turns
+    /// (MEDIUM or LOW) work is queued or moving, and the path already carries a HIGH slice or
+    /// more are dealt behind it: with nothing to keep it apart from, it may take any
+    /// connection. Over tcp it takes turns
     /// on the others, as bulk does, so a large HIGH transfer is carried by more than one byte
     /// stream and serving thread (one stream carried about 3.3 GB/s on loopback, two about
     /// 3.9). Over several paths it already is: spreading there too cost two 20 Gbit/s rails
@@ -985,14 +986,22 @@ impl<T: Payload> Dispatcher<T> {
         let len = q.item.len();
         let seq = self.next_seq;
         self.next_seq += 1;
+        // More HIGH slices dealt behind this one: a transfer of several slices, not the lone
+        // latency-bound one.
+        let more_high = self.queue.level_len(Priority::High) > 0;
         let path = &mut self.paths[p];
         if path.idle_long(now) {
             path.probe_until_ns = now.saturating_add(finish::PROBE_SPAN_NS);
         }
         let connection = match priority {
-            // The first HIGH slice on an idle path (a request of one slice, the latency case)
-            // keeps to the reserved connection, whose threads have just served HIGH.
-            Priority::High if self.may_spread && path.posted > 0 => Connection::Spread,
+            // A lone HIGH slice on an idle path (a request of one slice, the latency case)
+            // keeps to the reserved connection, whose threads have just served HIGH. The first
+            // slice of several spreads with the rest: on the reserved connection it would add
+            // a third stream, and its serving thread, to the two the others take turns on,
+            // which on a host of few cores cost a batch of 16 × 64 KiB a tenth of its rate.
+            Priority::High if self.may_spread && (path.posted > 0 || more_high) => {
+                Connection::Spread
+            }
             Priority::High => Connection::Reserved,
             _ => Connection::Shared,
         };
