@@ -1,7 +1,7 @@
 //! Completion tracking: a task per request counts its outstanding parts; a batch counts its
 //! unfinished tasks and wakes waiters when the count reaches zero.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -56,12 +56,17 @@ pub(crate) struct BatchSignal {
     /// Waiters asleep (or about to sleep) on `cond`, changed and read under `lock`: the last
     /// finishing task wakes them only when there are some (no futex call otherwise).
     sleepers: AtomicUsize,
+    /// How long the transfers posted since the batch was last idle are expected to take, ns:
+    /// their bytes over the rate their peer's fastest rail is estimated at (see
+    /// [`Task::expect_bytes`]). Cleared when nothing is unfinished.
+    expected_ns: AtomicU64,
     counters: Arc<TransferCounters>,
 }
 
 impl BatchSignal {
     fn task_finished(&self) {
         if self.unfinished.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.expected_ns.store(0, Ordering::Relaxed);
             // Taking the lock orders this notify after a waiter's check-then-wait.
             let hooks = {
                 let mut hooks = self.lock.lock().expect("batch lock poisoned");
@@ -144,6 +149,16 @@ impl Task {
         self.remaining.fetch_add(n, Ordering::AcqRel);
     }
 
+    /// Counts `bytes` of this task as posted to a peer whose fastest usable rail is estimated
+    /// at `bytes_per_sec` toward how long its batch is expected to take (nothing when there is
+    /// no estimate yet).
+    pub(crate) fn expect_bytes(&self, bytes: u64, bytes_per_sec: f64) {
+        if bytes_per_sec > 0.0 {
+            let ns = (bytes as f64 / bytes_per_sec * 1e9).min(u64::MAX as f64) as u64;
+            self.signal.expected_ns.fetch_add(ns, Ordering::Relaxed);
+        }
+    }
+
     fn status(&self) -> Status {
         if self.failed.load(Ordering::Acquire) {
             if let Some(e) = self.error.get() {
@@ -184,6 +199,7 @@ impl Batch {
                 lock: Mutex::new(Vec::new()),
                 cond: Condvar::new(),
                 sleepers: AtomicUsize::new(0),
+                expected_ns: AtomicU64::new(0),
                 counters,
             }),
         }
@@ -252,6 +268,12 @@ impl Batch {
 
     pub(crate) fn unfinished(&self) -> usize {
         self.signal.unfinished.load(Ordering::Acquire)
+    }
+
+    /// How long what is posted of the batch is expected to take (see [`Task::expect_bytes`]);
+    /// zero when nothing is unfinished or no peer had an estimate.
+    pub(crate) fn expected(&self) -> Duration {
+        Duration::from_nanos(self.signal.expected_ns.load(Ordering::Relaxed))
     }
 
     /// Runs `hook` once the batch has no unfinished request: at once, on this thread, when it
@@ -421,6 +443,30 @@ mod tests {
             Err(Error::UnknownSegment(3))
         ));
         assert!(b.status(5).is_err());
+    }
+
+    #[test]
+    fn a_batch_expects_what_its_transfers_take_until_it_is_idle_again() {
+        let b = Batch::new(1, 3);
+        let t = b.add_tasks(2).unwrap();
+        // 1 MiB and 3 MiB at 4 GiB/s: 1/4096 s and 3/4096 s; a peer with no estimate adds nothing.
+        t[0].expect_bytes(1 << 20, (4u64 << 30) as f64);
+        t[1].expect_bytes(3 << 20, (4u64 << 30) as f64);
+        t[1].expect_bytes(1 << 30, 0.0);
+        let want = Duration::from_nanos(1_000_000_000 / 1024);
+        assert!(
+            b.expected().abs_diff(want) < Duration::from_micros(1),
+            "{:?}",
+            b.expected()
+        );
+        t[0].part_done(Ok(()));
+        assert!(b.expected() > Duration::ZERO, "one request still runs");
+        t[1].part_done(Ok(()));
+        assert_eq!(b.expected(), Duration::ZERO, "idle: nothing expected");
+        // The next submission into the same batch starts from nothing.
+        let t = b.add_tasks(1).unwrap();
+        t[0].expect_bytes(4096, (4u64 << 30) as f64);
+        assert!(b.expected() < Duration::from_micros(2));
     }
 
     #[test]

@@ -975,9 +975,10 @@ impl Engine {
     /// Blocks until every request of the batch finished or `timeout` passed (`None`: no
     /// limit). Returns the first failure, or `WaitTimeout`. Same-host copies of the batch that
     /// no copy worker has started yet are done by the calling thread. While no bulk (MEDIUM or
-    /// LOW) bytes move, in this engine or another sharing its slots, polls before sleeping: up
-    /// to `workers.wait_spin_us`, less the more of the recent waits outlasted that
-    /// (`workers.adaptive_wait_spin`).
+    /// LOW) bytes move, in this engine or another sharing its slots, and the batch's network
+    /// transfers are expected to end within 100 µs (their bytes over their peers' estimated
+    /// rates), polls before sleeping: up to `workers.wait_spin_us`, less the more of the recent
+    /// waits outlasted that (`workers.adaptive_wait_spin`).
     pub fn wait(&self, id: BatchId, timeout: Option<Duration>) -> Result<()> {
         let batch = self.batch(id)?;
         // Copies of this batch still queued for the shm workers are done here rather than
@@ -985,7 +986,9 @@ impl Engine {
         let until = timeout.and_then(|t| Instant::now().checked_add(t));
         self.inner.shm.help(id.0, until, || batch.unfinished() == 0);
         let timeout = until.map(|until| until.saturating_duration_since(Instant::now()));
-        if self.inner.qos.bulk_moving(Instant::now()) {
+        if self.inner.qos.bulk_moving(Instant::now())
+            || batch.expected() > crate::spin::SLEEP_WHEN_EXPECTED_OVER
+        {
             return batch.wait(timeout, Duration::ZERO);
         }
         let started = Instant::now();

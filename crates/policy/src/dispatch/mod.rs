@@ -501,6 +501,19 @@ impl<T: Payload> Dispatcher<T> {
             .fold(0.0, f64::max)
     }
 
+    /// The sum of the bandwidth estimates, bytes per second, of the distinct rails of the
+    /// usable paths (as of the last deal; 0 before any, or with no usable path): what a
+    /// transfer spread over all of them may move.
+    pub fn usable_bandwidth(&self) -> f64 {
+        let usable = || self.paths.iter().filter(|p| p.usable);
+        usable()
+            .enumerate()
+            // A rail counted once, at its first usable path.
+            .filter(|&(i, p)| usable().position(|q| q.rail == p.rail) == Some(i))
+            .filter_map(|(_, p)| self.bandwidth.get(p.rail).copied())
+            .sum()
+    }
+
     /// True when `path`'s health lets it carry slices (whatever its connections).
     pub fn is_up(&self, path: PathId) -> bool {
         self.paths[path].health.is_up()

@@ -934,3 +934,20 @@ fn equal_rails_share_every_batch() {
         assert_eq!(carried, &vec![4 * (64 << 10); 4], "batch {i}");
     }
 }
+
+#[test]
+fn the_usable_bandwidth_counts_each_usable_rail_once() {
+    let mut host = Host::new(&[100.0, 50.0], true);
+    // Paths 0 and 1 leave from rail 0, path 2 from rail 1.
+    let mut d = Dispatcher::new(config(), &[0, 0, 1]);
+    assert_eq!(d.usable_bandwidth(), 0.0, "no deal yet, no estimate");
+    for p in 0..3 {
+        d.on_path(0, p, 2);
+    }
+    d.on_submit(0, Priority::High, pieces(0, 1, 4096));
+    let posts = drain(&mut d, 0, &mut host);
+    assert_eq!(posts.len(), 1);
+    let gbps = |bytes_per_sec: f64| bytes_per_sec * 8.0 / 1e9;
+    assert!((gbps(d.usable_bandwidth()) - 150.0).abs() < 1e-6);
+    assert!((gbps(d.fastest_usable_bandwidth()) - 100.0).abs() < 1e-6);
+}

@@ -415,8 +415,11 @@ impl<L: Link> Driver<L> {
             if d.is_silent() || d.is_closed() {
                 return sliced.into_iter().map(|(req, _)| req).collect();
             }
+            // How long the batch will take tells its waiter whether to poll or sleep.
+            let rate = d.usable_bandwidth();
             for (req, slices) in sliced {
                 req.task.add_parts(slices.len() as u32);
+                req.task.expect_bytes(req.len, rate);
                 d.on_submit(now_ns, req.priority, slices);
             }
             self.report_depths(&mut d);
