@@ -22,14 +22,22 @@ use std::time::Duration;
 /// worse (0.9 -> 10 µs over shm) while its median stayed put.
 pub(crate) const YIELD_AFTER: Duration = Duration::from_micros(50);
 
-/// A batch `wait` whose transfers are expected to take longer than this (their bytes over
-/// their peers' estimated rates) sleeps at once instead of polling. Its one wake-up then costs
-/// a small share of the wait, while a poll would hold a core that the engine's own threads
-/// need to move the bytes: over loopback tcp on two cores, HIGH batches of 16 × 64 KiB (about
-/// 250 µs each) moved 3.45 GB/s with the waiter polling and 4.2 GB/s with it asleep (medians
-/// of 4 runs of 8 s), while single requests of up to 256 KiB (50 µs or less expected) kept
-/// their polled latency (64 KiB: 57 µs p50 polled, 80–92 µs asleep).
+/// On a host of at most [`FEW_CPUS`] CPUs, a batch `wait` whose transfers are expected to take
+/// longer than this (their bytes over their peers' estimated rates) sleeps at once instead of
+/// polling. Its one wake-up then costs a small share of the wait, while a poll would hold a
+/// core that the engine's own threads need to move the bytes: over loopback tcp on two cores,
+/// HIGH batches of 16 × 64 KiB (about 250 µs each, carried by two connections' sending and
+/// serving threads) moved 3.45 GB/s with the waiter polling and 4.2 GB/s with it asleep
+/// (medians of 4 runs of 8 s), while single requests of up to 512 KiB (under 100 µs expected)
+/// kept their polled latency (64 KiB: 57 µs p50 polled, 80–92 µs asleep).
 pub(crate) const SLEEP_WHEN_EXPECTED_OVER: Duration = Duration::from_micros(100);
+
+/// Hosts with at most this many CPUs have none to spare for a polling waiter while a batch's
+/// bytes move over tcp: two connections' sending threads on this side and, over loopback,
+/// their serving threads on the other. With more, a poll finds an idle core and saves the
+/// wake-up (when a HIGH transfer kept to one connection, polling up to 1000 µs rather than
+/// 100 µs moved 16 × 64 KiB reads at 2.98 instead of 2.56 GB/s on two cores).
+pub(crate) const FEW_CPUS: usize = 4;
 
 /// The spin policy of one kind of wait: at most `cap`, and when adaptive, less the more of
 /// the recent waits outlasted it (down to `floor`). Shared by the threads that wait; each

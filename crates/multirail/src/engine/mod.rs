@@ -166,6 +166,9 @@ struct Inner {
     /// How long `wait` polls before sleeping while no bulk moves: at most
     /// `workers.wait_spin_us`, learned from how long such waits have lasted.
     wait_spin: crate::spin::Spin,
+    /// Whether the host has so few CPUs that a polling `wait` takes a core from the threads
+    /// moving its batch's bytes (see [`crate::spin::FEW_CPUS`]).
+    few_cpus: bool,
     shm: ShmTransport,
     tcp: TcpTransport,
     rdma: Arc<RdmaTransport>,
@@ -364,6 +367,8 @@ impl Engine {
                 Duration::ZERO,
                 workers.adaptive_wait_spin,
             ),
+            few_cpus: std::thread::available_parallelism()
+                .map_or(true, |n| n.get() <= crate::spin::FEW_CPUS),
             fallback_logged: OnceLock::new(),
             server: Mutex::new(Some(server)),
             messaging,
@@ -975,9 +980,9 @@ impl Engine {
     /// Blocks until every request of the batch finished or `timeout` passed (`None`: no
     /// limit). Returns the first failure, or `WaitTimeout`. Same-host copies of the batch that
     /// no copy worker has started yet are done by the calling thread. While no bulk (MEDIUM or
-    /// LOW) bytes move, in this engine or another sharing its slots, and the batch's network
-    /// transfers are expected to end within 100 µs (their bytes over their peers' estimated
-    /// rates), polls before sleeping: up to `workers.wait_spin_us`, less the more of the recent
+    /// LOW) bytes move, in this engine or another sharing its slots, and (on a host of at most
+    /// four CPUs) the batch's network transfers are expected to end within 100 µs (their bytes
+    /// over their peers' estimated rates), polls before sleeping: up to `workers.wait_spin_us`, less the more of the recent
     /// waits outlasted that (`workers.adaptive_wait_spin`).
     pub fn wait(&self, id: BatchId, timeout: Option<Duration>) -> Result<()> {
         let batch = self.batch(id)?;
@@ -987,7 +992,7 @@ impl Engine {
         self.inner.shm.help(id.0, until, || batch.unfinished() == 0);
         let timeout = until.map(|until| until.saturating_duration_since(Instant::now()));
         if self.inner.qos.bulk_moving(Instant::now())
-            || batch.expected() > crate::spin::SLEEP_WHEN_EXPECTED_OVER
+            || (self.inner.few_cpus && batch.expected() > crate::spin::SLEEP_WHEN_EXPECTED_OVER)
         {
             return batch.wait(timeout, Duration::ZERO);
         }
