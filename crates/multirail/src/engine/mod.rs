@@ -982,8 +982,8 @@ impl Engine {
     /// no copy worker has started yet are done by the calling thread. While no bulk (MEDIUM or
     /// LOW) bytes move, in this engine or another sharing its slots, and (on a host of at most
     /// four CPUs) the batch's network transfers are expected to end within 100 µs (their bytes
-    /// over their peers' estimated rates), polls before sleeping: up to `workers.wait_spin_us`, less the more of the recent
-    /// waits outlasted that (`workers.adaptive_wait_spin`).
+    /// over their peers' estimated rates), polls before sleeping: up to `workers.wait_spin_us`,
+    /// less the more of the recent waits outlasted that (`workers.adaptive_wait_spin`).
     pub fn wait(&self, id: BatchId, timeout: Option<Duration>) -> Result<()> {
         let batch = self.batch(id)?;
         // Copies of this batch still queued for the shm workers are done here rather than
