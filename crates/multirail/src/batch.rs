@@ -57,9 +57,11 @@ pub(crate) struct BatchSignal {
     /// finishing task wakes them only when there are some (no futex call otherwise).
     sleepers: AtomicUsize,
     /// How long the transfers posted since the batch was last idle are expected to take, ns:
-    /// their bytes over the rate their peer's fastest rail is estimated at (see
-    /// [`Task::expect_bytes`]). Cleared when nothing is unfinished.
+    /// their bytes over the rate their peer's usable rails are estimated at (see
+    /// [`Task::expect`]). Cleared when nothing is unfinished.
     expected_ns: AtomicU64,
+    /// The slices those transfers were cut into. Cleared with `expected_ns`.
+    expected_slices: AtomicU64,
     counters: Arc<TransferCounters>,
 }
 
@@ -67,6 +69,7 @@ impl BatchSignal {
     fn task_finished(&self) {
         if self.unfinished.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.expected_ns.store(0, Ordering::Relaxed);
+            self.expected_slices.store(0, Ordering::Relaxed);
             // Taking the lock orders this notify after a waiter's check-then-wait.
             let hooks = {
                 let mut hooks = self.lock.lock().expect("batch lock poisoned");
@@ -149,13 +152,16 @@ impl Task {
         self.remaining.fetch_add(n, Ordering::AcqRel);
     }
 
-    /// Counts `bytes` of this task as posted to a peer whose fastest usable rail is estimated
-    /// at `bytes_per_sec` toward how long its batch is expected to take (nothing when there is
-    /// no estimate yet).
-    pub(crate) fn expect_bytes(&self, bytes: u64, bytes_per_sec: f64) {
+    /// Counts `bytes` of this task, cut into `slices`, as posted to a peer whose usable rails
+    /// are estimated at `bytes_per_sec` in all, toward how long its batch is expected to take
+    /// (nothing when there is no estimate yet).
+    pub(crate) fn expect(&self, bytes: u64, slices: u64, bytes_per_sec: f64) {
         if bytes_per_sec > 0.0 {
             let ns = (bytes as f64 / bytes_per_sec * 1e9).min(u64::MAX as f64) as u64;
             self.signal.expected_ns.fetch_add(ns, Ordering::Relaxed);
+            self.signal
+                .expected_slices
+                .fetch_add(slices, Ordering::Relaxed);
         }
     }
 
@@ -200,6 +206,7 @@ impl Batch {
                 cond: Condvar::new(),
                 sleepers: AtomicUsize::new(0),
                 expected_ns: AtomicU64::new(0),
+                expected_slices: AtomicU64::new(0),
                 counters,
             }),
         }
@@ -270,10 +277,13 @@ impl Batch {
         self.signal.unfinished.load(Ordering::Acquire)
     }
 
-    /// How long what is posted of the batch is expected to take (see [`Task::expect_bytes`]);
-    /// zero when nothing is unfinished or no peer had an estimate.
-    pub(crate) fn expected(&self) -> Duration {
-        Duration::from_nanos(self.signal.expected_ns.load(Ordering::Relaxed))
+    /// How long what is posted of the batch is expected to take, and in how many slices (see
+    /// [`Task::expect`]); zero when nothing is unfinished or no peer had an estimate.
+    pub(crate) fn expected(&self) -> (Duration, u64) {
+        (
+            Duration::from_nanos(self.signal.expected_ns.load(Ordering::Relaxed)),
+            self.signal.expected_slices.load(Ordering::Relaxed),
+        )
     }
 
     /// Runs `hook` once the batch has no unfinished request: at once, on this thread, when it
@@ -450,23 +460,22 @@ mod tests {
         let b = Batch::new(1, 3);
         let t = b.add_tasks(2).unwrap();
         // 1 MiB and 3 MiB at 4 GiB/s: 1/4096 s and 3/4096 s; a peer with no estimate adds nothing.
-        t[0].expect_bytes(1 << 20, (4u64 << 30) as f64);
-        t[1].expect_bytes(3 << 20, (4u64 << 30) as f64);
-        t[1].expect_bytes(1 << 30, 0.0);
+        t[0].expect(1 << 20, 4, (4u64 << 30) as f64);
+        t[1].expect(3 << 20, 12, (4u64 << 30) as f64);
+        t[1].expect(1 << 30, 1, 0.0);
         let want = Duration::from_nanos(1_000_000_000 / 1024);
-        assert!(
-            b.expected().abs_diff(want) < Duration::from_micros(1),
-            "{:?}",
-            b.expected()
-        );
+        let (time, slices) = b.expected();
+        assert!(time.abs_diff(want) < Duration::from_micros(1), "{time:?}");
+        assert_eq!(slices, 16);
         t[0].part_done(Ok(()));
-        assert!(b.expected() > Duration::ZERO, "one request still runs");
+        assert!(b.expected().0 > Duration::ZERO, "one request still runs");
         t[1].part_done(Ok(()));
-        assert_eq!(b.expected(), Duration::ZERO, "idle: nothing expected");
+        assert_eq!(b.expected(), (Duration::ZERO, 0), "idle: nothing expected");
         // The next submission into the same batch starts from nothing.
         let t = b.add_tasks(1).unwrap();
-        t[0].expect_bytes(4096, (4u64 << 30) as f64);
-        assert!(b.expected() < Duration::from_micros(2));
+        t[0].expect(4096, 1, (4u64 << 30) as f64);
+        assert_eq!(b.expected().1, 1);
+        assert!(b.expected().0 < Duration::from_micros(2));
     }
 
     #[test]

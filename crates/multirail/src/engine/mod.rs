@@ -166,9 +166,11 @@ struct Inner {
     /// How long `wait` polls before sleeping while no bulk moves: at most
     /// `workers.wait_spin_us`, learned from how long such waits have lasted.
     wait_spin: crate::spin::Spin,
-    /// Whether the host has so few CPUs that a polling `wait` takes a core from the threads
-    /// moving its batch's bytes (see [`crate::spin::FEW_CPUS`]).
-    few_cpus: bool,
+    /// The fewest slices of a batch for which a long `wait` sleeps at once: one more than a
+    /// tcp path's connections, so that each carries more than one and its threads run for the
+    /// whole batch; `u64::MAX` on a host with more than [`crate::spin::FEW_CPUS`] CPUs, where a
+    /// poller finds an idle core.
+    sleep_from_slices: u64,
     shm: ShmTransport,
     tcp: TcpTransport,
     rdma: Arc<RdmaTransport>,
@@ -367,8 +369,13 @@ impl Engine {
                 Duration::ZERO,
                 workers.adaptive_wait_spin,
             ),
-            few_cpus: std::thread::available_parallelism()
-                .map_or(true, |n| n.get() <= crate::spin::FEW_CPUS),
+            sleep_from_slices: if std::thread::available_parallelism()
+                .map_or(true, |n| n.get() <= crate::spin::FEW_CPUS)
+            {
+                config.transports.tcp.connections_per_rail as u64 + 1
+            } else {
+                u64::MAX
+            },
             fallback_logged: OnceLock::new(),
             server: Mutex::new(Some(server)),
             messaging,
@@ -981,9 +988,10 @@ impl Engine {
     /// limit). Returns the first failure, or `WaitTimeout`. Same-host copies of the batch that
     /// no copy worker has started yet are done by the calling thread. While no bulk (MEDIUM or
     /// LOW) bytes move, in this engine or another sharing its slots, and (on a host of at most
-    /// four CPUs) the batch's network transfers are expected to end within 100 µs (their bytes
-    /// over their peers' estimated rates), polls before sleeping: up to `workers.wait_spin_us`,
-    /// less the more of the recent waits outlasted that (`workers.adaptive_wait_spin`).
+    /// four CPUs) the batch has at most as many slices as a tcp path has connections or is
+    /// expected to end within 100 µs (its bytes over its peers' estimated rates), polls before
+    /// sleeping: up to `workers.wait_spin_us`, less the more of the recent waits outlasted that
+    /// (`workers.adaptive_wait_spin`).
     pub fn wait(&self, id: BatchId, timeout: Option<Duration>) -> Result<()> {
         let batch = self.batch(id)?;
         // Copies of this batch still queued for the shm workers are done here rather than
@@ -991,9 +999,7 @@ impl Engine {
         let until = timeout.and_then(|t| Instant::now().checked_add(t));
         self.inner.shm.help(id.0, until, || batch.unfinished() == 0);
         let timeout = until.map(|until| until.saturating_duration_since(Instant::now()));
-        if self.inner.qos.bulk_moving(Instant::now())
-            || (self.inner.few_cpus && batch.expected() > crate::spin::SLEEP_WHEN_EXPECTED_OVER)
-        {
+        if self.inner.qos.bulk_moving(Instant::now()) || self.sleeps_at_once(&batch) {
             return batch.wait(timeout, Duration::ZERO);
         }
         let started = Instant::now();
@@ -1001,6 +1007,15 @@ impl Engine {
         let ended = !matches!(outcome, Err(Error::WaitTimeout { .. }));
         self.inner.wait_spin.learn(started.elapsed(), ended);
         outcome
+    }
+
+    /// Whether a wait for `batch` should sleep at once rather than poll: on a host of few
+    /// CPUs, a batch of more slices than a tcp path has connections (whose threads then run
+    /// for the whole batch) that is expected to outlast
+    /// [`crate::spin::SLEEP_WHEN_EXPECTED_OVER`].
+    fn sleeps_at_once(&self, batch: &Batch) -> bool {
+        let (time, slices) = batch.expected();
+        slices >= self.inner.sleep_from_slices && time > crate::spin::SLEEP_WHEN_EXPECTED_OVER
     }
 
     /// What the engine has carried since it started. Per rail: bytes, slices and errors, bytes

@@ -419,7 +419,7 @@ impl<L: Link> Driver<L> {
             let rate = d.usable_bandwidth();
             for (req, slices) in sliced {
                 req.task.add_parts(slices.len() as u32);
-                req.task.expect_bytes(req.len, rate);
+                req.task.expect(req.len, slices.len() as u64, rate);
                 d.on_submit(now_ns, req.priority, slices);
             }
             self.report_depths(&mut d);
