@@ -25,12 +25,12 @@ pub(crate) const YIELD_AFTER: Duration = Duration::from_micros(50);
 /// On a host of at most [`FEW_CPUS`] CPUs, a batch `wait` whose transfers are expected to take
 /// longer than this (their bytes over their peers' estimated rates), cut into more slices than
 /// a tcp path has connections (so that each connection's threads run for the whole batch),
-/// sleeps at once instead of polling. Its one wake-up then costs a small share of the wait, while a poll would hold a
-/// core that the engine's own threads need to move the bytes: over loopback tcp on two cores,
-/// HIGH batches of 16 × 64 KiB (about 250 µs each, carried by two connections' sending and
-/// serving threads) moved 3.45 GB/s with the waiter polling and 4.2 GB/s with it asleep
-/// (medians of 4 runs of 8 s), while single requests of up to 512 KiB (under 100 µs expected)
-/// kept their polled latency (64 KiB: 57 µs p50 polled, 80–92 µs asleep).
+/// sleeps at once instead of polling. Its one wake-up then costs a small share of the wait,
+/// while a poll would hold a core that the engine's own threads need to move the bytes: over
+/// loopback tcp on two cores, HIGH batches of 16 × 64 KiB (about 250 µs each, four slices
+/// carried by two connections' sending and serving threads) moved 3.45 GB/s with the waiter
+/// polling and 4.2 GB/s with it asleep (medians of 4 runs of 8 s). Requests of one or two
+/// slices keep polling: asleep, a 64 KiB request's p50 went from 57 µs to 80–92 µs.
 pub(crate) const SLEEP_WHEN_EXPECTED_OVER: Duration = Duration::from_micros(100);
 
 /// Hosts with at most this many CPUs have none to spare for a polling waiter while a batch's

@@ -48,7 +48,7 @@ pub struct TcpConfig {
     /// that vanished while its link was down (its FIN lost) would hold an fd here forever.
     /// Live idle connections answer the probes and stay open.
     pub keepalive_ms: u64,
-    /// How long one slice may keep the peer's fastest rail busy, in microseconds (default 40;
+    /// How long one slice may keep the peer's fastest rail busy, in microseconds (default 80;
     /// 0..=10000): on a rail whose estimate carries more than `workers.block_size` in that
     /// time, slices double (at most 4 times the block size) while it still holds them. Every
     /// tcp slice costs a frame, an answer and a serving thread's turn on each end: on loopback
