@@ -1141,6 +1141,12 @@ fn print_human(report: &serde_json::Value, rails: &[RailTraffic]) -> Result<(), 
     Ok(())
 }
 
+/// Said after a verify mismatch: against a long-lived target, the commonest cause is another
+/// client moving the same range of its buffer at the same time.
+const SHARED_RANGE_HINT: &str = " (if another client moved the same range of the target's \
+     buffer during this run, its bytes are what this run found: give each bench a range of \
+     its own with --target-offset and --size)";
+
 /// Checks the bytes that landed, against the run's pattern (`plan.seed`): after reads, the
 /// local regions hold what seeding put on the target; after writes, reading the target's
 /// regions back gives what the initiator wrote. Both sides use the same offsets within their
@@ -1169,8 +1175,9 @@ fn verify(
                 let bytes = unsafe { &local.as_slice()[start as usize..(start + len) as usize] };
                 if let Some(at) = pattern::first_mismatch(bytes, start, plan.seed) {
                     return Err(Failure::Runtime(anyhow!(
-                        "verify: byte {} read from the target is wrong",
-                        start + at as u64
+                        "verify: byte {} read from the target is wrong{}",
+                        start + at as u64,
+                        SHARED_RANGE_HINT
                     )));
                 }
             }
@@ -1185,8 +1192,9 @@ fn verify(
                     let bytes = unsafe { &scratch.as_slice()[..n as usize] };
                     if let Some(at) = pattern::first_mismatch(bytes, off, plan.seed) {
                         return Err(Failure::Runtime(anyhow!(
-                            "verify: byte {} written to the target is wrong",
-                            off + at as u64
+                            "verify: byte {} written to the target is wrong{}",
+                            off + at as u64,
+                            SHARED_RANGE_HINT
                         )));
                     }
                     done += n;
