@@ -171,6 +171,8 @@ struct Inner {
     /// whole batch; `u64::MAX` on a host with more than [`crate::spin::FEW_CPUS`] CPUs, where a
     /// poller finds an idle core.
     sleep_from_slices: u64,
+    /// How many threads waiting for network transfers may poll in `wait` at once.
+    pollers: crate::spin::PollBudget,
     shm: ShmTransport,
     tcp: TcpTransport,
     rdma: Arc<RdmaTransport>,
@@ -376,6 +378,9 @@ impl Engine {
             } else {
                 u64::MAX
             },
+            pollers: crate::spin::PollBudget::for_cpus(
+                std::thread::available_parallelism().map_or(1, |n| n.get()),
+            ),
             fallback_logged: OnceLock::new(),
             server: Mutex::new(Some(server)),
             messaging,
@@ -991,7 +996,8 @@ impl Engine {
     /// four CPUs) the batch has at most as many slices as a tcp path has connections or is
     /// expected to end within 100 µs (its bytes over its peers' estimated rates), polls before
     /// sleeping: up to `workers.wait_spin_us`, less the more of the recent waits outlasted that
-    /// (`workers.adaptive_wait_spin`).
+    /// (`workers.adaptive_wait_spin`). Of the threads waiting for network transfers, at most
+    /// half the host's CPUs (at least one) poll at once; the others sleep at once.
     pub fn wait(&self, id: BatchId, timeout: Option<Duration>) -> Result<()> {
         let batch = self.batch(id)?;
         // Copies of this batch still queued for the shm workers are done here rather than
@@ -1002,6 +1008,14 @@ impl Engine {
         if self.inner.qos.bulk_moving(Instant::now()) || self.sleeps_at_once(&batch) {
             return batch.wait(timeout, Duration::ZERO);
         }
+        // A wait for network transfers polls only within the poll budget: their slices
+        // finish on the engine's threads, which need the cores. Same-host copies finish
+        // mostly on this thread (above) and keep polling.
+        let network = batch.expected().1 > 0;
+        let _polling = match network.then(|| self.inner.pollers.try_poll()) {
+            Some(None) => return batch.wait(timeout, Duration::ZERO),
+            turn => turn.flatten(),
+        };
         let started = Instant::now();
         let outcome = batch.wait(timeout, self.inner.wait_spin.current());
         let ended = !matches!(outcome, Err(Error::WaitTimeout { .. }));
