@@ -157,6 +157,14 @@ impl RailScheduler {
         }
     }
 
+    /// The theoretical bandwidth of `rail`'s link, bytes per second (the selector's, from the
+    /// speed the interface reports or its default); 0 for a rail it does not know.
+    pub(crate) fn link_bytes_per_sec(&self, rail: usize) -> f64 {
+        let sel = self.selector.lock().expect("scheduler poisoned");
+        sel.rail_stats(rail)
+            .map_or(0.0, |s| s.theoretical_gbps * 1e9 / 8.0)
+    }
+
     /// Selector statistics per rail, in rail order, with the rail names.
     pub(crate) fn stats(&self) -> Vec<(String, selector::RailStats)> {
         let sel = self.selector.lock().expect("scheduler poisoned");

@@ -139,6 +139,11 @@ impl Rails<Piece> for Host {
             *o = s.ewma_gbps * 1e9 / 8.0;
         }
     }
+    fn link_bandwidth(&mut self, rail: RailId) -> f64 {
+        self.selector
+            .rail_stats(rail)
+            .map_or(0.0, |s| s.theoretical_gbps * 1e9 / 8.0)
+    }
     fn select(&mut self, candidates: &[Vec<RailId>; 3], shape: SliceShape, out: &mut Vec<RailId>) {
         let tiers: [&[RailId]; 3] = [&candidates[0], &candidates[1], &candidates[2]];
         if self.selector.select(&tiers, shape, out).is_err() {

@@ -64,6 +64,10 @@ impl<T: Payload + Located> Rails<T> for EngineRails<'_> {
         self.scheduler.fill_ewma_bytes_per_sec(out);
     }
 
+    fn link_bandwidth(&mut self, rail: RailId) -> f64 {
+        self.scheduler.link_bytes_per_sec(rail)
+    }
+
     fn select(&mut self, candidates: &[Vec<RailId>; 3], shape: SliceShape, out: &mut Vec<RailId>) {
         self.scheduler.select(candidates, shape, out);
     }

@@ -93,6 +93,12 @@ impl Rails<Piece> for Host {
                 .map_or(0.0, |s| s.ewma_gbps * 1e9 / 8.0);
         }
     }
+    fn link_bandwidth(&mut self, rail: RailId) -> f64 {
+        self.selector
+            .rail_stats(rail)
+            .map_or(0.0, |s| s.theoretical_gbps * 1e9 / 8.0)
+    }
+
     fn select(&mut self, candidates: &[Vec<RailId>; 3], shape: SliceShape, out: &mut Vec<RailId>) {
         let tiers: [&[RailId]; 3] = [&candidates[0], &candidates[1], &candidates[2]];
         if self.selector.select(&tiers, shape, out).is_err() {
@@ -291,6 +297,44 @@ fn a_large_high_transfer_spreads_over_the_connections_of_a_lone_fast_path_while_
     d.on_submit(0, Priority::High, pieces(3, 8, 16 << 10));
     let posts = drain(&mut d, 0, &mut host);
     assert!(posts.len() > 1);
+    assert!(posts.iter().all(|p| p.connection == Connection::Reserved));
+}
+
+#[test]
+fn a_fast_link_estimated_slow_still_spreads_high_and_a_slow_link_does_not() {
+    // Slices answered slowly (each of 8 × 64 KiB a millisecond after the one before: about
+    // 65 MB/s) teach both rails an estimate far below the spreading bar.
+    fn taught_slow(gbps: f64) -> (Dispatcher<Piece>, Host) {
+        let mut host = Host::new(&[gbps], true);
+        let mut d = dispatcher(1);
+        let mut now = 0;
+        for round in 0..20 {
+            d.on_submit(now, Priority::High, pieces(round, 8, 64 << 10));
+            let posts = drain(&mut d, now, &mut host);
+            for p in &posts {
+                now += MS;
+                d.on_completed(now, p.id, None, &mut host);
+            }
+        }
+        assert!(
+            d.fastest_usable_bandwidth() < SPREAD_MIN_BYTES_PER_SEC,
+            "estimate {} B/s",
+            d.fastest_usable_bandwidth()
+        );
+        (d, host)
+    }
+    // A 100 Gbit/s link held back by what each slice costs: a second connection helps.
+    let (mut d, mut host) = taught_slow(100.0);
+    d.on_submit(100 * MS, Priority::High, pieces(100, 8, 4096));
+    // (The slow estimate's small window lets only some of the slices go now.)
+    let posts = drain(&mut d, 100 * MS, &mut host);
+    assert!(posts.len() > 1, "{} posted", posts.len());
+    assert!(posts.iter().all(|p| p.connection == Connection::Spread));
+    // A 10 Gbit/s link (a policed veth reports this): one stream fills it.
+    let (mut d, mut host) = taught_slow(10.0);
+    d.on_submit(100 * MS, Priority::High, pieces(100, 8, 4096));
+    let posts = drain(&mut d, 100 * MS, &mut host);
+    assert!(posts.len() > 1, "{} posted", posts.len());
     assert!(posts.iter().all(|p| p.connection == Connection::Reserved));
 }
 
