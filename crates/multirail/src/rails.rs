@@ -23,18 +23,22 @@ pub(crate) struct RailScheduler {
     smart: bool,
     /// Latest in-flight bound computed for each rail (bytes).
     windows: Vec<std::sync::atomic::AtomicU64>,
+    /// Each rail's theoretical bandwidth, bytes per second (fixed once the selector has it).
+    link_bytes_per_sec: Vec<f64>,
 }
 
 impl RailScheduler {
     pub(crate) fn new(topology: Topology, rdma: &RdmaConfig, stats: &TrafficStats) -> Self {
         let reported: Vec<Option<f64>> = topology.rails.iter().map(|r| r.reported_gbps).collect();
         let counters = topology.rails.iter().map(|r| stats.rail(&r.name)).collect();
+        let selector = DeviceSelector::new(rdma.selector_config(), &reported, rand::random());
+        let link_bytes_per_sec = selector
+            .stats()
+            .map(|s| s.theoretical_gbps * 1e9 / 8.0)
+            .collect();
         RailScheduler {
-            selector: Mutex::new(DeviceSelector::new(
-                rdma.selector_config(),
-                &reported,
-                rand::random(),
-            )),
+            selector: Mutex::new(selector),
+            link_bytes_per_sec,
             counters,
             topology,
             tiers: Mutex::default(),
@@ -160,9 +164,7 @@ impl RailScheduler {
     /// The theoretical bandwidth of `rail`'s link, bytes per second (the selector's, from the
     /// speed the interface reports or its default); 0 for a rail it does not know.
     pub(crate) fn link_bytes_per_sec(&self, rail: usize) -> f64 {
-        let sel = self.selector.lock().expect("scheduler poisoned");
-        sel.rail_stats(rail)
-            .map_or(0.0, |s| s.theoretical_gbps * 1e9 / 8.0)
+        self.link_bytes_per_sec.get(rail).copied().unwrap_or(0.0)
     }
 
     /// Selector statistics per rail, in rail order, with the rail names.
