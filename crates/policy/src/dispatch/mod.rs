@@ -150,14 +150,15 @@ pub enum Connection {
     Reserved,
     /// Any of the others, in turn.
     Shared,
-    /// A HIGH slice posted on the peer's only usable path, over a fast rail, while no bulk
-    /// (MEDIUM or LOW) work is queued or moving, and the path already carries a HIGH slice or
-    /// more are dealt behind it: with nothing to keep it apart from, it may take any
-    /// connection. Over tcp it takes turns on the others, as bulk does, so a large HIGH
-    /// transfer is carried by more than one byte stream and serving thread (one stream carried
-    /// about 3.3 GB/s on loopback, two about 3.9). Over several paths it already is: spreading
-    /// there too cost two 20 Gbit/s rails 14 % of their throughput. A transport whose
-    /// connections cost it nothing to keep apart may treat it as `Reserved`.
+    /// A HIGH slice posted on the peer's only usable path, over a fast rail (estimated at
+    /// 2 GB/s or more, or on a link that fast), while no bulk (MEDIUM or LOW) work is queued
+    /// or moving, and the path already carries a HIGH slice or more are dealt behind it: with
+    /// nothing to keep it apart from, it may take any connection. Over tcp it takes turns on
+    /// the others, as bulk does, so a large HIGH transfer is carried by more than one byte
+    /// stream and serving thread (one stream carried about 3.3 GB/s on loopback, two about
+    /// 3.9). Over several paths it already is: spreading there too cost two 20 Gbit/s rails
+    /// 14 % of their throughput. A transport whose connections cost it nothing to keep apart
+    /// may treat it as `Reserved`.
     Spread,
 }
 
