@@ -696,19 +696,27 @@ impl<T: Payload> Dispatcher<T> {
     }
 
     /// Whether `path`, having just drained a slice of `bytes`, should be refilled now: when
-    /// HIGH work waits, when it holds less than a pipe (see [`Window::pipe`]), or when half of what the
-    /// waiting level may hold there (at most half a full window) has drained, so the sender
-    /// gets several slices per wake-up instead of one.
+    /// HIGH work waits beside bulk, when it holds less than a pipe (see [`Window::pipe`]), or
+    /// when half of what the waiting level may hold there (at most half a full window) has
+    /// drained, so the sender gets several slices per wake-up instead of one.
+    ///
+    /// HIGH alone is refilled in batches too: dealt one slice per answer, a batch of 1000
+    /// scattered 4 KiB HIGH reads paid a deal (rail tiers, estimates, selection) and a sending
+    /// thread's turn for every slice, and moved 1.15–1.19 GB/s over loopback where the same
+    /// batch at LOW, refilled in batches, moved 1.39–1.65.
     fn wants_refill(&self, p: PathId, bytes: u64, rails: &impl Rails<T>) -> bool {
         let depths = self.queue.depths();
         match depths.iter().position(|&n| n > 0) {
             None => false,
-            Some(0) => true,
             Some(level) => {
                 let prio = Priority::ALL[level];
+                let bulk_active = rails.has_work(Priority::Medium) || rails.has_work(Priority::Low);
+                if prio == Priority::High && bulk_active {
+                    return true;
+                }
                 let window = self.window(p, bytes);
                 let high_active = rails.has_work(Priority::High);
-                let allowed = allowance(prio, window, high_active, true);
+                let allowed = allowance(prio, window, high_active, bulk_active);
                 let posted = self.paths[p].posted;
                 // Below a pipe the rail idles until the next deal: waiting for half of a lean
                 // allowance of one pipe to drain would keep bulk beside HIGH at three quarters

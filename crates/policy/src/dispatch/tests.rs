@@ -339,6 +339,39 @@ fn a_fast_link_estimated_slow_still_spreads_high_and_a_slow_link_does_not() {
 }
 
 #[test]
+fn high_alone_is_refilled_in_batches_and_high_beside_bulk_at_every_answer() {
+    // HIGH alone, far more queued than the window holds: the first answers leave more than
+    // half of it in flight, so they ask for no deal; the path is refilled once half of it has
+    // drained, several slices at once.
+    let mut host = Host::new(&[100.0], true);
+    host.high = true;
+    let mut d = dispatcher(1);
+    d.on_submit(0, Priority::High, pieces(0, 4000, 4096));
+    let posts = drain(&mut d, 0, &mut host);
+    assert!(posts.len() > 8, "{} posted", posts.len());
+    assert!(!d.on_completed(10 * US, posts[0].id, None, &mut host));
+    let first_refill = posts[1..]
+        .iter()
+        .position(|p| d.on_completed(10 * US, p.id, None, &mut host))
+        .expect("refilled once half the window drained");
+    assert!(
+        first_refill > 2,
+        "refilled after {} answers",
+        first_refill + 2
+    );
+    assert!(drain(&mut d, 10 * US, &mut host).len() > 2);
+    // The same beside bulk: every answer deals the next HIGH slice at once.
+    let mut host = Host::new(&[100.0], true);
+    host.high = true;
+    host.bulk = true;
+    let mut d = dispatcher(1);
+    d.on_submit(0, Priority::High, pieces(0, 4000, 4096));
+    let posts = drain(&mut d, 0, &mut host);
+    assert!(posts.len() > 1);
+    assert!(d.on_completed(10 * US, posts[0].id, None, &mut host));
+}
+
+#[test]
 fn bulk_beside_high_is_cut_to_what_a_slow_rail_moves_in_the_high_wait() {
     // 1 Gbps = 125 MB/s: 250 µs of it is 31 250 bytes → 28 KiB in whole pages.
     let mut host = Host::new(&[1.0], true);
