@@ -50,6 +50,8 @@ pub(crate) const FEW_CPUS: usize = 4;
 #[derive(Debug)]
 pub(crate) struct PollBudget {
     polling: AtomicUsize,
+    /// Threads in a wait that counts against the budget, polling or not.
+    waiting: AtomicUsize,
     max: usize,
 }
 
@@ -58,6 +60,7 @@ impl PollBudget {
     pub(crate) fn new(max: usize) -> PollBudget {
         PollBudget {
             polling: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
             max,
         }
     }
@@ -67,24 +70,46 @@ impl PollBudget {
         PollBudget::new((cpus / 2).max(1))
     }
 
-    /// A turn to poll, held until the returned guard drops; `None` while `max` threads poll.
-    pub(crate) fn try_poll(&self) -> Option<Polling<'_>> {
-        self.polling
-            .fetch_update(Ordering::Acquire, Ordering::Relaxed, |n| {
-                (n < self.max).then_some(n + 1)
-            })
-            .ok()
-            .map(|_| Polling(self))
+    /// Counts the calling thread as waiting until the returned guard drops, and says whether
+    /// it may poll: only while no more threads wait than the budget allows to poll, and a
+    /// turn is free. With more waiters than that, none starts polling: one poller among
+    /// eight waiters on two cores still cost a tenth of their throughput.
+    pub(crate) fn enter(&self) -> Waiting<'_> {
+        let waiters = self.waiting.fetch_add(1, Ordering::AcqRel) + 1;
+        let polls = waiters <= self.max
+            && self
+                .polling
+                .fetch_update(Ordering::Acquire, Ordering::Relaxed, |n| {
+                    (n < self.max).then_some(n + 1)
+                })
+                .is_ok();
+        Waiting {
+            budget: self,
+            polls,
+        }
     }
 }
 
-/// One thread's turn to poll (see [`PollBudget::try_poll`]); gives it back when dropped.
+/// One waiting thread (see [`PollBudget::enter`]); counted until dropped.
 #[derive(Debug)]
-pub(crate) struct Polling<'a>(&'a PollBudget);
+pub(crate) struct Waiting<'a> {
+    budget: &'a PollBudget,
+    polls: bool,
+}
 
-impl Drop for Polling<'_> {
+impl Waiting<'_> {
+    /// Whether this waiter may poll.
+    pub(crate) fn polls(&self) -> bool {
+        self.polls
+    }
+}
+
+impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        self.0.polling.fetch_sub(1, Ordering::Release);
+        if self.polls {
+            self.budget.polling.fetch_sub(1, Ordering::Release);
+        }
+        self.budget.waiting.fetch_sub(1, Ordering::Release);
     }
 }
 
@@ -213,22 +238,36 @@ mod tests {
     }
 
     #[test]
-    fn a_poll_budget_admits_at_most_its_pollers_and_takes_each_back_when_it_ends() {
+    fn a_poll_budget_lets_waiters_poll_only_while_they_are_no_more_than_its_turns() {
         let b = PollBudget::for_cpus(4);
-        let first = b.try_poll().expect("one of two");
-        let second = b.try_poll().expect("two of two");
-        assert!(b.try_poll().is_none(), "a third poller on four CPUs");
+        let first = b.enter();
+        let second = b.enter();
+        assert!(first.polls() && second.polls(), "two waiters, two turns");
+        // A third waiter on four CPUs sleeps; so does any that comes while three wait.
+        let third = b.enter();
+        assert!(!third.polls());
         drop(first);
-        let third = b.try_poll().expect("a turn given back is taken again");
-        assert!(b.try_poll().is_none());
-        drop(second);
+        let fourth = b.enter();
+        assert!(!fourth.polls(), "three waiting: more than the budget");
         drop(third);
+        drop(fourth);
+        let fifth = b.enter();
+        assert!(
+            fifth.polls(),
+            "two waiting again: a turn given back is taken"
+        );
+        drop(second);
+        drop(fifth);
         assert_eq!(b.polling.load(Ordering::Relaxed), 0);
-        // One CPU (or two) still lets one waiter poll; a zero budget lets none.
-        assert!(PollBudget::for_cpus(1).try_poll().is_some());
+        assert_eq!(b.waiting.load(Ordering::Relaxed), 0);
+        // One CPU (or two) lets a lone waiter poll, and no second one; a zero budget none.
+        assert!(PollBudget::for_cpus(1).enter().polls());
         let two = PollBudget::for_cpus(2);
-        let _one = two.try_poll().expect("one poller on two CPUs");
-        assert!(two.try_poll().is_none());
-        assert!(PollBudget::new(0).try_poll().is_none());
+        let lone = two.enter();
+        assert!(lone.polls());
+        assert!(!two.enter().polls());
+        drop(lone);
+        assert!(two.enter().polls());
+        assert!(!PollBudget::new(0).enter().polls());
     }
 }

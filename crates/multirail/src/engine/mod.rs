@@ -997,7 +997,8 @@ impl Engine {
     /// expected to end within 100 µs (its bytes over its peers' estimated rates), polls before
     /// sleeping: up to `workers.wait_spin_us`, less the more of the recent waits outlasted that
     /// (`workers.adaptive_wait_spin`). Of the threads waiting for network transfers, at most
-    /// half the host's CPUs (at least one) poll at once; the others sleep at once.
+    /// half the host's CPUs (at least one) poll at once, and none starts polling while more
+    /// than that many wait; the others sleep at once.
     pub fn wait(&self, id: BatchId, timeout: Option<Duration>) -> Result<()> {
         let batch = self.batch(id)?;
         // Copies of this batch still queued for the shm workers are done here rather than
@@ -1011,11 +1012,10 @@ impl Engine {
         // A wait for network transfers polls only within the poll budget: their slices
         // finish on the engine's threads, which need the cores. Same-host copies finish
         // mostly on this thread (above) and keep polling.
-        let network = batch.expected().1 > 0;
-        let _polling = match network.then(|| self.inner.pollers.try_poll()) {
-            Some(None) => return batch.wait(timeout, Duration::ZERO),
-            turn => turn.flatten(),
-        };
+        let waiting = (batch.expected().1 > 0).then(|| self.inner.pollers.enter());
+        if waiting.as_ref().is_some_and(|w| !w.polls()) {
+            return batch.wait(timeout, Duration::ZERO);
+        }
         let started = Instant::now();
         let outcome = batch.wait(timeout, self.inner.wait_spin.current());
         let ended = !matches!(outcome, Err(Error::WaitTimeout { .. }));
