@@ -324,6 +324,8 @@ impl Engine {
                 Error::Config(crate::config::ConfigError::new("workers", e.to_string()))
             })
         };
+        // Asked once: it reads the affinity mask and the cgroup's CPU quota.
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         let inner = Arc::new(Inner {
             metadata,
             direct,
@@ -371,16 +373,12 @@ impl Engine {
                 Duration::ZERO,
                 workers.adaptive_wait_spin,
             ),
-            sleep_from_slices: if std::thread::available_parallelism()
-                .map_or(true, |n| n.get() <= crate::spin::FEW_CPUS)
-            {
+            sleep_from_slices: if cpus <= crate::spin::FEW_CPUS {
                 config.transports.tcp.connections_per_rail as u64 + 1
             } else {
                 u64::MAX
             },
-            pollers: crate::spin::PollBudget::for_cpus(
-                std::thread::available_parallelism().map_or(1, |n| n.get()),
-            ),
+            pollers: crate::spin::PollBudget::for_cpus(cpus),
             fallback_logged: OnceLock::new(),
             server: Mutex::new(Some(server)),
             messaging,

@@ -343,11 +343,16 @@ fn high_alone_is_refilled_in_batches_and_high_beside_bulk_at_every_answer() {
     // HIGH alone, far more queued than the window holds: the first answers leave more than
     // half of it in flight, so they ask for no deal; the path is refilled once half of it has
     // drained, several slices at once.
-    let mut host = Host::new(&[100.0], true);
-    host.high = true;
-    let mut d = dispatcher(1);
-    d.on_submit(0, Priority::High, pieces(0, 4000, 4096));
-    let posts = drain(&mut d, 0, &mut host);
+    fn high_backlog(bulk: bool) -> (Dispatcher<Piece>, Host, Vec<Post<Piece>>) {
+        let mut host = Host::new(&[100.0], true);
+        host.high = true;
+        host.bulk = bulk;
+        let mut d = dispatcher(1);
+        d.on_submit(0, Priority::High, pieces(0, 4000, 4096));
+        let posts = drain(&mut d, 0, &mut host);
+        (d, host, posts)
+    }
+    let (mut d, mut host, posts) = high_backlog(false);
     assert!(posts.len() > 8, "{} posted", posts.len());
     assert!(!d.on_completed(10 * US, posts[0].id, None, &mut host));
     let first_refill = posts[1..]
@@ -361,12 +366,7 @@ fn high_alone_is_refilled_in_batches_and_high_beside_bulk_at_every_answer() {
     );
     assert!(drain(&mut d, 10 * US, &mut host).len() > 2);
     // The same beside bulk: every answer deals the next HIGH slice at once.
-    let mut host = Host::new(&[100.0], true);
-    host.high = true;
-    host.bulk = true;
-    let mut d = dispatcher(1);
-    d.on_submit(0, Priority::High, pieces(0, 4000, 4096));
-    let posts = drain(&mut d, 0, &mut host);
+    let (mut d, mut host, posts) = high_backlog(true);
     assert!(posts.len() > 1);
     assert!(d.on_completed(10 * US, posts[0].id, None, &mut host));
 }
