@@ -62,3 +62,33 @@ pub use stats::{
 };
 pub use transport::rdma::{probe as rdma_probe, RdmaProbe, RdmaStats};
 pub use transport::Opcode;
+
+/// The Rust examples of the README and the user guide, compiled and run by `cargo test --doc`
+/// so that a change to the API or its behaviour cannot leave the documentation behind.
+#[cfg(doctest)]
+mod documentation_examples {
+    #[doc = include_str!("../../../README.md")]
+    struct Readme;
+    #[doc = include_str!("../../../docs/guide/index.md")]
+    struct GuideIndex;
+    #[doc = include_str!("../../../docs/guide/segments-and-buffers.md")]
+    struct GuideSegmentsAndBuffers;
+    #[doc = include_str!("../../../docs/guide/batches.md")]
+    struct GuideBatches;
+    #[doc = include_str!("../../../docs/guide/prepared-lists.md")]
+    struct GuidePreparedLists;
+    #[doc = include_str!("../../../docs/guide/rails.md")]
+    struct GuideRails;
+    #[doc = include_str!("../../../docs/guide/priorities.md")]
+    struct GuidePriorities;
+    #[doc = include_str!("../../../docs/guide/messages.md")]
+    struct GuideMessages;
+    #[doc = include_str!("../../../docs/guide/lanes.md")]
+    struct GuideLanes;
+    #[doc = include_str!("../../../docs/guide/groups.md")]
+    struct GuideGroups;
+    #[doc = include_str!("../../../docs/guide/metadata.md")]
+    struct GuideMetadata;
+    #[doc = include_str!("../../../docs/guide/membership.md")]
+    struct GuideMembership;
+}
