@@ -4,6 +4,7 @@
 
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
 use crate::segment::SegmentDescriptor;
@@ -20,6 +21,10 @@ pub(crate) struct Peer {
     pub same_process: bool,
     /// Becomes readable when the peer process exits; only for same-host peers.
     pidfd: Option<OwnedFd>,
+    /// This process proved membership to the peer's, and the peer to it, over the handshake
+    /// of its control port. Connections of the network transports each prove it themselves;
+    /// shared memory opens no connection, so it checks this first.
+    membership_proven: AtomicBool,
 }
 
 fn pidfd_open(pid: u32) -> Option<OwnedFd> {
@@ -56,7 +61,20 @@ impl Peer {
             same_host,
             same_process,
             pidfd,
+            membership_proven: AtomicBool::new(false),
         }
+    }
+
+    /// Whether this process and the peer's proved membership to each other (see
+    /// [`mark_membership_proven`](Self::mark_membership_proven)).
+    pub(crate) fn membership_proven(&self) -> bool {
+        self.membership_proven.load(Ordering::Acquire)
+    }
+
+    /// Records that a handshake with the peer's process succeeded. A new process serving the
+    /// segment is a new `Peer`, which must prove it again.
+    pub(crate) fn mark_membership_proven(&self) {
+        self.membership_proven.store(true, Ordering::Release);
     }
 
     /// The cached descriptor.

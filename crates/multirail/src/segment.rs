@@ -170,6 +170,11 @@ pub struct SegmentDescriptor {
     /// Multicast groups the engine has joined: where each group's table lies.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub groups: Vec<GroupDescriptor>,
+    /// The engine requires a membership token (never the token itself): a peer that found this
+    /// descriptor in a metadata store proves membership over the control port before reaching
+    /// the engine's memory through shared memory, which opens no connection of its own.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub members_only: bool,
 }
 
 /// A multicast group as one member publishes it: its table (engine memory the other members
@@ -243,6 +248,7 @@ mod tests {
             rdma: vec![],
             buffers: vec![buf(1000, 100), buf(5000, 10)],
             segment_name: None,
+            members_only: false,
             groups: Vec::new(),
         };
         assert_eq!(d.find_buffer(1000, 100).unwrap().addr, 1000);

@@ -286,6 +286,7 @@ fn descriptor() -> SegmentDescriptor {
             },
         ],
         segment_name: None,
+        members_only: false,
         groups: Vec::new(),
     }
 }

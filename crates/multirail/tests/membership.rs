@@ -220,3 +220,86 @@ fn connections_past_max_connections_are_refused() {
     }
     round_trip(&engine("{}"), &target, 1 << 20).unwrap();
 }
+
+/// With a metadata store, a descriptor reaches anyone who asks the store, not only members; and
+/// shared memory opens no connection whose handshake would refuse them. So before an engine
+/// reaches a same-host peer's memory over shm it proves membership over the peer's control
+/// port, in both directions, whenever either side requires a token.
+#[test]
+fn a_descriptor_from_a_store_does_not_open_shared_memory_to_a_non_member() {
+    use multirail_metadata_server::{Limits, MetadataServer, ServerConfig};
+    let server = MetadataServer::start(ServerConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        data_dir: None,
+        limits: Limits::default(),
+    })
+    .expect("metadata server starts");
+    let store = |auth: &str| {
+        engine(&format!(
+            r#"{{"metadata": {{"type": "http", "servers": "{}"}}{auth}}}"#,
+            server.url()
+        ))
+    };
+    let member_auth = format!(r#", "auth": {{"token": "{TOKEN}"}}"#);
+    let target = store(&member_auth);
+    let dst = target.allocate(1 << 20, Location::Any).unwrap();
+    let open_target = store("");
+    let open_dst = open_target.allocate(1 << 20, Location::Any).unwrap();
+
+    let write = |init: &Engine, target: &Engine, dst: u64, transport: Option<TransportChoice>| {
+        let src = init.allocate(1 << 20, Location::Any).unwrap();
+        // SAFETY: nothing is in flight on `src`.
+        fill(unsafe { src.as_mut_slice() }, 3);
+        let seg = init.open_segment(&target.name())?;
+        let batch = init.allocate_batch(1)?;
+        let submitted = init.submit(
+            batch,
+            &[Request {
+                transport,
+                ..Request::write(src.addr(), seg, dst, 1 << 20)
+            }],
+        );
+        let done = submitted.and_then(|()| init.wait(batch, Some(Duration::from_secs(10))));
+        init.free_batch(batch)?;
+        done
+    };
+    for transport in [None, Some(TransportChoice::Shm)] {
+        // No token, and a wrong one, against a member.
+        for outsider in [
+            store(""),
+            store(r#", "auth": {"token": "a-different-token-entirely"}"#),
+        ] {
+            let err = write(&outsider, &target, dst.addr(), transport).unwrap_err();
+            assert!(
+                matches!(err, Error::NotAMember { .. }),
+                "{transport:?}: {err}"
+            );
+        }
+        // A member against an engine that lets anyone in.
+        let err = write(
+            &store(&member_auth),
+            &open_target,
+            open_dst.addr(),
+            transport,
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("accepts anyone"),
+            "{transport:?}: {err}"
+        );
+    }
+    // SAFETY: nothing wrote to either buffer.
+    assert!(unsafe { dst.as_slice() }.iter().all(|&b| b == 0));
+    assert!(unsafe { open_dst.as_slice() }.iter().all(|&b| b == 0));
+    assert!(target.connection_stats().not_members >= 2);
+
+    // A member still moves its bytes over shm, proving membership once.
+    let member = store(&member_auth);
+    write(&member, &target, dst.addr(), Some(TransportChoice::Shm)).unwrap();
+    write(&member, &target, dst.addr(), None).unwrap();
+    // SAFETY: the writes finished.
+    let landed = unsafe { dst.as_slice() };
+    let mut want = vec![0u8; 1 << 20];
+    fill(&mut want, 3);
+    assert!(landed == &want[..], "the member's bytes landed");
+}

@@ -188,6 +188,7 @@ fn initiator_fails_requests_on_garbage_responses() {
             rkeys: vec![],
         }],
         segment_name: None,
+        members_only: false,
         groups: Vec::new(),
     };
     let json = serde_json::to_vec(&descriptor).unwrap();

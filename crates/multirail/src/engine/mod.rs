@@ -113,6 +113,9 @@ struct LocalSegment {
     registry: Arc<MemoryRegistry>,
     /// Multicast groups joined, published so the other members find their tables.
     groups: Mutex<Vec<segment::GroupDescriptor>>,
+    /// A membership token is required (`auth.token`): published so that peers finding this
+    /// descriptor in a store prove membership before reaching the memory over shm.
+    members_only: bool,
 }
 
 impl LocalSegment {
@@ -127,6 +130,7 @@ impl LocalSegment {
             buffers: self.registry.descriptors(),
             segment_name: self.segment_name.clone(),
             groups: self.groups.lock().expect("groups poisoned").clone(),
+            members_only: self.members_only,
         }
     }
 
@@ -289,6 +293,7 @@ impl Engine {
             rdma: rdma.descriptors(),
             registry: registry.clone(),
             groups: Mutex::new(Vec::new()),
+            members_only: membership.is_required(),
         });
         let served = local.clone();
         let server = Server::start(
@@ -515,9 +520,38 @@ impl Engine {
             descriptor,
             &self.inner.local.host_id,
         ));
+        if !self.inner.publishes {
+            // The descriptor came from the segment itself, after the handshake.
+            peer.mark_membership_proven();
+        }
         peers.by_id.insert(id, peer);
         peers.by_name.insert(name.to_owned(), id);
         Ok(SegmentId(id))
+    }
+
+    /// Proves membership to a same-host peer's process before its memory is reached over shm.
+    /// The network transports prove it on every connection they open; shared memory opens
+    /// none, and a descriptor from a metadata store was not handed over by the peer itself, so
+    /// without this an engine lacking the token would move bytes to a member's memory. Asked
+    /// only when either side requires a token, once per peer process: the segment is asked for
+    /// its descriptor over its control port, whose handshake proves membership both ways.
+    /// Fails with `NotAMember` when either side cannot prove it, `SegmentUnreachable` when the
+    /// control port does not answer, and `PeerDisconnected` when another process answers there.
+    fn prove_membership(&self, peer: &Peer) -> Result<()> {
+        // Engines in one process prove it too: each holds its own token.
+        if peer.membership_proven() {
+            return Ok(());
+        }
+        let known = peer.descriptor();
+        if !self.inner.local.members_only && !known.members_only {
+            return Ok(());
+        }
+        let own = self.inner.direct.fetch(&known.name)?;
+        if own.pid != known.pid || own.host_id != known.host_id {
+            return Err(peer.exited_error("open the segment again"));
+        }
+        peer.mark_membership_proven();
+        Ok(())
     }
 
     /// Fetches segment `name`'s descriptor from the store, counted.
@@ -875,9 +909,13 @@ impl Engine {
         }
         let route = match choice {
             TransportChoice::Tcp => Route::Tcp,
-            TransportChoice::Shm => Route::Shm,
+            TransportChoice::Shm => {
+                self.prove_membership(&peer)?;
+                Route::Shm
+            }
             TransportChoice::Rdma => Route::Rdma,
             TransportChoice::Auto if peer.same_host && self.inner.config.transports.shm.enable => {
+                self.prove_membership(&peer)?;
                 match self.inner.shm.prepare(&peer, &buffer) {
                     Ok(()) => Route::Shm,
                     Err(e) => {
