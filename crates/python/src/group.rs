@@ -24,6 +24,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use multirail::{Delivery, Engine, Group, GroupConfig, GroupStats};
+
+use crate::buffer_type;
 use pyo3::exceptions::{PyBufferError, PyTypeError};
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -57,21 +59,10 @@ extern "C" {
     // Present in every CPython 3 (part of the stable ABI since 3.11, exported before too).
     fn PyObject_GetBuffer(obj: *mut ffi::PyObject, view: *mut RawBuffer, flags: c_int) -> c_int;
     fn PyBuffer_Release(view: *mut RawBuffer);
-    fn PyBuffer_FillInfo(
-        view: *mut c_void,
-        obj: *mut ffi::PyObject,
-        buf: *mut c_void,
-        len: ffi::Py_ssize_t,
-        readonly: c_int,
-        flags: c_int,
-    ) -> c_int;
 }
 
 /// `PyBUF_SIMPLE`: contiguous bytes, no format, shape or strides.
 const PYBUF_SIMPLE: c_int = 0;
-/// `Py_bf_getbuffer` and `Py_bf_releasebuffer` from typeslots.h (stable since Python 3.1).
-const PY_BF_GETBUFFER: c_int = 1;
-const PY_BF_RELEASEBUFFER: c_int = 2;
 
 /// The bytes of a Python object with the buffer protocol (`bytes`, `bytearray`, `memoryview`,
 /// C-contiguous NumPy arrays...), borrowed without a copy; released on drop. The object
@@ -174,20 +165,13 @@ unsafe extern "C" fn slot_new(
 }
 
 unsafe extern "C" fn slot_dealloc(obj: *mut ffi::PyObject) {
-    let tp = ffi::Py_TYPE(obj);
     let s = obj as *mut RawSlot;
     let keep = std::mem::replace(&mut (*s).keep, ptr::null_mut());
     if !keep.is_null() {
         // SAFETY: `keep` came from Box::into_raw in run_fill and is taken exactly once (nulled).
         drop(Box::from_raw(keep));
     }
-    let free = ffi::PyType_GetSlot(tp, ffi::Py_tp_free);
-    if !free.is_null() {
-        let free: ffi::freefunc = std::mem::transmute::<*mut c_void, ffi::freefunc>(free);
-        free(obj as *mut c_void);
-    }
-    // Instances of heap types own a reference to their type.
-    ffi::Py_DECREF(tp as *mut ffi::PyObject);
+    buffer_type::free_instance(obj);
 }
 
 unsafe extern "C" fn slot_getbuffer(
@@ -206,7 +190,8 @@ unsafe extern "C" fn slot_getbuffer(
     }
     // SAFETY: while `valid` is set, run_fill is inside `fill`, so the slot of `len` bytes at
     // `addr` is lent to us by try_send_with and nothing else touches it.
-    let rc = PyBuffer_FillInfo(view, obj, (*s).addr as *mut c_void, (*s).len, 0, flags);
+    let rc =
+        buffer_type::PyBuffer_FillInfo(view, obj, (*s).addr as *mut c_void, (*s).len, 0, flags);
     if rc == 0 {
         (*s).exports += 1;
     }
@@ -217,57 +202,23 @@ unsafe extern "C" fn slot_releasebuffer(obj: *mut ffi::PyObject, _view: *mut c_v
     (*(obj as *mut RawSlot)).exports -= 1;
 }
 
-static SLOT_DOC: &[u8] =
-    b"The slot of a message being sent by Group.send_into (writable while fill runs).\0";
-static SLOT_NAME: &[u8] = b"multirail._native.SlotView\0";
-
 static SLOT_TYPE: GILOnceCell<PyObject> = GILOnceCell::new();
 
 fn slot_type(py: Python<'_>) -> PyResult<&PyObject> {
     SLOT_TYPE.get_or_try_init(py, || {
-        let mut slots = [
-            ffi::PyType_Slot {
-                slot: ffi::Py_tp_new,
-                pfunc: slot_new as *mut c_void,
+        buffer_type::create(
+            py,
+            &buffer_type::BufferTypeSpec {
+                name: c"multirail._native.SlotView",
+                doc: c"The slot of a message being sent by Group.send_into (writable while fill runs).",
+                basicsize: std::mem::size_of::<RawSlot>(),
+                subclassable: false,
+                new: slot_new,
+                dealloc: slot_dealloc,
+                getbuffer: slot_getbuffer,
+                releasebuffer: Some(slot_releasebuffer),
             },
-            ffi::PyType_Slot {
-                slot: ffi::Py_tp_dealloc,
-                pfunc: slot_dealloc as *mut c_void,
-            },
-            ffi::PyType_Slot {
-                slot: PY_BF_GETBUFFER,
-                pfunc: slot_getbuffer as *mut c_void,
-            },
-            ffi::PyType_Slot {
-                slot: PY_BF_RELEASEBUFFER,
-                pfunc: slot_releasebuffer as *mut c_void,
-            },
-            ffi::PyType_Slot {
-                slot: ffi::Py_tp_doc,
-                pfunc: SLOT_DOC.as_ptr() as *mut c_void,
-            },
-            ffi::PyType_Slot {
-                slot: 0,
-                pfunc: ptr::null_mut(),
-            },
-        ];
-        let mut spec = ffi::PyType_Spec {
-            name: SLOT_NAME.as_ptr() as *const c_char,
-            basicsize: std::mem::size_of::<RawSlot>() as c_int,
-            itemsize: 0,
-            flags: ffi::Py_TPFLAGS_DEFAULT as _,
-            slots: slots.as_mut_ptr(),
-        };
-        // SAFETY: spec and slots are valid for the call; PyType_FromSpec copies what it keeps
-        // (name and doc are 'static). The slot functions match the signatures CPython calls
-        // them with (newfunc, destructor, getbufferproc, releasebufferproc).
-        unsafe {
-            let tp = ffi::PyType_FromSpec(&mut spec);
-            if tp.is_null() {
-                return Err(PyErr::fetch(py));
-            }
-            Ok(PyObject::from_owned_ptr(py, tp))
-        }
+        )
     })
 }
 

@@ -18,6 +18,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 /// Keys of per-priority figures in the dicts handed to Python, in priority order.
 const PRIORITY_NAMES: [&str; 3] = ["high", "medium", "low"];
 
+mod buffer_type;
 mod group;
 mod prepared;
 mod view;
