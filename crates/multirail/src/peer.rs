@@ -22,8 +22,9 @@ pub(crate) struct Peer {
     /// Becomes readable when the peer process exits; only for same-host peers.
     pidfd: Option<OwnedFd>,
     /// This process proved membership to the peer's, and the peer to it, over the handshake
-    /// of its control port. Connections of the network transports each prove it themselves;
-    /// shared memory opens no connection, so it checks this first.
+    /// of its control port, or neither side requires a token. Connections of the network
+    /// transports each prove it themselves; shared memory opens no connection, so it checks
+    /// this first.
     membership_proven: AtomicBool,
 }
 
@@ -71,8 +72,8 @@ impl Peer {
         self.membership_proven.load(Ordering::Acquire)
     }
 
-    /// Records that a handshake with the peer's process succeeded. A new process serving the
-    /// segment is a new `Peer`, which must prove it again.
+    /// Records that a handshake with the peer's process succeeded, or that neither side asks
+    /// for one. A new process serving the segment is a new `Peer`, which is asked again.
     pub(crate) fn mark_membership_proven(&self) {
         self.membership_proven.store(true, Ordering::Release);
     }

@@ -532,24 +532,25 @@ impl Engine {
     /// Proves membership to a same-host peer's process before its memory is reached over shm.
     /// The network transports prove it on every connection they open; shared memory opens
     /// none, and a descriptor from a metadata store was not handed over by the peer itself, so
-    /// without this an engine lacking the token would move bytes to a member's memory. Asked
+    /// without this an engine lacking the token would move bytes to a member's memory. Needed
     /// only when either side requires a token, once per peer process: the segment is asked for
-    /// its descriptor over its control port, whose handshake proves membership both ways.
-    /// Fails with `NotAMember` when either side cannot prove it, `SegmentUnreachable` when the
-    /// control port does not answer, and `PeerDisconnected` when another process answers there.
+    /// its descriptor over its control port, whose handshake proves membership both ways, and
+    /// that descriptor (the peer's own word on its buffers) replaces the store's. Fails with
+    /// `NotAMember` when either side cannot prove it, `SegmentUnreachable` when the control
+    /// port does not answer, and `PeerDisconnected` when another process answers there.
     fn prove_membership(&self, peer: &Peer) -> Result<()> {
         // Engines in one process prove it too: each holds its own token.
         if peer.membership_proven() {
             return Ok(());
         }
         let known = peer.descriptor();
-        if !self.inner.local.members_only && !known.members_only {
-            return Ok(());
+        if self.inner.local.members_only || known.members_only {
+            let own = self.inner.direct.fetch(&known.name)?;
+            if !peer.update_descriptor(own) {
+                return Err(peer.exited_error("open the segment again"));
+            }
         }
-        let own = self.inner.direct.fetch(&known.name)?;
-        if own.pid != known.pid || own.host_id != known.host_id {
-            return Err(peer.exited_error("open the segment again"));
-        }
+        // Proven, or not asked for by either side: a process keeps its token for life.
         peer.mark_membership_proven();
         Ok(())
     }
@@ -888,6 +889,16 @@ impl Engine {
             return Err(peer.exited_error("open the segment again"));
         }
         memo.alive.insert(peer.id);
+        let choice = r.transport.unwrap_or(self.inner.config.transport);
+        let shm_possible = match choice {
+            TransportChoice::Shm => true,
+            TransportChoice::Auto => peer.same_host && self.inner.config.transports.shm.enable,
+            TransportChoice::Tcp | TransportChoice::Rdma => false,
+        };
+        if shm_possible {
+            // Before the buffer is looked up, so that it comes from the peer's own descriptor.
+            self.prove_membership(&peer)?;
+        }
         let buffer = match &memo.buffer {
             Some((id, b)) if *id == peer.id && b.contains(r.target_offset, r.length) => b.clone(),
             _ => {
@@ -896,7 +907,6 @@ impl Engine {
                 b
             }
         };
-        let choice = r.transport.unwrap_or(self.inner.config.transport);
         let readied = Readied {
             peer: peer.id,
             buffer: (buffer.addr, buffer.key),
@@ -909,23 +919,17 @@ impl Engine {
         }
         let route = match choice {
             TransportChoice::Tcp => Route::Tcp,
-            TransportChoice::Shm => {
-                self.prove_membership(&peer)?;
-                Route::Shm
-            }
+            TransportChoice::Shm => Route::Shm,
             TransportChoice::Rdma => Route::Rdma,
-            TransportChoice::Auto if peer.same_host && self.inner.config.transports.shm.enable => {
-                self.prove_membership(&peer)?;
-                match self.inner.shm.prepare(&peer, &buffer) {
-                    Ok(()) => Route::Shm,
-                    Err(e) => {
-                        if self.inner.fallback_logged.set(()).is_ok() {
-                            tracing::warn!(peer = %peer.name, reason = %e, "shm cannot reach this buffer; using tcp");
-                        }
-                        Route::Tcp
+            TransportChoice::Auto if shm_possible => match self.inner.shm.prepare(&peer, &buffer) {
+                Ok(()) => Route::Shm,
+                Err(e) => {
+                    if self.inner.fallback_logged.set(()).is_ok() {
+                        tracing::warn!(peer = %peer.name, reason = %e, "shm cannot reach this buffer; using tcp");
                     }
+                    Route::Tcp
                 }
-            }
+            },
             // Across hosts, RDMA when both ends have it; tcp when it cannot serve this one.
             TransportChoice::Auto if self.inner.rdma.reaches(&peer) => {
                 match self.inner.rdma.prepare(&peer, &buffer) {
