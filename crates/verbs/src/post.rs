@@ -100,29 +100,134 @@ fn stage_sges(
     Ok(dst.as_mut_ptr())
 }
 
-/// A reusable chain of send work requests for
-/// [`crate::QueuePair::post_send`].
-pub struct SendBatch {
-    wrs: Box<[ibv_send_wr]>,
+/// A work request of either queue, as the chain below needs it.
+trait WorkRequest {
+    fn zeroed() -> Self;
+    fn wr_id(&self) -> u64;
+    fn set_next(&mut self, next: *mut Self);
+}
+
+impl WorkRequest for ibv_send_wr {
+    fn zeroed() -> Self {
+        ibv_send_wr::zeroed()
+    }
+    fn wr_id(&self) -> u64 {
+        self.wr_id
+    }
+    fn set_next(&mut self, next: *mut Self) {
+        self.next = next;
+    }
+}
+
+impl WorkRequest for ibv_recv_wr {
+    fn zeroed() -> Self {
+        ibv_recv_wr::zeroed()
+    }
+    fn wr_id(&self) -> u64 {
+        self.wr_id
+    }
+    fn set_next(&mut self, next: *mut Self) {
+        self.next = next;
+    }
+}
+
+/// The part [`SendBatch`] and [`RecvBatch`] share: requests linked in push order and the
+/// scatter/gather entries they point at, in two arrays allocated once.
+struct Chain<W> {
+    wrs: Box<[W]>,
     sges: Box<[ibv_sge]>,
     len: usize,
     used_sges: usize,
 }
 
-// SAFETY: the raw pointers inside point only into the batch's own boxes, so
-// sending the batch to another thread moves them together; `&SendBatch`
-// allows no mutation.
-unsafe impl Send for SendBatch {}
+// SAFETY: the raw pointers inside point only into the chain's own boxes, so
+// sending the chain to another thread moves them together; `&Chain` allows
+// no mutation.
+unsafe impl<W> Send for Chain<W> {}
 // SAFETY: as above.
-unsafe impl Sync for SendBatch {}
+unsafe impl<W> Sync for Chain<W> {}
 
-impl std::fmt::Debug for SendBatch {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SendBatch")
+impl<W: WorkRequest> Chain<W> {
+    fn with_sges(max_wrs: usize, max_sges: usize) -> Self {
+        Self {
+            wrs: (0..max_wrs).map(|_| W::zeroed()).collect(),
+            sges: vec![ibv_sge::default(); max_sges].into_boxed_slice(),
+            len: 0,
+            used_sges: 0,
+        }
+    }
+
+    /// Appends a request made by `make` from its staged sg_list and entry count. Fails with
+    /// [`VerbsError::BatchFull`] when no request or not enough entries are left, leaving the
+    /// chain unchanged.
+    fn push(
+        &mut self,
+        sges: &[Sge],
+        make: impl FnOnce(*mut ibv_sge, i32) -> W,
+    ) -> Result<(), VerbsError> {
+        let full = VerbsError::BatchFull {
+            wrs: self.wrs.len(),
+            sges: self.sges.len(),
+        };
+        if self.len == self.wrs.len() {
+            return Err(full);
+        }
+        let sg_list = stage_sges(&mut self.sges, &mut self.used_sges, sges, || full)?;
+        // Fits: bounded by the sge array, which the caller sized.
+        let num_sge = i32::try_from(sges.len()).unwrap_or(i32::MAX);
+        let wr = &mut self.wrs[self.len];
+        *wr = make(sg_list, num_sge);
+        let this: *mut W = wr;
+        if self.len > 0 {
+            self.wrs[self.len - 1].set_next(this);
+        }
+        self.len += 1;
+        Ok(())
+    }
+
+    fn clear(&mut self) {
+        self.len = 0;
+        self.used_sges = 0;
+    }
+
+    fn wr_id(&self, index: usize) -> Option<u64> {
+        self.wrs[..self.len].get(index).map(|w| w.wr_id())
+    }
+
+    /// Head of the chain, with the last request's `next` cut (it may still
+    /// point at a request from before a `clear`). Null when empty.
+    fn head(&mut self) -> *mut W {
+        match self.len.checked_sub(1) {
+            None => std::ptr::null_mut(),
+            Some(last) => {
+                self.wrs[last].set_next(std::ptr::null_mut());
+                self.wrs.as_mut_ptr()
+            }
+        }
+    }
+
+    fn index_of(&self, bad: *const W) -> usize {
+        index_in(&self.wrs[..self.len], bad)
+    }
+
+    fn debug(&self, name: &str, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct(name)
             .field("len", &self.len)
             .field("capacity", &self.wrs.len())
             .field("sges", &self.used_sges)
             .finish()
+    }
+}
+
+/// A reusable chain of send work requests for
+/// [`crate::QueuePair::post_send`].
+pub struct SendBatch {
+    chain: Chain<ibv_send_wr>,
+}
+
+impl std::fmt::Debug for SendBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.chain.debug("SendBatch", f)
     }
 }
 
@@ -136,10 +241,7 @@ impl SendBatch {
     /// A batch of up to `max_wrs` requests sharing `max_sges` entries.
     pub fn with_sges(max_wrs: usize, max_sges: usize) -> Self {
         Self {
-            wrs: vec![ibv_send_wr::zeroed(); max_wrs].into_boxed_slice(),
-            sges: vec![ibv_sge::default(); max_sges].into_boxed_slice(),
-            len: 0,
-            used_sges: 0,
+            chain: Chain::with_sges(max_wrs, max_sges),
         }
     }
 
@@ -154,15 +256,6 @@ impl SendBatch {
         flags: SendFlags,
         sges: &[Sge],
     ) -> Result<(), VerbsError> {
-        let full = || VerbsError::BatchFull {
-            wrs: self.wrs.len(),
-            sges: self.sges.len(),
-        };
-        if self.len == self.wrs.len() {
-            return Err(full());
-        }
-        let full = full();
-        let sg_list = stage_sges(&mut self.sges, &mut self.used_sges, sges, || full)?;
         let (opcode, imm, remote) = match op {
             SendOp::RdmaWrite { remote_addr, rkey } => {
                 (ffi::IBV_WR_RDMA_WRITE, 0, Some((remote_addr, rkey)))
@@ -183,73 +276,61 @@ impl SendBatch {
             SendOp::SendImm { imm } => (ffi::IBV_WR_SEND_WITH_IMM, imm, None),
         };
         let (remote_addr, rkey) = remote.unwrap_or((0, 0));
-        let wr = &mut self.wrs[self.len];
-        *wr = ibv_send_wr::zeroed();
-        wr.wr_id = wr_id;
-        wr.sg_list = sg_list;
-        // Fits: bounded by the sge array, which the caller sized.
-        wr.num_sge = i32::try_from(sges.len()).unwrap_or(i32::MAX);
-        wr.opcode = opcode;
-        wr.send_flags = flags.bits();
-        wr.imm_data = imm.to_be();
-        wr.wr.rdma = ffi::ibv_send_wr_rdma { remote_addr, rkey };
-        let this: *mut ibv_send_wr = wr;
-        if self.len > 0 {
-            self.wrs[self.len - 1].next = this;
-        }
-        self.len += 1;
-        Ok(())
+        self.chain.push(sges, |sg_list, num_sge| {
+            let mut wr = ibv_send_wr::zeroed();
+            wr.wr_id = wr_id;
+            wr.sg_list = sg_list;
+            wr.num_sge = num_sge;
+            wr.opcode = opcode;
+            wr.send_flags = flags.bits();
+            wr.imm_data = imm.to_be();
+            wr.wr.rdma = ffi::ibv_send_wr_rdma { remote_addr, rkey };
+            wr
+        })
     }
 
     /// Adds SIGNALED to the last request, so that a chain of unsignalled
     /// requests ends in one completion. No-op on an empty batch.
     pub fn signal_last(&mut self) {
-        if let Some(last) = self.len.checked_sub(1) {
-            self.wrs[last].send_flags |= SendFlags::SIGNALED.bits();
+        if let Some(last) = self.chain.len.checked_sub(1) {
+            self.chain.wrs[last].send_flags |= SendFlags::SIGNALED.bits();
         }
     }
 
     /// Empties the batch for reuse, keeping its arrays.
     pub fn clear(&mut self) {
-        self.len = 0;
-        self.used_sges = 0;
+        self.chain.clear();
     }
 
     /// Requests in the batch.
     pub fn len(&self) -> usize {
-        self.len
+        self.chain.len
     }
 
     /// True when no request has been pushed since the last clear.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.chain.len == 0
     }
 
     /// Most requests the batch holds.
     pub fn capacity(&self) -> usize {
-        self.wrs.len()
+        self.chain.wrs.len()
     }
 
     /// The `wr_id` of request `index`, if present.
     pub fn wr_id(&self, index: usize) -> Option<u64> {
-        self.wrs[..self.len].get(index).map(|w| w.wr_id)
+        self.chain.wr_id(index)
     }
 
     /// Head of the chain, with the last request's `next` cut (it may still
     /// point at a request from before a `clear`). Null when empty.
     pub(crate) fn head(&mut self) -> *mut ibv_send_wr {
-        match self.len.checked_sub(1) {
-            None => std::ptr::null_mut(),
-            Some(last) => {
-                self.wrs[last].next = std::ptr::null_mut();
-                self.wrs.as_mut_ptr()
-            }
-        }
+        self.chain.head()
     }
 
     /// Index of `bad` in the batch (0 if the provider did not say).
     pub(crate) fn index_of(&self, bad: *const ibv_send_wr) -> usize {
-        index_in(&self.wrs[..self.len], bad)
+        self.chain.index_of(bad)
     }
 }
 
@@ -257,24 +338,12 @@ impl SendBatch {
 /// [`crate::QueuePair::post_recv`] and
 /// [`crate::SharedReceiveQueue::post_recv`].
 pub struct RecvBatch {
-    wrs: Box<[ibv_recv_wr]>,
-    sges: Box<[ibv_sge]>,
-    len: usize,
-    used_sges: usize,
+    chain: Chain<ibv_recv_wr>,
 }
-
-// SAFETY: as for SendBatch: pointers only into the batch's own boxes.
-unsafe impl Send for RecvBatch {}
-// SAFETY: as above.
-unsafe impl Sync for RecvBatch {}
 
 impl std::fmt::Debug for RecvBatch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RecvBatch")
-            .field("len", &self.len)
-            .field("capacity", &self.wrs.len())
-            .field("sges", &self.used_sges)
-            .finish()
+        self.chain.debug("RecvBatch", f)
     }
 }
 
@@ -287,10 +356,7 @@ impl RecvBatch {
     /// A batch of up to `max_wrs` receives sharing `max_sges` entries.
     pub fn with_sges(max_wrs: usize, max_sges: usize) -> Self {
         Self {
-            wrs: vec![ibv_recv_wr::zeroed(); max_wrs].into_boxed_slice(),
-            sges: vec![ibv_sge::default(); max_sges].into_boxed_slice(),
-            len: 0,
-            used_sges: 0,
+            chain: Chain::with_sges(max_wrs, max_sges),
         }
     }
 
@@ -298,64 +364,42 @@ impl RecvBatch {
     ///
     /// Fails with [`VerbsError::BatchFull`]; the batch is then unchanged.
     pub fn push(&mut self, wr_id: u64, sges: &[Sge]) -> Result<(), VerbsError> {
-        let full = VerbsError::BatchFull {
-            wrs: self.wrs.len(),
-            sges: self.sges.len(),
-        };
-        if self.len == self.wrs.len() {
-            return Err(full);
-        }
-        let sg_list = stage_sges(&mut self.sges, &mut self.used_sges, sges, || full)?;
-        let wr = &mut self.wrs[self.len];
-        *wr = ibv_recv_wr {
+        self.chain.push(sges, |sg_list, num_sge| ibv_recv_wr {
             wr_id,
             next: std::ptr::null_mut(),
             sg_list,
-            num_sge: i32::try_from(sges.len()).unwrap_or(i32::MAX),
-        };
-        let this: *mut ibv_recv_wr = wr;
-        if self.len > 0 {
-            self.wrs[self.len - 1].next = this;
-        }
-        self.len += 1;
-        Ok(())
+            num_sge,
+        })
     }
 
     /// Empties the batch for reuse, keeping its arrays.
     pub fn clear(&mut self) {
-        self.len = 0;
-        self.used_sges = 0;
+        self.chain.clear();
     }
 
     /// Receives in the batch.
     pub fn len(&self) -> usize {
-        self.len
+        self.chain.len
     }
 
     /// True when no receive has been pushed since the last clear.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.chain.len == 0
     }
 
     /// Most receives the batch holds.
     pub fn capacity(&self) -> usize {
-        self.wrs.len()
+        self.chain.wrs.len()
     }
 
     /// Head of the chain with its tail cut; null when empty.
     pub(crate) fn head(&mut self) -> *mut ibv_recv_wr {
-        match self.len.checked_sub(1) {
-            None => std::ptr::null_mut(),
-            Some(last) => {
-                self.wrs[last].next = std::ptr::null_mut();
-                self.wrs.as_mut_ptr()
-            }
-        }
+        self.chain.head()
     }
 
     /// Index of `bad` in the batch (0 if the provider did not say).
     pub(crate) fn index_of(&self, bad: *const ibv_recv_wr) -> usize {
-        index_in(&self.wrs[..self.len], bad)
+        self.chain.index_of(bad)
     }
 }
 
@@ -449,7 +493,7 @@ mod tests {
         assert_eq!(chain[2].num_sge, 0);
         assert!(chain[2].sg_list.is_null());
         assert_eq!(chain[2].send_flags, SendFlags::SIGNALED.bits());
-        assert_eq!(b.index_of(&b.wrs[2]), 2);
+        assert_eq!(b.index_of(&b.chain.wrs[2]), 2);
         assert_eq!(b.index_of(std::ptr::null()), 0);
     }
 
@@ -515,6 +559,6 @@ mod tests {
             p = wr.next;
         }
         assert_eq!(ids, [(5, 0x5000), (6, 0x6000)]);
-        assert_eq!(b.index_of(&b.wrs[1]), 1);
+        assert_eq!(b.index_of(&b.chain.wrs[1]), 1);
     }
 }
