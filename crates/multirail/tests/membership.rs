@@ -1,6 +1,8 @@
 //! Only engines holding the cluster's token get in; the listening port bounds what strangers and
 //! idle clients can hold.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
@@ -227,13 +229,7 @@ fn connections_past_max_connections_are_refused() {
 /// port, in both directions, whenever either side requires a token.
 #[test]
 fn a_descriptor_from_a_store_does_not_open_shared_memory_to_a_non_member() {
-    use multirail_metadata_server::{Limits, MetadataServer, ServerConfig};
-    let server = MetadataServer::start(ServerConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        data_dir: None,
-        limits: Limits::default(),
-    })
-    .expect("metadata server starts");
+    let server = common::metadata_server_on("127.0.0.1:0");
     let store = |auth: &str| {
         engine(&format!(
             r#"{{"metadata": {{"type": "http", "servers": "{}"}}{auth}}}"#,

@@ -14,22 +14,12 @@ use std::time::{Duration, Instant};
 
 use multirail::segment::SegmentDescriptor;
 use multirail::{Config, Engine, Error, Location, StoreState, TransportChoice};
-use multirail_metadata_server::{Limits, MetadataServer, ServerConfig};
+use multirail_metadata_server::MetadataServer;
 use percent_encoding::{utf8_percent_encode, NON_ALPHANUMERIC};
 use xxhash_rust::xxh3::xxh3_64;
 
 fn start_server() -> MetadataServer {
-    start_server_on("127.0.0.1:0")
-}
-
-/// A server without persistence on `listen` (port 0: a free one).
-fn start_server_on(listen: &str) -> MetadataServer {
-    MetadataServer::start(ServerConfig {
-        listen: listen.parse().unwrap(),
-        data_dir: None,
-        limits: Limits::default(),
-    })
-    .expect("metadata server starts")
+    common::metadata_server_on("127.0.0.1:0")
 }
 
 /// `{"metadata": {"type": "http", "servers": URL, ...extra}}`.
@@ -358,7 +348,7 @@ fn an_engine_whose_server_is_down_at_start_or_restarts_empty_publishes_again_by_
     );
     // Down for a while: the keeper backs off, but never beyond the refresh period.
     std::thread::sleep(Duration::from_secs(2));
-    let server = start_server_on(&listen);
+    let server = common::metadata_server_on(&listen);
     let bound = Duration::from_secs(2) + Duration::from_millis(500);
     let took = stored_within(&url, "multirail/late-b", bound);
     eprintln!("published {took:?} after the server came up");
@@ -374,7 +364,7 @@ fn an_engine_whose_server_is_down_at_start_or_restarts_empty_publishes_again_by_
 
     // Restarted without its data: the key is back within a refresh period.
     drop(server);
-    let server = start_server_on(&listen);
+    let server = common::metadata_server_on(&listen);
     let took = stored_within(&url, "multirail/late-b", bound);
     eprintln!("back {took:?} after the server restarted empty");
 
