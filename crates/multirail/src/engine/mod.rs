@@ -11,6 +11,11 @@ use std::time::{Duration, Instant};
 mod merge;
 mod messages;
 mod prepared;
+mod publish;
+mod route;
+mod stats;
+
+use route::{annotate, LivePeers, Route, RouteMemo, Routed};
 
 pub use prepared::{PreparedEntry, PreparedListId};
 
@@ -23,21 +28,19 @@ use crate::error::{Error, Result};
 use crate::listener::{Server, ServerSettings};
 use crate::memory::{Buffer, Location, MemoryRegistry};
 use crate::metadata::{self, MetadataStore};
-use crate::metrics_http::{MetricsServer, Snapshot};
 use crate::peer::Peer;
-use crate::qos::{Qos, QosTraffic};
+use crate::qos::Qos;
 use crate::rails::RailScheduler;
 use crate::segment::{self, RailDescriptor, SegmentDescriptor, PROTOCOL_VERSION};
-use crate::server::ConnectionStats;
 pub use crate::stats::RailHealth;
-use crate::stats::{Traffic, TrafficStats};
+use crate::stats::TrafficStats;
 use crate::topology;
 use crate::transport::cpu_priority::NiceTable;
 use crate::transport::handshake::Membership;
-use crate::transport::rdma::{RdmaSettings, RdmaStats, RdmaTransport};
+use crate::transport::rdma::{RdmaSettings, RdmaTransport};
 use crate::transport::shm::ShmTransport;
 use crate::transport::tcp::{TcpSettings, TcpTransport};
-use crate::transport::{Opcode, Prepared, Transport};
+use crate::transport::{Opcode, Prepared};
 use crate::upkeep::{TimerKey, Timers, LINK_CHECK};
 
 /// Highest priority, the default: metadata, control, latency-sensitive transfers (TENT's 0).
@@ -529,32 +532,6 @@ impl Engine {
         Ok(SegmentId(id))
     }
 
-    /// Proves membership to a same-host peer's process before its memory is reached over shm.
-    /// The network transports prove it on every connection they open; shared memory opens
-    /// none, and a descriptor from a metadata store was not handed over by the peer itself, so
-    /// without this an engine lacking the token would move bytes to a member's memory. Needed
-    /// only when either side requires a token, once per peer process: the segment is asked for
-    /// its descriptor over its control port, whose handshake proves membership both ways, and
-    /// that descriptor (the peer's own word on its buffers) replaces the store's. Fails with
-    /// `NotAMember` when either side cannot prove it, `SegmentUnreachable` when the control
-    /// port does not answer, and `PeerDisconnected` when another process answers there.
-    fn prove_membership(&self, peer: &Peer) -> Result<()> {
-        // Engines in one process prove it too: each holds its own token.
-        if peer.membership_proven() {
-            return Ok(());
-        }
-        let known = peer.descriptor();
-        if self.inner.local.members_only || known.members_only {
-            let own = self.inner.direct.fetch(&known.name)?;
-            if !peer.update_descriptor(own) {
-                return Err(peer.exited_error("open the segment again"));
-            }
-        }
-        // Proven, or not asked for by either side: a process keeps its token for life.
-        peer.mark_membership_proven();
-        Ok(())
-    }
-
     /// Fetches segment `name`'s descriptor from the store, counted.
     fn lookup(&self, name: &str) -> Result<SegmentDescriptor> {
         self.inner
@@ -593,48 +570,6 @@ impl Engine {
             .expect("groups poisoned")
             .retain(|g| g.name != name);
         self.inner.publish_descriptor();
-    }
-
-    /// Counts of this engine's use of its metadata store: lookups, publishes, watch updates
-    /// (and their failures). Never fails.
-    pub fn metadata_stats(&self) -> metadata::MetadataStats {
-        self.inner
-            .metadata_counters
-            .snapshot(self.inner.metadata.health())
-    }
-
-    /// How the tcp paths to connected peers stand on each rail this engine sends on: how
-    /// many are up, paused after repeated errors, or probing before they rejoin. A rail whose
-    /// every path is paused is a dead NIC or link as this engine sees it. Never fails.
-    pub fn rail_health(&self) -> Vec<RailHealth> {
-        use multirail_policy::health::RailState;
-        let rails = self.inner.scheduler.topology().rails.clone();
-        let mut out: Vec<RailHealth> = rails
-            .iter()
-            .map(|r| RailHealth {
-                rail: r.name.clone(),
-                ..RailHealth::default()
-            })
-            .collect();
-        for (rail, state) in self.inner.tcp.path_health() {
-            let Some(h) = out.get_mut(rail) else { continue };
-            match state {
-                RailState::Up => h.up += 1,
-                RailState::Paused { .. } => h.paused += 1,
-                RailState::Probing => h.probing += 1,
-            }
-        }
-        out
-    }
-
-    /// Requests this engine's batches finished: (completed, failed). Never fails.
-    pub fn transfer_stats(&self) -> (u64, u64) {
-        self.inner.transfers.snapshot()
-    }
-
-    /// Counts of the messages this engine sent and received. Never fails.
-    pub fn message_stats(&self) -> crate::messaging::MessageStats {
-        self.inner.messaging.message_stats()
     }
 
     /// Forgets an opened segment and closes this engine's connections to it (data, RDMA
@@ -845,179 +780,6 @@ impl Engine {
         }
     }
 
-    /// The transport a route names.
-    fn transport(&self, route: Route) -> &dyn Transport {
-        match route {
-            Route::Tcp => &self.inner.tcp,
-            Route::Shm => &self.inner.shm,
-            Route::Rdma => &*self.inner.rdma,
-        }
-    }
-
-    /// Validates one request and picks its transport. `memo` holds what this call has already
-    /// resolved (the peers found running, the last source region, peer, target buffer and
-    /// transport readied for it), so a batch of many requests between the same buffers looks
-    /// each up once, not once per request: a kernel poll of the peer's pidfd, two map lookups
-    /// under locks and a transport's own lookups add up to most of a 4 KiB request's cost.
-    fn route(&self, r: &Request, memo: &mut RouteMemo) -> Result<Routed> {
-        if r.length == 0 {
-            return Err(Error::invalid("length", "must be at least 1 byte"));
-        }
-        let location = match &memo.region {
-            Some(region) if region.contains(r.source, r.length) => region.location(),
-            _ => {
-                let region = self.inner.local.registry.find(r.source, r.length).ok_or(
-                    Error::SourceNotRegistered {
-                        addr: r.source,
-                        len: r.length,
-                    },
-                )?;
-                let location = region.location();
-                memo.region = Some(region);
-                location
-            }
-        };
-        let peer = match &memo.peer {
-            Some((segment, peer)) if *segment == r.target.0 => peer.clone(),
-            _ => {
-                let peer = self.peer(r.target)?;
-                memo.peer = Some((r.target.0, peer.clone()));
-                peer
-            }
-        };
-        if !memo.alive.contains(peer.id) && peer.process_exited() {
-            return Err(peer.exited_error("open the segment again"));
-        }
-        memo.alive.insert(peer.id);
-        let choice = r.transport.unwrap_or(self.inner.config.transport);
-        let shm_possible = match choice {
-            TransportChoice::Shm => true,
-            TransportChoice::Auto => peer.same_host && self.inner.config.transports.shm.enable,
-            TransportChoice::Tcp | TransportChoice::Rdma => false,
-        };
-        if shm_possible {
-            // Before the buffer is looked up, so that it comes from the peer's own descriptor.
-            self.prove_membership(&peer)?;
-        }
-        let buffer = match &memo.buffer {
-            Some((id, b)) if *id == peer.id && b.contains(r.target_offset, r.length) => b.clone(),
-            _ => {
-                let b = self.target_buffer(&peer, r.target_offset, r.length)?;
-                memo.buffer = Some((peer.id, b.clone()));
-                b
-            }
-        };
-        let readied = Readied {
-            peer: peer.id,
-            buffer: (buffer.addr, buffer.key),
-            choice,
-        };
-        if let Some((done, route)) = &memo.readied {
-            if *done == readied {
-                return Ok((peer, *route, buffer, location, *r));
-            }
-        }
-        let route = match choice {
-            TransportChoice::Tcp => Route::Tcp,
-            TransportChoice::Shm => Route::Shm,
-            TransportChoice::Rdma => Route::Rdma,
-            TransportChoice::Auto if shm_possible => match self.inner.shm.prepare(&peer, &buffer) {
-                Ok(()) => Route::Shm,
-                Err(e) => {
-                    if self.inner.fallback_logged.set(()).is_ok() {
-                        tracing::warn!(peer = %peer.name, reason = %e, "shm cannot reach this buffer; using tcp");
-                    }
-                    Route::Tcp
-                }
-            },
-            // Across hosts, RDMA when both ends have it; tcp when it cannot serve this one.
-            TransportChoice::Auto if self.inner.rdma.reaches(&peer) => {
-                match self.inner.rdma.prepare(&peer, &buffer) {
-                    Ok(()) => Route::Rdma,
-                    Err(e) => {
-                        if self.inner.fallback_logged.set(()).is_ok() {
-                            tracing::warn!(peer = %peer.name, reason = %e, "rdma cannot reach this buffer; using tcp");
-                        }
-                        Route::Tcp
-                    }
-                }
-            }
-            TransportChoice::Auto => Route::Tcp,
-        };
-        let transport = self.transport(route);
-        transport.prepare(&peer, &buffer)?;
-        tracing::trace!(transport = transport.name(), peer = %peer.name, "routed");
-        memo.readied = Some((readied, route));
-        Ok((peer, route, buffer, location, *r))
-    }
-
-    /// The buffer of `peer` holding the range. When the cached descriptor does not have it
-    /// (the peer may have registered memory since), the store is asked again, and when the
-    /// store's copy lacks it too, the segment itself over its control port: a store can be
-    /// behind its segments for up to one refresh period (a publish that failed while it was
-    /// away, or an older PUT it applied last), and a live peer's own answer is the truth.
-    /// Fails with `TargetOutOfRange` when no answer has the range, or `PeerDisconnected` when
-    /// another process now serves the segment.
-    pub(crate) fn target_buffer(
-        &self,
-        peer: &Peer,
-        addr: u64,
-        len: u64,
-    ) -> Result<segment::BufferDescriptor> {
-        if let Some(b) = peer.descriptor().find_buffer(addr, len) {
-            return Ok(b.clone());
-        }
-        let out_of_range = || Error::TargetOutOfRange {
-            segment: peer.name.clone(),
-            addr,
-            len,
-        };
-        let replaced = || Error::PeerDisconnected {
-            peer: peer.name.clone(),
-            reason: "the segment is now served by another process; open it again".into(),
-        };
-        match self.lookup(&peer.name) {
-            Ok(fresh) => {
-                if let Some(b) = fresh.find_buffer(addr, len).cloned() {
-                    return if peer.update_descriptor(fresh) {
-                        Ok(b)
-                    } else {
-                        Err(replaced())
-                    };
-                }
-                if !self.inner.publishes {
-                    // The lookup above already asked the segment itself.
-                    return if peer.update_descriptor(fresh) {
-                        Err(out_of_range())
-                    } else {
-                        Err(replaced())
-                    };
-                }
-            }
-            // Without a store the segment itself did not answer; with one, it may still.
-            Err(e) if !self.inner.publishes => return Err(e),
-            Err(e) => {
-                tracing::debug!(segment = %peer.name, error = %e, "the metadata store does not answer; asking the segment itself");
-            }
-        }
-        let control = peer.descriptor().name.clone();
-        let own = match self.inner.direct.fetch(&control) {
-            Ok(own) => own,
-            Err(e) => {
-                tracing::debug!(segment = %peer.name, error = %e, "the segment does not answer for its descriptor; the range stays unknown");
-                return Err(out_of_range());
-            }
-        };
-        let found = own.find_buffer(addr, len).cloned();
-        if !peer.update_descriptor(own) {
-            return Err(replaced());
-        }
-        if found.is_some() {
-            tracing::debug!(segment = %peer.name, "the metadata store's descriptor is behind the segment's own; using the segment's");
-        }
-        found.ok_or_else(out_of_range)
-    }
-
     /// Status of request `index` of `batch`, in submission order.
     pub fn status(&self, batch: BatchId, index: usize) -> Result<Status> {
         self.batch(batch)?.status(index)
@@ -1072,93 +834,6 @@ impl Engine {
         slices >= self.inner.sleep_from_slices && time > crate::spin::SLEEP_WHEN_EXPECTED_OVER
     }
 
-    /// What the engine has carried since it started. Per rail: bytes, slices and errors, bytes
-    /// per priority, and for network rails the scheduler's EWMA bandwidth, the bytes in flight
-    /// and the bound on them (`window_bytes`); these count only transfers this engine
-    /// initiates. Per priority: queue depth, wait time (p50/p99), slices dequeued, and
-    /// promotions. In `served`: what peers read and wrote of this engine's memory over tcp, per
-    /// rail, operation, priority and peer, and the serving latency (shm and RDMA transfers
-    /// never reach this engine's CPU and are not in it: see [`crate::stats::ServedTraffic`]).
-    /// Never fails; `served` is all zero once the engine has shut down.
-    pub fn traffic_stats(&self) -> Traffic {
-        let mut rails = self.inner.stats.snapshot();
-        let schedulers = std::iter::once(&self.inner.scheduler).chain(self.inner.rdma.scheduler());
-        for scheduler in schedulers {
-            for (i, (name, s)) in scheduler.stats().into_iter().enumerate() {
-                if let Some(r) = rails.iter_mut().find(|r| r.name == name) {
-                    r.ewma_gbps = Some(s.ewma_gbps);
-                    r.inflight_bytes = s.inflight_bytes;
-                    r.window_bytes = scheduler.window(i);
-                }
-            }
-        }
-        Traffic {
-            rails,
-            qos: self.inner.qos.snapshot(),
-            served: self.served_stats(),
-        }
-    }
-
-    /// The served part of [`Engine::traffic_stats`]: what the listening port served to peers.
-    fn served_stats(&self) -> crate::stats::ServedTraffic {
-        self.inner
-            .server
-            .lock()
-            .expect("engine poisoned")
-            .as_ref()
-            .map(Server::served)
-            .unwrap_or_default()
-    }
-
-    /// The priority part of [`Engine::traffic_stats`]: per-priority queue depth, wait time
-    /// (p50/p99) and promotions.
-    pub fn qos_stats(&self) -> QosTraffic {
-        self.inner.qos.snapshot()
-    }
-
-    /// What the listening port holds and has refused: open and pending connections, and
-    /// counts of strangers refused (no membership), connections shed and failed accepts.
-    /// All zero once the engine has shut down.
-    pub fn connection_stats(&self) -> ConnectionStats {
-        self.inner
-            .server
-            .lock()
-            .expect("engine poisoned")
-            .as_ref()
-            .map(Server::stats)
-            .unwrap_or_default()
-    }
-
-    /// The scheduler's view of the rails in TENT's format: `=== Device Traffic Statistics ===`,
-    /// then `Dev N: Total=… GB, EWMA BW=… Gbps, Inflight=… bytes` per rail, in rail order;
-    /// then the priority queues: `=== Priority Queue Statistics ===` and one line per priority;
-    /// then what this engine served to peers over tcp: `=== Served Traffic Statistics ===`,
-    /// one line per rail and per peer served, and the serving latency per operation and
-    /// priority (see [`crate::stats::ServedTraffic::report`]).
-    pub fn traffic_stats_report(&self) -> String {
-        let stats: Vec<_> = self
-            .inner
-            .scheduler
-            .stats()
-            .into_iter()
-            .map(|(_, s)| s)
-            .collect();
-        let mut out = multirail_policy::selector::format_traffic_stats(&stats);
-        out.push_str(&self.inner.qos.snapshot().report());
-        out.push_str(&self.served_stats().report());
-        out
-    }
-
-    /// Prints [`Engine::traffic_stats_report`] to standard output.
-    pub fn print_traffic_stats(&self) {
-        print!("{}", self.traffic_stats_report());
-    }
-
-    /// The rails this engine sends on, in scheduler order (`Dev N` in the report).
-    pub fn rails(&self) -> Vec<topology::Rail> {
-        self.inner.scheduler.topology().rails.clone()
-    }
-
     /// Stops serving: withdraws the descriptor from the metadata store (if it keeps them),
     /// closes the control port and every connection. Later calls still work on local state but
     /// peers can no longer reach or look up this engine. Threads waiting in [`Engine::recv`] or
@@ -1177,144 +852,6 @@ impl Engine {
     pub fn is_shut_down(&self) -> bool {
         self.inner.messaging.is_closed()
     }
-
-    /// Counts of the RDMA data path: `ibv_post_send` calls, work requests, signalled
-    /// completions, slices and queue pairs lost. All zero without RDMA.
-    pub fn rdma_stats(&self) -> RdmaStats {
-        self.inner.rdma.stats()
-    }
-
-    /// Why the RDMA transport is off (no libibverbs, no active port, disabled), or `None`
-    /// when it is on.
-    pub fn rdma_off_reason(&self) -> Option<String> {
-        self.inner.rdma.off_reason().map(str::to_owned)
-    }
-
-    /// Serves this engine's statistics as Prometheus metrics at `http://ADDR:PORT/metrics`
-    /// (OpenMetrics text; [`crate::metrics_http`] lists the metrics) from a background thread,
-    /// until the returned server is dropped or shut down. The server holds no strong handle on
-    /// the engine: once the engine is dropped it answers 503. `addr` is `ADDR:PORT`; port 0
-    /// picks a free port ([`crate::MetricsServer::local_addr`] tells which). Fails with
-    /// `InvalidArgument` when `addr` is not an address, and with `Io` naming `addr` when it
-    /// cannot be bound.
-    pub fn serve_metrics(&self, addr: &str) -> Result<MetricsServer> {
-        let inner = Arc::downgrade(&self.inner);
-        MetricsServer::start(addr, move || {
-            // The handle lives only while the figures are read, not while they are encoded.
-            let engine = Engine {
-                inner: inner.upgrade()?,
-            };
-            Some(engine.metrics_snapshot())
-        })
-    }
-
-    /// What one scrape of [`Engine::serve_metrics`]'s endpoint reports.
-    fn metrics_snapshot(&self) -> Snapshot {
-        Snapshot {
-            segment: self.name(),
-            traffic: self.traffic_stats(),
-            rails: self.rails(),
-            connections: self.connection_stats(),
-            rdma: self.rdma_stats(),
-            lanes: self.lanes(),
-            health: self.rail_health(),
-            messages: self.message_stats(),
-            metadata: self.metadata_stats(),
-            transfers: self.transfer_stats(),
-        }
-    }
-}
-
-impl Inner {
-    /// Publishes this engine's current descriptor to the metadata store, when the store keeps
-    /// descriptors and the engine has not withdrawn it. Control path only: it blocks for up to
-    /// `metadata.timeout_ms` and holds no lock the data path takes while the request runs. A
-    /// failure is logged; peers keep the descriptors they have, and a lookup finds the next
-    /// one published.
-    fn publish_descriptor(&self) {
-        if !self.publishes {
-            return;
-        }
-        // Nothing the lock guards can be left half-changed by a panic.
-        let withdrawn = self.withdrawn.lock().unwrap_or_else(|e| e.into_inner());
-        if *withdrawn {
-            return;
-        }
-        // Taken under the lock, so a publish that started earlier cannot overwrite it.
-        let descriptor = self.local.descriptor();
-        let name = descriptor.published_name();
-        let outcome = self.metadata.publish(name, &descriptor);
-        if let Err(e) = self.metadata_counters.publish(outcome) {
-            tracing::warn!(segment = %name, error = %e, "cannot publish this engine's descriptor now; retrying in the background with back-off, and peers keep the one they have");
-        }
-    }
-
-    /// Withdraws this engine's descriptor from the metadata store, once; later publishes do
-    /// nothing. Best effort: a failure is logged.
-    fn withdraw_descriptor(&self) {
-        if !self.publishes {
-            return;
-        }
-        let mut withdrawn = self.withdrawn.lock().unwrap_or_else(|e| e.into_inner());
-        if std::mem::replace(&mut *withdrawn, true) {
-            return;
-        }
-        let name = self.local.published_name();
-        if let Err(e) = self.metadata.unpublish(&name) {
-            tracing::warn!(segment = %name, error = %e, "cannot withdraw this engine's descriptor");
-        }
-    }
-}
-
-impl Inner {
-    /// A store that watches (etcd) saw segment `name` published (`Some`) or withdrawn
-    /// (`None`). For a segment this engine has open: new buffers of the same process are
-    /// taken at once, and a new process (restarted, moved to another port) replaces the old
-    /// one under the same segment id, so the next request goes to it instead of failing on
-    /// the dead one first. A withdrawal changes nothing: requests in flight finish or fail on
-    /// their own, and a later publish is followed.
-    fn on_segment_change(&self, name: &str, descriptor: Option<SegmentDescriptor>) {
-        let Some(descriptor) = descriptor else {
-            tracing::debug!(segment = name, "segment withdrawn from the metadata store");
-            return;
-        };
-        let mut peers = self.peers.write().expect("peers poisoned");
-        let Some(current) = peers
-            .by_name
-            .get(name)
-            .and_then(|id| peers.by_id.get(id))
-            .cloned()
-        else {
-            return;
-        };
-        let same_process = {
-            let known = current.descriptor();
-            known.pid == descriptor.pid
-                && known.host_id == descriptor.host_id
-                && known.name == descriptor.name
-        };
-        self.metadata_counters.watch_update();
-        if same_process {
-            current.update_descriptor(descriptor);
-            return;
-        }
-        let addr = match metadata::resolve(&descriptor.name) {
-            Ok(addr) => addr,
-            Err(e) => {
-                tracing::warn!(segment = name, error = %e, "a new descriptor of an open segment names an address that does not resolve; keeping the old one");
-                return;
-            }
-        };
-        tracing::info!(segment = name, %addr, "segment published again by another process; following it");
-        let peer = Arc::new(Peer::new(
-            current.id,
-            name.to_owned(),
-            addr,
-            descriptor,
-            &self.local.host_id,
-        ));
-        peers.by_id.insert(current.id, peer);
-    }
 }
 
 impl Drop for Inner {
@@ -1322,79 +859,6 @@ impl Drop for Inner {
         // The last handle is gone: lookups must stop finding this engine.
         self.withdraw_descriptor();
     }
-}
-
-/// What one submit call has resolved so far (see [`Engine::route`]). Only the latest source
-/// region, peer, buffer and readied transport are kept: a batch's requests mostly run between
-/// the same two buffers, and a miss costs just the lookup it would have cost anyway.
-#[derive(Default)]
-pub(crate) struct RouteMemo {
-    pub(crate) alive: LivePeers,
-    region: Option<Arc<crate::memory::Region>>,
-    /// The latest peer, by segment id.
-    peer: Option<(u64, Arc<Peer>)>,
-    /// The latest target buffer, by peer id.
-    buffer: Option<(u64, segment::BufferDescriptor)>,
-    /// The latest buffer a transport was readied for, and the route that was chosen.
-    readied: Option<(Readied, Route)>,
-}
-
-/// A buffer of a peer that a transport choice was readied for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Readied {
-    peer: u64,
-    /// Address and key: a buffer freed and registered again at the same address has a new key.
-    buffer: (u64, u64),
-    choice: TransportChoice,
-}
-
-/// Peers one submit call has found running, by id: a few, looked up by scanning (a batch
-/// usually goes to one or a handful of peers; past the bound, peers are simply checked again).
-#[derive(Default)]
-pub(crate) struct LivePeers(Vec<u64>);
-
-impl LivePeers {
-    /// Most peers remembered per call.
-    const BOUND: usize = 16;
-
-    pub(crate) fn contains(&self, id: u64) -> bool {
-        self.0.contains(&id)
-    }
-
-    pub(crate) fn insert(&mut self, id: u64) {
-        if self.0.len() < Self::BOUND && !self.0.contains(&id) {
-            self.0.push(id);
-        }
-    }
-}
-
-/// A validated request: its peer, transport, target buffer and source location.
-type Routed = (
-    Arc<Peer>,
-    Route,
-    segment::BufferDescriptor,
-    Location,
-    Request,
-);
-
-/// The transport a request was routed to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Route {
-    Tcp,
-    Shm,
-    Rdma,
-}
-
-impl Route {
-    /// Every route, in the order of their discriminants (`route as usize` indexes this).
-    const ALL: [Route; 3] = [Route::Tcp, Route::Shm, Route::Rdma];
-}
-
-fn annotate(e: Error, index: usize, total: usize) -> Error {
-    if total > 1 {
-        tracing::debug!(index, error = %e, "request refused");
-    }
-    e
 }
 
 /// The thread that keeps the engine's timer table ([`crate::upkeep`]): runs each peer's
