@@ -1,9 +1,7 @@
 //! One initiator-side connection of the `tcp` transport: a sender thread that writes many slices
-//! per `writev` straight from registered memory (a HIGH slice or a READ's header may be written
-//! by the thread that deals it instead, see [`Conn::send_now`]), and a reader thread that reaps
-//! responses in order and reads READ payloads straight into registered memory. Many slices are
-//! in flight at once. When the connection dies, its slices go back to the peer to be retried on
-//! another rail.
+//! per `writev` straight from registered memory, and a reader thread that reaps responses in
+//! order and reads READ payloads straight into registered memory. Many slices are in flight at
+//! once. When the connection dies, its slices go back to the peer to be retried on another rail.
 
 use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr, TcpStream};
@@ -105,8 +103,8 @@ pub(crate) struct Conn {
     queue: SendQueue<Msg>,
     state: Mutex<ConnState>,
     /// Held by whoever writes to the socket (the sender thread, or a thread writing a HIGH slice
-    /// or a READ's header itself, see [`Conn::send_now`]), from taking sequence numbers to the
-    /// last byte, so frames never interleave and go out in sequence order.
+    /// itself), from taking sequence numbers to the last byte, so frames never interleave and
+    /// go out in sequence order.
     writer: Mutex<()>,
     /// The rest of a frame that a thread other than the sender began and could not finish
     /// without blocking (see [`Conn::send_now`]); the next holder of `writer` writes it first.
@@ -266,10 +264,6 @@ impl Conn {
             drop(writing);
             return self.send(slice);
         }
-        // The reader thread completes this slice: it takes on its CPU priority, as it does for
-        // the sender thread's batches.
-        self.carrying
-            .store(slice.priority.as_u8(), Ordering::Relaxed);
         let mut header = [0u8; wire::REQUEST_LEN];
         let payload = (slice.local as *const u8, slice.len as usize);
         let seq = {
