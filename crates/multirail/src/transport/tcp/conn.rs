@@ -74,8 +74,6 @@ pub(crate) trait ConnOwner: Send + Sync {
 
 enum Msg {
     Slice(Outgoing),
-    /// A thread that wrote part of a frame left the rest in [`Conn::tail`]: write it.
-    FinishTail,
     Stop,
 }
 
@@ -106,11 +104,6 @@ pub(crate) struct Conn {
     /// itself), from taking sequence numbers to the last byte, so frames never interleave and
     /// go out in sequence order.
     writer: Mutex<()>,
-    /// The rest of a frame that a thread other than the sender began and could not finish
-    /// without blocking (see [`Conn::send_now`]); the next holder of `writer` writes it first.
-    tail: Mutex<Vec<u8>>,
-    /// `tail` holds bytes: no frame may start before they go out.
-    tail_pending: AtomicBool,
     inflight_bytes: AtomicU64,
     /// Highest priority (lowest level) in the sender's last write; the reader thread takes on
     /// the same CPU priority, since it completes those slices.
@@ -190,8 +183,6 @@ impl Conn {
                 dead: None,
             }),
             writer: Mutex::new(()),
-            tail: Mutex::new(Vec::new()),
-            tail_pending: AtomicBool::new(false),
             inflight_bytes: AtomicU64::new(0),
             carrying: AtomicU8::new(0),
             reads_outstanding: AtomicU32::new(0),
@@ -228,43 +219,33 @@ impl Conn {
         match sent {
             Ok(()) => Ok(()),
             Err(Msg::Slice(s)) => Err(s),
-            Err(_) => unreachable!("only slices are sent here"),
+            Err(Msg::Stop) => unreachable!("only slices are sent here"),
         }
     }
 
-    /// Writes a slice's frame on the calling thread, sparing it the sender thread's wake-up,
-    /// which on a host whose cores are busy moving bulk bytes can cost more than the write;
-    /// otherwise queues it like [`send`](Self::send). A WRITE goes out here when it is at most
-    /// [`DIRECT_WRITE_MAX`] bytes and the connection is idle (nothing in flight); a READ, whose
-    /// frame is a header, whenever nothing waits for the sender thread. Either way only when no
-    /// other thread is writing and the socket takes the first bytes at once. Hands the slice
-    /// back when the connection is dead.
+    /// Writes a slice of at most [`DIRECT_WRITE_MAX`] bytes on the calling thread when the
+    /// connection is idle (nothing in flight, nothing waiting for the sender thread, no other
+    /// thread writing) and the socket takes the first bytes at once; otherwise queues it like
+    /// [`send`](Self::send). This spares a
+    /// HIGH slice the sender thread's wake-up, which on a host whose cores are busy moving bulk
+    /// bytes can cost more than the write. Hands the slice back when the connection is dead.
     pub(crate) fn send_now(&self, slice: Outgoing) -> std::result::Result<(), Outgoing> {
         let len = u64::from(slice.len);
-        let inflight = self.inflight_bytes.load(Ordering::Acquire);
-        // A WRITE only when small and the connection idle: the write then costs one system call
-        // that returns at once. A stream of slices is better served by the sender thread, which
+        // Only a small slice on an idle connection: the write then costs one system call that
+        // returns at once. A stream of slices is better served by the sender thread, which
         // writes them in batches while the submitter goes on posting; written here one by one
-        // they cut a 1 MiB HIGH write stream from 3.0 to 1.1 GB/s. A READ is a header whatever
-        // its length; it keeps to the connection's bound on bytes in flight, which the sender
-        // thread enforces for what it writes.
-        let is_write = slice.op == Opcode::Write;
-        let direct = if is_write {
-            len <= DIRECT_WRITE_MAX && inflight == 0
-        } else {
-            inflight + len <= self.settings.max_inflight_bytes
-        };
-        if !direct || !self.queue.is_empty() || self.tail_pending.load(Ordering::Acquire) {
+        // they cut a 1 MiB HIGH write stream from 3.0 to 1.1 GB/s.
+        if len > DIRECT_WRITE_MAX
+            || self.inflight_bytes.load(Ordering::Acquire) > 0
+            || !self.queue.is_empty()
+        {
             return self.send(slice);
         }
         let Ok(writing) = self.writer.try_lock() else {
             return self.send(slice);
         };
-        if self.tail_pending.load(Ordering::Acquire) {
-            drop(writing);
-            return self.send(slice);
-        }
         let mut header = [0u8; wire::REQUEST_LEN];
+        let is_write = slice.op == Opcode::Write;
         let payload = (slice.local as *const u8, slice.len as usize);
         let seq = {
             let mut st = self.state.lock().expect("conn poisoned");
@@ -335,27 +316,13 @@ impl Conn {
                     None => Ok(()),
                 }
             }
-            Ok(Some(n)) if is_write => {
+            Ok(Some(n)) => {
                 // The frame has begun: finish it here, blocking if need be, so no other frame
-                // lands inside it. Nothing else is in flight, so the peer owes this connection
-                // nothing and reads what is written: the wait ends.
+                // lands inside it.
                 let rest = sockio::advance(iov, n);
                 if let Err(e) = sockio::write_all_vectored(self.fd, rest) {
                     drop(writing);
                     self.kill(self.io_failure("send failed: ", &e));
-                }
-                Ok(())
-            }
-            Ok(Some(n)) => {
-                if n < wire::REQUEST_LEN {
-                    // The socket took part of the header. Blocking for the rest could be on the
-                    // thread that reads this connection's answers while the peer waits for us to
-                    // read before it reads more: a deadlock. The sender thread, whose waits are
-                    // harmless, writes the rest before any other frame.
-                    *self.tail.lock().expect("conn poisoned") = header[n..].to_vec();
-                    self.tail_pending.store(true, Ordering::Release);
-                    drop(writing);
-                    let _ = self.queue.push(Msg::FinishTail);
                 }
                 Ok(())
             }
@@ -396,17 +363,6 @@ impl Conn {
         if let Some(t) = self.sender.get() {
             t.unpark();
         }
-    }
-
-    /// Writes what is left of a frame another thread began (see [`Conn::send_now`]), blocking
-    /// until it is out. The caller holds `writer`.
-    fn finish_tail(&self) -> std::io::Result<()> {
-        if !self.tail_pending.load(Ordering::Acquire) {
-            return Ok(());
-        }
-        let rest = std::mem::take(&mut *self.tail.lock().expect("conn poisoned"));
-        self.tail_pending.store(false, Ordering::Release);
-        sockio::write_all_vectored(self.fd, &mut [iovec(rest.as_ptr(), rest.len())])
     }
 
     fn hand_back(&self, slices: Vec<Outgoing>, err: Error) {
@@ -499,15 +455,6 @@ fn sender_loop(conn: &Arc<Conn>) {
     while !stopping {
         match conn.queue.pop() {
             Msg::Slice(s) => batch.push(s),
-            Msg::FinishTail => {
-                let writing = conn.writer.lock().expect("conn poisoned");
-                let finished = conn.finish_tail();
-                drop(writing);
-                if let Err(e) = finished {
-                    conn.kill(conn.io_failure("send failed: ", &e));
-                }
-                continue;
-            }
             Msg::Stop => break,
         }
         let mut bytes = batch[0].len as u64;
@@ -517,8 +464,6 @@ fn sender_loop(conn: &Arc<Conn>) {
                     bytes += s.len as u64;
                     batch.push(s);
                 }
-                // Written below, before the batch, under the same lock.
-                Some(Msg::FinishTail) => {}
                 Some(Msg::Stop) => {
                     stopping = true;
                     break;
@@ -587,9 +532,7 @@ fn sender_loop(conn: &Arc<Conn>) {
         conn.reads_outstanding.fetch_add(reads, Ordering::AcqRel);
         // Payload iovecs point into registered memory that the submitter keeps registered until
         // the request completes; headers live in `headers`, untouched until the next round.
-        let written = conn
-            .finish_tail()
-            .and_then(|()| sockio::write_all_vectored(conn.fd, &mut iov));
+        let written = sockio::write_all_vectored(conn.fd, &mut iov);
         drop(writing);
         if let Err(e) = written {
             conn.kill(conn.io_failure("send failed: ", &e));

@@ -41,17 +41,11 @@ use crate::topology;
 use crate::transport::driver::{
     offer, Driver, DriverEnv, Handed, Link, OutSlice, Peers, ProbeNeed,
 };
-use crate::transport::{Opcode, Plans, Prepared, Transport};
+use crate::transport::{Plans, Prepared, Transport};
 use crate::upkeep::{TimerKey, Timers};
 
 pub(crate) use conn::{keep_alive, TcpSettings};
 use conn::{Conn, ConnOwner, ConnTarget, Outgoing};
-
-/// Most READ slices one hand-over writes on the calling thread. Answers free a READ's window a
-/// slice or two at a time, and the thread that read them then writes the next requests (a
-/// header each) itself, sparing the sending thread a wake-up per slice. A submit that deals a
-/// whole batch at once leaves them to the sending thread, which writes them in one call.
-const DIRECT_READS_MAX: usize = 4;
 
 /// One (local rail, remote rail) pair to a peer: its connections. What may go on it, and when,
 /// is the dispatcher's.
@@ -359,22 +353,19 @@ impl Link for TcpLink {
             .collect())
     }
 
-    /// HIGH slices, and READs handed over a few at a time (as answers free their window), are
-    /// written at once where the connection allows (no sender-thread wake-up on their path);
-    /// the rest are queued for the sender thread, which writes many in one system call.
+    /// HIGH slices are written at once where the connection allows (no sender-thread wake-up
+    /// on their path), the rest queued for the sender thread.
     fn hand_over(&self, _driver: &TcpPeer, out: &mut Vec<Post<Outgoing>>) -> Handed<u64> {
         let mut handed = Handed::default();
-        let few = out.len() <= DIRECT_READS_MAX;
         for post in out.drain(..) {
             let Some(conn) = self.paths[post.path].pick(post.connection) else {
                 handed.changed.push(post.path);
                 handed.refused.push(post);
                 continue;
             };
-            let path = post.path;
-            let direct = post.priority == Priority::High || (few && post.item.op == Opcode::Read);
+            let (path, high) = (post.path, post.priority == Priority::High);
             let sent = offer(post, |item| {
-                if direct {
+                if high {
                     conn.send_now(item)
                 } else {
                     conn.send(item)
