@@ -11,6 +11,8 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::thread::{self, Thread};
 use std::time::{Duration, Instant};
 
+use crossbeam::channel::{self, Receiver, Sender};
+
 use multirail_policy::dispatch::SliceId;
 use multirail_policy::qos::Priority;
 
@@ -20,7 +22,6 @@ use crate::transport::cpu_priority::{NiceTable, ThreadNice};
 use crate::transport::handshake::{self, Membership};
 use crate::transport::sockio::{self, iovec};
 use crate::transport::staging::Staging;
-use crate::transport::tcp::queue::SendQueue;
 use crate::transport::wire::{self, ConnKind, RequestHeader, RequestOp, ResponseHeader};
 use crate::transport::Opcode;
 
@@ -97,8 +98,7 @@ pub(crate) struct Conn {
     rail: usize,
     fd: RawFd,
     stream: TcpStream,
-    /// What the sender thread is to write, in order.
-    queue: SendQueue<Msg>,
+    tx: Sender<Msg>,
     state: Mutex<ConnState>,
     /// Held by whoever writes to the socket (the sender thread, or a thread writing a HIGH slice
     /// itself), from taking sequence numbers to the last byte, so frames never interleave and
@@ -171,12 +171,13 @@ impl Conn {
             target.peer,
             settings.connect_timeout,
         )?;
+        let (tx, rx) = channel::unbounded();
         let conn = Arc::new(Conn {
             peer: target.peer.to_owned(),
             rail: target.rail,
             fd: stream.as_raw_fd(),
             stream,
-            queue: SendQueue::with_capacity(1024),
+            tx,
             state: Mutex::new(ConnState {
                 queue: VecDeque::with_capacity(1024),
                 next_seq: 0,
@@ -195,7 +196,7 @@ impl Conn {
         let c = conn.clone();
         let sender = thread::Builder::new()
             .name(format!("mr-tcp-send-{}", target.rail))
-            .spawn(move || sender_loop(&c))
+            .spawn(move || sender_loop(&c, rx))
             .map_err(|e| Error::io("spawning tcp sender thread", e))?;
         let _ = conn.sender.set(sender.thread().clone());
         let c = conn.clone();
@@ -214,12 +215,12 @@ impl Conn {
         if st.dead.is_some() {
             return Err(slice);
         }
-        let sent = self.queue.push(Msg::Slice(slice));
+        let sent = self.tx.send(Msg::Slice(slice));
         drop(st);
         match sent {
             Ok(()) => Ok(()),
-            Err(Msg::Slice(s)) => Err(s),
-            Err(Msg::Stop) => unreachable!("only slices are sent here"),
+            Err(channel::SendError(Msg::Slice(s))) => Err(s),
+            Err(_) => unreachable!("only slices are sent here"),
         }
     }
 
@@ -237,7 +238,7 @@ impl Conn {
         // they cut a 1 MiB HIGH write stream from 3.0 to 1.1 GB/s.
         if len > DIRECT_WRITE_MAX
             || self.inflight_bytes.load(Ordering::Acquire) > 0
-            || !self.queue.is_empty()
+            || !self.tx.is_empty()
         {
             return self.send(slice);
         }
@@ -358,7 +359,7 @@ impl Conn {
         }
         self.hand_back(drained, reason);
         if first {
-            let _ = self.queue.push(Msg::Stop);
+            let _ = self.tx.send(Msg::Stop);
         }
         if let Some(t) = self.sender.get() {
             t.unpark();
@@ -446,29 +447,29 @@ pub(crate) fn keep_alive(
     Ok(())
 }
 
-fn sender_loop(conn: &Arc<Conn>) {
+fn sender_loop(conn: &Arc<Conn>, rx: Receiver<Msg>) {
     let mut batch: Vec<Outgoing> = Vec::with_capacity(SLICES_PER_WRITE);
     let mut headers = vec![[0u8; wire::REQUEST_LEN]; SLICES_PER_WRITE];
     let mut iov: Vec<libc::iovec> = Vec::with_capacity(SLICES_PER_WRITE * 2);
     let mut stopping = false;
     let mut nice = ThreadNice::for_this_thread(conn.settings.nice);
     while !stopping {
-        match conn.queue.pop() {
-            Msg::Slice(s) => batch.push(s),
-            Msg::Stop => break,
+        match rx.recv() {
+            Ok(Msg::Slice(s)) => batch.push(s),
+            Ok(Msg::Stop) | Err(_) => break,
         }
         let mut bytes = batch[0].len as u64;
         while batch.len() < SLICES_PER_WRITE && bytes < conn.settings.max_inflight_bytes / 4 {
-            match conn.queue.try_pop() {
-                Some(Msg::Slice(s)) => {
+            match rx.try_recv() {
+                Ok(Msg::Slice(s)) => {
                     bytes += s.len as u64;
                     batch.push(s);
                 }
-                Some(Msg::Stop) => {
+                Ok(Msg::Stop) => {
                     stopping = true;
                     break;
                 }
-                None => break,
+                Err(_) => break,
             }
         }
         let carrying = batch
@@ -540,7 +541,7 @@ fn sender_loop(conn: &Arc<Conn>) {
     }
     // Hand back whatever is still queued so no task waits forever.
     let mut rest = std::mem::take(&mut batch);
-    for msg in conn.queue.close() {
+    while let Ok(msg) = rx.try_recv() {
         if let Msg::Slice(s) = msg {
             rest.push(s);
         }

@@ -18,7 +18,6 @@
 //! handshake) never runs on the upkeep thread that checks these clocks.
 
 mod conn;
-mod queue;
 pub(crate) mod serve;
 
 use std::net::{IpAddr, SocketAddr};
