@@ -56,21 +56,34 @@ pub(super) fn run(job: &CopyJob, skip: usize, len: usize) -> Result<()> {
 /// Copies `len` bytes of `job` starting `skip` bytes into it, with process_vm_readv/writev
 /// into process `pid`.
 pub(super) fn process_vm(job: &CopyJob, pid: i32, skip: usize, len: usize) -> Result<()> {
-    let mut done = skip;
-    let end = skip + len;
-    while done < end {
+    process_vm_range(job.op, pid, job.local, job.remote, skip, skip + len)
+}
+
+/// Copies bytes `from..to` of the request `op` between `local` (ours) and `remote` (in process
+/// `pid`) with process_vm_readv/writev, resuming after short copies. `local..local+to` must lie
+/// in locally registered memory.
+pub(super) fn process_vm_range(
+    op: Opcode,
+    pid: i32,
+    local: usize,
+    remote: u64,
+    from: usize,
+    to: usize,
+) -> Result<()> {
+    let mut done = from;
+    while done < to {
         let local = libc::iovec {
-            iov_base: (job.local + done) as *mut libc::c_void,
-            iov_len: end - done,
+            iov_base: (local + done) as *mut libc::c_void,
+            iov_len: to - done,
         };
         let remote = libc::iovec {
-            iov_base: (job.remote as usize + done) as *mut libc::c_void,
-            iov_len: end - done,
+            iov_base: (remote as usize + done) as *mut libc::c_void,
+            iov_len: to - done,
         };
         // SAFETY: `local` lies in locally registered memory checked by the engine; the kernel
         // validates `remote` against the other process's mappings and fails with EFAULT.
         let rc = unsafe {
-            match job.op {
+            match op {
                 Opcode::Write => libc::process_vm_writev(pid, &local, 1, &remote, 1, 0),
                 Opcode::Read => libc::process_vm_readv(pid, &local, 1, &remote, 1, 0),
             }
@@ -80,15 +93,20 @@ pub(super) fn process_vm(job: &CopyJob, pid: i32, skip: usize, len: usize) -> Re
             if err.kind() == io::ErrorKind::Interrupted {
                 continue;
             }
-            return Err(match err.raw_os_error() {
-                Some(libc::ESRCH) => Error::PeerDisconnected {
-                    peer: format!("process {pid}"),
-                    reason: "process exited".into(),
-                },
-                _ => Error::io(format!("process_vm copy with process {pid}"), err),
-            });
+            return Err(process_vm_error(pid, err));
         }
         done += rc as usize;
     }
     Ok(())
+}
+
+/// What a failed process_vm_readv/writev with process `pid` means for the request.
+pub(super) fn process_vm_error(pid: i32, err: io::Error) -> Error {
+    match err.raw_os_error() {
+        Some(libc::ESRCH) => Error::PeerDisconnected {
+            peer: format!("process {pid}"),
+            reason: "process exited".into(),
+        },
+        _ => Error::io(format!("process_vm copy with process {pid}"), err),
+    }
 }

@@ -17,7 +17,9 @@
 //!
 //! A request of at most `transports.shm.inline_bytes` is copied at once by the thread that
 //! posts it: a hand-off costs more than such a copy, and a copy that short delays nothing
-//! queued behind it by more than the hand-off would have.
+//! queued behind it by more than the hand-off would have. Those of one post that reach the same
+//! process with process_vm_readv/writev share system calls, up to 1,024 requests each
+//! ([`gather`]).
 //!
 //! Queue depths, waits and promotions are reported to the engine's QoS state, so its
 //! statistics and its "is bulk moving" test see shm work; the queues count jobs, not slices.
@@ -46,9 +48,11 @@ use crate::stats::{RailCounters, TrafficStats};
 use crate::transport::{Opcode, Plans, Prepared, Transport};
 
 mod copy;
+mod gather;
 mod workers;
 
 use copy::*;
+use gather::VmGather;
 use workers::*;
 
 /// Largest job a request is cut into unless one slice is larger, bytes.
@@ -238,6 +242,7 @@ impl Transport for ShmTransport {
     fn post(&self, reqs: Vec<(Arc<Peer>, Prepared)>, plans: &Plans) {
         let mut reached: Option<((u64, u64, u64), Reach)> = None;
         let (mut queued, mut tally) = (Vec::new(), Tally::default());
+        let mut gathered = VmGather::new();
         for (peer, req) in reqs {
             let key = (peer.id, req.buffer.addr, req.buffer.key);
             let reach = match &reached {
@@ -259,9 +264,10 @@ impl Transport for ShmTransport {
                 // held back behind this copy.
                 self.queue(std::mem::take(&mut queued));
             }
-            self.take(reach, req, plan, &mut queued, &mut tally);
+            self.take(reach, req, plan, &mut queued, &mut tally, &mut gathered);
         }
         self.queue(queued);
+        gathered.flush(&mut tally, &self.shared.rail);
         tally.record(&self.shared.rail);
     }
 }
@@ -293,8 +299,10 @@ impl Tally {
 }
 
 impl ShmTransport {
-    /// Copies `req` now when it is at most `inline_bytes` (counting it in `tally`), else cuts
-    /// it into jobs and adds them to `queued` for [`ShmTransport::queue`].
+    /// Copies `req` on this thread when it is at most `inline_bytes` (counting it in `tally`):
+    /// now, or with the others of the post to the same process through `gathered` when it is
+    /// reached with process_vm_readv/writev. Else cuts it into jobs and adds them to `queued`
+    /// for [`ShmTransport::queue`].
     fn take(
         &self,
         reach: Reach,
@@ -302,11 +310,27 @@ impl ShmTransport {
         plan: &SlicePlan,
         queued: &mut Vec<(CopyJob, Priority)>,
         tally: &mut Tally,
+        gathered: &mut VmGather,
     ) {
         let Some(slices) = req.slices(plan) else {
             return;
         };
         if req.len <= self.inline_bytes {
+            if let Reach::ProcessVm { pid } = reach {
+                gathered.push(
+                    pid,
+                    req.op,
+                    req.local,
+                    req.remote,
+                    req.len as usize,
+                    slices.len() as u64,
+                    req.priority,
+                    &req.task,
+                    tally,
+                    &self.shared.rail,
+                );
+                return;
+            }
             let job = CopyJob {
                 op: req.op,
                 local: req.local,
