@@ -22,6 +22,11 @@ pub struct MembenchArgs {
     /// How long to run (seconds, or e.g. 500ms, 2h), 1ms to 24h. Default: 3.
     #[arg(long, default_value = "3", value_parser = limits::duration(MIN_DURATION, MAX_DURATION))]
     duration: Duration,
+    /// Copy with streaming (non-temporal) stores from 4 KiB up, as the shm transport does by
+    /// default (`transports.shm.nontemporal_copies`), instead of the C library's memcpy.
+    /// Default: off.
+    #[arg(long)]
+    nontemporal: bool,
     /// Print one JSON object instead of a sentence.
     #[arg(long)]
     json: bool,
@@ -51,7 +56,12 @@ pub fn run(args: MembenchArgs) -> Result<(), Failure> {
     while start.elapsed() < args.duration {
         for _ in 0..16 {
             let off = (i % blocks) * block;
-            dst[off..off + block].copy_from_slice(&src[off..off + block]);
+            let (to, from) = (&mut dst[off..off + block], &src[off..off + block]);
+            if args.nontemporal {
+                multirail::transport::nontemporal::copy_slice(to, from).expect("equal lengths");
+            } else {
+                to.copy_from_slice(from);
+            }
             i += 1;
         }
         bytes += 16 * block as u64;
@@ -62,11 +72,16 @@ pub fn run(args: MembenchArgs) -> Result<(), Failure> {
     if args.json {
         outln!(
             "{}",
-            serde_json::json!({"block_size": block, "buffer_size": size, "duration_s": secs, "bytes": bytes, "gb_per_s": gbps})
+            serde_json::json!({"block_size": block, "buffer_size": size, "nontemporal": args.nontemporal, "duration_s": secs, "bytes": bytes, "gb_per_s": gbps})
         )
     } else {
         outln!(
-            "memcpy {} blocks over {} buffers: {gbps:.2} GB/s (single thread)",
+            "{} {} blocks over {} buffers: {gbps:.2} GB/s (single thread)",
+            if args.nontemporal {
+                "streaming copy of"
+            } else {
+                "memcpy"
+            },
             units::format_size(block as u64),
             units::format_size(size as u64)
         )

@@ -15,6 +15,12 @@ pub struct ShmConfig {
     /// wake-ups on both sides, more than copying 16 KiB; small writes (notifications,
     /// multicast rings and counters, KV-cache block headers) gain that back.
     pub inline_bytes: u64,
+    /// Copies of at least 4 KiB write their destination with non-temporal (streaming) stores,
+    /// which skip reading each destination line before overwriting it and leave the caches to
+    /// the application: a third faster for large or scattered copies into memory that is not
+    /// cached, at a cost to a consumer that reads the bytes at once (they come from memory).
+    /// x86-64 only; elsewhere ordinary copies.
+    pub nontemporal_copies: bool,
     /// Receive path of two-sided messages over shared memory.
     pub receive: ReceiveConfig,
     /// Group multicast defaults for groups whose writes go over shared memory.
@@ -27,6 +33,7 @@ impl Default for ShmConfig {
             enable: true,
             process_vm: true,
             inline_bytes: 16 << 10,
+            nontemporal_copies: true,
             receive: ReceiveConfig::default(),
             multicast: MulticastConfig::default(),
         }

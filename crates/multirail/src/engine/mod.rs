@@ -345,6 +345,7 @@ impl Engine {
                 workers.shm_copy_threads,
                 config.transports.shm.process_vm,
                 config.transports.shm.inline_bytes,
+                config.transports.shm.nontemporal_copies,
                 &stats,
                 qos.clone(),
             )?,

@@ -3,6 +3,7 @@
 
 pub(crate) mod cpu_priority;
 pub(crate) mod driver;
+pub mod nontemporal;
 pub(crate) mod rails_view;
 pub(crate) mod rdma;
 pub(crate) mod shm;

@@ -2,6 +2,7 @@
 //! process_vm_readv/writev, and the probe that says whether the kernel allows the latter.
 
 use super::*;
+use crate::transport::nontemporal;
 
 /// Tries a one-byte process_vm_readv; EPERM (ptrace restrictions, other users) means no.
 pub(super) fn probe_process_vm(pid: i32, addr: u64) -> bool {
@@ -28,8 +29,9 @@ pub(super) fn probe_process_vm(pid: i32, addr: u64) -> bool {
     false
 }
 
-/// Copies `len` bytes of `job` starting `skip` bytes into it.
-pub(super) fn run(job: &CopyJob, skip: usize, len: usize) -> Result<()> {
+/// Copies `len` bytes of `job` starting `skip` bytes into it, with streaming stores when
+/// `nontemporal` (see [`crate::transport::nontemporal`]).
+pub(super) fn run(job: &CopyJob, skip: usize, len: usize, nontemporal: bool) -> Result<()> {
     let remote_ptr = match &job.reach {
         Reach::Direct => job.remote as usize,
         Reach::Mapped {
@@ -49,7 +51,7 @@ pub(super) fn run(job: &CopyJob, skip: usize, len: usize) -> Result<()> {
     // space, or our mapping of the peer's memfd held alive by `job.reach`). The ranges belong
     // to different buffers or the caller asked for overlapping ones, which a transfer engine,
     // like RDMA, leaves to the caller; `copy` tolerates overlap.
-    unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) };
+    unsafe { nontemporal::copy(dst as *mut u8, src as *const u8, len, nontemporal) };
     Ok(())
 }
 

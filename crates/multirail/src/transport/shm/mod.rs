@@ -116,12 +116,13 @@ impl ShmTransport {
 
     /// Starts `workers` copy threads that share one set of priority queues, promoting with
     /// `qos.promotion` and reporting depths, waits and promotions to `qos`; requests of at most
-    /// `inline_bytes` are copied by their poster. Fails when a thread cannot be spawned (the
-    /// threads already started then exit).
+    /// `inline_bytes` are copied by their poster; with `nontemporal`, copies stream past the
+    /// caches. Fails when a thread cannot be spawned (the threads already started then exit).
     pub(crate) fn new(
         workers: usize,
         process_vm: bool,
         inline_bytes: u64,
+        nontemporal: bool,
         stats: &TrafficStats,
         qos: Arc<Qos>,
     ) -> Result<Self> {
@@ -139,6 +140,7 @@ impl ShmTransport {
             epoch: Instant::now(),
             qos,
             rail: stats.rail("shm"),
+            nontemporal,
         });
         for i in 0..workers {
             let worker = shared.clone();
@@ -341,7 +343,7 @@ impl ShmTransport {
                 batch: req.batch,
                 task: req.task.clone(),
             };
-            let outcome = run(&job, 0, job.len);
+            let outcome = run(&job, 0, job.len, self.shared.nontemporal);
             match &outcome {
                 Ok(()) => tally.add(req.priority, req.len, job.slices),
                 Err(_) => self.shared.rail.record_error(),
@@ -428,7 +430,7 @@ impl ShmTransport {
             drop(st);
             shared.qos.host_dequeued(priority, taken.waited_ns, now);
             let job = taken.item;
-            let outcome = run(&job, 0, job.len);
+            let outcome = run(&job, 0, job.len, shared.nontemporal);
             match &outcome {
                 Ok(()) => shared.rail.record_at(priority, job.len as u64, job.slices),
                 Err(_) => shared.rail.record_error(),
@@ -466,7 +468,7 @@ mod tests {
     fn a_worker_takes_high_then_medium_then_low() {
         let stats = TrafficStats::default();
         let qos = qos();
-        let shm = ShmTransport::new(1, false, 0, &stats, qos.clone()).unwrap();
+        let shm = ShmTransport::new(1, false, 0, true, &stats, qos.clone()).unwrap();
         let batch = Batch::new(1, 3);
         let tasks = batch.add_tasks(3).unwrap();
         // Each job overwrites the start of `dst`: the one run last leaves the first byte, the
@@ -511,7 +513,7 @@ mod tests {
     fn a_bulk_copy_yields_to_high_work_between_steps_and_still_lands_whole() {
         let stats = TrafficStats::default();
         let qos = qos();
-        let shm = ShmTransport::new(1, false, 0, &stats, qos.clone()).unwrap();
+        let shm = ShmTransport::new(1, false, 0, true, &stats, qos.clone()).unwrap();
         let (bulk_batch, high_batch) = (Batch::new(1, 1), Batch::new(2, 1));
         let bulk_task = bulk_batch.add_tasks(1).unwrap().pop().unwrap();
         let high_task = high_batch.add_tasks(1).unwrap().pop().unwrap();
@@ -565,7 +567,7 @@ mod tests {
         let stats = TrafficStats::default();
         let qos = qos();
         // No worker: only the waiting thread copies.
-        let shm = ShmTransport::new(0, false, 0, &stats, qos.clone()).unwrap();
+        let shm = ShmTransport::new(0, false, 0, true, &stats, qos.clone()).unwrap();
         let (ours, theirs) = (Batch::new(7, 3), Batch::new(8, 1));
         let our_tasks = ours.add_tasks(3).unwrap();
         let their_task = theirs.add_tasks(1).unwrap().pop().unwrap();
@@ -630,7 +632,7 @@ mod tests {
     #[test]
     fn workers_exit_when_the_transport_drops_and_finish_what_was_queued() {
         let stats = TrafficStats::default();
-        let shm = ShmTransport::new(2, false, 0, &stats, qos()).unwrap();
+        let shm = ShmTransport::new(2, false, 0, true, &stats, qos()).unwrap();
         let shared = Arc::downgrade(&shm.shared);
         let batch = Batch::new(1, 1);
         let task = batch.add_tasks(1).unwrap().pop().unwrap();

@@ -50,6 +50,8 @@ pub(super) struct Shared {
     pub(super) epoch: Instant,
     pub(super) qos: Arc<Qos>,
     pub(super) rail: Arc<RailCounters>,
+    /// `transports.shm.nontemporal_copies`: copies stream past the caches.
+    pub(super) nontemporal: bool,
 }
 
 impl CopyJob {
@@ -178,7 +180,7 @@ pub(super) fn copy_worker(shared: &Shared) {
             let mut copied = 0;
             let outcome = loop {
                 let n = step.min(job.len - copied);
-                if let Err(e) = run(&job, copied, n) {
+                if let Err(e) = run(&job, copied, n, shared.nontemporal) {
                     break Some(Err(e));
                 }
                 copied += n;
