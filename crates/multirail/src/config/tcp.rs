@@ -55,6 +55,12 @@ pub struct TcpConfig {
     /// 16 × 64 KiB batches moved 2.7 GB/s in 64 KiB slices and 3.2–4.0 in 128 KiB ones. Slow
     /// rails keep `workers.block_size`; 0 always does.
     pub slice_time_us: u64,
+    /// Payloads of 4 KiB to 16 KiB that arrive behind other frames, read ahead into a
+    /// connection's staging buffer, are copied from there to their destination with streaming
+    /// (non-temporal) stores, as `transports.shm.nontemporal_copies` does for same-host copies
+    /// (default true; x86-64 only). Larger payloads go from the socket to their destination in
+    /// the kernel's own copy.
+    pub nontemporal_copies: bool,
     /// Receive path of two-sided messages over TCP.
     pub receive: ReceiveConfig,
     /// When the last few polls of `recv` all took in messages from tcp connections (a stream,
@@ -83,6 +89,7 @@ impl Default for TcpConfig {
             keepalive_ms: 15000,
             stream_pause_us: 6,
             slice_time_us: 80,
+            nontemporal_copies: true,
             receive: ReceiveConfig::default(),
             multicast: MulticastConfig::default(),
         }

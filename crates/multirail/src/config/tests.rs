@@ -117,6 +117,7 @@ fn empty_document_gives_all_defaults() {
     assert!(c.transports.shm.enable);
     assert!(c.transports.shm.process_vm);
     assert!(c.transports.shm.nontemporal_copies);
+    assert!(c.transports.tcp.nontemporal_copies);
     assert!(Config::default().validate().is_ok());
 }
 
@@ -1329,7 +1330,7 @@ fn stream_pause_and_shm_inline_bytes_have_defaults_and_bounds() {
     assert_eq!(c.transports.tcp.stream_pause_us, 6);
     assert_eq!(c.transports.shm.inline_bytes, 16 << 10);
     let c = Config::from_json_str(
-        r#"{"transports": {"tcp": {"stream_pause_us": 0},
+        r#"{"transports": {"tcp": {"stream_pause_us": 0, "nontemporal_copies": false},
                            "shm": {"inline_bytes": 0, "nontemporal_copies": false}}}"#,
         "t",
     )
@@ -1337,6 +1338,7 @@ fn stream_pause_and_shm_inline_bytes_have_defaults_and_bounds() {
     assert_eq!(c.transports.tcp.stream_pause_us, 0);
     assert_eq!(c.transports.shm.inline_bytes, 0);
     assert!(!c.transports.shm.nontemporal_copies);
+    assert!(!c.transports.tcp.nontemporal_copies);
     let err = Config::from_json_str(r#"{"transports": {"shm": {"nontemporal_copies": 1}}}"#, "t")
         .unwrap_err()
         .to_string();

@@ -260,6 +260,7 @@ impl Engine {
             keepalive: Duration::from_millis(tcp_cfg.keepalive_ms),
             slice_time: Duration::from_micros(tcp_cfg.slice_time_us),
             dispatch: config.workers.dispatch_config(),
+            nontemporal_copies: tcp_cfg.nontemporal_copies,
         };
         let scheduler = Arc::new(RailScheduler::new(
             topology,
@@ -316,6 +317,7 @@ impl Engine {
                 timeout: Duration::from_millis(tcp_cfg.timeout_ms),
                 membership: membership.clone(),
                 nice: NiceTable::new(tcp_cfg.bulk_thread_nice),
+                nontemporal_copies: tcp_cfg.nontemporal_copies,
             },
         )?;
         let name = format!(

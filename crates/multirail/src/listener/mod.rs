@@ -78,6 +78,8 @@ pub(crate) struct ServerSettings {
     pub timeout: Duration,
     pub membership: Membership,
     pub nice: NiceTable,
+    /// `transports.tcp.nontemporal_copies`, for data connections' staging.
+    pub nontemporal_copies: bool,
 }
 
 #[derive(Default)]
@@ -744,9 +746,11 @@ impl Shared {
                         Some(Outcome::Accepted(kind)) => {
                             *st = match kind {
                                 ConnKind::Control => State::Control { out: Vec::new() },
-                                ConnKind::Data => {
-                                    State::Data(Box::new(DataConn::new(&[], self.served_tally(e))))
-                                }
+                                ConnKind::Data => State::Data(Box::new(DataConn::new(
+                                    &[],
+                                    self.served_tally(e),
+                                    self.settings.nontemporal_copies,
+                                ))),
                                 ConnKind::Message => State::Opening { buf: Vec::new() },
                                 ConnKind::Rdma => return Ok(Next::HandOffRdma),
                             };

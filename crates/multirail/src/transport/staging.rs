@@ -12,6 +12,9 @@ pub(crate) struct Staging {
     buf: Box<[u8]>,
     start: usize,
     end: usize,
+    /// Staged payloads go to their destination with streaming stores (see
+    /// [`crate::transport::nontemporal`]).
+    nontemporal: bool,
 }
 
 impl Staging {
@@ -23,7 +26,14 @@ impl Staging {
             buf,
             start: 0,
             end: early.len(),
+            nontemporal: false,
         }
+    }
+
+    /// The same buffer, copying staged payloads out with streaming stores when `on`.
+    pub(crate) fn streaming(mut self, on: bool) -> Staging {
+        self.nontemporal = on;
+        self
     }
 
     /// Bytes staged and not consumed.
@@ -117,7 +127,14 @@ impl Staging {
         let n = self.available().min(len);
         // SAFETY: the caller guarantees `dst..dst+len` is writable and `n <= len`; the source
         // is `n` staged bytes inside `buf`, which `dst` does not overlap.
-        unsafe { std::ptr::copy_nonoverlapping(self.buf[self.start..].as_ptr(), dst, n) };
+        unsafe {
+            crate::transport::nontemporal::copy(
+                dst,
+                self.buf[self.start..].as_ptr(),
+                n,
+                self.nontemporal,
+            )
+        };
         self.start += n;
         n
     }

@@ -56,6 +56,8 @@ pub(crate) struct TcpSettings {
     /// Dispatcher settings beyond the timeout and retries above (window controller, bulk
     /// chunking beside HIGH, rail health).
     pub dispatch: multirail_policy::dispatch::DispatchConfig,
+    /// `nontemporal_copies`: small READ answers leave staging with streaming stores.
+    pub nontemporal_copies: bool,
 }
 
 /// One slice to post: the target buffer's key is what it presents.
@@ -569,7 +571,7 @@ fn fill_header(
 }
 
 fn reader_loop(conn: &Arc<Conn>) {
-    let mut staging = Staging::new(64 * 1024, &[]);
+    let mut staging = Staging::new(64 * 1024, &[]).streaming(conn.settings.nontemporal_copies);
     let result = reap(conn, &mut staging);
     if let Err(err) = result {
         conn.kill(err);

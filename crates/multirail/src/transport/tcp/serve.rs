@@ -273,10 +273,11 @@ unsafe impl Send for DataConn {}
 
 impl DataConn {
     /// A connection whose first `early` bytes (read with the handshake) are already here,
-    /// counting what it serves in `served`.
-    pub(crate) fn new(early: &[u8], served: ServedTally) -> DataConn {
+    /// counting what it serves in `served`; with `nontemporal`, small WRITE payloads leave
+    /// staging with streaming stores.
+    pub(crate) fn new(early: &[u8], served: ServedTally, nontemporal: bool) -> DataConn {
         DataConn {
-            staging: Staging::new(STAGING, early),
+            staging: Staging::new(STAGING, early).streaming(nontemporal),
             scratch: Vec::new(),
             out: Responses::new(),
             last: LastRequest::LargeWrite,
@@ -595,7 +596,7 @@ mod tests {
         let sender = std::thread::spawn(move || writer.write_all(&requests).unwrap());
         let stats = Arc::new(ServedStats::default());
         let local = IpAddr::V4(Ipv4Addr::LOCALHOST);
-        let mut conn = DataConn::new(&[], stats.tally(local, local, || "lo".into()));
+        let mut conn = DataConn::new(&[], stats.tally(local, local, || "lo".into()), true);
         let mut nice = ThreadNice::for_this_thread(NiceTable::new(0));
         let fd = target.as_raw_fd();
         let reader = std::thread::spawn(move || {
@@ -711,7 +712,7 @@ mod tests {
 
         let stats = Arc::new(ServedStats::default());
         let local = IpAddr::V4(Ipv4Addr::LOCALHOST);
-        let mut conn = DataConn::new(&[], stats.tally(local, local, || "lo".into()));
+        let mut conn = DataConn::new(&[], stats.tally(local, local, || "lo".into()), true);
         let mut nice = ThreadNice::for_this_thread(NiceTable::new(0));
         let fd = target.as_raw_fd();
         let wait = conn.turn(fd, &registry, &mut nice).unwrap();
