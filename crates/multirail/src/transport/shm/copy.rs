@@ -56,36 +56,23 @@ pub(super) fn run(job: &CopyJob, skip: usize, len: usize, nontemporal: bool) -> 
 }
 
 /// Copies `len` bytes of `job` starting `skip` bytes into it, with process_vm_readv/writev
-/// into process `pid`.
+/// into process `pid`, resuming after short copies.
 pub(super) fn process_vm(job: &CopyJob, pid: i32, skip: usize, len: usize) -> Result<()> {
-    process_vm_range(job.op, pid, job.local, job.remote, skip, skip + len)
-}
-
-/// Copies bytes `from..to` of the request `op` between `local` (ours) and `remote` (in process
-/// `pid`) with process_vm_readv/writev, resuming after short copies. `local..local+to` must lie
-/// in locally registered memory.
-pub(super) fn process_vm_range(
-    op: Opcode,
-    pid: i32,
-    local: usize,
-    remote: u64,
-    from: usize,
-    to: usize,
-) -> Result<()> {
-    let mut done = from;
-    while done < to {
+    let mut done = skip;
+    let end = skip + len;
+    while done < end {
         let local = libc::iovec {
-            iov_base: (local + done) as *mut libc::c_void,
-            iov_len: to - done,
+            iov_base: (job.local + done) as *mut libc::c_void,
+            iov_len: end - done,
         };
         let remote = libc::iovec {
-            iov_base: (remote as usize + done) as *mut libc::c_void,
-            iov_len: to - done,
+            iov_base: (job.remote as usize + done) as *mut libc::c_void,
+            iov_len: end - done,
         };
         // SAFETY: `local` lies in locally registered memory checked by the engine; the kernel
         // validates `remote` against the other process's mappings and fails with EFAULT.
         let rc = unsafe {
-            match op {
+            match job.op {
                 Opcode::Write => libc::process_vm_writev(pid, &local, 1, &remote, 1, 0),
                 Opcode::Read => libc::process_vm_readv(pid, &local, 1, &remote, 1, 0),
             }

@@ -14,23 +14,14 @@ pub(super) const MAX_IOVECS: usize = 1024;
 /// a call is kept short enough that the first of them does not wait long for the last.
 pub(super) const MAX_GATHER_BYTES: usize = 4 << 20;
 
-/// One request waiting in a [`VmGather`].
-struct Gathered {
-    local: usize,
-    remote: u64,
-    len: usize,
-    slices: u64,
-    priority: Priority,
-    task: Arc<Task>,
-}
-
 /// Small requests to one process in one direction, copied by one call when
 /// [`flush`](VmGather::flush)ed (or when the next one would not fit).
 pub(super) struct VmGather {
     pid: i32,
     op: Opcode,
     bytes: usize,
-    entries: Vec<Gathered>,
+    /// The requests' jobs, each whole, and their priorities (for the tally).
+    jobs: Vec<(CopyJob, Priority)>,
     local: Vec<libc::iovec>,
     remote: Vec<libc::iovec>,
 }
@@ -41,51 +32,37 @@ impl VmGather {
             pid: 0,
             op: Opcode::Write,
             bytes: 0,
-            entries: Vec::new(),
+            jobs: Vec::new(),
             local: Vec::new(),
             remote: Vec::new(),
         }
     }
 
-    /// Adds a request of `len` bytes between `local` and `remote` in process `pid`, copying
-    /// what was gathered first when the request goes to another process or the other way, or
-    /// would not fit in the call. The request's task counts one more part from now; it is
-    /// done, with the copy's outcome, when the call that carries it returns. Bytes copied go
-    /// into `tally`, failures into `rail`.
-    #[allow(clippy::too_many_arguments)]
+    /// Adds `job`, a whole request reached in process `pid`, copying what was gathered first
+    /// when the job goes to another process or the other way, or would not fit in the call.
+    /// The job's task counts one more part from now; it is done, with the copy's outcome, when
+    /// the call that carries it returns. Bytes copied go into `tally`, failures into `rail`.
     pub(super) fn push(
         &mut self,
         pid: i32,
-        op: Opcode,
-        local: usize,
-        remote: u64,
-        len: usize,
-        slices: u64,
+        job: CopyJob,
         priority: Priority,
-        task: &Arc<Task>,
         tally: &mut Tally,
         rail: &RailCounters,
     ) {
-        if !self.entries.is_empty()
+        if !self.jobs.is_empty()
             && (pid != self.pid
-                || op != self.op
-                || self.entries.len() == MAX_IOVECS
-                || self.bytes + len > MAX_GATHER_BYTES)
+                || job.op != self.op
+                || self.jobs.len() == MAX_IOVECS
+                || self.bytes + job.len > MAX_GATHER_BYTES)
         {
             self.flush(tally, rail);
         }
         self.pid = pid;
-        self.op = op;
-        self.bytes += len;
-        task.add_parts(1);
-        self.entries.push(Gathered {
-            local,
-            remote,
-            len,
-            slices,
-            priority,
-            task: task.clone(),
-        });
+        self.op = job.op;
+        self.bytes += job.len;
+        job.task.add_parts(1);
+        self.jobs.push((job, priority));
     }
 
     /// Copies what was gathered, in one call when it all goes through, and completes each
@@ -93,12 +70,12 @@ impl VmGather {
     /// process does not map, or an interruption), the requests it did not finish are copied
     /// one by one from where it stopped, so only those that fail on their own fail.
     pub(super) fn flush(&mut self, tally: &mut Tally, rail: &RailCounters) {
-        if self.entries.is_empty() {
+        if self.jobs.is_empty() {
             return;
         }
         self.local.clear();
         self.remote.clear();
-        for e in &self.entries {
+        for (e, _) in &self.jobs {
             self.local.push(libc::iovec {
                 iov_base: e.local as *mut libc::c_void,
                 iov_len: e.len,
@@ -108,7 +85,7 @@ impl VmGather {
                 iov_len: e.len,
             });
         }
-        let n = self.entries.len() as libc::c_ulong;
+        let n = self.jobs.len() as libc::c_ulong;
         // SAFETY: every local range lies in locally registered memory the engine checked and
         // its request keeps registered until it completes (below); the iovec arrays hold `n`
         // entries each and outlive the call. The kernel validates the remote ranges against
@@ -145,21 +122,21 @@ impl VmGather {
             }
         };
         let mut start = 0usize;
-        for e in self.entries.drain(..) {
-            let outcome = if start + e.len <= copied {
+        for (job, priority) in self.jobs.drain(..) {
+            let outcome = if start + job.len <= copied {
                 Ok(())
             } else if let Some(err) = &gone {
                 Err(err.clone())
             } else {
                 let from = copied.saturating_sub(start);
-                process_vm_range(self.op, self.pid, e.local, e.remote, from, e.len)
+                process_vm(&job, self.pid, from, job.len - from)
             };
-            start += e.len;
+            start += job.len;
             match &outcome {
-                Ok(()) => tally.add(e.priority, e.len as u64, e.slices),
+                Ok(()) => tally.add(priority, job.len as u64, job.slices),
                 Err(_) => rail.record_error(),
             }
-            e.task.part_done(outcome);
+            job.task.part_done(outcome);
         }
         self.bytes = 0;
     }
@@ -189,9 +166,17 @@ mod tests {
         let tasks = batch.add_tasks(ranges.len()).unwrap();
         let (mut gather, mut tally) = (VmGather::new(), Tally::default());
         for (&(local, remote, len), task) in ranges.iter().zip(&tasks) {
-            gather.push(
-                pid, op, local, remote, len, 1, HIGH, task, &mut tally, &rail,
-            );
+            let job = CopyJob {
+                op,
+                local,
+                remote,
+                len,
+                slices: 1,
+                reach: Reach::ProcessVm { pid },
+                batch: 1,
+                task: task.clone(),
+            };
+            gather.push(pid, job, HIGH, &mut tally, &rail);
         }
         gather.flush(&mut tally, &rail);
         for task in &tasks {

@@ -318,21 +318,6 @@ impl ShmTransport {
             return;
         };
         if req.len <= self.inline_bytes {
-            if let Reach::ProcessVm { pid } = reach {
-                gathered.push(
-                    pid,
-                    req.op,
-                    req.local,
-                    req.remote,
-                    req.len as usize,
-                    slices.len() as u64,
-                    req.priority,
-                    &req.task,
-                    tally,
-                    &self.shared.rail,
-                );
-                return;
-            }
             let job = CopyJob {
                 op: req.op,
                 local: req.local,
@@ -343,6 +328,10 @@ impl ShmTransport {
                 batch: req.batch,
                 task: req.task.clone(),
             };
+            if let Reach::ProcessVm { pid } = job.reach {
+                gathered.push(pid, job, req.priority, tally, &self.shared.rail);
+                return;
+            }
             let outcome = run(&job, 0, job.len, self.shared.nontemporal);
             match &outcome {
                 Ok(()) => tally.add(req.priority, req.len, job.slices),
