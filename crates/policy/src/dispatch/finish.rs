@@ -26,12 +26,15 @@ pub(crate) struct PathLoad {
     pub slice: u64,
     /// Bytes its window lets the priority being dealt hold there.
     pub allowed: u64,
-    /// Idle and given nothing for [`PROBE_AFTER_NS`], or within [`PROBE_SPAN_NS`] of the slice
-    /// that ended such an idle time: it fills its window whatever its finish, so an estimate
-    /// that fell while it was kept off (a stall, a rail that failed and came back) is measured
-    /// again instead of keeping it off for good. A span, not one slice: the estimator pools
-    /// completions until they hold a millisecond of busy time.
-    pub probe: bool,
+    /// Bytes the path may hold whatever its finish, as a probe; 0 when it is not probing. A
+    /// path probes when it was idle long (see `Dispatcher::probe_after`) and for
+    /// [`PROBE_SPAN_NS`] after the slice that ended that idle time, so an estimate that fell
+    /// while it was kept off (a stall, a rail that failed and came back) is measured again
+    /// instead of keeping it off for good. A span, not one slice: the estimator pools
+    /// completions until they hold a millisecond of busy time, and a fast rail answers many
+    /// slices within the span. But at most a span's worth of its estimate at once (and at
+    /// least one slice): on a rail as slow as estimated, one slice is already a sample.
+    pub probe_bytes: u64,
 }
 
 impl PathLoad {
@@ -49,7 +52,7 @@ impl PathLoad {
     /// Whether the path should take one more slice on top of `posted` bytes by `horizon`: it
     /// would finish it by then, or its bandwidth is unknown, or it is a probe.
     pub fn on_time(&self, posted: u64, horizon: f64) -> bool {
-        self.probe || self.finish_s(posted).is_none_or(|f| f <= horizon)
+        posted < self.probe_bytes || self.finish_s(posted).is_none_or(|f| f <= horizon)
     }
 }
 
@@ -57,6 +60,11 @@ impl PathLoad {
 /// that a recovered rail is seen within a fraction of a second, rarely enough that the slices
 /// it costs at the tail of batches are few.
 pub(crate) const PROBE_AFTER_NS: u64 = 50_000_000;
+
+/// Slice times a path must have been idle before a probe, where that is longer than
+/// [`PROBE_AFTER_NS`]: a probe holds back what waits for it by about one slice's time on the
+/// path, so it then costs at most a twentieth of the time.
+pub(crate) const PROBE_COST: f64 = 20.0;
 
 /// How long a probe lasts once it took its first slice, ns: a few of the estimator's pooled
 /// samples (a millisecond of busy time each), so the estimate can climb back in one probe.
@@ -153,7 +161,7 @@ mod tests {
             posted,
             slice: SLICE,
             allowed: if has_room { posted + SLICE } else { posted },
-            probe: false,
+            probe_bytes: 0,
         }
     }
 
@@ -244,10 +252,14 @@ mod tests {
         let mut loads = [load(1.0, 0, true), load(12_500.0, SLICE, true)];
         loads[0].allowed = 4 * SLICE;
         assert_eq!(takers(&loads, &[SLICE; 4]), vec![1]);
-        loads[0].probe = true;
+        // Probing: a span's worth of its estimate is less than a slice, so one slice at a
+        // time, taken again as each is answered within the span.
+        loads[0].probe_bytes = SLICE;
         assert_eq!(takers(&loads, &[SLICE; 4]), vec![0, 1]);
-        // Enough for a sample: its window, not one slice.
         let h = horizon(&loads, [SLICE; 4]);
+        assert!(!loads[0].on_time(SLICE, h));
+        // An estimate whose span holds several slices: they go at once.
+        loads[0].probe_bytes = 4 * SLICE;
         assert!(loads[0].on_time(3 * SLICE, h));
     }
 

@@ -325,8 +325,11 @@ struct Path {
     usable: bool,
     /// Bytes posted and not yet answered.
     posted: u64,
-    /// When the path was last given a slice (0 = never).
-    last_posted_ns: u64,
+    /// When the path last held work: given a slice, or answered or handed back its last one
+    /// (0 = never). Its idle time counts from here, not from the last post: a slice that takes
+    /// longer than [`finish::PROBE_AFTER_NS`] (a 64 KiB slice on a 10 Mbit/s rail takes 52 ms)
+    /// would otherwise leave the path "idle long" the moment it is answered.
+    last_busy_ns: u64,
     /// Until when the path is probed whatever the finish horizon says (see
     /// [`finish::PathLoad::probe`]).
     probe_until_ns: u64,
@@ -349,10 +352,10 @@ struct Path {
 }
 
 impl Path {
-    /// Nothing in flight and nothing given for [`finish::PROBE_AFTER_NS`]: a slice given now
-    /// starts a probe.
-    fn idle_long(&self, now: u64) -> bool {
-        self.posted == 0 && now.saturating_sub(self.last_posted_ns) >= finish::PROBE_AFTER_NS
+    /// Nothing in flight, and idle for `probe_after_ns` (see [`Dispatcher::probe_after`]): a
+    /// slice given now starts a probe.
+    fn idle_long(&self, now: u64, probe_after_ns: u64) -> bool {
+        self.posted == 0 && now.saturating_sub(self.last_busy_ns) >= probe_after_ns
     }
 
     fn refresh_usable(&mut self) {
@@ -363,8 +366,8 @@ impl Path {
         self.inflight.iter().find(|f| !f.done).map(|f| f.posted_ns)
     }
 
-    /// Takes the record of `seq`, if it is in flight here.
-    fn finish(&mut self, seq: u64) -> Option<InFlight> {
+    /// Takes the record of `seq`, if it is in flight here, at `now`.
+    fn finish(&mut self, seq: u64, now: u64) -> Option<InFlight> {
         let i = self.inflight.binary_search_by_key(&seq, |f| f.seq).ok()?;
         let f = &mut self.inflight[i];
         if f.done {
@@ -373,6 +376,7 @@ impl Path {
         f.done = true;
         let rec = *f;
         self.posted = self.posted.saturating_sub(rec.len);
+        self.last_busy_ns = self.last_busy_ns.max(now);
         while self.inflight.front().is_some_and(|f| f.done) {
             self.inflight.pop_front();
         }
@@ -443,7 +447,7 @@ impl<T: Payload> Dispatcher<T> {
                 health: RailHealth::new(config.health),
                 usable: false,
                 posted: 0,
-                last_posted_ns: 0,
+                last_busy_ns: 0,
                 probe_until_ns: 0,
                 inflight: VecDeque::new(),
                 rtt: RttEstimator::new(),
@@ -618,7 +622,7 @@ impl<T: Payload> Dispatcher<T> {
     /// A slice from `poll_post` could not be posted (its connection was found dead): it goes
     /// back to the head of its level, for any rail.
     pub fn on_refused(&mut self, now: u64, post: Post<T>, rails: &mut impl Rails<T>) {
-        let Some(rec) = self.paths[post.id.path].finish(post.id.seq) else {
+        let Some(rec) = self.paths[post.id.path].finish(post.id.seq, now) else {
             return;
         };
         rails.unassigned(post.rail, rec.len);
@@ -667,7 +671,7 @@ impl<T: Payload> Dispatcher<T> {
         let Some(path) = self.paths.get_mut(id.path) else {
             return false;
         };
-        let Some(rec) = path.finish(id.seq) else {
+        let Some(rec) = path.finish(id.seq, now) else {
             return false;
         };
         let rail = path.rail;
@@ -741,7 +745,7 @@ impl<T: Payload> Dispatcher<T> {
         let Some(path) = self.paths.get_mut(id.path) else {
             return;
         };
-        let Some(rec) = path.finish(id.seq) else {
+        let Some(rec) = path.finish(id.seq, now) else {
             return;
         };
         let rail = path.rail;
@@ -991,6 +995,43 @@ impl<T: Payload> Dispatcher<T> {
         finish::tail_piece(&now_load, horizon, len, self.config.min_bulk_chunk)
     }
 
+    /// How long path `p` must have been idle before a slice of `slice` bytes dealt to it starts
+    /// a probe: [`finish::PROBE_AFTER_NS`], or [`finish::PROBE_COST`] times the slice's time
+    /// on the rail at its estimate if that is longer. A probe holds back whatever waits for
+    /// its slice (a batch, the tail of a transfer) by about that slice's time, so on a rail
+    /// far slower than the rest (a 64 KiB slice in 52 ms at 10 Mbit/s) probes come seconds
+    /// apart and cost a few percent, where every 50 ms they cost half the time.
+    fn probe_after(&self, p: PathId, slice: u64) -> u64 {
+        let bw = self
+            .bandwidth
+            .get(self.paths[p].rail)
+            .copied()
+            .unwrap_or(0.0);
+        if bw <= 0.0 {
+            return finish::PROBE_AFTER_NS;
+        }
+        let slice_ns = slice as f64 / bw * 1e9;
+        (finish::PROBE_COST * slice_ns)
+            .min(u64::MAX as f64)
+            .max(finish::PROBE_AFTER_NS as f64) as u64
+    }
+
+    /// Most bytes a probe keeps in flight on path `p` (the deal allows one slice more): what
+    /// its rail moves in [`finish::PROBE_SPAN_NS`] at its estimate, unbounded when there is
+    /// none. A probe measures the rail again; it need not fill a window: a path that never
+    /// measured a round trip has the initial 1 MiB one, 0.8 s of a 10 Mbit/s rail.
+    fn probe_bytes(&self, p: PathId) -> u64 {
+        let bw = self
+            .bandwidth
+            .get(self.paths[p].rail)
+            .copied()
+            .unwrap_or(0.0);
+        if bw <= 0.0 {
+            return u64::MAX;
+        }
+        (bw * finish::PROBE_SPAN_NS as f64 / 1e9).min(u64::MAX as f64) as u64
+    }
+
     /// Largest bulk slice `rail` may carry while HIGH work is active: `high_wait_ns` of its
     /// estimated bandwidth, in whole pages, at least `min_bulk_chunk`.
     fn bulk_chunk(&self, rail: RailId) -> u64 {
@@ -1017,8 +1058,9 @@ impl<T: Payload> Dispatcher<T> {
         // More HIGH slices dealt behind this one: a transfer of several slices, not the lone
         // latency-bound one.
         let more_high = self.queue.level_len(Priority::High) > 0;
+        let probe_after = self.probe_after(p, len);
         let path = &mut self.paths[p];
-        if path.idle_long(now) {
+        if path.idle_long(now, probe_after) {
             path.probe_until_ns = now.saturating_add(finish::PROBE_SPAN_NS);
         }
         let connection = match priority {
@@ -1034,7 +1076,7 @@ impl<T: Payload> Dispatcher<T> {
             _ => Connection::Shared,
         };
         path.posted += len;
-        path.last_posted_ns = now;
+        path.last_busy_ns = now;
         path.inflight.push_back(InFlight {
             seq,
             len,
@@ -1151,7 +1193,13 @@ impl<T: Payload> Dispatcher<T> {
                         posted: path.posted,
                         slice,
                         allowed: allowed[p],
-                        probe: now < path.probe_until_ns || path.idle_long(now),
+                        probe_bytes: if now < path.probe_until_ns
+                            || path.idle_long(now, self.probe_after(p, slice))
+                        {
+                            self.probe_bytes(p).max(slice)
+                        } else {
+                            0
+                        },
                     },
                 ));
             }
