@@ -363,6 +363,11 @@ struct MaxFilter {
 }
 
 impl MaxFilter {
+    /// Whether no sample was ever added.
+    fn is_empty(&self) -> bool {
+        self.s[0] == (0, 0.0)
+    }
+
     /// Adds `v` measured at `t` and returns the largest value within `win` of `t`.
     fn update(&mut self, win: u64, t: u64, v: f64) -> f64 {
         let val = (t, v);
@@ -418,10 +423,21 @@ impl Rail {
         match cfg.estimator {
             BandwidthEstimator::Tent => self.set_ewma(alpha * before + (1.0 - alpha) * observed),
             BandwidthEstimator::Delivery => {
+                // Before its first sample the estimate is what the rail was assumed to carry
+                // (its interface's speed, or the default), not a measurement: the first sample
+                // replaces it. Smoothed into it instead, a rail policed at 10 Mbit/s on an
+                // interface that says 10 Gbit/s kept a hundredth of the assumption, 110 Mbit/s,
+                // until a megabyte more of it made the next pooled sample (nearly a second),
+                // and was dealt slices it needed ten times longer for than estimated.
+                let assumed = self.filter.is_empty();
                 let best = self
                     .filter
                     .update(cfg.bandwidth_window_ns, now_ns, observed);
-                self.set_ewma(alpha * before + (1.0 - alpha) * best);
+                if assumed {
+                    self.set_ewma(best);
+                } else {
+                    self.set_ewma(alpha * before + (1.0 - alpha) * best);
+                }
             }
         }
     }

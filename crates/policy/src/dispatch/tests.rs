@@ -957,6 +957,20 @@ fn run_batches_at(
     len: u64,
 ) -> Vec<(u64, Vec<u64>)> {
     let mut host = Host::new(gbps, true);
+    run_batches_on(&mut host, priority, gbps, 0, batches, count, len)
+}
+
+/// As [`run_batches`], at `priority`, over paths that carry `gbps[path]` whatever `host`'s
+/// selector was told, each slice answered `latency` ns after its last byte left.
+fn run_batches_on(
+    host: &mut Host,
+    priority: Priority,
+    gbps: &[f64],
+    latency: u64,
+    batches: usize,
+    count: u64,
+    len: u64,
+) -> Vec<(u64, Vec<u64>)> {
     let mut d = dispatcher(gbps.len());
     let mut now = 0u64;
     // Per path: when its link is free, and its slices in flight with when each finishes.
@@ -971,11 +985,11 @@ fn run_batches_at(
         d.on_submit(now, priority, pieces(b as u32, count, len));
         let mut left = count * len;
         while left > 0 {
-            for post in drain(&mut d, now, &mut host) {
+            for post in drain(&mut d, now, host) {
                 let p = post.path;
                 let wire_ns = (post.item.len as f64 * 8.0 / gbps[p]) as u64;
                 free[p] = free[p].max(now) + wire_ns;
-                flight.push((free[p], post.id, now, post.item.len));
+                flight.push((free[p] + latency, post.id, now, post.item.len));
                 carried[p] += post.item.len;
             }
             let (i, _) = flight
@@ -985,7 +999,7 @@ fn run_batches_at(
                 .expect("slices in flight while the batch is not done");
             let (at, id, sent, bytes) = flight.swap_remove(i);
             now = at;
-            d.on_completed(now, id, Some(sent), &mut host);
+            d.on_completed(now, id, Some(sent), host);
             left -= bytes;
         }
         out.push((now - start, carried));
@@ -1072,4 +1086,56 @@ fn a_rail_far_slower_than_the_rest_is_probed_rarely() {
             "{priority:?}: the slow rail was never probed"
         );
     }
+}
+
+#[test]
+fn a_rail_far_slower_than_its_interface_says_is_learned_at_its_first_sample() {
+    // Both interfaces say 10 Gbit/s; one carries 2 Gbit/s, the other is policed at 10 Mbit/s.
+    // The first batches go out before anything is measured (the initial windows), and the
+    // policed rail holds them back. Then its first pooled sample must replace the assumed
+    // 10 Gbit/s: smoothed into it, a hundredth of the assumption (110 Mbit/s) stayed until the
+    // next pooled sample, a megabyte later, and meanwhile every batch gave the policed rail a
+    // piece it was estimated to finish with the rest and took ten times longer for.
+    let mut host = Host::new(&[10.0, 10.0], true);
+    let (count, len) = (16u64, 64u64 << 10);
+    let runs = run_batches_on(
+        &mut host,
+        Priority::Low,
+        &[2.0, 0.01],
+        50 * US,
+        300,
+        count,
+        len,
+    );
+    let estimate = host.selector.rail_stats(1).unwrap().ewma_gbps;
+    assert!(
+        (0.008..0.012).contains(&estimate),
+        "estimate {estimate} Gbit/s"
+    );
+    let initial = runs
+        .iter()
+        .take_while(|(_, carried)| carried[1] >= 8 * len)
+        .count();
+    assert!(
+        initial <= 2,
+        "{initial} batches gave the policed rail its initial window"
+    );
+    let later = &runs[initial..];
+    let took: u64 = later.iter().map(|(ns, _)| ns).sum();
+    let batch_alone = count * len * 8 / 2 + 50 * US;
+    let fast_alone = later.len() as u64 * batch_alone;
+    assert!(
+        took <= fast_alone + fast_alone * 3 / 20,
+        "{} batches after the initial windows took {:.1} ms, the fast rail alone {:.1}; \
+         slow batches: {:?}",
+        later.len(),
+        took as f64 / 1e6,
+        fast_alone as f64 / 1e6,
+        later
+            .iter()
+            .enumerate()
+            .filter(|(_, (ns, _))| *ns > 2 * batch_alone)
+            .map(|(i, (ns, _))| (i + initial, ns / 1_000_000))
+            .collect::<Vec<_>>()
+    );
 }
