@@ -166,9 +166,32 @@ impl Etcd {
         }
     }
 
-    /// Freezes etcd (SIGSTOP): connections stay open and nothing answers.
+    /// Freezes etcd (SIGSTOP): connections stay open and nothing answers. Returns once every
+    /// thread of it has stopped: kill(2) returns before a thread running on another core has
+    /// taken the stop, and a request sent meanwhile could still be answered.
     pub fn pause(&self) {
         self.signal(libc::SIGSTOP);
+        let Some(c) = &self.child else { return };
+        let tasks = format!("/proc/{}/task", c.id());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let stopped = || {
+            std::fs::read_dir(&tasks).is_ok_and(|dir| {
+                dir.flatten().all(|t| {
+                    // The state follows the command name's closing parenthesis.
+                    std::fs::read_to_string(t.path().join("stat")).is_ok_and(|stat| {
+                        stat.rsplit_once(") ")
+                            .is_some_and(|(_, rest)| rest.starts_with(['T', 't']))
+                    })
+                })
+            })
+        };
+        while !stopped() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "etcd did not stop within 5 s of SIGSTOP"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
     }
 
     /// Lets a paused etcd run again.
