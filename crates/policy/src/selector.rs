@@ -713,7 +713,13 @@ impl DeviceSelector {
                 .segment_start_ns
                 .map_or(0, |st| r.segment_end_ns.saturating_sub(st));
             let busy = r.pooled_busy_ns + open;
-            if busy >= min_sample_ns && r.pooled_bytes >= min_sample_bytes {
+            // The first sample need not hold `min_sample_bytes`: until it, the estimate is the
+            // rail's assumed speed, which a sample inflated by a policer's burst still beats by
+            // far (a rail policed at 10 Mbit/s moves a megabyte in 0.8 s, and was dealt at the
+            // assumed 10 Gbit/s all that while).
+            let first = cfg.estimator == BandwidthEstimator::Delivery && r.filter.is_empty();
+            let enough_bytes = r.pooled_bytes >= min_sample_bytes || first;
+            if busy >= min_sample_ns && enough_bytes {
                 let observed = r.pooled_bytes as f64 * NS_PER_S / busy as f64;
                 let mostly_limited = r.pooled_limited_bytes > r.pooled_bytes / 2;
                 let end = r.segment_end_ns;
@@ -1771,6 +1777,34 @@ mod tests {
             |_, _| {},
         );
         assert!(close(ewma_gbps(&sel, 0), 1.0), "TENT's floor");
+    }
+
+    #[test]
+    fn delivery_learns_a_rail_at_a_thousandth_of_nominal_from_its_first_slice() {
+        // A 10 Gbps NIC policed to 10 Mbit/s: a 64 KiB slice takes 52 ms, and a megabyte, what
+        // later samples must hold, 0.84 s. The first sample replaces the assumed 10 Gbps as
+        // soon as it spans `min_sample_ns`, with whatever bytes it has.
+        let mut sel = DeviceSelector::new(delivery(), &[gbps(10.0)], 1);
+        let mut learned_at = None;
+        saturate(
+            &mut sel,
+            64 * KIB,
+            8,
+            0.01,
+            (u64::MAX, 0.01),
+            0,
+            2_000 * MS,
+            |s, t| {
+                let e = s.rail_stats(0).unwrap().ewma_gbps;
+                if (e - 0.01).abs() <= 0.15 * 0.01 {
+                    learned_at.get_or_insert(t);
+                } else {
+                    learned_at = None;
+                }
+            },
+        );
+        let t = learned_at.expect("learned and kept");
+        assert!(t <= 60 * MS, "learned after {} ms", t / MS);
     }
 
     #[test]
