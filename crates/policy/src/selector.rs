@@ -52,6 +52,10 @@ pub const DEFAULT_MIN_SAMPLE_NS: u64 = 1_000_000;
 /// Default of [`SelectorConfig::min_sample_bytes`]: eight slices of the default 128 KiB block.
 pub const DEFAULT_MIN_SAMPLE_BYTES: u64 = 1 << 20;
 
+/// Busy time, in `min_sample_ns`, after which a rail's first sample is taken whatever bytes it
+/// holds (see [`DeviceSelector::on_delivered`]).
+const FIRST_SAMPLE_BUSY_FACTOR: u64 = 10;
+
 /// Bytes per second in one Gbps.
 const BYTES_PER_S_PER_GBPS: f64 = 1e9 / 8.0;
 
@@ -713,11 +717,16 @@ impl DeviceSelector {
                 .segment_start_ns
                 .map_or(0, |st| r.segment_end_ns.saturating_sub(st));
             let busy = r.pooled_busy_ns + open;
-            // The first sample need not hold `min_sample_bytes`: until it, the estimate is the
-            // rail's assumed speed, which a sample inflated by a policer's burst still beats by
-            // far (a rail policed at 10 Mbit/s moves a megabyte in 0.8 s, and was dealt at the
-            // assumed 10 Gbit/s all that while).
-            let first = cfg.estimator == BandwidthEstimator::Delivery && r.filter.is_empty();
+            // The first sample need not hold `min_sample_bytes` once it spans
+            // FIRST_SAMPLE_BUSY_FACTOR × `min_sample_ns`: until it, the estimate is the rail's
+            // assumed speed, which a sample inflated by a policer's burst still beats by far (a
+            // rail policed at 10 Mbit/s moves a megabyte in 0.8 s, and was dealt at the assumed
+            // 10 Gbit/s all that while). Not after one millisecond: a fast rail's first
+            // millisecond holds its start (threads waking, pages faulting in) and few bytes, and
+            // such a sample read loopback at a tenth of its speed.
+            let first = cfg.estimator == BandwidthEstimator::Delivery
+                && r.filter.is_empty()
+                && busy >= min_sample_ns.saturating_mul(FIRST_SAMPLE_BUSY_FACTOR);
             let enough_bytes = r.pooled_bytes >= min_sample_bytes || first;
             if busy >= min_sample_ns && enough_bytes {
                 let observed = r.pooled_bytes as f64 * NS_PER_S / busy as f64;
