@@ -111,3 +111,28 @@ fn a_rail_that_failed_and_came_back_is_measured_again_and_carries_its_share() {
         eth0.gb_per_s
     );
 }
+
+#[test]
+fn a_rail_at_a_thousandth_of_its_nominal_speed_does_not_hold_the_others_back() {
+    // 2 Gbit/s beside 10 Mbit/s, both said to be 10 Gbit/s. Probed every 50 ms whatever a
+    // slice took there, and learned from an assumed 10 Gbit/s a megabyte at a time, the slow
+    // rail held one submitter's 16 x 64 KiB batches to 0.03 of the line rate and four bulk
+    // submitters to 0.69. What is left is the start: the first windows, dealt before anything
+    // is measured.
+    let fast = 2.0 * 0.9564 / 8.0;
+    for (run, at_least) in [("high-batches", 0.8), ("low-batches", 0.8), ("bulk", 0.95)] {
+        let r = run_with("slow-rail.json", run, |_| {});
+        assert!(
+            r.gb_per_s >= at_least * fast,
+            "{run}: {} GB/s; the fast rail alone carries {fast}",
+            r.gb_per_s
+        );
+        let slow = &r.rails[1];
+        let carries = 0.01 * 0.9564 / 8.0;
+        assert!(
+            (slow.estimate_gb_per_s - carries).abs() <= 0.15 * carries,
+            "{run}: the slow rail estimated at {} GB/s, carries {carries}",
+            slow.estimate_gb_per_s
+        );
+    }
+}
