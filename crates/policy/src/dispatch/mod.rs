@@ -970,7 +970,7 @@ impl<T: Payload> Dispatcher<T> {
 
     fn window(&self, p: PathId, slice: u64) -> Window {
         let path = &self.paths[p];
-        let bw = self.bandwidth.get(path.rail).copied().unwrap_or(0.0);
+        let bw = self.estimate(path.rail);
         path.controller.window(&path.rtt, bw, slice)
     }
 
@@ -995,6 +995,11 @@ impl<T: Payload> Dispatcher<T> {
         finish::tail_piece(&now_load, horizon, len, self.config.min_bulk_chunk)
     }
 
+    /// `rail`'s bandwidth estimate as of the current deal, bytes/s; 0 when unknown.
+    fn estimate(&self, rail: RailId) -> f64 {
+        self.bandwidth.get(rail).copied().unwrap_or(0.0)
+    }
+
     /// How long path `p` must have been idle before a slice of `slice` bytes dealt to it starts
     /// a probe: [`finish::PROBE_AFTER_NS`], or [`finish::PROBE_COST`] times the slice's time
     /// on the rail at its estimate if that is longer. A probe holds back whatever waits for
@@ -1002,11 +1007,7 @@ impl<T: Payload> Dispatcher<T> {
     /// far slower than the rest (a 64 KiB slice in 52 ms at 10 Mbit/s) probes come seconds
     /// apart and cost a few percent, where every 50 ms they cost half the time.
     fn probe_after(&self, p: PathId, slice: u64) -> u64 {
-        let bw = self
-            .bandwidth
-            .get(self.paths[p].rail)
-            .copied()
-            .unwrap_or(0.0);
+        let bw = self.estimate(self.paths[p].rail);
         if bw <= 0.0 {
             return finish::PROBE_AFTER_NS;
         }
@@ -1021,11 +1022,7 @@ impl<T: Payload> Dispatcher<T> {
     /// none. A probe measures the rail again; it need not fill a window: a path that never
     /// measured a round trip has the initial 1 MiB one, 0.8 s of a 10 Mbit/s rail.
     fn probe_bytes(&self, p: PathId) -> u64 {
-        let bw = self
-            .bandwidth
-            .get(self.paths[p].rail)
-            .copied()
-            .unwrap_or(0.0);
+        let bw = self.estimate(self.paths[p].rail);
         if bw <= 0.0 {
             return u64::MAX;
         }
@@ -1108,7 +1105,7 @@ impl<T: Payload> Dispatcher<T> {
         if rails.has_work(Priority::Medium) || rails.has_work(Priority::Low) {
             return false;
         }
-        let estimate = self.bandwidth.get(path.rail).copied().unwrap_or(0.0);
+        let estimate = self.estimate(path.rail);
         // The link is asked only when the estimate falls short: one lookup per deal then.
         estimate >= SPREAD_MIN_BYTES_PER_SEC
             || rails.link_bandwidth(path.rail) >= SPREAD_MIN_BYTES_PER_SEC
@@ -1189,7 +1186,7 @@ impl<T: Payload> Dispatcher<T> {
                 loads.push((
                     p,
                     PathLoad {
-                        bytes_per_sec: self.bandwidth.get(path.rail).copied().unwrap_or(0.0),
+                        bytes_per_sec: self.estimate(path.rail),
                         posted: path.posted,
                         slice,
                         allowed: allowed[p],
