@@ -127,6 +127,13 @@ pub struct PingpongArgs {
     /// Default: 0.
     #[arg(long, default_value_t = 0, value_parser = limits::count::<u64>(0, MAX_GAP_MS))]
     gap_ms: u64,
+    /// Milliseconds added to each silence of `--gap-ms`, drawn uniformly from 0 to this, 0 to
+    /// 60000: messages at times a receiver cannot foresee (with 0, every silence is the same
+    /// and a receiver may learn the cadence; see `transports.<t>.receive.cadence_lead_us`).
+    /// Default: 0.
+    #[arg(long, default_value_t = 0, requires = "gap_ms",
+          value_parser = limits::count::<u64>(0, MAX_GAP_MS))]
+    gap_spread_ms: u64,
     /// Microseconds the client spins between an answer and its next message, 0 to 1000000.
     /// Default: 0.
     #[arg(long, default_value_t = 0, value_parser = limits::count::<u64>(0, MAX_THINK_US))]
@@ -272,7 +279,8 @@ pub fn run(
             name
         }
     };
-    let outcome = client(config, &args, &target);
+    let server_pid = server.as_ref().map(|s| s.child.id());
+    let outcome = client(config, &args, &target, server_pid);
     drop(server);
     outcome
 }
@@ -317,7 +325,7 @@ fn serve(config: Config, args: &PingpongArgs) -> Result<(), Failure> {
 
 /// The `--local` server: a `pingpong --server --once` child, stopped when dropped.
 struct LocalServer {
-    _child: Guarded,
+    child: Guarded,
     /// Kept open while the server runs.
     _stdout: BufReader<ChildStdout>,
     name: String,
@@ -348,14 +356,21 @@ impl LocalServer {
             bail!("the local server exited ({status}) before printing its segment name");
         }
         Ok(LocalServer {
-            _child: child,
+            child,
             _stdout: stdout,
             name,
         })
     }
 }
 
-fn client(config: Config, args: &PingpongArgs, target: &str) -> Result<(), Failure> {
+/// Runs the round trips against `target`; `server_pid`, the `--local` server's process, has
+/// its CPU time over the gapped round trips reported.
+fn client(
+    config: Config,
+    args: &PingpongArgs,
+    target: &str,
+    server_pid: Option<u32>,
+) -> Result<(), Failure> {
     let receive = match args.transport {
         Transport::Shm => config.transports.shm.receive.clone(),
         Transport::Tcp => config.transports.tcp.receive.clone(),
@@ -405,9 +420,14 @@ fn client(config: Config, args: &PingpongArgs, target: &str) -> Result<(), Failu
         }
         Ok(took)
     };
+    let mut spread = Spread::new(Duration::from_millis(args.gap_spread_ms));
+    let mut server_cpu = None;
     for i in 0..total {
+        if i == args.warmup {
+            server_cpu = server_pid.and_then(|p| ProcessCpu::start(p).ok());
+        }
         if i >= args.warmup && !gap.is_zero() {
-            std::thread::sleep(gap);
+            std::thread::sleep(gap + spread.next());
         }
         let took = round_trip(i)?;
         if i >= args.warmup {
@@ -416,6 +436,8 @@ fn client(config: Config, args: &PingpongArgs, target: &str) -> Result<(), Failu
             warm.push(took);
         }
     }
+    // The server's share of a core over the measured round trips (and their silences).
+    let server_cpu_pct = server_cpu.and_then(|c| c.pct_of_core().ok());
     // The lanes the round trips ended on (dynamic lanes promote a busy peer after a while).
     let lanes = engine.lanes();
     // A second busy measure after the gapped round trips: now and then a host keeps both
@@ -486,6 +508,8 @@ fn client(config: Config, args: &PingpongArgs, target: &str) -> Result<(), Failu
             "lanes": lanes_json,
             "spin_us": receive.spin_us,
             "gap_ms": args.gap_ms,
+            "gap_spread_ms": args.gap_spread_ms,
+            "server_cpu_pct_of_core": server_cpu_pct,
             "first_message": first.as_ref().map(|f| serde_json::json!({
                 "busy_one_way_us": f.busy_one_way_us,
                 "p50_us": f.p50_us,
@@ -501,10 +525,93 @@ fn client(config: Config, args: &PingpongArgs, target: &str) -> Result<(), Failu
         if let Some(f) = first {
             outln!(
                 "first message after {} ms of silence (round trip less the busy one-way {:.2} µs): p50 {:.2} µs, p90 {:.2}, p99 {:.2}, max {:.2}",
-                args.gap_ms, f.busy_one_way_us, f.p50_us, f.p90_us, f.p99_us, f.max_us
+                if args.gap_spread_ms > 0 {
+                    format!("{} to {}", args.gap_ms, args.gap_ms + args.gap_spread_ms)
+                } else {
+                    args.gap_ms.to_string()
+                },
+                f.busy_one_way_us, f.p50_us, f.p90_us, f.p99_us, f.max_us
             )?;
         }
+        if let Some(pct) = server_cpu_pct {
+            outln!("server CPU over the measured round trips: {pct:.2} % of a core")?;
+        }
         Ok(())
+    }
+}
+
+/// Uniform random extra silences up to a bound (`--gap-spread-ms`), from a xorshift seeded
+/// by the clock: nothing here needs more than unforeseeable.
+struct Spread {
+    max_us: u64,
+    state: u64,
+}
+
+impl Spread {
+    fn new(max: Duration) -> Spread {
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        Spread {
+            max_us: max.as_micros() as u64,
+            state: seed | 1,
+        }
+    }
+
+    /// The next extra silence: zero when the bound is.
+    fn next(&mut self) -> Duration {
+        if self.max_us == 0 {
+            return Duration::ZERO;
+        }
+        self.state ^= self.state << 13;
+        self.state ^= self.state >> 7;
+        self.state ^= self.state << 17;
+        Duration::from_micros(self.state % (self.max_us + 1))
+    }
+}
+
+/// A process's CPU time (every thread's user and system time, from `/proc/PID/stat`) since a
+/// start, against the wall clock.
+struct ProcessCpu {
+    pid: u32,
+    ticks: u64,
+    at: Instant,
+}
+
+impl ProcessCpu {
+    /// Starts counting for `pid`; fails when its `/proc` entry cannot be read.
+    fn start(pid: u32) -> std::io::Result<ProcessCpu> {
+        Ok(ProcessCpu {
+            pid,
+            ticks: cpu_ticks(pid)?,
+            at: Instant::now(),
+        })
+    }
+
+    /// The share of one core the process used since the start, in percent; fails when its
+    /// `/proc` entry cannot be read (it exited).
+    fn pct_of_core(&self) -> std::io::Result<f64> {
+        let used = cpu_ticks(self.pid)?.saturating_sub(self.ticks);
+        // SAFETY: sysconf reads a constant of the system and touches no memory of ours.
+        let per_s = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        let wall = self.at.elapsed().as_secs_f64().max(1e-9);
+        Ok(100.0 * used as f64 / per_s / wall)
+    }
+}
+
+/// utime + stime of process `pid`, in clock ticks.
+fn cpu_ticks(pid: u32) -> std::io::Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The command name (in parentheses) may hold spaces: count fields after its end.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let field = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok());
+    match (field(11), field(12)) {
+        (Some(u), Some(s)) => Ok(u + s),
+        _ => Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("/proc/{pid}/stat has no utime and stime fields"),
+        )),
     }
 }
 

@@ -18,6 +18,7 @@
 //! ```
 
 pub mod batch;
+pub(crate) mod cadence;
 pub mod config;
 pub mod engine;
 pub mod error;

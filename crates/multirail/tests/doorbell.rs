@@ -19,7 +19,12 @@ const LANES: [(&str, &str, bool); 3] = [
 ];
 
 fn engine(transport: &str, dynamic: bool, spin_us: u64) -> Engine {
-    let receive = format!(r#"{{"spin_us": {spin_us}}}"#);
+    engine_with_lead(transport, dynamic, spin_us, 200)
+}
+
+/// [`engine`] with `cadence_lead_us` set on every transport.
+fn engine_with_lead(transport: &str, dynamic: bool, spin_us: u64, lead_us: u64) -> Engine {
+    let receive = format!(r#"{{"spin_us": {spin_us}, "cadence_lead_us": {lead_us}}}"#);
     let json = format!(
         r#"{{"transport": "{transport}", "lanes": {{"dynamic": {dynamic}}},
             "transports": {{"tcp": {{"receive": {receive}}}, "shm": {{"receive": {receive}}},
@@ -272,5 +277,58 @@ fn a_notification_wait_sleeps_wakes_on_each_notification_and_leaves_messages_to_
         let tx = sender.join().unwrap();
         assert!(rx.message_stats().recv_sleeps >= 3, "{name}");
         drop(tx);
+    }
+}
+
+#[test]
+fn a_receiver_of_messages_at_a_steady_cadence_is_polling_when_the_next_one_comes() {
+    // One message every 50 ms: after a few gaps the receiver wakes shortly before each is due
+    // and polls for it; with the lead at 0 it sleeps until each message wakes it. Every
+    // message arrives, in order, either way. (A loaded host can make the gaps too uneven to
+    // anticipate for a while, so only "at least one" is asked of the anticipating receiver.)
+    const MESSAGES: u64 = 16;
+    for (name, transport, dynamic) in LANES {
+        for lead_us in [500, 0] {
+            let rx = engine_with_lead(transport, dynamic, 50, lead_us);
+            let tx = engine_with_lead(transport, dynamic, 50, lead_us);
+            let rx_name = rx.name();
+            let sender = thread::spawn(move || {
+                let seg = tx.open_segment(&rx_name).unwrap();
+                let start = Instant::now();
+                for i in 0..MESSAGES {
+                    // On a schedule, not after a sleep each: the gaps stay even.
+                    let due = start + Duration::from_millis(50 * (i + 1));
+                    thread::sleep(due.saturating_duration_since(Instant::now()));
+                    tx.send(seg, &message(1, i)).unwrap();
+                }
+                tx
+            });
+            for i in 0..MESSAGES {
+                let m = rx
+                    .recv(Some(Duration::from_secs(20)))
+                    .unwrap()
+                    .unwrap_or_else(|| panic!("{name}: message {i} never came"));
+                assert_eq!(m.data, message(1, i), "{name}, lead {lead_us}: message {i}");
+            }
+            let tx = sender.join().unwrap();
+            let stats = rx.message_stats();
+            assert_eq!(stats.received, MESSAGES, "{name}");
+            if lead_us == 0 {
+                assert_eq!(
+                    stats.recv_anticipated, 0,
+                    "{name}: no lead, no anticipation"
+                );
+            } else {
+                assert!(
+                    stats.recv_anticipated >= 1,
+                    "{name}: none of {MESSAGES} messages 50 ms apart was polled for ahead"
+                );
+                assert!(
+                    stats.recv_anticipated < MESSAGES - 3,
+                    "{name}: the first gaps teach"
+                );
+            }
+            drop(tx);
+        }
     }
 }

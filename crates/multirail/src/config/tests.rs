@@ -1358,6 +1358,7 @@ fn receive_spin_defaults_and_is_checked_naming_its_key() {
         &c.transports.rdma.receive,
     ] {
         assert_eq!((r.spin_us, r.adaptive_spin), (200, true));
+        assert_eq!(r.cadence_lead_us, 200);
     }
     let c = parse(
         r#"{"transports": {"shm": {"receive": {"spin_us": 0, "adaptive_spin": false}},
@@ -1372,5 +1373,12 @@ fn receive_spin_defaults_and_is_checked_naming_its_key() {
             r#"{{"transports": {{"{t}": {{"receive": {{"spin_us": 2000000}}}}}}}}"#
         ));
         assert_eq!(e.key, format!("transports.{t}.receive.spin_us"));
+        let e = parse_err(&format!(
+            r#"{{"transports": {{"{t}": {{"receive": {{"cadence_lead_us": 100001}}}}}}}}"#
+        ));
+        assert_eq!(e.key, format!("transports.{t}.receive.cadence_lead_us"));
+        assert!(e.message.contains("100001"), "{}", e.message);
     }
+    let c = parse(r#"{"transports": {"rdma": {"receive": {"cadence_lead_us": 0}}}}"#).unwrap();
+    assert_eq!(c.transports.rdma.receive.cadence_lead_us, 0);
 }

@@ -38,7 +38,7 @@
 //! waiting threads sleep on a condition variable the sleeper signals when it wakes.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{fence, AtomicU32};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32};
 use std::sync::Condvar;
 
 use nix::sys::eventfd::{EfdFlags, EventFd};
@@ -387,11 +387,8 @@ impl Messaging {
             thread::sleep(wait.min(FRUITLESS_NAP));
             (false, false)
         } else {
-            // Rounded up: a wait never ends before its deadline.
-            let ms = wait.as_nanos().div_ceil(1_000_000).min(i32::MAX as u128) as i32;
             let epoll = s.epoll.as_ref().expect("synced above");
-            let timeout = EpollTimeout::try_from(ms).unwrap_or(EpollTimeout::NONE);
-            match epoll.wait(&mut s.events, timeout) {
+            match wait_precisely(epoll, &mut s.events, wait) {
                 // The eventfd is edge-triggered: every ring is an event, and nothing reads the
                 // count back (a system call on the way to the message).
                 Ok(n) => (n > 0, n > 0 && s.events[..n].iter().all(|e| e.data() == 0)),
@@ -422,4 +419,53 @@ impl Messaging {
             Woke::Slept
         }
     }
+}
+
+/// Set once the kernel refused `epoll_pwait2` (before Linux 5.11, or a seccomp filter that
+/// does not know it): waits then round up to whole milliseconds.
+static NO_PWAIT2: AtomicBool = AtomicBool::new(false);
+
+/// Waits on `epoll` for events, at most `wait` to the microsecond (`epoll_pwait2`): a wait
+/// that wakes shortly before a message due at the cadence must not round up to the next
+/// millisecond. Where the kernel refuses `epoll_pwait2` it rounds up to whole milliseconds (a
+/// wait never ends before its deadline). Returns the number of events, or the kernel's error.
+fn wait_precisely(epoll: &Epoll, events: &mut [EpollEvent], wait: Duration) -> nix::Result<usize> {
+    // On 32-bit targets `libc::timespec` is not the kernel's 64-bit one: round to the ms.
+    if cfg!(target_pointer_width = "64") && !NO_PWAIT2.load(Ordering::Relaxed) {
+        let ts = libc::timespec {
+            tv_sec: wait.as_secs().min(i32::MAX as u64) as libc::time_t,
+            tv_nsec: wait.subsec_nanos() as libc::c_long,
+        };
+        let len = events.len().min(i32::MAX as usize) as libc::c_int;
+        // The system call itself, not the C library's wrapper, which C libraries before
+        // glibc 2.35 lack (the program would not link); a kernel without it says ENOSYS.
+        // SAFETY: `EpollEvent` is `repr(transparent)` over `libc::epoll_event`, so the slice is
+        // `len` writable `epoll_event`s the kernel fills; the timespec (the kernel's 64-bit
+        // layout, on the 64-bit targets this branch runs on) outlives the call, and a null signal
+        // mask leaves the thread's mask as it is (as `epoll_wait` does; its size is then
+        // ignored).
+        let n = unsafe {
+            libc::syscall(
+                libc::SYS_epoll_pwait2,
+                epoll.0.as_raw_fd(),
+                events.as_mut_ptr().cast::<libc::epoll_event>(),
+                len,
+                &ts as *const libc::timespec,
+                std::ptr::null::<libc::sigset_t>(),
+                std::mem::size_of::<libc::sigset_t>(),
+            )
+        };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        match nix::errno::Errno::last() {
+            nix::errno::Errno::ENOSYS | nix::errno::Errno::EPERM => {
+                NO_PWAIT2.store(true, Ordering::Relaxed);
+            }
+            e => return Err(e),
+        }
+    }
+    let ms = wait.as_nanos().div_ceil(1_000_000).min(i32::MAX as u128) as i32;
+    let timeout = EpollTimeout::try_from(ms).unwrap_or(EpollTimeout::NONE);
+    epoll.wait(events, timeout)
 }

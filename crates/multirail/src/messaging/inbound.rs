@@ -632,11 +632,22 @@ impl Messaging {
         let mut idle = 0u32;
         // Wakes of this wait that found something readable at once and nothing wanted.
         let mut quick_wakes = 0u32;
+        // Poll until then: a message due at the cadence (see `crate::cadence`).
+        let mut anticipated_until: Option<Instant> = None;
+        // Polled within such a window before the message came (rather than being woken by it).
+        let mut polled_ahead = false;
         loop {
             let (got, costly) = self.poll_for(&take);
             if let Some(m) = got {
                 if let Some(s) = start {
-                    self.spin.learn(s.elapsed(), true);
+                    // A wait long enough to read the clock: its message's arrival time is
+                    // known, and such arrivals are the ones a cadence wakes for.
+                    let now = Instant::now();
+                    self.spin.learn(now - s, true);
+                    self.arrived(now);
+                }
+                if polled_ahead {
+                    self.anticipated.fetch_add(1, Ordering::Relaxed);
                 }
                 return Some(m);
             }
@@ -662,7 +673,10 @@ impl Messaging {
                 // Shut down: nothing more can arrive, and what had arrived was polled above.
                 return None;
             }
-            if waited < spin {
+            let now = start.expect("set above") + waited;
+            let ahead = anticipated_until.is_some_and(|u| now < u);
+            if waited < spin || ahead {
+                polled_ahead |= ahead && waited >= spin;
                 if waited > YIELD_AFTER && (costly || idle.is_multiple_of(64)) {
                     // A peer on this core (more pollers than cores, or a receiver our message
                     // just woke, which the kernel likes to place here) gets to run now.
@@ -670,16 +684,46 @@ impl Messaging {
                 }
                 continue;
             }
+            // Spun out: sleep, only until the next message is due if messages come steadily.
+            let mut left = timeout.map(|t| t - waited);
+            anticipated_until = None;
+            if let Some((wake_at, until)) = self.anticipate(now) {
+                anticipated_until = Some(until);
+                if wake_at <= now {
+                    continue;
+                }
+                let to_wake = wake_at - now;
+                left = Some(left.map_or(to_wake, |l| l.min(to_wake)));
+            }
             let nap = quick_wakes >= doorbell::FRUITLESS_WAKES;
             if nap {
                 quick_wakes = 0;
             }
-            match self.sleep(timeout.map(|t| t - waited), nap, want) {
+            match self.sleep(left, nap, want) {
                 Woke::Quick => quick_wakes += 1,
                 Woke::Slept | Woke::Ready | Woke::Followed => {}
             }
             QUIET_UNTIL.set((Some(Instant::now()), true));
         }
+    }
+
+    /// A wait took a message at `at`, after reading the clock: tells the cadence.
+    fn arrived(&self, at: Instant) {
+        let ns = at.saturating_duration_since(self.cadence_epoch).as_nanos() as u64;
+        self.cadence.lock().expect("cadence poisoned").arrived(ns);
+    }
+
+    /// When a wait at `now` that spun out should wake to poll for a message due at the
+    /// cadence, and until when it polls; `None` when no message is due (sleep as usual).
+    fn anticipate(&self, now: Instant) -> Option<(Instant, Instant)> {
+        let ns = now.saturating_duration_since(self.cadence_epoch).as_nanos() as u64;
+        let a = self
+            .cadence
+            .lock()
+            .expect("cadence poisoned")
+            .anticipate(ns)?;
+        let at = |t: u64| self.cadence_epoch + Duration::from_nanos(t);
+        Some((at(a.wake_at), at(a.poll_until)))
     }
 
     /// One round of [`Messaging::wait_for`]: what `take` finds ready or taken in by one poll

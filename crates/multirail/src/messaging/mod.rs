@@ -64,6 +64,7 @@ use multirail_verbs::{
 };
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 
+use crate::cadence::Cadence;
 use crate::config::{Config, TransportChoice};
 use crate::error::{Error, Result};
 use crate::memory::{Buffer, Location, MemoryRegistry, PeerMapping};
@@ -133,6 +134,10 @@ pub struct MessageStats {
     /// Waits in `recv` that stopped spinning and slept on the doorbell until something came
     /// (see `transports.<tcp|shm|rdma>.receive.spin_us`).
     pub recv_sleeps: u64,
+    /// Messages a waiting `recv` (or notification wait) was already polling for when they
+    /// came, having woken on a timer shortly before they were due at the cadence messages had
+    /// been arriving (see `transports.<tcp|shm|rdma>.receive.cadence_lead_us`).
+    pub recv_anticipated: u64,
 }
 
 /// The engine's message counters; received messages are counted under the receive lock
@@ -156,6 +161,7 @@ impl MessageCounters {
             received: 0,
             received_bytes: 0,
             recv_sleeps: 0,
+            recv_anticipated: 0,
         }
     }
 }
@@ -383,6 +389,12 @@ pub(crate) struct Messaging {
     bell: Doorbell,
     /// How long a waiting receive spins before it sleeps.
     spin: Spin,
+    /// When the next message is due, for waits that sleep (see `crate::cadence`), on the
+    /// clock of `cadence_epoch`.
+    cadence: Mutex<Cadence>,
+    cadence_epoch: Instant,
+    /// Messages taken by a wait polling ahead of them, for [`MessageStats::recv_anticipated`].
+    anticipated: AtomicU64,
 }
 
 /// Bytes of an opening after the sender's name: its lane (u8) and the lane's epoch (u32).
@@ -447,6 +459,7 @@ impl Messaging {
         s.received += rx.received.0;
         s.received_bytes += rx.received.1;
         s.recv_sleeps = self.bell.sleeps.load(Ordering::Relaxed);
+        s.recv_anticipated = self.anticipated.load(Ordering::Relaxed);
         s
     }
 
@@ -505,6 +518,17 @@ impl Messaging {
                 let cap = Duration::from_micros(r.iter().map(|r| r.spin_us).max().unwrap_or(0));
                 Spin::new(cap, cap / 4, r.iter().all(|r| r.adaptive_spin))
             },
+            cadence: {
+                let r = [&t.tcp.receive, &t.shm.receive, &t.rdma.receive];
+                let lead = if r.iter().any(|r| r.cadence_lead_us == 0) {
+                    0
+                } else {
+                    r.iter().map(|r| r.cadence_lead_us).max().unwrap_or(0)
+                };
+                Mutex::new(Cadence::new(lead.saturating_mul(1000)))
+            },
+            cadence_epoch: Instant::now(),
+            anticipated: AtomicU64::new(0),
         })
     }
 }
