@@ -110,24 +110,22 @@ impl ReceiveConfig {
     }
 
     pub(crate) fn validate(&self, prefix: &str) -> Result<(), ConfigError> {
-        if self.spin_us > MAX_SPIN_US {
-            return Err(ConfigError::new(
-                format!("{prefix}.spin_us"),
-                format!(
-                    "must be at most {MAX_SPIN_US} (a second), got {}",
-                    self.spin_us
-                ),
-            ));
-        }
-        if self.cadence_lead_us > MAX_CADENCE_LEAD_US {
-            return Err(ConfigError::new(
-                format!("{prefix}.cadence_lead_us"),
-                format!(
-                    "must be at most {MAX_CADENCE_LEAD_US} (a tenth of a second), got {}",
-                    self.cadence_lead_us
-                ),
-            ));
-        }
+        let at_most = |key: &str, value: u64, max: u64, what: &str| {
+            if value > max {
+                return Err(ConfigError::new(
+                    format!("{prefix}.{key}"),
+                    format!("must be at most {max} ({what}), got {value}"),
+                ));
+            }
+            Ok(())
+        };
+        at_most("spin_us", self.spin_us, MAX_SPIN_US, "a second")?;
+        at_most(
+            "cadence_lead_us",
+            self.cadence_lead_us,
+            MAX_CADENCE_LEAD_US,
+            "a tenth of a second",
+        )?;
         self.settings()
             .validate()
             .map_err(|e| ConfigError::new(format!("{prefix}.{}", e.key), e.message))
