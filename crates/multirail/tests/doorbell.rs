@@ -44,6 +44,18 @@ fn message(s: u64, i: u64) -> Vec<u8> {
     m
 }
 
+/// Receives messages 0..`n` of sender `s` on `rx`, each within 20 s and with its bytes, in
+/// order; panics naming the lane kind `name` otherwise.
+fn receive_in_order(rx: &Engine, name: &str, s: u64, n: u64) {
+    for i in 0..n {
+        let m = rx
+            .recv(Some(Duration::from_secs(20)))
+            .unwrap()
+            .unwrap_or_else(|| panic!("{name}: message {i} of sender {s} never came"));
+        assert_eq!(m.data, message(s, i), "{name}: message {i} of sender {s}");
+    }
+}
+
 #[test]
 fn a_receiver_asleep_on_the_doorbell_wakes_and_gets_the_message() {
     for (name, transport, dynamic) in LANES {
@@ -61,13 +73,7 @@ fn a_receiver_asleep_on_the_doorbell_wakes_and_gets_the_message() {
             }
             tx
         });
-        for i in 0..3 {
-            let m = rx
-                .recv(Some(Duration::from_secs(20)))
-                .unwrap()
-                .unwrap_or_else(|| panic!("{name}: message {i} never woke the receiver"));
-            assert_eq!(m.data, message(0, i), "{name}: message {i}");
-        }
+        receive_in_order(&rx, name, 0, 3);
         let tx = sender.join().unwrap();
         assert!(rx.recv(Some(Duration::ZERO)).unwrap().is_none(), "{name}");
         let slept = rx.message_stats().recv_sleeps;
@@ -303,13 +309,7 @@ fn a_receiver_of_messages_at_a_steady_cadence_is_polling_when_the_next_one_comes
                 }
                 tx
             });
-            for i in 0..MESSAGES {
-                let m = rx
-                    .recv(Some(Duration::from_secs(20)))
-                    .unwrap()
-                    .unwrap_or_else(|| panic!("{name}: message {i} never came"));
-                assert_eq!(m.data, message(1, i), "{name}, lead {lead_us}: message {i}");
-            }
+            receive_in_order(&rx, name, 1, MESSAGES);
             let tx = sender.join().unwrap();
             let stats = rx.message_stats();
             assert_eq!(stats.received, MESSAGES, "{name}");
