@@ -197,20 +197,29 @@ impl Store {
             let (k, v) = (key.clone(), Arc::clone(&value));
             run_blocking(move || persistence.write(&k, &v)).await?;
         }
-        let woke = self.write(|map| {
+        let (woke, replaced_expired) = self.write(|map| {
             // The time starts when the value is in place, not when the
             // request arrived: a slow disk must not shorten it.
-            let expires = self.ttl.map(|ttl| Instant::now() + ttl);
+            let now = Instant::now();
+            let expires = self.ttl.map(|ttl| now + ttl);
             let queued = expires.is_some_and(|at| map.schedule(&key, at));
             let new_len = value.len() as u64;
+            let mut replaced_expired = false;
             if let Some(old) = map.entries.insert(key, Entry { value, expires }) {
                 map.value_bytes -= old.value.len() as u64;
+                replaced_expired = !old.live(now);
             }
             map.value_bytes += new_len;
-            queued
+            (queued, replaced_expired)
         });
         if woke {
             self.queued.notify_one();
+        }
+        // A key stored again after its deadline but before the expiry task
+        // removed it did expire (readers got 404 for it); the task will find
+        // the new deadline and not count it, so it is counted here.
+        if replaced_expired {
+            self.metrics.key_expired();
         }
         Ok(PutOutcome::Updated)
     }
@@ -348,4 +357,45 @@ async fn run_blocking(f: impl FnOnce() -> io::Result<()> + Send + 'static) -> io
     tokio::task::spawn_blocking(f)
         .await
         .unwrap_or_else(|join| Err(io::Error::other(format!("persistence task failed: {join}"))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn expired_total(metrics: &Metrics, store: &Store) -> String {
+        let text = metrics
+            .render(store.len(), store.value_bytes())
+            .expect("render metrics");
+        text.lines()
+            .find_map(|line| line.strip_prefix("multirail_metadata_keys_expired_total "))
+            .expect("expired series")
+            .to_owned()
+    }
+
+    #[tokio::test]
+    async fn a_key_stored_again_after_its_deadline_counts_as_expired_once() {
+        let metrics = Arc::new(Metrics::new());
+        let ttl = Duration::from_millis(20);
+        let store = Store::new(BTreeMap::new(), None, Some(ttl), Arc::clone(&metrics));
+        let value: Value = Arc::from(&b"v"[..]);
+        assert_eq!(
+            store.put("k".into(), Arc::clone(&value)).await.unwrap(),
+            PutOutcome::Updated
+        );
+        tokio::time::sleep(ttl * 2).await;
+        assert_eq!(store.get("k"), None, "gone at its deadline");
+        // Stored again before the expiry task ran: that put counts it.
+        store.put("k".into(), Arc::clone(&value)).await.unwrap();
+        assert_eq!(expired_total(&metrics, &store), "1");
+        // The task, running late, finds the new deadline and counts nothing.
+        store.expire_due(Instant::now()).await;
+        assert_eq!(expired_total(&metrics, &store), "1");
+        assert_eq!(store.get("k"), Some(Arc::clone(&value)));
+        // Not stored again: the task counts it when it falls due.
+        tokio::time::sleep(ttl * 2).await;
+        store.expire_due(Instant::now()).await;
+        assert_eq!(expired_total(&metrics, &store), "2");
+        assert_eq!(store.len(), 0);
+    }
 }
