@@ -17,6 +17,7 @@
 //! # Ok::<(), multirail::Error>(())
 //! ```
 
+pub(crate) mod access;
 pub mod batch;
 pub(crate) mod cadence;
 pub mod config;
@@ -24,6 +25,7 @@ pub mod engine;
 pub mod error;
 pub mod group;
 pub(crate) mod listener;
+pub(crate) mod mapping;
 pub mod memory;
 pub mod messaging;
 pub mod metadata;

@@ -7,9 +7,11 @@ use std::fmt;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::{Arc, RwLock};
 
+use crate::access::AccessTable;
 use crate::error::{Error, Result};
+use crate::mapping::map_shared;
 pub use crate::segment::Location;
-use crate::segment::{BufferDescriptor, ShmHandle};
+use crate::segment::{AccessDescriptor, BufferDescriptor, ShmHandle};
 
 /// Who owns the bytes of a region.
 enum Backing {
@@ -30,6 +32,9 @@ pub(crate) struct Region {
     rkeys: Vec<u32>,
     /// The registry's number for this region, by which the hook knows it.
     id: u64,
+    /// The region's entry in the access table, which same-host peers hold for each copy into it (see
+    /// [`crate::access`]); `None` when the registry has no access table or it is full.
+    access: Option<AccessDescriptor>,
 }
 
 /// What else must know of every region: the RDMA transport registers each with every device
@@ -72,6 +77,7 @@ impl Region {
                 Backing::Registered => None,
             },
             rkeys: self.rkeys.clone(),
+            access: self.access,
         }
     }
 }
@@ -162,37 +168,39 @@ impl Buffer {
     }
 }
 
-/// Maps `len` bytes of the file `fd` shared, read-write. The caller owns the mapping and must
-/// unmap it exactly once.
-fn map_shared(fd: std::os::fd::RawFd, len: usize) -> std::io::Result<*mut libc::c_void> {
-    // SAFETY: a fresh mapping chosen by the kernel, so it aliases nothing Rust references; the
-    // file is at least `len` bytes long (sized or checked by both callers), so every mapped
-    // page is backed.
-    let ptr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            fd,
-            0,
-        )
-    };
-    if ptr == libc::MAP_FAILED {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(ptr)
-}
-
 /// Every region this engine serves, ordered by address for range lookups.
-#[derive(Default)]
 pub(crate) struct MemoryRegistry {
     regions: RwLock<BTreeMap<usize, Arc<Region>>>,
+    /// Access entries same-host peers hold for their copies into the regions; `None` when the table
+    /// could not be made (peers then copy unguarded, as into an engine of an older version).
+    access_table: Option<AccessTable>,
     /// Bumped by every unregistration, so what was checked against the registry once (a
     /// prepared request list) knows when to check again.
     generation: std::sync::atomic::AtomicU64,
     hook: std::sync::OnceLock<Arc<dyn RegionHook>>,
     next_id: std::sync::atomic::AtomicU64,
+}
+
+impl Default for MemoryRegistry {
+    /// An empty registry with an access table (logged and done without when one cannot be
+    /// made).
+    fn default() -> Self {
+        let access_table = AccessTable::new()
+            .inspect_err(|e| {
+                tracing::warn!(
+                    error = %e,
+                    "no access table: same-host peers may copy into buffers after they are unregistered"
+                )
+            })
+            .ok();
+        MemoryRegistry {
+            regions: RwLock::default(),
+            access_table,
+            generation: Default::default(),
+            hook: Default::default(),
+            next_id: Default::default(),
+        }
+    }
 }
 
 fn random_key() -> u64 {
@@ -279,6 +287,7 @@ impl MemoryRegistry {
             },
             rkeys: Vec::new(),
             id: 0,
+            access: None,
         };
         // Dropping `region` on failure unmaps what was mapped.
         let region = self.insert(&mut region).map(|()| Arc::new(region))?;
@@ -310,6 +319,7 @@ impl MemoryRegistry {
             backing: Backing::Registered,
             rkeys: Vec::new(),
             id: 0,
+            access: None,
         };
         self.insert(&mut region)?;
         let region = Arc::new(region);
@@ -337,7 +347,25 @@ impl MemoryRegistry {
         if let Some(hook) = self.hook.get() {
             region.rkeys = hook.registered(region.id, region.addr, region.len)?;
         }
+        if let Some(access_table) = &self.access_table {
+            region.access = access_table.grant(region.key);
+            if region.access.is_none() {
+                tracing::warn!(
+                    addr = region.addr,
+                    len = region.len,
+                    entries = crate::access::ENTRIES,
+                    "every access entry is taken: same-host peers reach this buffer without one, and may copy into it after it is unregistered"
+                );
+            }
+        }
         Ok(())
+    }
+
+    /// Revokes `region`'s entry in the access table, waiting for same-host peers' copies into it to end.
+    fn revoke(&self, region: &Region) {
+        if let (Some(access_table), Some(access)) = (&self.access_table, region.access) {
+            access_table.revoke(access.entry);
+        }
     }
 
     fn check_overlap(map: &BTreeMap<usize, Arc<Region>>, region: &Region) -> Result<()> {
@@ -361,6 +389,7 @@ impl MemoryRegistry {
         let mut map = self.regions.write().expect("memory registry poisoned");
         if let Err(e) = Self::check_overlap(&map, &region) {
             drop(map);
+            self.revoke(&region);
             if let Some(hook) = self.hook.get() {
                 hook.unregistered(region.id);
             }
@@ -370,9 +399,10 @@ impl MemoryRegistry {
         Ok(())
     }
 
-    /// Removes the region starting at `addr`. Memory the engine allocated is unmapped once no
-    /// buffer handle or in-flight slice holds it; RDMA registrations go at once (slices in
-    /// flight on them keep them until they finish).
+    /// Removes the region starting at `addr`. Same-host peers' copies into it stop: this
+    /// returns once those running have ended (see [`crate::access`]). Memory the engine
+    /// allocated is unmapped once no buffer handle or in-flight slice holds it; RDMA
+    /// registrations go at once (slices in flight on them keep them until they finish).
     pub(crate) fn unregister(&self, addr: u64) -> Result<()> {
         let removed = {
             let mut map = self.regions.write().expect("memory registry poisoned");
@@ -385,6 +415,8 @@ impl MemoryRegistry {
         };
         match removed {
             Some(region) => {
+                // Not under the lock: the wait for peers' copies takes as long as a copy.
+                self.revoke(&region);
                 if let Some(hook) = self.hook.get() {
                     hook.unregistered(region.id);
                 }
@@ -414,53 +446,6 @@ impl MemoryRegistry {
     pub(crate) fn descriptors(&self) -> Vec<BufferDescriptor> {
         let map = self.regions.read().expect("memory registry poisoned");
         map.values().map(|r| r.descriptor()).collect()
-    }
-}
-
-/// A mapping of a same-host peer's memfd buffer into this process.
-pub(crate) struct PeerMapping {
-    addr: usize,
-    len: usize,
-}
-
-impl PeerMapping {
-    /// Maps the peer's buffer through `/proc/PID/fd/FD`, which reopens its memfd.
-    pub(crate) fn open(handle: &ShmHandle, len: usize) -> Result<Self> {
-        let path = format!("/proc/{}/fd/{}", handle.pid, handle.fd);
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(|e| Error::io(format!("opening peer buffer {path}"), e))?;
-        let size = file
-            .metadata()
-            .map_err(|e| Error::io(format!("stat of peer buffer {path}"), e))?
-            .len();
-        if size < len as u64 {
-            return Err(Error::Memory(format!(
-                "peer buffer {path} holds {size} bytes, descriptor says {len}"
-            )));
-        }
-        let ptr = map_shared(file.as_raw_fd(), len)
-            .map_err(|e| Error::io(format!("mapping peer buffer {path}"), e))?;
-        Ok(PeerMapping {
-            addr: ptr as usize,
-            len,
-        })
-    }
-
-    pub(crate) fn base(&self) -> usize {
-        self.addr
-    }
-}
-
-impl Drop for PeerMapping {
-    fn drop(&mut self) {
-        // SAFETY: the range was mapped in `open` and is unmapped once, when the last slice
-        // holding this mapping is done.
-        unsafe {
-            libc::munmap(self.addr as *mut libc::c_void, self.len);
-        }
     }
 }
 
@@ -518,7 +503,7 @@ mod tests {
         let reg = MemoryRegistry::default();
         let a = reg.allocate(8192, Location::Any).unwrap();
         let desc = reg.descriptors().remove(0);
-        let map = PeerMapping::open(desc.shm.as_ref().unwrap(), 8192).unwrap();
+        let map = crate::mapping::PeerMapping::open(desc.shm.as_ref().unwrap(), 8192).unwrap();
         // SAFETY: both mappings are private to this test and 8192 bytes long.
         unsafe {
             *a.as_ptr().add(100) = 42;

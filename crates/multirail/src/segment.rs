@@ -71,6 +71,16 @@ pub struct ShmHandle {
     pub fd: i32,
 }
 
+/// Where a buffer's entry in its owner's access table lies: the entry of the owner's access table that same-host peers
+/// check before every copy into the buffer, so that unregistering it stops them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AccessDescriptor {
+    /// The owner's access table, a memfd peers map as they map its buffers.
+    pub table: ShmHandle,
+    /// The buffer's entry in it.
+    pub entry: u32,
+}
+
 /// One buffer a segment serves.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BufferDescriptor {
@@ -88,6 +98,10 @@ pub struct BufferDescriptor {
     /// [`SegmentDescriptor::rdma`]; empty when the engine has no RDMA rail.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub rkeys: Vec<u32>,
+    /// The buffer's entry in the owner's access table, which same-host peers hold for every
+    /// copy into it so that an unregistration stops them; absent from engines of older versions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub access: Option<AccessDescriptor>,
 }
 
 impl BufferDescriptor {
@@ -234,6 +248,7 @@ mod tests {
             location: Location::Any,
             shm: None,
             rkeys: Vec::new(),
+            access: None,
         }
     }
 

@@ -275,6 +275,7 @@ fn descriptor() -> SegmentDescriptor {
                 location: Location::Cpu(0),
                 shm: None,
                 rkeys: vec![],
+                access: None,
             },
             BufferDescriptor {
                 addr: u64::MAX - 0xFFF,
@@ -283,6 +284,7 @@ fn descriptor() -> SegmentDescriptor {
                 location: Location::Any,
                 shm: None,
                 rkeys: vec![],
+                access: None,
             },
         ],
         segment_name: None,

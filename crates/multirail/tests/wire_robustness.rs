@@ -186,6 +186,7 @@ fn initiator_fails_requests_on_garbage_responses() {
             location: Location::Any,
             shm: None,
             rkeys: vec![],
+            access: None,
         }],
         segment_name: None,
         members_only: false,

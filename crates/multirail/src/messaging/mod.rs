@@ -67,7 +67,8 @@ use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTime
 use crate::cadence::Cadence;
 use crate::config::{Config, TransportChoice};
 use crate::error::{Error, Result};
-use crate::memory::{Buffer, Location, MemoryRegistry, PeerMapping};
+use crate::mapping::PeerMapping;
+use crate::memory::{Buffer, Location, MemoryRegistry};
 use crate::peer::Peer;
 use crate::segment::SegmentId;
 use crate::server::ConnPermit;

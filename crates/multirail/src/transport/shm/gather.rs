@@ -73,6 +73,21 @@ impl VmGather {
         if self.jobs.is_empty() {
             return;
         }
+        // Each job holds its buffer's access entry across the call (and its own call after a
+        // short one); a job whose buffer the peer unregistered fails here and is not copied.
+        self.jobs
+            .retain(|(job, _)| match job.access.as_ref().map(Access::enter) {
+                None | Some(Ok(())) => true,
+                Some(Err(e)) => {
+                    rail.record_error();
+                    job.task.part_done(Err(e));
+                    false
+                }
+            });
+        if self.jobs.is_empty() {
+            self.bytes = 0;
+            return;
+        }
         self.local.clear();
         self.remote.clear();
         for (e, _) in &self.jobs {
@@ -132,6 +147,9 @@ impl VmGather {
                 process_vm(&job, self.pid, from, job.len - from)
             };
             start += job.len;
+            if let Some(access) = &job.access {
+                access.leave();
+            }
             match &outcome {
                 Ok(()) => tally.add(priority, job.len as u64, job.slices),
                 Err(_) => rail.record_error(),
@@ -173,6 +191,7 @@ mod tests {
                 len,
                 slices: 1,
                 reach: Reach::ProcessVm { pid },
+                access: None,
                 batch: 1,
                 task: task.clone(),
             };

@@ -38,12 +38,13 @@ use std::time::{Duration, Instant};
 use multirail_policy::qos::{Priority, PriorityQueues, HIGH, LEVELS};
 use multirail_policy::slicing::{job_pieces, job_spans, JobSpan, SlicePlan};
 
+use crate::access::Access;
 use crate::batch::Task;
 use crate::error::{Error, Result};
-use crate::memory::PeerMapping;
+use crate::mapping::PeerMapping;
 use crate::peer::Peer;
 use crate::qos::Qos;
-use crate::segment::BufferDescriptor;
+use crate::segment::{BufferDescriptor, ShmHandle};
 use crate::stats::{RailCounters, TrafficStats};
 use crate::transport::{Opcode, Plans, Prepared, Transport};
 
@@ -78,6 +79,31 @@ struct ShmPeer {
     mappings: Mutex<HashMap<(u64, u64), Arc<PeerMapping>>>,
     /// Whether the kernel lets us use process_vm_readv/writev on this peer.
     process_vm_allowed: OnceLock<bool>,
+    /// Our mapping of the peer's access table, and the handle it was opened by.
+    access_table: Mutex<Option<(ShmHandle, Arc<PeerMapping>)>>,
+}
+
+impl ShmPeer {
+    /// The access entry of `buffer` of peer `name`, mapping the peer's access table on first use;
+    /// `None` for a buffer published without one (an engine of an older version).
+    fn access(&self, name: &str, buffer: &BufferDescriptor) -> Result<Option<Access>> {
+        let Some(access) = &buffer.access else {
+            return Ok(None);
+        };
+        let mut table = self
+            .access_table
+            .lock()
+            .expect("shm peer access table poisoned");
+        let mapping = match &*table {
+            Some((handle, mapping)) if *handle == access.table => mapping.clone(),
+            _ => {
+                let mapping = Arc::new(PeerMapping::open(&access.table, Access::TABLE_BYTES)?);
+                *table = Some((access.table, mapping.clone()));
+                mapping
+            }
+        };
+        Access::new(mapping, access, buffer.key, Arc::from(name)).map(Some)
+    }
 }
 
 /// How a worker reaches the peer's bytes.
@@ -93,6 +119,9 @@ enum Reach {
     /// With process_vm_readv/writev into process `pid`.
     ProcessVm { pid: i32 },
 }
+
+/// How to reach a buffer, and its access entry, which every copy into it holds.
+type Reached = (Reach, Option<Access>);
 
 /// The shared-memory transport and its copy workers.
 pub(crate) struct ShmTransport {
@@ -172,17 +201,23 @@ impl ShmTransport {
             .clone()
     }
 
-    fn reach(&self, peer: &Peer, buffer: &BufferDescriptor) -> Result<Reach> {
+    /// How to reach `buffer` of `peer`, and the access entry a copy into it holds.
+    fn reach(&self, peer: &Peer, buffer: &BufferDescriptor) -> Result<Reached> {
         if !peer.same_host {
             return Err(Error::TransportUnavailable {
                 transport: "shm",
                 reason: format!("segment {} is on another host", peer.name),
             });
         }
+        let state = self.peer_state(peer.id);
+        let access = state.access(&peer.name, buffer)?;
+        Ok((self.way(peer, &state, buffer)?, access))
+    }
+
+    fn way(&self, peer: &Peer, state: &ShmPeer, buffer: &BufferDescriptor) -> Result<Reach> {
         if peer.same_process {
             return Ok(Reach::Direct);
         }
-        let state = self.peer_state(peer.id);
         if let Some(handle) = &buffer.shm {
             let mut maps = state.mappings.lock().expect("peer poisoned");
             if let Some(m) = maps.get(&(buffer.addr, buffer.key)) {
@@ -242,7 +277,7 @@ impl Transport for ShmTransport {
     /// in a row that target it, and the jobs of the whole call are queued under one lock with
     /// one wake-up per worker needed, not a lock and a wake-up per request.
     fn post(&self, reqs: Vec<(Arc<Peer>, Prepared)>, plans: &Plans) {
-        let mut reached: Option<((u64, u64, u64), Reach)> = None;
+        let mut reached: Option<((u64, u64, u64), Reached)> = None;
         let (mut queued, mut tally) = (Vec::new(), Tally::default());
         let mut gathered = VmGather::new();
         for (peer, req) in reqs {
@@ -307,7 +342,7 @@ impl ShmTransport {
     /// for [`ShmTransport::queue`].
     fn take(
         &self,
-        reach: Reach,
+        (reach, access): Reached,
         req: Prepared,
         plan: &SlicePlan,
         queued: &mut Vec<(CopyJob, Priority)>,
@@ -325,6 +360,7 @@ impl ShmTransport {
                 len: req.len as usize,
                 slices: slices.len() as u64,
                 reach,
+                access,
                 batch: req.batch,
                 task: req.task.clone(),
             };
@@ -354,6 +390,7 @@ impl ShmTransport {
                 len: span.len as usize,
                 slices: span.slices,
                 reach: reach.clone(),
+                access: access.clone(),
                 batch: req.batch,
                 task: req.task.clone(),
             };
@@ -448,6 +485,7 @@ mod tests {
             len: src.len(),
             slices: 1,
             reach: Reach::Direct,
+            access: None,
             batch: 0,
             task,
         }

@@ -11,6 +11,9 @@ pub(super) struct CopyJob {
     pub(super) len: usize,
     pub(super) slices: u64,
     pub(super) reach: Reach,
+    /// The buffer's access entry, held for each copy into it; `None` for a buffer published without
+    /// one.
+    pub(super) access: Option<Access>,
     /// Id of the request's batch, which a thread waiting for it may copy itself.
     pub(super) batch: u64,
     pub(super) task: Arc<Task>,
