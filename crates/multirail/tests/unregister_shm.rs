@@ -1,7 +1,8 @@
 //! A buffer unregistered by its owner is no longer written by same-host peers: over shm, which
 //! copies straight into the owner's memory, a request into it is refused as over tcp, and once
 //! `unregister` returns no copy lands in it any more, even one that was running. Checked with
-//! both engines in one process and with the owner in a child process (its memfd buffers
+//! both engines in one process (and after the owner engine is dropped, its process living
+//! on) and with the owner in a child process (its memfd buffers
 //! mapped, its registered memory reached with process_vm_writev), for requests copied inline
 //! by the poster and for large ones copied by the workers.
 
@@ -219,4 +220,27 @@ fn once_unregister_returns_a_peer_process_writes_nothing_more() {
     }
     drop(to_owner);
     assert!(child.wait().unwrap().success());
+}
+
+#[test]
+fn a_closed_engine_buffers_are_not_written() {
+    let (owner, peer) = (engine(), engine());
+    let mut memory = vec![0u8; LEN];
+    let registered = owner
+        .register(memory.as_mut_ptr(), LEN, Location::Any)
+        .unwrap();
+    let allocated = owner.allocate(LEN, Location::Any).unwrap();
+    let src = peer.allocate(LEN, Location::Any).unwrap();
+    let seg = peer.open_segment(&owner.name()).unwrap();
+    run(&peer, write(src.addr(), seg, registered.addr(), SMALL)).unwrap();
+    drop(owner);
+    for target in [allocated.addr(), registered.addr()] {
+        for len in [SMALL, LARGE] {
+            assert_refused(
+                run(&peer, write(src.addr(), seg, target, len)),
+                &format!("write of {len} bytes at {target:#x} after the owner closed"),
+            );
+        }
+    }
+    drop(registered);
 }
