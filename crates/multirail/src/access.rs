@@ -18,7 +18,7 @@
 //! entry out again.
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -196,6 +196,9 @@ pub(crate) struct Access {
     key: u64,
     /// The segment, for the error of a revoked entry.
     peer: Arc<str>,
+    /// The peer's flag for a refused key (`Peer::keys_refused`), set when the entry is found
+    /// revoked.
+    refused: Arc<AtomicBool>,
 }
 
 impl Access {
@@ -205,7 +208,7 @@ impl Access {
         table: Arc<PeerMapping>,
         access: &AccessDescriptor,
         key: u64,
-        peer: Arc<str>,
+        (peer, refused): (Arc<str>, Arc<AtomicBool>),
     ) -> Result<Access> {
         if access.entry >= ENTRIES {
             return Err(Error::Protocol {
@@ -221,6 +224,7 @@ impl Access {
             entry: access.entry,
             key,
             peer,
+            refused,
         })
     }
 
@@ -249,6 +253,7 @@ impl Access {
         e.users.fetch_add(1, Ordering::SeqCst);
         if e.key.load(Ordering::SeqCst) != self.key {
             e.users.fetch_sub(1, Ordering::SeqCst);
+            self.refused.store(true, Ordering::Relaxed);
             return Err(Error::RemoteRejected {
                 peer: self.peer.to_string(),
                 reason: "no buffer at that address with that key (unregistered)".into(),
@@ -281,7 +286,7 @@ mod tests {
     fn peer_side(table: &AccessTable, access: &AccessDescriptor, key: u64) -> Access {
         let mapping = Arc::new(PeerMapping::open(&access.table, Access::TABLE_BYTES).unwrap());
         assert_eq!(access.table.fd, table.memfd.as_raw_fd());
-        Access::new(mapping, access, key, Arc::from("peer:1")).unwrap()
+        Access::new(mapping, access, key, (Arc::from("peer:1"), Arc::default())).unwrap()
     }
 
     #[test]
@@ -353,6 +358,6 @@ mod tests {
         let mut granted = table.grant(1).unwrap();
         granted.entry = ENTRIES;
         let mapping = Arc::new(PeerMapping::open(&granted.table, Access::TABLE_BYTES).unwrap());
-        assert!(Access::new(mapping, &granted, 1, Arc::from("p:1")).is_err());
+        assert!(Access::new(mapping, &granted, 1, (Arc::from("p:1"), Arc::default())).is_err());
     }
 }

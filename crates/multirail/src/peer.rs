@@ -26,6 +26,11 @@ pub(crate) struct Peer {
     /// transports each prove it themselves; shared memory opens no connection, so it checks
     /// this first.
     membership_proven: AtomicBool,
+    /// Set when the peer refused a request for a key it no longer serves (a buffer it
+    /// unregistered, perhaps registered again under a new key): the next request fetches the
+    /// descriptor again instead of trusting the cached one. Shared with the transports, which
+    /// see the refusals.
+    keys_refused: Arc<AtomicBool>,
 }
 
 fn pidfd_open(pid: u32) -> Option<OwnedFd> {
@@ -63,7 +68,19 @@ impl Peer {
             same_process,
             pidfd,
             membership_proven: AtomicBool::new(false),
+            keys_refused: Arc::new(AtomicBool::new(false)),
         }
+    }
+
+    /// What a transport sets when the peer refuses a key (see
+    /// [`take_keys_refused`](Self::take_keys_refused)).
+    pub(crate) fn keys_refused(&self) -> Arc<AtomicBool> {
+        self.keys_refused.clone()
+    }
+
+    /// Whether the peer refused a key since the last call: the cached descriptor is stale.
+    pub(crate) fn take_keys_refused(&self) -> bool {
+        self.keys_refused.load(Ordering::Relaxed) && self.keys_refused.swap(false, Ordering::AcqRel)
     }
 
     /// Whether this process and the peer's proved membership to each other (see

@@ -146,7 +146,9 @@ impl Engine {
     }
 
     /// The buffer of `peer` holding the range. When the cached descriptor does not have it
-    /// (the peer may have registered memory since), the store is asked again, and when the
+    /// (the peer may have registered memory since), or the peer has refused a key of it since
+    /// it was fetched (a buffer unregistered, perhaps registered again), the store is asked
+    /// again, and when the
     /// store's copy lacks it too, the segment itself over its control port: a store can be
     /// behind its segments for up to one refresh period (a publish that failed while it was
     /// away, or an older PUT it applied last), and a live peer's own answer is the truth.
@@ -158,8 +160,10 @@ impl Engine {
         addr: u64,
         len: u64,
     ) -> Result<segment::BufferDescriptor> {
-        if let Some(b) = peer.descriptor().find_buffer(addr, len) {
-            return Ok(b.clone());
+        if !peer.take_keys_refused() {
+            if let Some(b) = peer.descriptor().find_buffer(addr, len) {
+                return Ok(b.clone());
+            }
         }
         let out_of_range = || Error::TargetOutOfRange {
             segment: peer.name.clone(),

@@ -276,6 +276,9 @@ pub(crate) struct Driver<L: Link> {
     /// Why the last path or connection was lost: what queued slices fail with once every path
     /// is down (a timeout stays a timeout).
     last_loss: Mutex<Option<Error>>,
+    /// The peer's flag for a refused key (`Peer::keys_refused`): set here when the peer
+    /// refuses a slice, so the engine fetches its descriptor again before the next request.
+    keys_refused: Arc<AtomicBool>,
     /// A remake of the path is under way on its own thread.
     remaking: Vec<AtomicBool>,
     /// The link check found the path's link down and has not seen it up since.
@@ -312,6 +315,7 @@ impl<L: Link> Driver<L> {
             silent: AtomicBool::new(false),
             armed_ns: AtomicU64::new(0),
             last_loss: Mutex::new(None),
+            keys_refused: peer.keys_refused(),
             scratch: Mutex::new(Vec::new()),
         })
     }
@@ -592,6 +596,7 @@ impl<L: Link> Driver<L> {
             refill |= if ok {
                 d.on_completed(now_ns, id, Some(self.ns(posted)), &mut rails)
             } else {
+                self.keys_refused.store(true, Ordering::Relaxed);
                 d.on_rejected(now_ns, id, &mut rails)
             };
         }
@@ -633,6 +638,7 @@ impl<L: Link> Driver<L> {
         self.link.fail_path(self, p, &err);
         if matches!(err, Error::RemoteRejected { .. }) {
             // No retry can fix a refused key: fail those slices with the error.
+            self.keys_refused.store(true, Ordering::Relaxed);
             self.link.returned(slices.len());
             let now = Instant::now();
             for s in slices {

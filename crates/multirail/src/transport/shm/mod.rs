@@ -84,9 +84,9 @@ struct ShmPeer {
 }
 
 impl ShmPeer {
-    /// The access entry of `buffer` of peer `name`, mapping the peer's access table on first use;
+    /// The access entry of `buffer` of `peer`, mapping the peer's access table on first use;
     /// `None` for a buffer published without one (an engine of an older version).
-    fn access(&self, name: &str, buffer: &BufferDescriptor) -> Result<Option<Access>> {
+    fn access(&self, peer: &Peer, buffer: &BufferDescriptor) -> Result<Option<Access>> {
         let Some(access) = &buffer.access else {
             return Ok(None);
         };
@@ -102,7 +102,8 @@ impl ShmPeer {
                 mapping
             }
         };
-        Access::new(mapping, access, buffer.key, Arc::from(name)).map(Some)
+        let owner = (Arc::from(peer.name.as_str()), peer.keys_refused());
+        Access::new(mapping, access, buffer.key, owner).map(Some)
     }
 }
 
@@ -210,7 +211,7 @@ impl ShmTransport {
             });
         }
         let state = self.peer_state(peer.id);
-        let access = state.access(&peer.name, buffer)?;
+        let access = state.access(peer, buffer)?;
         Ok((self.way(peer, &state, buffer)?, access))
     }
 

@@ -1,6 +1,8 @@
 //! A buffer unregistered by its owner is no longer written by same-host peers: over shm, which
 //! copies straight into the owner's memory, a request into it is refused as over tcp, and once
-//! `unregister` returns no copy lands in it any more, even one that was running. Checked with
+//! `unregister` returns no copy lands in it any more, even one that was running. After a
+//! refusal the initiator fetches the descriptor again, so a buffer registered again (a new
+//! key) is written by the next request, over shm and tcp. Checked with
 //! both engines in one process (and after the owner engine is dropped, its process living
 //! on) and with the owner in a child process (its memfd buffers
 //! mapped, its registered memory reached with process_vm_writev), for requests copied inline
@@ -29,6 +31,16 @@ fn engine() -> Engine {
 }
 
 fn write(source: u64, seg: SegmentId, target: u64, len: u64) -> Request {
+    write_over(TransportChoice::Shm, source, seg, target, len)
+}
+
+fn write_over(
+    transport: TransportChoice,
+    source: u64,
+    seg: SegmentId,
+    target: u64,
+    len: u64,
+) -> Request {
     Request {
         opcode: Opcode::Write,
         source,
@@ -36,7 +48,7 @@ fn write(source: u64, seg: SegmentId, target: u64, len: u64) -> Request {
         target_offset: target,
         length: len,
         priority: PRIO_HIGH,
-        transport: Some(TransportChoice::Shm),
+        transport: Some(transport),
     }
 }
 
@@ -49,11 +61,20 @@ fn run(engine: &Engine, req: Request) -> multirail::Result<()> {
     out
 }
 
+/// Whether `err` says the target no longer serves the range: the peer's refusal of the key,
+/// or (once the refusal made the initiator fetch the descriptor again) a range outside every
+/// buffer it serves.
+fn is_refusal(err: &Error) -> bool {
+    match err {
+        Error::RemoteRejected { reason, .. } => reason.contains("no buffer at that address"),
+        Error::TargetOutOfRange { .. } => true,
+        _ => false,
+    }
+}
+
 fn assert_refused(out: multirail::Result<()>, what: &str) {
     match out {
-        Err(Error::RemoteRejected { reason, .. }) => {
-            assert!(reason.contains("unregistered"), "{what}: {reason}")
-        }
+        Err(e) if is_refusal(&e) => {}
         other => panic!("{what}: expected the peer's refusal, got {other:?}"),
     }
 }
@@ -88,14 +109,10 @@ fn a_peer_in_the_same_process_cannot_write_an_unregistered_buffer() {
         }
     }
     assert!(memory.iter().all(|&b| b == 0), "written after unregister");
-    // Registered again (a new key), the same memory is served again.
+    // Registered again (a new key), the same memory is served again, to the same handle.
     let again = owner
         .register(memory.as_mut_ptr(), LEN, Location::Any)
         .unwrap();
-    let seg = {
-        peer.close_segment(seg).unwrap();
-        peer.open_segment(&owner.name()).unwrap()
-    };
     run(&peer, write(src.addr(), seg, again.addr(), SMALL)).unwrap();
     assert_eq!(memory[0], 0xAB);
     owner.unregister(again.addr()).unwrap();
@@ -193,7 +210,7 @@ fn once_unregister_returns_a_peer_process_writes_nothing_more() {
                         let req = write(src, seg, buffer + offset, len);
                         match run(&peer, req) {
                             Ok(()) => {}
-                            Err(Error::RemoteRejected { .. }) => refused += 1,
+                            Err(e) if is_refusal(&e) => refused += 1,
                             Err(e) => panic!("write of {len} bytes: {e}"),
                         }
                     }
@@ -236,11 +253,49 @@ fn a_closed_engine_buffers_are_not_written() {
     drop(owner);
     for target in [allocated.addr(), registered.addr()] {
         for len in [SMALL, LARGE] {
-            assert_refused(
-                run(&peer, write(src.addr(), seg, target, len)),
-                &format!("write of {len} bytes at {target:#x} after the owner closed"),
-            );
+            // Refused, and once that made the initiator ask for the descriptor again, the
+            // segment no longer answers.
+            match run(&peer, write(src.addr(), seg, target, len)) {
+                Err(e) if is_refusal(&e) => {}
+                Err(Error::SegmentUnreachable { .. }) => {}
+                other => {
+                    panic!("write of {len} bytes at {target:#x} after the owner closed: {other:?}")
+                }
+            }
         }
     }
     drop(registered);
+}
+
+/// Unregistered and registered again between two requests of the initiator, which never saw
+/// it gone: the first request presents the old key and is refused, the next one fetches the
+/// descriptor again and lands.
+#[test]
+fn a_buffer_registered_again_is_written_after_one_refusal() {
+    for transport in [TransportChoice::Shm, TransportChoice::Tcp] {
+        let (owner, peer) = (engine(), engine());
+        let mut memory = vec![0u8; LEN];
+        let first = owner
+            .register(memory.as_mut_ptr(), LEN, Location::Any)
+            .unwrap();
+        let src = peer.allocate(LEN, Location::Any).unwrap();
+        // SAFETY: nothing else writes `src` while this runs.
+        unsafe { src.as_mut_slice() }.fill(0x5A);
+        let seg = peer.open_segment(&owner.name()).unwrap();
+        let req = |len| write_over(transport, src.addr(), seg, first.addr(), len);
+        run(&peer, req(SMALL)).unwrap();
+        owner.unregister(first.addr()).unwrap();
+        let again = owner
+            .register(memory.as_mut_ptr(), LEN, Location::Any)
+            .unwrap();
+        assert_eq!(again.addr(), first.addr());
+        assert_refused(run(&peer, req(SMALL)), &format!("{transport:?}, stale key"));
+        memory.fill(0);
+        run(&peer, req(LARGE)).unwrap_or_else(|e| panic!("{transport:?}, after the refusal: {e}"));
+        assert!(
+            memory[..LARGE as usize].iter().all(|&b| b == 0x5A),
+            "{transport:?}"
+        );
+        owner.unregister(again.addr()).unwrap();
+    }
 }
