@@ -35,8 +35,8 @@ pub(crate) const ENTRIES: u32 = 16384;
 const ENTRY_BYTES: usize = 64;
 
 /// Longest an unregistration waits for peers' copies into the buffer to end. A copy holds the
-/// buffer's entry for at most one copy step or one gathered system call (a few ms); a count still up
-/// after this belongs to a peer that died mid-copy.
+/// buffer's entry for at most one copy step or one gathered system call (a few ms); a count
+/// still up after this belongs to a peer that died mid-copy.
 pub(crate) const REVOKE_WAIT: Duration = Duration::from_secs(1);
 
 /// One entry as both sides see it in the shared table.

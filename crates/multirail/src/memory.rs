@@ -32,8 +32,8 @@ pub(crate) struct Region {
     rkeys: Vec<u32>,
     /// The registry's number for this region, by which the hook knows it.
     id: u64,
-    /// The region's entry in the access table, which same-host peers hold for each copy into it (see
-    /// [`crate::access`]); `None` when the registry has no access table or it is full.
+    /// The region's entry in the access table, which same-host peers hold for each copy into
+    /// it (see [`crate::access`]); `None` when the registry has no access table or it is full.
     access: Option<AccessDescriptor>,
 }
 
@@ -171,8 +171,9 @@ impl Buffer {
 /// Every region this engine serves, ordered by address for range lookups.
 pub(crate) struct MemoryRegistry {
     regions: RwLock<BTreeMap<usize, Arc<Region>>>,
-    /// Access entries same-host peers hold for their copies into the regions; `None` when the table
-    /// could not be made (peers then copy unguarded, as into an engine of an older version).
+    /// The entries same-host peers hold for their copies into the regions; `None` when the
+    /// table could not be made (peers then copy unguarded, as into an engine of an older
+    /// version).
     access_table: Option<AccessTable>,
     /// Bumped by every unregistration, so what was checked against the registry once (a
     /// prepared request list) knows when to check again.
@@ -361,7 +362,8 @@ impl MemoryRegistry {
         Ok(())
     }
 
-    /// Revokes `region`'s entry in the access table, waiting for same-host peers' copies into it to end.
+    /// Revokes `region`'s entry in the access table, waiting for same-host peers' copies into
+    /// it to end.
     fn revoke(&self, region: &Region) {
         if let (Some(access_table), Some(access)) = (&self.access_table, region.access) {
             access_table.revoke(access.entry);

@@ -30,9 +30,9 @@ pub(super) fn probe_process_vm(pid: i32, addr: u64) -> bool {
 }
 
 /// Copies `len` bytes of `job` starting `skip` bytes into it, with streaming stores when
-/// `nontemporal` (see [`crate::transport::nontemporal`]).
-/// Fails, copying nothing, when the peer has unregistered the buffer (its access entry is revoked);
-/// the peer's unregistration waits for the copy while it runs.
+/// `nontemporal` (see [`crate::transport::nontemporal`]). Fails, copying nothing, when the peer
+/// has unregistered the buffer (its access entry is revoked); the peer's unregistration waits
+/// for the copy while it runs.
 pub(super) fn run(job: &CopyJob, skip: usize, len: usize, nontemporal: bool) -> Result<()> {
     let _held = job.access.as_ref().map(Access::hold).transpose()?;
     let remote_ptr = match &job.reach {
