@@ -15,7 +15,11 @@
 //! gone and copies nothing, or the owner sees the copy and waits for it to end: once
 //! `unregister` returns, no peer writes into the buffer again. A peer that dies mid-copy leaves
 //! its count up; the owner then waits at most [`REVOKE_WAIT`], says so, and never hands that
-//! entry out again.
+//! entry out again. Giving up then is safe: a peer's copy into registered memory (the caller's,
+//! which it may free) runs inside the kernel's process_vm_writev, which a stopped or dying peer
+//! does not leave half done for later; a copy into an allocated buffer, which a stopped peer
+//! could finish later, writes the owner's memfd, whose pages serve nothing else while any
+//! mapping of them lives.
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
