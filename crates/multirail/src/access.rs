@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::mapping::{map_shared, PeerMapping};
+use crate::mapping::{create_shared, PeerMapping};
 use crate::segment::{AccessDescriptor, ShmHandle};
 
 /// Entries in an owner's table: buffers served at once with an entry. A buffer registered while
@@ -86,20 +86,14 @@ impl AccessTable {
     /// A table of [`ENTRIES`] free entries in a fresh memfd. Fails when the memfd cannot be made
     /// or mapped.
     pub(crate) fn new() -> Result<AccessTable> {
-        let len = ENTRIES as usize * ENTRY_BYTES;
-        let memfd = memfd::MemfdOptions::default()
-            .close_on_exec(true)
-            .create("multirail-access_table")
-            .map_err(|e| Error::Memory(format!("memfd_create for the access table: {e}")))?;
-        memfd
-            .as_file()
-            .set_len(len as u64)
-            .map_err(|e| Error::Memory(format!("sizing the access table: {e}")))?;
-        let base = map_shared(memfd.as_raw_fd(), len)
-            .map_err(|e| Error::Memory(format!("mapping the access table: {e}")))?;
+        let (memfd, base) = create_shared(
+            "multirail-access-table",
+            ENTRIES as usize * ENTRY_BYTES,
+            "the access table",
+        )?;
         Ok(AccessTable {
-            memfd: memfd.into_file().into(),
-            base: base as usize,
+            memfd,
+            base,
             free: Mutex::new(FreeSlots {
                 released: Vec::new(),
                 fresh: 0,

@@ -1,14 +1,14 @@
 //! Shared mappings of memfds: the engine's own buffers and what it maps of a same-host peer's
 //! (its buffers, its access table, its message rings), through `/proc/PID/fd/FD`.
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 
 use crate::error::{Error, Result};
 use crate::segment::ShmHandle;
 
 /// Maps `len` bytes of the file `fd` shared, read-write. The caller owns the mapping and must
 /// unmap it exactly once.
-pub(crate) fn map_shared(fd: std::os::fd::RawFd, len: usize) -> std::io::Result<*mut libc::c_void> {
+fn map_shared(fd: std::os::fd::RawFd, len: usize) -> std::io::Result<*mut libc::c_void> {
     // SAFETY: a fresh mapping chosen by the kernel, so it aliases nothing Rust references; the
     // file is at least `len` bytes long (sized or checked by both callers), so every mapped
     // page is backed.
@@ -26,6 +26,23 @@ pub(crate) fn map_shared(fd: std::os::fd::RawFd, len: usize) -> std::io::Result<
         return Err(std::io::Error::last_os_error());
     }
     Ok(ptr)
+}
+
+/// A new memfd named `name` (as `/proc/PID/fd` shows it) of `len` zeroed bytes, mapped shared
+/// read-write: its descriptor and where the mapping starts, which the caller unmaps once. Fails
+/// with `Memory`, saying which step failed and what for (`what`).
+pub(crate) fn create_shared(name: &str, len: usize, what: &str) -> Result<(OwnedFd, usize)> {
+    let memfd = memfd::MemfdOptions::default()
+        .close_on_exec(true)
+        .create(name)
+        .map_err(|e| Error::Memory(format!("memfd_create for {what}: {e}")))?;
+    memfd
+        .as_file()
+        .set_len(len as u64)
+        .map_err(|e| Error::Memory(format!("sizing the memfd of {what} to {len} bytes: {e}")))?;
+    let base = map_shared(memfd.as_raw_fd(), len)
+        .map_err(|e| Error::Memory(format!("mmap of {what}, {len} bytes: {e}")))?;
+    Ok((memfd.into_file().into(), base as usize))
 }
 
 /// A mapping of a same-host peer's memfd (a buffer, its access table, a message ring) into this

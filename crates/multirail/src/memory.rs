@@ -9,7 +9,7 @@ use std::sync::{Arc, RwLock};
 
 use crate::access::AccessTable;
 use crate::error::{Error, Result};
-use crate::mapping::map_shared;
+use crate::mapping::create_shared;
 pub use crate::segment::Location;
 use crate::segment::{AccessDescriptor, BufferDescriptor, ShmHandle};
 
@@ -265,27 +265,16 @@ impl MemoryRegistry {
             return Err(Error::invalid("len", "must be greater than 0"));
         }
         check_numa_node(location)?;
-        let memfd = memfd::MemfdOptions::default()
-            .close_on_exec(true)
-            .create("multirail-buffer")
-            .map_err(|e| Error::Memory(format!("memfd_create: {e}")))?;
-        memfd
-            .as_file()
-            .set_len(len as u64)
-            .map_err(|e| Error::Memory(format!("sizing memfd to {len} bytes: {e}")))?;
-        let ptr = map_shared(memfd.as_raw_fd(), len)
-            .map_err(|e| Error::Memory(format!("mmap of {len} bytes: {e}")))?;
+        let (memfd, ptr) = create_shared("multirail-buffer", len, "a buffer")?;
         if let Location::Cpu(n) = location {
-            bind_to_node(ptr as usize, len, n);
+            bind_to_node(ptr, len, n);
         }
         let mut region = Region {
-            addr: ptr as usize,
+            addr: ptr,
             len,
             key: random_key(),
             location,
-            backing: Backing::Owned {
-                memfd: memfd.into_file().into(),
-            },
+            backing: Backing::Owned { memfd },
             rkeys: Vec::new(),
             id: 0,
             access: None,
