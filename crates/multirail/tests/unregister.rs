@@ -61,6 +61,14 @@ fn run(engine: &Engine, req: Request) -> multirail::Result<()> {
     out
 }
 
+/// A buffer of `peer` to write from, every byte `byte`.
+fn source(peer: &Engine, byte: u8) -> multirail::Buffer {
+    let src = peer.allocate(LEN, Location::Any).unwrap();
+    // SAFETY: the buffer is new: nothing else reads or writes it yet.
+    unsafe { src.as_mut_slice() }.fill(byte);
+    src
+}
+
 /// Whether `err` says the target no longer serves the range: the peer's refusal of the key,
 /// or (once the refusal made the initiator fetch the descriptor again) a range outside every
 /// buffer it serves.
@@ -87,9 +95,7 @@ fn a_peer_in_the_same_process_cannot_write_an_unregistered_buffer() {
     let registered = owner
         .register(memory.as_mut_ptr(), LEN, Location::Any)
         .unwrap();
-    let src = peer.allocate(LEN, Location::Any).unwrap();
-    // SAFETY: nothing else writes `src` while this runs.
-    unsafe { src.as_mut_slice() }.fill(0xAB);
+    let src = source(&peer, 0xAB);
     let seg = peer.open_segment(&owner.name()).unwrap();
     for target in [allocated.addr(), registered.addr()] {
         for len in [SMALL, LARGE] {
@@ -278,9 +284,7 @@ fn a_buffer_registered_again_is_written_after_one_refusal() {
         let first = owner
             .register(memory.as_mut_ptr(), LEN, Location::Any)
             .unwrap();
-        let src = peer.allocate(LEN, Location::Any).unwrap();
-        // SAFETY: nothing else writes `src` while this runs.
-        unsafe { src.as_mut_slice() }.fill(0x5A);
+        let src = source(&peer, 0x5A);
         let seg = peer.open_segment(&owner.name()).unwrap();
         let req = |len| write_over(transport, src.addr(), seg, first.addr(), len);
         run(&peer, req(SMALL)).unwrap();
