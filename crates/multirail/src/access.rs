@@ -54,6 +54,9 @@ struct Entry {
 
 const _: () = assert!(std::mem::size_of::<Entry>() == ENTRY_BYTES);
 
+/// The entry that holds the table's id in its `key` instead of a buffer's; never granted.
+const HEADER: u32 = 0;
+
 /// Entry `entry` of a table mapped at `base` (at least [`ENTRIES`] entries long).
 ///
 /// # Safety
@@ -68,16 +71,20 @@ unsafe fn entry_at<'a>(base: usize, entry: u32) -> &'a Entry {
     unsafe { &*((base + entry as usize * ENTRY_BYTES) as *const Entry) }
 }
 
-/// The owner's table of access_table.
+/// The owner's access table.
 pub(crate) struct AccessTable {
     memfd: OwnedFd,
     base: usize,
-    /// Slots free to grant, drained of copies; entries never granted are not listed but come
+    /// This table's identity, also in its [`HEADER`] entry: a peer holding a mapping of an
+    /// older table under the same descriptor number (one a closed engine of this process left)
+    /// tells them apart by it.
+    id: u64,
+    /// Entries free to grant, drained of copies; entries never granted are not listed but come
     /// from `fresh`.
-    free: Mutex<FreeSlots>,
+    free: Mutex<FreeEntries>,
 }
 
-struct FreeSlots {
+struct FreeEntries {
     released: Vec<u32>,
     fresh: u32,
 }
@@ -91,14 +98,23 @@ impl AccessTable {
             ENTRIES as usize * ENTRY_BYTES,
             "the access table",
         )?;
-        Ok(AccessTable {
+        let id = loop {
+            let id: u64 = rand::random();
+            if id != 0 {
+                break id;
+            }
+        };
+        let table = AccessTable {
             memfd,
             base,
-            free: Mutex::new(FreeSlots {
+            id,
+            free: Mutex::new(FreeEntries {
                 released: Vec::new(),
-                fresh: 0,
+                fresh: HEADER + 1,
             }),
-        })
+        };
+        table.entry(HEADER).key.store(id, Ordering::SeqCst);
+        Ok(table)
     }
 
     fn entry(&self, entry: u32) -> &Entry {
@@ -128,6 +144,7 @@ impl AccessTable {
                 pid: std::process::id(),
                 fd: self.memfd.as_raw_fd(),
             },
+            table_id: self.id,
             entry,
         })
     }
@@ -171,7 +188,9 @@ impl Drop for AccessTable {
         // Peers keep their mappings of the table: every key it still holds goes, so nothing
         // reaches the buffers of an engine that is gone (its process may live on).
         let granted = self.free.lock().unwrap_or_else(|e| e.into_inner()).fresh;
-        for entry in 0..granted {
+        // The header too: a peer mapping the table from now on finds it is not the one its
+        // descriptor names.
+        for entry in HEADER..granted {
             self.entry(entry).key.store(0, Ordering::SeqCst);
         }
         // SAFETY: `base` was mapped by `new` with this length and is unmapped once, here; no
@@ -200,15 +219,33 @@ pub(crate) struct Access {
 }
 
 impl Access {
+    /// Maps the access table `access` names, of segment `peer`. Fails when it cannot be mapped,
+    /// or with `RemoteRejected` when the table found there is not the one named (the engine
+    /// that published it is gone; another may have taken its descriptor number).
+    pub(crate) fn map_table(access: &AccessDescriptor, peer: &str) -> Result<Arc<PeerMapping>> {
+        let mapping = PeerMapping::open(&access.table, Self::TABLE_BYTES)?;
+        // SAFETY: the mapping is `TABLE_BYTES` long and lives until the end of this function;
+        // `HEADER < ENTRIES`.
+        let header = unsafe { entry_at(mapping.base(), HEADER) };
+        if header.key.load(Ordering::SeqCst) != access.table_id {
+            return Err(Error::RemoteRejected {
+                peer: peer.to_owned(),
+                reason: "no buffer at that address with that key (its engine is gone)".into(),
+            });
+        }
+        Ok(Arc::new(mapping))
+    }
+
     /// The entry `access` describes, of a buffer of key `key` of segment `peer`, whose table is
-    /// mapped as `table`. Fails when the entry lies outside the table.
+    /// mapped as `table` (see [`map_table`](Self::map_table)). Fails when the entry lies
+    /// outside the table or is its header.
     pub(crate) fn new(
         table: Arc<PeerMapping>,
         access: &AccessDescriptor,
         key: u64,
         (peer, refused): (Arc<str>, Arc<AtomicBool>),
     ) -> Result<Access> {
-        if access.entry >= ENTRIES {
+        if access.entry >= ENTRIES || access.entry == HEADER {
             return Err(Error::Protocol {
                 peer: peer.to_string(),
                 reason: format!(
@@ -282,13 +319,13 @@ mod tests {
     use super::*;
 
     fn peer_side(table: &AccessTable, access: &AccessDescriptor, key: u64) -> Access {
-        let mapping = Arc::new(PeerMapping::open(&access.table, Access::TABLE_BYTES).unwrap());
+        let mapping = Access::map_table(access, "peer:1").unwrap();
         assert_eq!(access.table.fd, table.memfd.as_raw_fd());
         Access::new(mapping, access, key, (Arc::from("peer:1"), Arc::default())).unwrap()
     }
 
     #[test]
-    fn a_revoked_lease_refuses_and_its_slot_comes_back_with_a_new_key() {
+    fn a_revoked_entry_refuses_and_comes_back_with_a_new_key() {
         let table = AccessTable::new().unwrap();
         let granted = table.grant(7).unwrap();
         let access = peer_side(&table, &granted, 7);
@@ -326,7 +363,7 @@ mod tests {
     }
 
     #[test]
-    fn a_copy_that_never_ends_retires_the_slot_after_the_wait() {
+    fn a_copy_that_never_ends_retires_the_entry_after_the_wait() {
         let table = AccessTable::new().unwrap();
         let granted = table.grant(3).unwrap();
         let access = peer_side(&table, &granted, 3);
@@ -342,7 +379,7 @@ mod tests {
     }
 
     #[test]
-    fn dropping_the_table_ends_every_lease() {
+    fn dropping_the_table_revokes_every_entry() {
         let table = AccessTable::new().unwrap();
         let granted = table.grant(11).unwrap();
         let access = peer_side(&table, &granted, 11);
@@ -351,11 +388,30 @@ mod tests {
     }
 
     #[test]
-    fn a_slot_outside_the_table_is_refused() {
+    fn an_entry_outside_the_table_or_its_header_is_refused() {
         let table = AccessTable::new().unwrap();
         let mut granted = table.grant(1).unwrap();
-        granted.entry = ENTRIES;
-        let mapping = Arc::new(PeerMapping::open(&granted.table, Access::TABLE_BYTES).unwrap());
-        assert!(Access::new(mapping, &granted, 1, (Arc::from("p:1"), Arc::default())).is_err());
+        assert_ne!(granted.entry, HEADER, "the header is never granted");
+        let mapping = Access::map_table(&granted, "p:1").unwrap();
+        for bad in [ENTRIES, HEADER] {
+            granted.entry = bad;
+            let owner = (Arc::from("p:1"), Arc::default());
+            assert!(Access::new(mapping.clone(), &granted, 1, owner).is_err());
+        }
+    }
+
+    #[test]
+    fn a_table_of_a_gone_engine_is_told_from_its_successor() {
+        let old = AccessTable::new().unwrap();
+        let named = old.grant(1).unwrap();
+        drop(old);
+        // The next table of this process likely gets the same descriptor number.
+        let new = AccessTable::new().unwrap();
+        let _ = new.grant(2).unwrap();
+        match Access::map_table(&named, "p:1") {
+            Err(Error::RemoteRejected { .. }) | Err(Error::Io { .. }) => {}
+            Err(e) => panic!("unexpected error: {e}"),
+            Ok(_) => panic!("a table of a gone engine was taken for the one named"),
+        }
     }
 }

@@ -77,6 +77,9 @@ pub struct ShmHandle {
 pub struct AccessDescriptor {
     /// The owner's access table, a memfd peers map as they map its buffers.
     pub table: ShmHandle,
+    /// The table's identity, which its first entry holds: a descriptor number names a
+    /// different table once its engine is gone.
+    pub table_id: u64,
     /// The buffer's entry in it.
     pub entry: u32,
 }

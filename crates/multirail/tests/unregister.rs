@@ -303,3 +303,40 @@ fn a_buffer_registered_again_is_written_after_one_refusal() {
         owner.unregister(again.addr()).unwrap();
     }
 }
+
+/// The engine behind a segment closed and another started in the same process on the same
+/// port: the initiator's handle (the process lives, so it stays open) reaches the new engine's
+/// buffers after at most one refusal, over shm (where the new engine's access table may even
+/// have the old one's descriptor number) and tcp.
+#[test]
+fn an_engine_started_again_in_the_same_process_is_reached_after_one_refusal() {
+    for transport in [TransportChoice::Shm, TransportChoice::Tcp] {
+        let listen = {
+            let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            probe.local_addr().unwrap().to_string()
+        };
+        let peer = engine();
+        let src = source(&peer, 0x3C);
+        let first = Engine::new(Config::default(), &listen).unwrap();
+        let old = first.allocate(LEN, Location::Any).unwrap();
+        let seg = peer.open_segment(&first.name()).unwrap();
+        run(
+            &peer,
+            write_over(transport, src.addr(), seg, old.addr(), SMALL),
+        )
+        .unwrap();
+        drop((old, first));
+        let second = Engine::new(Config::default(), &listen).unwrap();
+        let new = second.allocate(LEN, Location::Any).unwrap();
+        let seg = peer.open_segment(&second.name()).unwrap();
+        let req = write_over(transport, src.addr(), seg, new.addr(), SMALL);
+        if let Err(e) = run(&peer, req) {
+            assert!(is_refusal(&e), "{transport:?}, first request: {e}");
+            run(&peer, req).unwrap_or_else(|e| panic!("{transport:?}, after the refusal: {e}"));
+        }
+        // SAFETY: the write above has completed; nothing else writes `new`.
+        assert!(unsafe { new.as_slice() }[..SMALL as usize]
+            .iter()
+            .all(|&b| b == 0x3C));
+    }
+}

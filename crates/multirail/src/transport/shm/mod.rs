@@ -79,8 +79,8 @@ struct ShmPeer {
     mappings: Mutex<HashMap<(u64, u64), Arc<PeerMapping>>>,
     /// Whether the kernel lets us use process_vm_readv/writev on this peer.
     process_vm_allowed: OnceLock<bool>,
-    /// Our mapping of the peer's access table, and the handle it was opened by.
-    access_table: Mutex<Option<(ShmHandle, Arc<PeerMapping>)>>,
+    /// Our mapping of the peer's access table, and the handle and table id it was opened by.
+    access_table: Mutex<Option<((ShmHandle, u64), Arc<PeerMapping>)>>,
 }
 
 impl ShmPeer {
@@ -94,11 +94,16 @@ impl ShmPeer {
             .access_table
             .lock()
             .expect("shm peer access table poisoned");
+        let named = (access.table, access.table_id);
         let mapping = match &*table {
-            Some((handle, mapping)) if *handle == access.table => mapping.clone(),
+            Some((opened, mapping)) if *opened == named => mapping.clone(),
             _ => {
-                let mapping = Arc::new(PeerMapping::open(&access.table, Access::TABLE_BYTES)?);
-                *table = Some((access.table, mapping.clone()));
+                let mapping = Access::map_table(access, &peer.name).inspect_err(|_| {
+                    // A stale descriptor: the next request fetches it again.
+                    peer.keys_refused()
+                        .store(true, std::sync::atomic::Ordering::Relaxed)
+                })?;
+                *table = Some((named, mapping.clone()));
                 mapping
             }
         };
