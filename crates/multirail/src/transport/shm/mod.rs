@@ -79,8 +79,15 @@ struct ShmPeer {
     mappings: Mutex<HashMap<(u64, u64), Arc<PeerMapping>>>,
     /// Whether the kernel lets us use process_vm_readv/writev on this peer.
     process_vm_allowed: OnceLock<bool>,
-    /// Our mapping of the peer's access table, and the handle and table id it was opened by.
-    access_table: Mutex<Option<((ShmHandle, u64), Arc<PeerMapping>)>>,
+    /// Our mapping of the peer's access table.
+    access_table: Mutex<Option<MappedTable>>,
+}
+
+/// A peer's access table as we mapped it: by which handle, and which table that was.
+struct MappedTable {
+    handle: ShmHandle,
+    id: u64,
+    mapping: Arc<PeerMapping>,
 }
 
 impl ShmPeer {
@@ -94,16 +101,19 @@ impl ShmPeer {
             .access_table
             .lock()
             .expect("shm peer access table poisoned");
-        let named = (access.table, access.table_id);
         let mapping = match &*table {
-            Some((opened, mapping)) if *opened == named => mapping.clone(),
+            Some(t) if t.handle == access.table && t.id == access.table_id => t.mapping.clone(),
             _ => {
                 let mapping = Access::map_table(access, &peer.name).inspect_err(|_| {
                     // A stale descriptor: the next request fetches it again.
                     peer.keys_refused()
                         .store(true, std::sync::atomic::Ordering::Relaxed)
                 })?;
-                *table = Some((named, mapping.clone()));
+                *table = Some(MappedTable {
+                    handle: access.table,
+                    id: access.table_id,
+                    mapping: mapping.clone(),
+                });
                 mapping
             }
         };
