@@ -78,6 +78,12 @@ impl Peer {
         self.keys_refused.clone()
     }
 
+    /// Records that the peer refused a key (or its descriptor named what is gone): the next
+    /// request fetches the descriptor again.
+    pub(crate) fn mark_keys_refused(&self) {
+        self.keys_refused.store(true, Ordering::Relaxed);
+    }
+
     /// Whether the peer refused a key since the last call: the cached descriptor is stale.
     pub(crate) fn take_keys_refused(&self) -> bool {
         self.keys_refused.load(Ordering::Relaxed) && self.keys_refused.swap(false, Ordering::AcqRel)

@@ -104,11 +104,9 @@ impl ShmPeer {
         let mapping = match &*table {
             Some(t) if t.handle == access.table && t.id == access.table_id => t.mapping.clone(),
             _ => {
-                let mapping = Access::map_table(access, &peer.name).inspect_err(|_| {
-                    // A stale descriptor: the next request fetches it again.
-                    peer.keys_refused()
-                        .store(true, std::sync::atomic::Ordering::Relaxed)
-                })?;
+                // A stale descriptor: the next request fetches it again.
+                let mapping = Access::map_table(access, &peer.name)
+                    .inspect_err(|_| peer.mark_keys_refused())?;
                 *table = Some(MappedTable {
                     handle: access.table,
                     id: access.table_id,
