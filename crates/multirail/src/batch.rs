@@ -66,8 +66,9 @@ pub(crate) struct BatchSignal {
 }
 
 impl BatchSignal {
-    fn task_finished(&self) {
-        if self.unfinished.fetch_sub(1, Ordering::AcqRel) == 1 {
+    /// `requests` requests finished (a task's).
+    fn tasks_finished(&self, requests: usize) {
+        if self.unfinished.fetch_sub(requests, Ordering::AcqRel) == requests {
             self.expected_ns.store(0, Ordering::Relaxed);
             self.expected_slices.store(0, Ordering::Relaxed);
             // Taking the lock orders this notify after a waiter's check-then-wait.
@@ -86,37 +87,20 @@ impl BatchSignal {
     }
 }
 
-/// One request in flight: finished when every part it was split into has reported. Or a run
-/// of adjacent requests moved as one (see [`Task::run`]): finished the same way, it then
-/// reports its outcome to each request of the run.
+/// One request in flight, or a run of adjacent requests moved as one (see
+/// [`Batch::add_runs`]): finished when every part it was split into has reported, and then
+/// every request it stands for is finished with its outcome.
 pub(crate) struct Task {
     remaining: AtomicU32,
     failed: AtomicBool,
     error: OnceLock<Error>,
     signal: Arc<BatchSignal>,
-    /// For a run: the tasks of the requests it moves (empty for a request's own task).
-    members: Vec<Arc<Task>>,
+    /// Requests this task stands for: 1, or the length of the run it moves. They share its
+    /// outcome, so they share the task rather than each holding one of their own.
+    requests: u32,
 }
 
 impl Task {
-    /// A task for a run of requests moved as one, holding one part (as a request's task is
-    /// created): each member gets one more part, which the run's outcome settles, so a member
-    /// finishes only after the run did, with the run's error if it failed. Call while each
-    /// member still holds the part it was created with. `members` must not be empty.
-    pub(crate) fn run(members: Vec<Arc<Task>>) -> Arc<Task> {
-        assert!(!members.is_empty(), "a run moves at least one request");
-        for m in &members {
-            m.add_parts(1);
-        }
-        Arc::new(Task {
-            remaining: AtomicU32::new(1),
-            failed: AtomicBool::new(false),
-            error: OnceLock::new(),
-            signal: members[0].signal.clone(),
-            members,
-        })
-    }
-
     /// Records one part as done (`Ok`) or failed; the first failure is the task's error.
     pub(crate) fn part_done(&self, outcome: Result<()>) {
         if let Err(e) = outcome {
@@ -124,24 +108,14 @@ impl Task {
             self.failed.store(true, Ordering::Release);
         }
         if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
-            if !self.members.is_empty() {
-                // A run is no request of its own: its members count.
-                let failed = self
-                    .failed
-                    .load(Ordering::Acquire)
-                    .then(|| self.error.get().cloned().expect("set before failed"));
-                for m in &self.members {
-                    m.part_done(failed.clone().map_or(Ok(()), Err));
-                }
-                return;
-            }
             let c = &self.signal.counters;
+            let requests = u64::from(self.requests);
             if self.failed.load(Ordering::Acquire) {
-                c.failed.fetch_add(1, Ordering::Relaxed);
+                c.failed.fetch_add(requests, Ordering::Relaxed);
             } else {
-                c.completed.fetch_add(1, Ordering::Relaxed);
+                c.completed.fetch_add(requests, Ordering::Relaxed);
             }
-            self.signal.task_finished();
+            self.signal.tasks_finished(self.requests as usize);
         }
     }
 
@@ -212,8 +186,17 @@ impl Batch {
         }
     }
 
-    /// Creates `n` tasks, each holding one part, or fails if they do not fit.
+    /// Creates `n` tasks, one per request, each holding one part, or fails if they do not fit.
+    #[cfg(test)]
     pub(crate) fn add_tasks(&self, n: usize) -> Result<Vec<Arc<Task>>> {
+        self.add_runs(&vec![1; n])
+    }
+
+    /// Creates one task for each run of requests (`runs`: how many requests each run moves,
+    /// in submission order), each holding one part; every request of a run reports the run's
+    /// status. Fails with `BatchFull`, creating nothing, when the requests do not fit.
+    pub(crate) fn add_runs(&self, runs: &[u32]) -> Result<Vec<Arc<Task>>> {
+        let n: usize = runs.iter().map(|&k| k as usize).sum();
         let mut tasks = self.tasks.lock().expect("batch poisoned");
         if tasks.len() + n > self.capacity {
             return Err(Error::BatchFull {
@@ -224,18 +207,20 @@ impl Batch {
             });
         }
         self.signal.unfinished.fetch_add(n, Ordering::AcqRel);
-        let new: Vec<Arc<Task>> = (0..n)
-            .map(|_| {
-                Arc::new(Task {
-                    remaining: AtomicU32::new(1),
-                    failed: AtomicBool::new(false),
-                    error: OnceLock::new(),
-                    signal: self.signal.clone(),
-                    members: Vec::new(),
-                })
-            })
-            .collect();
-        tasks.extend(new.iter().cloned());
+        let mut new = Vec::with_capacity(runs.len());
+        for &requests in runs {
+            let task = Arc::new(Task {
+                remaining: AtomicU32::new(1),
+                failed: AtomicBool::new(false),
+                error: OnceLock::new(),
+                signal: self.signal.clone(),
+                requests,
+            });
+            for _ in 0..requests {
+                tasks.push(task.clone());
+            }
+            new.push(task);
+        }
         Ok(new)
     }
 
@@ -420,6 +405,40 @@ mod tests {
         assert_eq!(counters.snapshot(), (1, 1));
         t[2].part_done(Ok(()));
         assert_eq!(counters.snapshot(), (2, 1));
+    }
+
+    #[test]
+    fn every_request_of_a_run_reports_the_runs_outcome_and_counts_once() {
+        let counters = Arc::new(TransferCounters::default());
+        let b = Batch::with_counters(1, 6, counters.clone());
+        let t = b.add_runs(&[3, 1, 2]).unwrap();
+        assert_eq!(t.len(), 3);
+        assert!(matches!(
+            b.add_runs(&[1]),
+            Err(Error::BatchFull {
+                used: 6,
+                requested: 1,
+                ..
+            })
+        ));
+        assert_eq!(b.unfinished(), 6);
+        t[0].part_done(Ok(()));
+        assert!((0..3).all(|i| b.status(i).unwrap().is_completed()));
+        assert!(matches!(b.status(3).unwrap(), Status::Pending));
+        assert_eq!(counters.snapshot(), (3, 0));
+        assert_eq!(b.unfinished(), 3);
+        t[2].part_done(Err(Error::UnknownSegment(4)));
+        assert!((4..6).all(|i| matches!(
+            b.status(i).unwrap(),
+            Status::Failed(Error::UnknownSegment(4))
+        )));
+        assert_eq!(counters.snapshot(), (3, 2));
+        t[1].part_done(Ok(()));
+        assert_eq!(b.unfinished(), 0);
+        assert!(matches!(
+            b.wait(None, Duration::ZERO),
+            Err(Error::UnknownSegment(4))
+        ));
     }
 
     #[test]

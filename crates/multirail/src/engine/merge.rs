@@ -1,7 +1,7 @@
 //! Which requests of one submit call are moved together: a *run* of requests that follow one
 //! another in memory on both sides, so a thousand 16 KiB requests for consecutive KV-cache
 //! blocks cost the slices, wire frames and completions of a few large transfers instead of a
-//! thousand small ones. Each request keeps its own status (see [`crate::batch::Task::run`]).
+//! thousand small ones. Each request keeps its own status (see [`crate::batch::Batch::add_runs`]).
 //! Free of I/O: the caller says which neighbours may join and whether a grown run still lies
 //! in one registered region.
 

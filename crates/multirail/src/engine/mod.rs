@@ -13,9 +13,11 @@ mod messages;
 mod prepared;
 mod publish;
 mod route;
+mod routed;
 mod stats;
 
-use route::{annotate, LivePeers, Route, RouteMemo, Routed};
+use route::{annotate, LivePeers, Route, RouteMemo};
+use routed::RoutedBatch;
 
 pub use prepared::{PreparedEntry, PreparedListId};
 
@@ -663,53 +665,29 @@ impl Engine {
     /// peer).
     pub fn submit(&self, batch: BatchId, requests: &[Request]) -> Result<()> {
         let b = self.batch(batch)?;
-        let mut routed = Vec::with_capacity(requests.len());
+        let mut routed = RoutedBatch::with_capacity(requests.len());
         let mut memo = RouteMemo::default();
         for (i, r) in requests.iter().enumerate() {
-            routed.push(
-                self.route(r, &mut memo)
-                    .map_err(|e| annotate(e, i, requests.len()))?,
-            );
+            self.route(r, &mut memo, &mut routed)
+                .map_err(|e| annotate(e, i, requests.len()))?;
         }
-        let tasks = b.add_tasks(requests.len())?;
-        self.post_all(
-            batch.0,
-            routed
-                .into_iter()
-                .zip(tasks)
-                .map(|((peer, route, buffer, location, r), task)| {
-                    (peer, route, buffer, location, r, task)
-                }),
-        );
-        Ok(())
+        self.post_all(&b, &routed)
     }
 
-    /// Hands validated requests to their transports, each as its batch task, every
-    /// transport's share in one call (so shm resolves a peer's buffer once and queues a
-    /// batch's copies under one lock, with one wake-up). Runs of requests that follow one
-    /// another in memory on both sides go as one (`workers.merge_adjacent_max_bytes`; see
-    /// [`merge`]), each request still finishing with the run.
-    fn post_all(
-        &self,
-        batch: u64,
-        items: impl Iterator<
-            Item = (
-                Arc<Peer>,
-                Route,
-                segment::BufferDescriptor,
-                Location,
-                Request,
-                Arc<crate::batch::Task>,
-            ),
-        >,
-    ) {
-        let items: Vec<_> = items.collect();
-        let spans: Vec<merge::Span> = items
+    /// Hands validated requests to their transports, every transport's share in one call (so
+    /// shm resolves a peer's buffer once and queues a batch's copies under one lock, with one
+    /// wake-up). Runs of requests that follow one another in memory on both sides go as one
+    /// (`workers.merge_adjacent_max_bytes`; see [`merge`]), under one task that every request
+    /// of the run reports. Fails with `BatchFull`, posting nothing, when the requests do not
+    /// fit in the batch.
+    fn post_all(&self, b: &Batch, routed: &RoutedBatch) -> Result<()> {
+        let requests = &routed.requests;
+        let spans: Vec<merge::Span> = requests
             .iter()
-            .map(|(_, _, _, _, r, _)| merge::Span {
-                local: r.source,
-                remote: r.target_offset,
-                len: r.length,
+            .map(|r| merge::Span {
+                local: r.request.source,
+                remote: r.request.target_offset,
+                len: r.request.length,
             })
             .collect();
         let registry = &self.inner.local.registry;
@@ -718,14 +696,14 @@ impl Engine {
             &spans,
             self.inner.config.workers.merge_adjacent_max_bytes,
             |i| {
-                let (pa, ra, ba, la, a, _) = &items[i - 1];
-                let (pb, rb, bb, lb, b, _) = &items[i];
-                Arc::ptr_eq(pa, pb)
-                    && ra == rb
-                    && (ba.addr, ba.key) == (bb.addr, bb.key)
-                    && la == lb
-                    && a.opcode == b.opcode
-                    && a.priority == b.priority
+                let (a, b) = (&requests[i - 1], &requests[i]);
+                // Equal indices name the same peer and buffer: the tables only grow on a change.
+                a.peer == b.peer
+                    && a.buffer == b.buffer
+                    && a.route == b.route
+                    && a.location == b.location
+                    && a.request.opcode == b.request.opcode
+                    && a.request.priority == b.request.priority
             },
             // An rdma rail registers each region on its own: a run's local bytes stay in one.
             |start, len| {
@@ -735,40 +713,25 @@ impl Engine {
                 region.as_ref().is_some_and(|r| r.contains(start, len))
             },
         );
+        let sizes: Vec<u32> = runs.iter().map(|run| run.len() as u32).collect();
+        let tasks = b.add_runs(&sizes)?;
         let mut shares: [Vec<(Arc<Peer>, Prepared)>; 3] = Default::default();
-        let mut parts = Vec::with_capacity(items.len());
-        let mut items = items.into_iter();
-        for run in runs {
-            let (peer, route, buffer, location, mut r, task) =
-                items.next().expect("runs cover every request");
-            parts.push(task.clone());
-            let task = if run.len() == 1 {
-                task
-            } else {
-                let mut members = Vec::with_capacity(run.len());
-                members.push(task);
-                for _ in 1..run.len() {
-                    let (.., next, t) = items.next().expect("runs cover every request");
-                    r.length += next.length;
-                    parts.push(t.clone());
-                    members.push(t);
-                }
-                let run_task = crate::batch::Task::run(members);
-                parts.push(run_task.clone());
-                run_task
-            };
-            shares[route as usize].push((
-                peer,
+        for (run, task) in runs.into_iter().zip(&tasks) {
+            let first = &requests[run.start];
+            let len = spans[run].iter().map(|s| s.len).sum();
+            let r = &first.request;
+            shares[first.route as usize].push((
+                routed.peer_of(first).clone(),
                 Prepared {
                     op: r.opcode,
                     local: r.source as usize,
                     remote: r.target_offset,
-                    len: r.length,
-                    location,
+                    len,
+                    location: first.location,
                     priority: r.priority,
-                    buffer,
-                    batch,
-                    task,
+                    buffer: routed.buffer_of(first).clone(),
+                    batch: b.id,
+                    task: task.clone(),
                 },
             ));
         }
@@ -778,9 +741,10 @@ impl Engine {
             }
         }
         // Drop the part each task was created with, now that every slice holds its own.
-        for task in parts {
+        for task in tasks {
             task.part_done(Ok(()));
         }
+        Ok(())
     }
 
     /// Status of request `index` of `batch`, in submission order.

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use multirail_policy::qos::Priority;
 
-use super::{Engine, Routed};
+use super::{Engine, RoutedBatch};
 use crate::config::TransportChoice;
 use crate::engine::{BatchId, Request};
 use crate::error::{Error, Result};
@@ -38,7 +38,7 @@ pub struct PreparedEntry {
 
 /// A prepared list as the engine keeps it.
 pub(crate) struct PreparedList {
-    entries: Vec<Routed>,
+    entries: RoutedBatch,
     /// The local registry's generation when every source was last found registered; a post
     /// checks the sources again only when memory was unregistered since.
     checked_at: Mutex<u64>,
@@ -60,18 +60,15 @@ impl Engine {
         }
         let generation = self.inner.local.registry.generation();
         let mut memo = super::RouteMemo::default();
-        let routed = entries
-            .iter()
-            .enumerate()
-            .map(|(i, e)| {
-                let request = Request {
-                    transport,
-                    ..Request::write(e.source, e.target, e.target_offset, e.length)
-                };
-                self.route(&request, &mut memo)
-                    .map_err(|err| entry_error(i, entries.len(), err))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let mut routed = RoutedBatch::with_capacity(entries.len());
+        for (i, e) in entries.iter().enumerate() {
+            let request = Request {
+                transport,
+                ..Request::write(e.source, e.target, e.target_offset, e.length)
+            };
+            self.route(&request, &mut memo, &mut routed)
+                .map_err(|err| entry_error(i, entries.len(), err))?;
+        }
         let id = self.inner.next_prepared.fetch_add(1, Ordering::Relaxed);
         self.inner
             .prepared
@@ -145,7 +142,7 @@ impl Engine {
         // Whether a peer exited costs a poll of its pidfd: ask once per peer, not per entry.
         let mut asked = super::LivePeers::default();
         for &i in indices {
-            let (peer, ..) = &prepared.entries[i];
+            let peer = prepared.entries.peer_of(&prepared.entries.requests[i]);
             if asked.contains(peer.id) {
                 continue;
             }
@@ -154,27 +151,11 @@ impl Engine {
                 return Err(peer.exited_error("open the segment again and prepare the list again"));
             }
         }
-        let tasks = b.add_tasks(indices.len())?;
-        self.post_all(
-            batch.0,
-            indices.iter().zip(tasks).map(|(&i, task)| {
-                let (peer, route, buffer, location, entry) = &prepared.entries[i];
-                let request = Request {
-                    opcode,
-                    priority,
-                    ..*entry
-                };
-                (
-                    peer.clone(),
-                    *route,
-                    buffer.clone(),
-                    *location,
-                    request,
-                    task,
-                )
-            }),
-        );
-        Ok(())
+        let selected = prepared.entries.select(indices, |r| {
+            r.opcode = opcode;
+            r.priority = priority;
+        });
+        self.post_all(&b, &selected)
     }
 
     /// As [`Engine::submit_prepared`], then, once every posted entry completed, sends `msg` as
@@ -193,8 +174,16 @@ impl Engine {
         let prepared = self.prepared(list)?;
         self.submit_prepared(batch, list, opcode, priority, indices)?;
         let mut targets: Vec<crate::SegmentId> = match indices {
-            Some(i) => i.iter().map(|&i| prepared.entries[i].4.target).collect(),
-            None => prepared.entries.iter().map(|e| e.4.target).collect(),
+            Some(i) => i
+                .iter()
+                .map(|&i| prepared.entries.requests[i].request.target)
+                .collect(),
+            None => prepared
+                .entries
+                .requests
+                .iter()
+                .map(|e| e.request.target)
+                .collect(),
         };
         targets.sort_by_key(|t| t.0);
         targets.dedup();
@@ -220,7 +209,7 @@ impl Engine {
         if *checked_at == generation {
             return Ok(());
         }
-        for (_, _, _, _, entry) in &list.entries {
+        for entry in list.entries.requests.iter().map(|r| &r.request) {
             if registry.find(entry.source, entry.length).is_none() {
                 return Err(Error::SourceNotRegistered {
                     addr: entry.source,

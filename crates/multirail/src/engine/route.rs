@@ -3,10 +3,10 @@
 
 use std::sync::Arc;
 
+use super::routed::RoutedBatch;
 use super::{Engine, Request};
 use crate::config::TransportChoice;
 use crate::error::{Error, Result};
-use crate::memory::Location;
 use crate::metadata::MetadataStore;
 use crate::peer::Peer;
 use crate::segment;
@@ -53,7 +53,12 @@ impl Engine {
     /// transport readied for it), so a batch of many requests between the same buffers looks
     /// each up once, not once per request: a kernel poll of the peer's pidfd, two map lookups
     /// under locks and a transport's own lookups add up to most of a 4 KiB request's cost.
-    pub(super) fn route(&self, r: &Request, memo: &mut RouteMemo) -> Result<Routed> {
+    pub(super) fn route(
+        &self,
+        r: &Request,
+        memo: &mut RouteMemo,
+        out: &mut RoutedBatch,
+    ) -> Result<()> {
         if r.length == 0 {
             return Err(Error::invalid("length", "must be at least 1 byte"));
         }
@@ -71,14 +76,12 @@ impl Engine {
                 location
             }
         };
-        let peer = match &memo.peer {
-            Some((segment, peer)) if *segment == r.target.0 => peer.clone(),
-            _ => {
-                let peer = self.peer(r.target)?;
-                memo.peer = Some((r.target.0, peer.clone()));
-                peer
-            }
-        };
+        // The peer and buffer stay in the memo and are borrowed from it: cloning them per
+        // request cost a batch of a thousand small ones more than its routing.
+        if !matches!(&memo.peer, Some((segment, _)) if *segment == r.target.0) {
+            memo.peer = Some((r.target.0, self.peer(r.target)?));
+        }
+        let (_, peer) = memo.peer.as_ref().expect("set above");
         if !memo.alive.contains(peer.id) && peer.process_exited() {
             return Err(peer.exited_error("open the segment again"));
         }
@@ -91,16 +94,14 @@ impl Engine {
         };
         if shm_possible {
             // Before the buffer is looked up, so that it comes from the peer's own descriptor.
-            self.prove_membership(&peer)?;
+            self.prove_membership(peer)?;
         }
-        let buffer = match &memo.buffer {
-            Some((id, b)) if *id == peer.id && b.contains(r.target_offset, r.length) => b.clone(),
-            _ => {
-                let b = self.target_buffer(&peer, r.target_offset, r.length)?;
-                memo.buffer = Some((peer.id, b.clone()));
-                b
-            }
-        };
+        if !matches!(&memo.buffer, Some((id, b)) if *id == peer.id && b.contains(r.target_offset, r.length))
+        {
+            let b = self.target_buffer(peer, r.target_offset, r.length)?;
+            memo.buffer = Some((peer.id, b));
+        }
+        let (_, buffer) = memo.buffer.as_ref().expect("set above");
         let readied = Readied {
             peer: peer.id,
             buffer: (buffer.addr, buffer.key),
@@ -108,14 +109,15 @@ impl Engine {
         };
         if let Some((done, route)) = &memo.readied {
             if *done == readied {
-                return Ok((peer, *route, buffer, location, *r));
+                out.push(peer, buffer, *route, location, *r);
+                return Ok(());
             }
         }
         let route = match choice {
             TransportChoice::Tcp => Route::Tcp,
             TransportChoice::Shm => Route::Shm,
             TransportChoice::Rdma => Route::Rdma,
-            TransportChoice::Auto if shm_possible => match self.inner.shm.prepare(&peer, &buffer) {
+            TransportChoice::Auto if shm_possible => match self.inner.shm.prepare(peer, buffer) {
                 Ok(()) => Route::Shm,
                 Err(e) => {
                     if self.inner.fallback_logged.set(()).is_ok() {
@@ -125,8 +127,8 @@ impl Engine {
                 }
             },
             // Across hosts, RDMA when both ends have it; tcp when it cannot serve this one.
-            TransportChoice::Auto if self.inner.rdma.reaches(&peer) => {
-                match self.inner.rdma.prepare(&peer, &buffer) {
+            TransportChoice::Auto if self.inner.rdma.reaches(peer) => {
+                match self.inner.rdma.prepare(peer, buffer) {
                     Ok(()) => Route::Rdma,
                     Err(e) => {
                         if self.inner.fallback_logged.set(()).is_ok() {
@@ -139,10 +141,11 @@ impl Engine {
             TransportChoice::Auto => Route::Tcp,
         };
         let transport = self.transport(route);
-        transport.prepare(&peer, &buffer)?;
+        transport.prepare(peer, buffer)?;
         tracing::trace!(transport = transport.name(), peer = %peer.name, "routed");
         memo.readied = Some((readied, route));
-        Ok((peer, route, buffer, location, *r))
+        out.push(peer, buffer, route, location, *r);
+        Ok(())
     }
 
     /// The buffer of `peer` holding the range. When the cached descriptor does not have it
@@ -260,15 +263,6 @@ impl LivePeers {
         }
     }
 }
-
-/// A validated request: its peer, transport, target buffer and source location.
-pub(super) type Routed = (
-    Arc<Peer>,
-    Route,
-    segment::BufferDescriptor,
-    Location,
-    Request,
-);
 
 /// The transport a request was routed to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
