@@ -187,9 +187,15 @@ pub(crate) trait Link: Send + Sync + Sized + 'static {
     /// How errors and logs name this transport's paths ("rail", "RDMA path").
     const PATH: &'static str;
 
-    /// The slices of `req` per `plan`, or why this transport cannot carry it (the request
-    /// fails with that).
-    fn slices(&self, req: &Prepared, plan: &SlicePlan) -> Result<Vec<OutSlice<Self::Key>>>;
+    /// Appends the slices of `req` per `plan` to `out` (one vector for a whole batch: a vector
+    /// per request cost an allocation each), or leaves `out` as it was and says why this
+    /// transport cannot carry it (the request fails with that).
+    fn slices(
+        &self,
+        req: &Prepared,
+        plan: &SlicePlan,
+        out: &mut Vec<OutSlice<Self::Key>>,
+    ) -> Result<()>;
 
     /// How long a slice may keep the peer's fastest usable rail busy: the plan's slices grow
     /// toward it (see [`SlicePlan::grown_for`]). 0, the default, keeps the plan's slices.
@@ -405,11 +411,17 @@ impl<L: Link> Driver<L> {
         } else {
             0.0
         };
+        // Every request's slices in one vector, in order; each request knows how many are its.
+        let mut slices = Vec::with_capacity(reqs.len());
         let mut sliced = Vec::with_capacity(reqs.len());
         for req in reqs {
             let plan = plans.of(req.op).grown_for(fastest, slice_ns);
-            match self.link.slices(&req, &plan) {
-                Ok(slices) => sliced.push((req, slices)),
+            let before = slices.len();
+            match self.link.slices(&req, &plan, &mut slices) {
+                Ok(()) => {
+                    let count = slices.len() - before;
+                    sliced.push((req, count));
+                }
                 Err(e) => req.fail(e),
             }
         }
@@ -421,10 +433,11 @@ impl<L: Link> Driver<L> {
             }
             // How long the batch will take tells its waiter whether to poll or sleep.
             let rate = d.usable_bandwidth();
-            for (req, slices) in sliced {
-                req.task.add_parts(slices.len() as u32);
-                req.task.expect(req.len, slices.len() as u64, rate);
-                d.on_submit(now_ns, req.priority, slices);
+            let mut slices = slices.into_iter();
+            for (req, count) in sliced {
+                req.task.add_parts(count as u32);
+                req.task.expect(req.len, count as u64, rate);
+                d.on_submit(now_ns, req.priority, slices.by_ref().take(count));
             }
             self.report_depths(&mut d);
             self.arm(&mut d);

@@ -114,12 +114,17 @@ impl<L: Link> Peers<L> {
         plans: &Plans,
         connected: impl Fn(&Arc<Peer>) -> Result<Arc<Driver<L>>>,
     ) {
+        let mut left = reqs.len();
         let mut reqs = reqs.into_iter().peekable();
         while let Some((peer, first)) = reqs.next() {
-            let mut run = vec![first];
+            // Room for every request left: a batch mostly goes to one peer, and growing the run
+            // by doubling would copy it again and again.
+            let mut run = Vec::with_capacity(left);
+            run.push(first);
             while let Some((_, req)) = reqs.next_if(|(next, _)| next.id == peer.id) {
                 run.push(req);
             }
+            left -= run.len();
             for _ in 0..2 {
                 match connected(&peer) {
                     Ok(d) => run = d.post_many(run, plans),

@@ -263,7 +263,7 @@ impl Link for RdmaLink {
 
     /// Slices no larger than a port carries in one message, presenting the local memory's
     /// registration and the target buffer's remote keys.
-    fn slices(&self, req: &Prepared, plan: &SlicePlan) -> Result<Vec<RdmaSlice>> {
+    fn slices(&self, req: &Prepared, plan: &SlicePlan, out: &mut Vec<RdmaSlice>) -> Result<()> {
         let registration = self
             .rt
             .registry
@@ -297,9 +297,11 @@ impl Link for RdmaLink {
         };
         self.last_used_ns
             .store(self.rt.scheduler.now_ns(), Ordering::Relaxed);
-        Ok(slicing::capped(slices, u64::from(self.rt.max_message))
-            .map(|s| OutSlice::of(req, s.offset, s.length, key.clone()))
-            .collect())
+        out.extend(
+            slicing::capped(slices, u64::from(self.rt.max_message))
+                .map(|s| OutSlice::of(req, s.offset, s.length, key.clone())),
+        );
+        Ok(())
     }
 
     /// Stages each dealt slice on its queue pair and posts every queue pair touched, one

@@ -343,13 +343,12 @@ impl Link for TcpLink {
         self.settings.slice_time.as_nanos() as u64
     }
 
-    fn slices(&self, req: &Prepared, plan: &SlicePlan) -> Result<Vec<Outgoing>> {
+    fn slices(&self, req: &Prepared, plan: &SlicePlan, out: &mut Vec<Outgoing>) -> Result<()> {
         let slices = plan
             .slices(req.len)
             .map_err(|e| Error::invalid("length", e.to_string()))?;
-        Ok(slices
-            .map(|s| OutSlice::of(req, s.offset, s.length, req.buffer.key))
-            .collect())
+        out.extend(slices.map(|s| OutSlice::of(req, s.offset, s.length, req.buffer.key)));
+        Ok(())
     }
 
     /// HIGH slices are written at once where the connection allows (no sender-thread wake-up
