@@ -29,7 +29,7 @@ pub(super) struct RoutedRequest {
 pub(crate) struct RoutedBatch {
     pub(super) peers: Vec<Arc<Peer>>,
     /// Each buffer with the index of its peer (addresses and keys are only unique per peer).
-    pub(super) buffers: Vec<(u32, BufferDescriptor)>,
+    pub(super) buffers: Vec<(u32, Arc<BufferDescriptor>)>,
     pub(super) requests: Vec<RoutedRequest>,
 }
 
@@ -67,7 +67,7 @@ impl RoutedBatch {
                 self.buffers.len() - 1
             }
             _ => {
-                self.buffers.push((peer_index, buffer.clone()));
+                self.buffers.push((peer_index, Arc::new(buffer.clone())));
                 self.buffers.len() - 1
             }
         } as u32;
@@ -108,7 +108,7 @@ impl RoutedBatch {
     }
 
     /// The target buffer of `r`.
-    pub(super) fn buffer_of(&self, r: &RoutedRequest) -> &BufferDescriptor {
+    pub(super) fn buffer_of(&self, r: &RoutedRequest) -> &Arc<BufferDescriptor> {
         &self.buffers[r.buffer as usize].1
     }
 }

@@ -43,8 +43,9 @@ pub(crate) struct Prepared {
     /// Where the local memory lives; picks the rails' tiers.
     pub location: crate::memory::Location,
     pub priority: multirail_policy::qos::Priority,
-    /// The target buffer that holds `remote..remote+len`.
-    pub buffer: BufferDescriptor,
+    /// The target buffer that holds `remote..remote+len`, shared by every request of a batch
+    /// to it (a request is moved and queued several times on its way to the wire).
+    pub buffer: Arc<BufferDescriptor>,
     /// The batch the request belongs to (its id), so a thread waiting for that batch can
     /// find the request's queued work and do it itself.
     pub batch: u64,
