@@ -30,7 +30,7 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -88,6 +88,9 @@ struct MappedTable {
     handle: ShmHandle,
     id: u64,
     mapping: Arc<PeerMapping>,
+    /// Whose table it is, as each access entry names its owner: made once here rather than
+    /// for every request.
+    owner: (Arc<str>, Arc<AtomicBool>),
 }
 
 impl ShmPeer {
@@ -101,21 +104,24 @@ impl ShmPeer {
             .access_table
             .lock()
             .expect("shm peer access table poisoned");
-        let mapping = match &*table {
-            Some(t) if t.handle == access.table && t.id == access.table_id => t.mapping.clone(),
+        let (mapping, owner) = match &*table {
+            Some(t) if t.handle == access.table && t.id == access.table_id => {
+                (t.mapping.clone(), t.owner.clone())
+            }
             _ => {
                 // A stale descriptor: the next request fetches it again.
                 let mapping = Access::map_table(access, &peer.name)
                     .inspect_err(|_| peer.mark_keys_refused())?;
+                let owner = (Arc::from(peer.name.as_str()), peer.keys_refused());
                 *table = Some(MappedTable {
                     handle: access.table,
                     id: access.table_id,
                     mapping: mapping.clone(),
+                    owner: owner.clone(),
                 });
-                mapping
+                (mapping, owner)
             }
         };
-        let owner = (Arc::from(peer.name.as_str()), peer.keys_refused());
         Access::new(mapping, access, buffer.key, owner).map(Some)
     }
 }
