@@ -150,6 +150,9 @@ def test_closed_engine_stops_serving(spawn_peer):
     a.close()
     with pytest.raises(multirail.Error, match="closed"):
         a.allocate(10)
+    # Its names stay readable, for logs and messages about it.
+    assert a.name == name and a.segment_name == name
+    assert repr(a) == f"<multirail.Engine {name} (closed)>"
     memoryview(src)[0] = 1  # buffers stay usable as memory
     with multirail.Engine(name="127.0.0.1") as b:
         with pytest.raises(multirail.SegmentUnreachableError):

@@ -543,9 +543,17 @@ class Group:
 
 
 class _Closed:
-    """Stands in for the native engine after Engine.close()."""
+    """Stands in for the native engine after Engine.close(). The engine's names stay
+    readable (logs and error messages name a closed engine too); everything else raises."""
 
-    def __getattr__(self, name: str) -> Any:
+    def __init__(self, name: Optional[str] = None, segment_name: Optional[str] = None) -> None:
+        self._names = {"name": name, "segment_name": segment_name}
+
+    def __getattr__(self, attr: str) -> Any:
+        # Only called for attributes not found the normal way, so `_names` itself never lands here.
+        value = self.__dict__.get("_names", {}).get(attr)
+        if value is not None:
+            return value
         raise Error("the engine is closed")
 
 
@@ -925,10 +933,12 @@ class Engine:
         """Stops serving (the port and every connection close) and releases the engine: later
         calls raise :class:`Error`; a ``recv`` or notification wait blocked in another thread
         returns at once (``None``, or no notifications). Buffers stay usable as memory. Closing
-        twice is harmless."""
-        native, self._native = self._native, _Closed()
-        if not isinstance(native, _Closed):
-            native.shutdown()
+        twice is harmless. :attr:`name` and :attr:`segment_name` stay readable."""
+        native = self._native
+        if isinstance(native, _Closed):
+            return
+        self._native = _Closed(native.name, native.segment_name)
+        native.shutdown()
 
     def __enter__(self) -> "Engine":
         return self
@@ -937,7 +947,5 @@ class Engine:
         self.close()
 
     def __repr__(self) -> str:
-        try:
-            return f"<multirail.Engine {self.name}>"
-        except Error:
-            return "<multirail.Engine (closed)>"
+        state = " (closed)" if isinstance(self._native, _Closed) else ""
+        return f"<multirail.Engine {self.name}{state}>"
