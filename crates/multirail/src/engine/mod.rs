@@ -697,9 +697,7 @@ impl Engine {
             self.inner.config.workers.merge_adjacent_max_bytes,
             |i| {
                 let (a, b) = (&requests[i - 1], &requests[i]);
-                // Equal indices name the same peer and buffer: the tables only grow on a change.
-                a.peer == b.peer
-                    && a.buffer == b.buffer
+                routed.same_target(a, b)
                     && a.route == b.route
                     && a.location == b.location
                     && a.request.opcode == b.request.opcode

@@ -102,6 +102,17 @@ impl RoutedBatch {
         }
     }
 
+    /// True when `a` and `b` go to the same buffer of the same peer. Equal indices say so at
+    /// once; different ones may still name the same buffer (a prepared list's entries posted in
+    /// another order than they were prepared in), so then the buffers themselves are compared.
+    pub(super) fn same_target(&self, a: &RoutedRequest, b: &RoutedRequest) -> bool {
+        if a.buffer == b.buffer {
+            return true;
+        }
+        let (x, y) = (self.buffer_of(a), self.buffer_of(b));
+        self.peer_of(a).id == self.peer_of(b).id && (x.addr, x.key) == (y.addr, y.key)
+    }
+
     /// The peer of `r`.
     pub(super) fn peer_of(&self, r: &RoutedRequest) -> &Arc<Peer> {
         &self.peers[r.peer as usize]
@@ -158,6 +169,13 @@ mod tests {
         assert_eq!(ids, vec![(0, 0), (0, 0), (0, 1), (1, 2)]);
         assert_eq!(batch.buffer_of(&batch.requests[2]).key, 8);
         assert!(Arc::ptr_eq(batch.peer_of(&batch.requests[3]), &other));
+        let r = &batch.requests;
+        assert!(batch.same_target(&r[0], &r[1]));
+        assert!(
+            !batch.same_target(&r[1], &r[2]),
+            "a new key is another buffer"
+        );
+        assert!(!batch.same_target(&r[2], &r[3]), "another peer's buffer");
         let picked = batch.select(&[3, 0, 0], |r| r.length = 4);
         let offsets: Vec<u64> = picked
             .requests
@@ -167,5 +185,13 @@ mod tests {
         assert_eq!(offsets, vec![0x1030, 0x1000, 0x1000]);
         assert!(picked.requests.iter().all(|r| r.request.length == 4));
         assert_eq!(picked.buffer_of(&picked.requests[0]).key, 8);
+        // Entries prepared apart that name one buffer: told the same by their buffers.
+        let mut apart = RoutedBatch::with_capacity(3);
+        apart.push(&peer, &a, Route::Tcp, Location::Any, write(0x1000));
+        apart.push(&peer, &b, Route::Tcp, Location::Any, write(0x1000));
+        apart.push(&peer, &a, Route::Tcp, Location::Any, write(0x1010));
+        let r = &apart.requests;
+        assert_ne!(r[0].buffer, r[2].buffer);
+        assert!(apart.same_target(&r[0], &r[2]));
     }
 }
