@@ -349,6 +349,161 @@ fn a_restarted_peer_is_reached_through_the_segment_opened_again() {
     );
 }
 
+/// `multirail target` serving `size` on `listen` in a PID namespace of its own, so that to this
+/// test's engine it is on another host (a peer with no pidfd, reached over tcp), as a remote
+/// peer is. `None` when this host cannot make the namespace (not root, no `unshare`). A port
+/// left by a target just killed may take a moment to be free: tries for 5 s.
+fn remote_target(size: &str, listen: &str) -> Option<TargetProcess> {
+    let namespaces = std::process::Command::new("unshare")
+        .args(["--pid", "--fork", "--kill-child", "--mount-proc", "true"])
+        .stderr(std::process::Stdio::null())
+        .status();
+    if !namespaces.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: cannot make a PID namespace here (needs root and unshare)");
+        return None;
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let mut child = std::process::Command::new("unshare")
+            .args(["--pid", "--fork", "--kill-child", "--mount-proc"])
+            .arg(common::multirail_bin())
+            .args(["target", "--listen", listen, "--size", size])
+            .env_remove("MULTIRAIL_CONF")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start unshare");
+        let mut line = String::new();
+        use std::io::BufRead;
+        let _ = std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line);
+        if line.trim() == listen {
+            return Some(TargetProcess {
+                child,
+                name: listen.to_owned(),
+            });
+        }
+        let status = child.wait();
+        assert!(
+            Instant::now() < deadline,
+            "no target on {listen} within 5 s (last: {status:?}, {line:?})"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A remote peer restarted on its address is followed by an initiator that lives on: the
+/// handle it holds (opening the segment again gives the same one) reaches the new process at
+/// its first request, and a request for a range only the old process had fails at submit
+/// naming the range, instead of being refused by the new process for the old key. Every byte
+/// written is read back.
+#[test]
+fn a_remote_peer_restarted_on_its_address_is_followed_by_a_long_lived_initiator() {
+    let listen = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().to_string()
+    };
+    let Some(first) = remote_target("4MiB", &listen) else {
+        return;
+    };
+    let engine = engine_with_timeout(2000);
+    let local = engine.allocate(1 << 20, Location::Any).unwrap();
+    let seg = engine.open_segment(&listen).unwrap();
+    let desc = engine.segment_descriptor(seg).unwrap();
+    assert_ne!(
+        desc.host_id,
+        multirail::segment::local_host_id(),
+        "the target looks like another host"
+    );
+    let round_trip = |remote: u64, seed: u64| -> multirail::Result<()> {
+        // SAFETY: no transfer touches `local` between these calls.
+        pattern::fill(unsafe { local.as_mut_slice() }, 0, seed);
+        run(
+            &engine,
+            &[Request::write(local.addr(), seg, remote, 1 << 20)],
+        )?;
+        // SAFETY: as above; the write has completed.
+        unsafe { local.as_mut_slice() }.fill(0);
+        run(
+            &engine,
+            &[Request::read(local.addr(), seg, remote, 1 << 20)],
+        )?;
+        // SAFETY: the read has completed and nothing else moves into `local`.
+        let back = unsafe { local.as_slice() };
+        assert!(
+            pattern::first_mismatch(back, 0, seed).is_none(),
+            "the bytes read back are the ones written"
+        );
+        Ok(())
+    };
+    round_trip(desc.buffers[0].addr, 1).unwrap();
+    let list = engine
+        .prepare(
+            &[multirail::PreparedEntry {
+                source: local.addr(),
+                target: seg,
+                target_offset: desc.buffers[0].addr,
+                length: 4096,
+            }],
+            None,
+        )
+        .unwrap();
+
+    // Restarted: the new process's buffer, as a fresh engine sees it.
+    drop(first);
+    let Some(second) = remote_target("4MiB", &listen) else {
+        return;
+    };
+    let fresh = engine_with_timeout(2000);
+    let fresh_seg = fresh.open_segment(&listen).unwrap();
+    let second_buffer = first_buffer(&fresh, fresh_seg);
+    assert_eq!(
+        engine.open_segment(&listen).unwrap(),
+        seg,
+        "the same handle"
+    );
+    round_trip(second_buffer, 2)
+        .unwrap_or_else(|e| panic!("the first request after the restart: {e}"));
+    assert_eq!(
+        first_buffer(&engine, seg),
+        second_buffer,
+        "the handle follows"
+    );
+    // A list prepared for the old process holds its keys.
+    let batch = engine.allocate_batch(1).unwrap();
+    let posted = engine
+        .submit_prepared(batch, list, Opcode::Write, multirail::PRIO_HIGH, None)
+        .unwrap_err();
+    assert!(
+        posted.to_string().contains("prepare the list again"),
+        "{posted}"
+    );
+
+    // Restarted again; the old range asked for first.
+    drop(second);
+    let Some(_third) = remote_target("4MiB", &listen) else {
+        return;
+    };
+    // A handle reaches the process it was opened on until a request finds another: ask a
+    // new engine.
+    let fresh = engine_with_timeout(2000);
+    let third_buffer = first_buffer(&fresh, fresh.open_segment(&listen).unwrap());
+    if third_buffer != second_buffer {
+        // A connection found closed had the descriptor fetched again: the old range is
+        // named, not refused by the new process for the old key.
+        let err = run(
+            &engine,
+            &[Request::write(local.addr(), seg, second_buffer, 1 << 20)],
+        )
+        .unwrap_err();
+        assert!(
+            matches!(err, Error::TargetOutOfRange { .. }),
+            "the old range after the restart: {err}"
+        );
+    }
+    round_trip(third_buffer, 3).unwrap_or_else(|e| panic!("after the second restart: {e}"));
+}
+
 #[test]
 fn dead_same_host_peer_is_refused_over_shm() {
     let doomed = TargetProcess::start("16MiB", None);

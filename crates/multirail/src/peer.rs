@@ -89,6 +89,13 @@ impl Peer {
         self.keys_refused.load(Ordering::Relaxed) && self.keys_refused.swap(false, Ordering::AcqRel)
     }
 
+    /// Whether `flag` is this peer's refused-key flag, as handed out by
+    /// [`keys_refused`](Self::keys_refused): state a transport made for this peer holds it,
+    /// and state made for the process that served the segment before holds another.
+    pub(crate) fn owns_flag(&self, flag: &Arc<AtomicBool>) -> bool {
+        Arc::ptr_eq(&self.keys_refused, flag)
+    }
+
     /// Whether this process and the peer's proved membership to each other (see
     /// [`mark_membership_proven`](Self::mark_membership_proven)).
     pub(crate) fn membership_proven(&self) -> bool {
@@ -118,16 +125,19 @@ impl Peer {
         }
     }
 
-    /// Replaces the cached descriptor with a fresh one from the same process. Returns false
-    /// (and keeps the old one) if the segment is now a different process, which needs a new
-    /// `Peer`.
-    pub(crate) fn update_descriptor(&self, fresh: SegmentDescriptor) -> bool {
+    /// Replaces the cached descriptor with a fresh one from the same process. Hands `fresh`
+    /// back (and keeps the old one) if the segment is now a different process, which needs a
+    /// new `Peer`.
+    pub(crate) fn update_descriptor(
+        &self,
+        fresh: SegmentDescriptor,
+    ) -> std::result::Result<(), Box<SegmentDescriptor>> {
         let mut d = self.descriptor.write().expect("peer poisoned");
         if fresh.pid != d.pid || fresh.host_id != d.host_id {
-            return false;
+            return Err(Box::new(fresh));
         }
         *d = Arc::new(fresh);
-        true
+        Ok(())
     }
 
     /// The error for a request or message to this peer once its process is known to have

@@ -307,11 +307,12 @@ fn a_buffer_registered_again_is_written_after_one_refusal() {
 /// The engine behind a segment closed and another started in the same process on the same
 /// port: the initiator's handle (the process lives, so it stays open) reaches the new engine's
 /// buffers. Over shm after at most one refused request (the new engine's access table may even
-/// have the old one's descriptor number); over tcp after at most two (the old engine's
-/// connections found closed, then its key refused).
+/// have the old one's descriptor number); over tcp after at most one (a request that races the
+/// discovery that the old engine's connections closed; once that is seen the descriptor is
+/// fetched again before the next request, so no request presents the old key).
 #[test]
 fn an_engine_started_again_in_the_same_process_is_reached_by_the_same_handle() {
-    for (transport, failures_allowed) in [(TransportChoice::Shm, 1), (TransportChoice::Tcp, 2)] {
+    for (transport, failures_allowed) in [(TransportChoice::Shm, 1), (TransportChoice::Tcp, 1)] {
         let peer = engine();
         let src = source(&peer, 0x3C);
         let first = engine();

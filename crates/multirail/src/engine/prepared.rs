@@ -150,6 +150,13 @@ impl Engine {
             if peer.process_exited() {
                 return Err(peer.exited_error("open the segment again and prepare the list again"));
             }
+            if !self.inner.is_current(peer) {
+                // Followed to another process since: this list's keys are the old one's.
+                return Err(Error::PeerDisconnected {
+                    peer: peer.name.clone(),
+                    reason: "another process serves the segment now; prepare the list again".into(),
+                });
+            }
         }
         let selected = prepared.entries.select(indices, |r| {
             r.opcode = opcode;

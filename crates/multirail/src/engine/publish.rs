@@ -1,5 +1,6 @@
 //! This engine's descriptor in the metadata store: publishing and withdrawing its own, and
-//! following an open segment that a store that watches (etcd) sees published again.
+//! following an open segment to the process that serves it now, whether a store that watches
+//! (etcd) says so or a lookup finds it.
 
 use std::sync::Arc;
 
@@ -61,7 +62,7 @@ impl Inner {
             tracing::debug!(segment = name, "segment withdrawn from the metadata store");
             return;
         };
-        let mut peers = self.peers.write().expect("peers poisoned");
+        let peers = self.peers.read().expect("peers poisoned");
         let Some(current) = peers
             .by_name
             .get(name)
@@ -78,24 +79,62 @@ impl Inner {
         };
         self.metadata_counters.watch_update();
         if same_process {
-            current.update_descriptor(descriptor);
+            // Same process, so it cannot be refused.
+            let _ = current.update_descriptor(descriptor);
             return;
         }
-        let addr = match metadata::resolve(&descriptor.name) {
-            Ok(addr) => addr,
+        drop(peers);
+        match self.follow(&current, descriptor, false) {
+            Ok(peer) => {
+                tracing::info!(segment = name, addr = %peer.addr, "segment published again by another process; following it")
+            }
             Err(e) => {
                 tracing::warn!(segment = name, error = %e, "a new descriptor of an open segment names an address that does not resolve; keeping the old one");
-                return;
             }
-        };
-        tracing::info!(segment = name, %addr, "segment published again by another process; following it");
+        }
+    }
+
+    /// Replaces `current`, the peer of an open segment, with a peer for `fresh`, the
+    /// descriptor of the process that serves the segment now, under the same segment id: the
+    /// segment's handle then reaches the new process, and transports make new paths to it.
+    /// `proven` says the descriptor came from the segment itself over its control port, whose
+    /// handshake proved membership both ways. When `current` was replaced already (another
+    /// thread followed first), returns the peer that replaced it. Fails with the resolver's
+    /// error when `fresh` names an address that does not resolve; `current` then stays.
+    pub(super) fn follow(
+        &self,
+        current: &Arc<Peer>,
+        fresh: SegmentDescriptor,
+        proven: bool,
+    ) -> crate::error::Result<Arc<Peer>> {
+        let addr = metadata::resolve(&fresh.name)?;
         let peer = Arc::new(Peer::new(
             current.id,
-            name.to_owned(),
+            current.name.clone(),
             addr,
-            descriptor,
+            fresh,
             &self.local.host_id,
         ));
-        peers.by_id.insert(current.id, peer);
+        if proven {
+            peer.mark_membership_proven();
+        }
+        let mut peers = self.peers.write().expect("peers poisoned");
+        match peers.by_id.get(&current.id) {
+            Some(now) if !Arc::ptr_eq(now, current) => return Ok(now.clone()),
+            // Closed meanwhile: following it would open it again behind the caller's back.
+            None => return Err(crate::error::Error::UnknownSegment(current.id)),
+            Some(_) => {}
+        }
+        peers.by_id.insert(current.id, peer.clone());
+        Ok(peer)
+    }
+
+    /// Whether `peer` is still the one the segment's handle reaches: a peer followed to a new
+    /// process (see [`follow`](Self::follow)) is not, nor is one whose segment was closed.
+    pub(super) fn is_current(&self, peer: &Arc<Peer>) -> bool {
+        matches!(
+            self.peers.read().expect("peers poisoned").by_id.get(&peer.id),
+            Some(now) if Arc::ptr_eq(now, peer)
+        )
     }
 }

@@ -30,7 +30,7 @@ impl Engine {
         let known = peer.descriptor();
         if self.inner.local.members_only || known.members_only {
             let own = self.inner.direct.fetch(&known.name)?;
-            if !peer.update_descriptor(own) {
+            if peer.update_descriptor(own).is_err() {
                 return Err(peer.exited_error("open the segment again"));
             }
         }
@@ -53,11 +53,26 @@ impl Engine {
     /// transport readied for it), so a batch of many requests between the same buffers looks
     /// each up once, not once per request: a kernel poll of the peer's pidfd, two map lookups
     /// under locks and a transport's own lookups add up to most of a 4 KiB request's cost.
+    /// A segment found served by another process than the one its handle reached (restarted
+    /// on its address, or published again) is followed: the handle reaches the new process
+    /// from then on, and the request goes there.
     pub(super) fn route(
         &self,
         r: &Request,
         memo: &mut RouteMemo,
         out: &mut RoutedBatch,
+    ) -> Result<()> {
+        self.route_to(r, memo, out, true)
+    }
+
+    /// [`route`](Self::route), following the segment to a new process only when `may_follow`
+    /// (once per request: a segment that changes process again meanwhile fails it).
+    fn route_to(
+        &self,
+        r: &Request,
+        memo: &mut RouteMemo,
+        out: &mut RoutedBatch,
+        may_follow: bool,
     ) -> Result<()> {
         if r.length == 0 {
             return Err(Error::invalid("length", "must be at least 1 byte"));
@@ -83,7 +98,15 @@ impl Engine {
         }
         let (_, peer) = memo.peer.as_ref().expect("set above");
         if !memo.alive.contains(peer.id) && peer.process_exited() {
-            return Err(peer.exited_error("open the segment again"));
+            let next = if may_follow {
+                self.successor(peer)
+            } else {
+                None
+            };
+            return match next {
+                Some(next) => self.route_followed(r, memo, out, next),
+                None => Err(peer.exited_error("open the segment again")),
+            };
         }
         memo.alive.insert(peer.id);
         let choice = r.transport.unwrap_or(self.inner.config.transport);
@@ -98,8 +121,13 @@ impl Engine {
         }
         if !matches!(&memo.buffer, Some((id, b)) if *id == peer.id && b.contains(r.target_offset, r.length))
         {
-            let b = self.target_buffer(peer, r.target_offset, r.length)?;
-            memo.buffer = Some((peer.id, b));
+            match self.target_buffer(peer, r.target_offset, r.length)? {
+                Located::Here(b) => memo.buffer = Some((peer.id, b)),
+                Located::Elsewhere(next) if may_follow => {
+                    return self.route_followed(r, memo, out, next)
+                }
+                Located::Elsewhere(next) => return Err(replaced(&next)),
+            }
         }
         let (_, buffer) = memo.buffer.as_ref().expect("set above");
         let readied = Readied {
@@ -148,24 +176,70 @@ impl Engine {
         Ok(())
     }
 
+    /// Routes `r` again to `next`, the peer that now serves the segment `memo` had reached
+    /// another process of, forgetting what the memo held for the old one.
+    fn route_followed(
+        &self,
+        r: &Request,
+        memo: &mut RouteMemo,
+        out: &mut RoutedBatch,
+        next: Arc<Peer>,
+    ) -> Result<()> {
+        memo.peer = Some((r.target.0, next));
+        memo.buffer = None;
+        memo.readied = None;
+        self.route_to(r, memo, out, false)
+    }
+
+    /// The peer for the process that serves `peer`'s segment now, `peer`'s own process having
+    /// exited: asks the store (or the segment's address) again, and follows the segment when
+    /// another process answers. `None` when nothing answers or the answer is the old process.
+    fn successor(&self, peer: &Arc<Peer>) -> Option<Arc<Peer>> {
+        let fresh = self.lookup(&peer.name).ok()?;
+        let known = peer.descriptor();
+        if fresh.pid == known.pid && fresh.host_id == known.host_id {
+            return None;
+        }
+        self.follow(peer, fresh, !self.inner.publishes)
+    }
+
+    /// Follows `peer`'s segment to the process `fresh` describes (see `Inner::follow`),
+    /// logging it; `None` (logged) when its address does not resolve.
+    fn follow(
+        &self,
+        peer: &Arc<Peer>,
+        fresh: segment::SegmentDescriptor,
+        proven: bool,
+    ) -> Option<Arc<Peer>> {
+        match self.inner.follow(peer, fresh, proven) {
+            Ok(next) => {
+                tracing::info!(segment = %peer.name, addr = %next.addr, "another process serves the segment now; following it");
+                Some(next)
+            }
+            Err(e) => {
+                tracing::warn!(segment = %peer.name, error = %e, "another process serves the segment now, at an address that does not resolve");
+                None
+            }
+        }
+    }
+
     /// The buffer of `peer` holding the range. When the cached descriptor does not have it
     /// (the peer may have registered memory since), or the peer has refused a key of it since
-    /// it was fetched (a buffer unregistered, perhaps registered again), the store is asked
-    /// again, and when the
-    /// store's copy lacks it too, the segment itself over its control port: a store can be
-    /// behind its segments for up to one refresh period (a publish that failed while it was
-    /// away, or an older PUT it applied last), and a live peer's own answer is the truth.
-    /// Fails with `TargetOutOfRange` when no answer has the range, or `PeerDisconnected` when
-    /// another process now serves the segment.
-    pub(crate) fn target_buffer(
-        &self,
-        peer: &Peer,
-        addr: u64,
-        len: u64,
-    ) -> Result<segment::BufferDescriptor> {
-        if !peer.take_keys_refused() {
+    /// it was fetched (a buffer unregistered, perhaps registered again) or closed a connection
+    /// (its process may have been replaced), the store is asked again, and when the store's
+    /// copy lacks it too, the segment itself over its control port: a store can be behind its
+    /// segments for up to one refresh period (a publish that failed while it was away, or an
+    /// older PUT it applied last), and a live peer's own answer is the truth. An answer from
+    /// another process than `peer`'s follows the segment to it: `Located::Elsewhere` with the
+    /// new peer, to route the request again. Fails with `TargetOutOfRange` when no answer has
+    /// the range, with the lookup's error when the segment does not answer (and then asks
+    /// again before the next request), or `PeerDisconnected` when another process serves the
+    /// segment at an address that does not resolve.
+    pub(crate) fn target_buffer(&self, peer: &Arc<Peer>, addr: u64, len: u64) -> Result<Located> {
+        let stale = peer.take_keys_refused();
+        if !stale {
             if let Some(b) = peer.descriptor().find_buffer(addr, len) {
-                return Ok(b.clone());
+                return Ok(Located::Here(b.clone()));
             }
         }
         let out_of_range = || Error::TargetOutOfRange {
@@ -173,30 +247,36 @@ impl Engine {
             addr,
             len,
         };
-        let replaced = || Error::PeerDisconnected {
-            peer: peer.name.clone(),
-            reason: "the segment is now served by another process; open it again".into(),
+        let elsewhere = |fresh: segment::SegmentDescriptor, proven: bool| {
+            self.follow(peer, fresh, proven)
+                .map(Located::Elsewhere)
+                .ok_or_else(|| replaced(peer))
         };
         match self.lookup(&peer.name) {
             Ok(fresh) => {
+                let proven = !self.inner.publishes;
                 if let Some(b) = fresh.find_buffer(addr, len).cloned() {
-                    return if peer.update_descriptor(fresh) {
-                        Ok(b)
-                    } else {
-                        Err(replaced())
+                    return match peer.update_descriptor(fresh) {
+                        Ok(()) => Ok(Located::Here(b)),
+                        Err(fresh) => elsewhere(*fresh, proven),
                     };
                 }
                 if !self.inner.publishes {
                     // The lookup above already asked the segment itself.
-                    return if peer.update_descriptor(fresh) {
-                        Err(out_of_range())
-                    } else {
-                        Err(replaced())
+                    return match peer.update_descriptor(fresh) {
+                        Ok(()) => Err(out_of_range()),
+                        Err(fresh) => elsewhere(*fresh, proven),
                     };
                 }
             }
             // Without a store the segment itself did not answer; with one, it may still.
-            Err(e) if !self.inner.publishes => return Err(e),
+            Err(e) if !self.inner.publishes => {
+                if stale {
+                    // Whatever made the descriptor suspect still holds: ask again next time.
+                    peer.mark_keys_refused();
+                }
+                return Err(e);
+            }
             Err(e) => {
                 tracing::debug!(segment = %peer.name, error = %e, "the metadata store does not answer; asking the segment itself");
             }
@@ -210,13 +290,29 @@ impl Engine {
             }
         };
         let found = own.find_buffer(addr, len).cloned();
-        if !peer.update_descriptor(own) {
-            return Err(replaced());
+        if let Err(own) = peer.update_descriptor(own) {
+            return elsewhere(*own, true);
         }
         if found.is_some() {
             tracing::debug!(segment = %peer.name, "the metadata store's descriptor is behind the segment's own; using the segment's");
         }
-        found.ok_or_else(out_of_range)
+        found.map(Located::Here).ok_or_else(out_of_range)
+    }
+}
+
+/// Where a target range was found (see [`Engine::target_buffer`]).
+pub(crate) enum Located {
+    /// In this buffer of the peer asked about.
+    Here(segment::BufferDescriptor),
+    /// Another process serves the segment now; the handle was moved to this peer for it.
+    Elsewhere(Arc<Peer>),
+}
+
+/// The error for a request to a segment that changed process again while it was routed.
+fn replaced(peer: &Peer) -> Error {
+    Error::PeerDisconnected {
+        peer: peer.name.clone(),
+        reason: "the segment is now served by another process; open it again".into(),
     }
 }
 

@@ -326,6 +326,19 @@ impl<L: Link> Driver<L> {
         })
     }
 
+    /// Whether this driver was made for `peer` itself, not for an earlier process that
+    /// served the same segment (a restarted engine on the same address is a new `Peer`).
+    pub(crate) fn made_for(&self, peer: &Peer) -> bool {
+        peer.owns_flag(&self.keys_refused)
+    }
+
+    /// Has the engine fetch the peer's descriptor again before its next request: the peer
+    /// closed a connection, and the process answering on its address next may be another one,
+    /// whose keys the cached descriptor does not have.
+    pub(crate) fn recheck_descriptor(&self) {
+        self.keys_refused.store(true, Ordering::Relaxed);
+    }
+
     /// This driver, weakly: what connections and completion pollers report to.
     pub(crate) fn weak(&self) -> Weak<Driver<L>> {
         self.me.clone()

@@ -38,7 +38,7 @@ impl<L: Link> Default for Peers<L> {
 
 impl<L: Link> Peers<L> {
     /// The peer's live driver, made afresh with `connect` when there is none, it was given up
-    /// on, or the segment moved to another address. One thread connects at a time; those
+    /// on, or the segment moved to another address or process. One thread connects at a time; those
     /// waiting meanwhile share its outcome, so submitters lining up behind a stopped peer do
     /// not wait one connect timeout each. The flag says whether the driver is fresh.
     pub(crate) fn connected(
@@ -51,15 +51,15 @@ impl<L: Link> Peers<L> {
             let moved = {
                 let mut current = slot.live.lock().expect("peer poisoned");
                 match current.as_ref() {
-                    Some(p) if p.addr != peer.addr => current.take(),
+                    Some(p) if p.addr != peer.addr || !p.made_for(peer) => current.take(),
                     _ => None,
                 }
             };
-            // The segment is now served at another address: the old paths lead to a process
-            // that no longer answers for it. Closed outside the lock, since closing hands
-            // slices back.
+            // The segment is now served at another address, or by another process: the old
+            // paths lead to a process that no longer answers for it. Closed outside the lock,
+            // since closing hands slices back.
             if let Some(moved) = moved {
-                moved.close("the segment moved to another address");
+                moved.close("another process serves the segment now");
             }
             slot.live
                 .lock()
