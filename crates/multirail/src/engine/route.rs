@@ -232,9 +232,9 @@ impl Engine {
     /// older PUT it applied last), and a live peer's own answer is the truth. An answer from
     /// another process than `peer`'s follows the segment to it: `Located::Elsewhere` with the
     /// new peer, to route the request again. Fails with `TargetOutOfRange` when no answer has
-    /// the range, with the lookup's error when the segment does not answer (and then asks
-    /// again before the next request), or `PeerDisconnected` when another process serves the
-    /// segment at an address that does not resolve.
+    /// the range, with the lookup's error when the segment does not answer (a cached buffer
+    /// held suspect is then used as it is), or `PeerDisconnected` when another process serves
+    /// the segment at an address that does not resolve.
     pub(crate) fn target_buffer(&self, peer: &Arc<Peer>, addr: u64, len: u64) -> Result<Located> {
         let stale = peer.take_keys_refused();
         if !stale {
@@ -246,6 +246,17 @@ impl Engine {
             segment: peer.name.clone(),
             addr,
             len,
+        };
+        // A descriptor held suspect that no answer could check is still the best word on the
+        // range: the request goes out with it, as it would have without the suspicion, and
+        // fails at its peer if the keys are gone. Asking again on every request instead would
+        // wait on a silent host each time.
+        let unchecked = |e: Error| match peer.descriptor().find_buffer(addr, len) {
+            Some(b) if stale => {
+                tracing::debug!(segment = %peer.name, error = %e, "cannot check the segment's descriptor now; using the cached one");
+                Ok(Located::Here(b.clone()))
+            }
+            _ => Err(e),
         };
         let elsewhere = |fresh: segment::SegmentDescriptor, proven: bool| {
             self.follow(peer, fresh, proven)
@@ -271,11 +282,7 @@ impl Engine {
             }
             // Without a store the segment itself did not answer; with one, it may still.
             Err(e) if !self.inner.publishes => {
-                if stale {
-                    // Whatever made the descriptor suspect still holds: ask again next time.
-                    peer.mark_keys_refused();
-                }
-                return Err(e);
+                return unchecked(e);
             }
             Err(e) => {
                 tracing::debug!(segment = %peer.name, error = %e, "the metadata store does not answer; asking the segment itself");
@@ -286,7 +293,7 @@ impl Engine {
             Ok(own) => own,
             Err(e) => {
                 tracing::debug!(segment = %peer.name, error = %e, "the segment does not answer for its descriptor; the range stays unknown");
-                return Err(out_of_range());
+                return unchecked(out_of_range());
             }
         };
         let found = own.find_buffer(addr, len).cloned();

@@ -334,7 +334,9 @@ impl<L: Link> Driver<L> {
 
     /// Has the engine fetch the peer's descriptor again before its next request: the peer
     /// closed a connection, and the process answering on its address next may be another one,
-    /// whose keys the cached descriptor does not have.
+    /// whose keys the cached descriptor does not have. Not for connections this end dropped:
+    /// the lookup goes to the segment's control address, which may sit on the very rail whose
+    /// link went down.
     pub(crate) fn recheck_descriptor(&self) {
         self.keys_refused.store(true, Ordering::Relaxed);
     }

@@ -70,6 +70,11 @@ pub(crate) trait ConnOwner: Send + Sync {
     fn answered(&self, id: SliceId, posted: Instant, now: Instant, ok: bool);
     /// The connection on `rail` died with `err` (reported once per connection).
     fn connection_lost(&self, rail: usize, err: &Error);
+    /// The peer closed a connection (end of stream or reset) where an answer was due to begin:
+    /// its process may have exited, and the one listening on its address next may be another.
+    /// Reported before [`connection_lost`](Self::connection_lost). A connection this end
+    /// dropped (a rail's link down, a timeout) is not reported here.
+    fn closed_by_peer(&self);
     /// Slices that were in flight or queued on a dead connection of `rail`; each must be
     /// retried elsewhere or failed.
     fn slices_returned(&self, rail: usize, slices: Vec<Outgoing>, err: Error);
@@ -591,8 +596,20 @@ fn reap(conn: &Arc<Conn>, staging: &mut Staging) -> Result<()> {
         );
         let reads = conn.reads_outstanding.load(Ordering::Acquire) > 0;
         let must_read = staging.available() < wire::RESPONSE_LEN;
-        let raw = fill_header(staging, conn.fd, reads, small_reads)
-            .map_err(|e| conn.io_failure("", &e))?;
+        let raw = fill_header(staging, conn.fd, reads, small_reads).map_err(|e| {
+            // A connection this end killed was shut down first, which ends its stream too.
+            if !conn.is_dead()
+                && matches!(
+                    e.kind(),
+                    std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
+                )
+            {
+                if let Some(owner) = conn.owner.upgrade() {
+                    owner.closed_by_peer();
+                }
+            }
+            conn.io_failure("", &e)
+        })?;
         if must_read {
             now = Instant::now();
         }

@@ -469,17 +469,18 @@ impl ConnOwner for TcpPeer {
             // rail's fault, and counting it would pause healthy rails with a warning.
             return;
         }
-        if !matches!(err, Error::Timeout { .. }) {
-            // Closed by the other end: its process may be gone, and the one listening there
-            // next knows none of the cached keys.
-            self.recheck_descriptor();
-        }
         let p = self.lock().path_of(rail);
         if let Some(p) = p {
             if self.path_error(p) {
                 tracing::warn!(peer = %self.name, rail, error = %err, "rail paused after repeated errors");
             }
             self.refresh_path(p);
+        }
+    }
+
+    fn closed_by_peer(&self) {
+        if !self.given_up() {
+            self.recheck_descriptor();
         }
     }
 
