@@ -4,14 +4,22 @@
 
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use crate::segment::SegmentDescriptor;
 
+/// Numbers peers in the order they are made (see [`Peer::incarnation`]).
+static INCARNATIONS: AtomicU64 = AtomicU64::new(1);
+
 /// An opened segment.
 pub(crate) struct Peer {
     pub id: u64,
+    /// Which of the peers made for segments this is, in the order they were made: when a
+    /// segment is followed to a new process, the new peer's is the greater, so a transport can
+    /// tell state made for the earlier process (replace it) from a request routed to the
+    /// earlier process (refuse it).
+    pub incarnation: u64,
     pub name: String,
     pub addr: SocketAddr,
     descriptor: RwLock<Arc<SegmentDescriptor>>,
@@ -61,6 +69,7 @@ impl Peer {
         };
         Peer {
             id,
+            incarnation: INCARNATIONS.fetch_add(1, Ordering::Relaxed),
             name,
             addr,
             descriptor: RwLock::new(Arc::new(descriptor)),
@@ -87,13 +96,6 @@ impl Peer {
     /// Whether the peer refused a key since the last call: the cached descriptor is stale.
     pub(crate) fn take_keys_refused(&self) -> bool {
         self.keys_refused.load(Ordering::Relaxed) && self.keys_refused.swap(false, Ordering::AcqRel)
-    }
-
-    /// Whether `flag` is this peer's refused-key flag, as handed out by
-    /// [`keys_refused`](Self::keys_refused): state a transport made for this peer holds it,
-    /// and state made for the process that served the segment before holds another.
-    pub(crate) fn owns_flag(&self, flag: &Arc<AtomicBool>) -> bool {
-        Arc::ptr_eq(&self.keys_refused, flag)
     }
 
     /// Whether this process and the peer's proved membership to each other (see

@@ -18,7 +18,6 @@ mod peers;
 
 pub(crate) use peers::Peers;
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
@@ -262,9 +261,9 @@ pub(crate) struct DriverEnv {
 /// One peer reached over `L`'s paths, driven by its dispatcher.
 pub(crate) struct Driver<L: Link> {
     pub(crate) name: String,
-    /// The peer's control address these paths were made for: a segment published again at
-    /// another address needs new ones.
-    pub(crate) addr: SocketAddr,
+    /// The `Peer::incarnation` this driver was made for: a segment followed to a new process
+    /// (even on the same address) is a later one.
+    pub(crate) incarnation: u64,
     timer: TimerKey,
     /// Local rail (scheduler index) of each path.
     path_rails: Vec<usize>,
@@ -308,7 +307,7 @@ impl<L: Link> Driver<L> {
     ) -> Arc<Driver<L>> {
         Arc::new_cyclic(|me| Driver {
             name: peer.name.clone(),
-            addr: peer.addr,
+            incarnation: peer.incarnation,
             timer,
             dispatch: Mutex::new(Dispatcher::new(config, &path_rails)),
             remaking: path_rails.iter().map(|_| AtomicBool::new(false)).collect(),
@@ -324,12 +323,6 @@ impl<L: Link> Driver<L> {
             keys_refused: peer.keys_refused(),
             scratch: Mutex::new(Vec::new()),
         })
-    }
-
-    /// Whether this driver was made for `peer` itself, not for an earlier process that
-    /// served the same segment (a restarted engine on the same address is a new `Peer`).
-    pub(crate) fn made_for(&self, peer: &Peer) -> bool {
-        peer.owns_flag(&self.keys_refused)
     }
 
     /// Has the engine fetch the peer's descriptor again before its next request: the peer

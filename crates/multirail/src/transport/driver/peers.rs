@@ -47,34 +47,43 @@ impl<L: Link> Peers<L> {
         connect: impl FnOnce() -> Result<Arc<Driver<L>>>,
     ) -> Result<(Arc<Driver<L>>, bool)> {
         let slot = self.slot(peer.id);
-        let live = || {
+        let live = || -> Result<Option<Arc<Driver<L>>>> {
             let moved = {
                 let mut current = slot.live.lock().expect("peer poisoned");
                 match current.as_ref() {
-                    Some(p) if p.addr != peer.addr || !p.made_for(peer) => current.take(),
+                    Some(p) if p.incarnation > peer.incarnation => {
+                        // Routed before the segment was followed to a later process: its keys
+                        // are the earlier one's, and the later one's paths stay.
+                        return Err(Error::PeerDisconnected {
+                            peer: peer.name.clone(),
+                            reason: "another process serves the segment now; submit again".into(),
+                        });
+                    }
+                    Some(p) if p.incarnation < peer.incarnation => current.take(),
                     _ => None,
                 }
             };
-            // The segment is now served at another address, or by another process: the old
-            // paths lead to a process that no longer answers for it. Closed outside the lock,
-            // since closing hands slices back.
+            // The segment is now served by another process (perhaps at another address): the
+            // old paths lead to a process that no longer answers for it. Closed outside the
+            // lock, since closing hands slices back.
             if let Some(moved) = moved {
                 moved.close("another process serves the segment now");
             }
-            slot.live
+            Ok(slot
+                .live
                 .lock()
                 .expect("peer poisoned")
                 .clone()
-                .filter(|p| !p.is_dead())
+                .filter(|p| !p.is_dead()))
         };
-        if let Some(p) = live() {
+        if let Some(p) = live()? {
             return Ok((p, false));
         }
         let asked = Instant::now();
         let mut last_failure = slot.connect.lock().expect("peer poisoned");
         // Another thread may have connected while this one waited, or failed to: an attempt
         // that ended since this thread asked answers for it too.
-        if let Some(p) = live() {
+        if let Some(p) = live()? {
             return Ok((p, false));
         }
         if let Some((ended, err)) = last_failure.as_ref() {
@@ -121,7 +130,9 @@ impl<L: Link> Peers<L> {
             // by doubling would copy it again and again.
             let mut run = Vec::with_capacity(left);
             run.push(first);
-            while let Some((_, req)) = reqs.next_if(|(next, _)| next.id == peer.id) {
+            // The same peer, not only the same segment: a batch routed while the segment was
+            // followed to a new process holds requests for both.
+            while let Some((_, req)) = reqs.next_if(|(next, _)| Arc::ptr_eq(next, &peer)) {
                 run.push(req);
             }
             left -= run.len();
