@@ -270,6 +270,19 @@ fn opening_connections_to_a_stopped_peer_fails_within_the_connect_timeout() {
     assert!(waited < Duration::from_millis(2500), "{waited:?}");
 }
 
+/// Posts prepared `list`, which was prepared for a process that no longer serves its segment,
+/// and checks that it is refused with the advice to prepare it again.
+fn assert_list_must_be_prepared_again(engine: &Engine, list: multirail::PreparedListId) {
+    let batch = engine.allocate_batch(1).unwrap();
+    let posted = engine
+        .submit_prepared(batch, list, Opcode::Write, multirail::PRIO_HIGH, None)
+        .unwrap_err();
+    assert!(
+        posted.to_string().contains("prepare the list again"),
+        "{posted}"
+    );
+}
+
 /// A handle keeps the process it was opened on: once that process exits, requests through it
 /// are refused with an error that says to open the segment again, and a segment opened again
 /// reaches the process restarted at the same address, both ways, every byte checked.
@@ -316,14 +329,7 @@ fn a_restarted_peer_is_reached_through_the_segment_opened_again() {
         refused.to_string().contains("open the segment again"),
         "{refused}"
     );
-    let batch = engine.allocate_batch(1).unwrap();
-    let posted = engine
-        .submit_prepared(batch, list, Opcode::Write, multirail::PRIO_HIGH, None)
-        .unwrap_err();
-    assert!(
-        posted.to_string().contains("prepare the list again"),
-        "{posted}"
-    );
+    assert_list_must_be_prepared_again(&engine, list);
 
     let second = TargetProcess::start_with("16MiB", None, &["--listen", &name]);
     assert_eq!(second.name, name, "restarted at the same address");
@@ -470,14 +476,7 @@ fn a_remote_peer_restarted_on_its_address_is_followed_by_a_long_lived_initiator(
         "the handle follows"
     );
     // A list prepared for the old process holds its keys.
-    let batch = engine.allocate_batch(1).unwrap();
-    let posted = engine
-        .submit_prepared(batch, list, Opcode::Write, multirail::PRIO_HIGH, None)
-        .unwrap_err();
-    assert!(
-        posted.to_string().contains("prepare the list again"),
-        "{posted}"
-    );
+    assert_list_must_be_prepared_again(&engine, list);
 
     // Restarted again; the old range asked for first.
     drop(second);
