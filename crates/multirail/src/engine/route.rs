@@ -196,11 +196,9 @@ impl Engine {
     /// another process answers. `None` when nothing answers or the answer is the old process.
     fn successor(&self, peer: &Arc<Peer>) -> Option<Arc<Peer>> {
         let fresh = self.lookup(&peer.name).ok()?;
-        let known = peer.descriptor();
-        if fresh.pid == known.pid && fresh.host_id == known.host_id {
-            return None;
-        }
-        self.follow(peer, fresh, !self.inner.publishes)
+        // The same process takes the fresh descriptor; another one is followed.
+        let fresh = peer.update_descriptor(fresh).err()?;
+        self.follow(peer, *fresh, !self.inner.publishes)
     }
 
     /// Follows `peer`'s segment to the process `fresh` describes (see `Inner::follow`),
