@@ -17,11 +17,12 @@ def pattern(seed: int, n: int) -> np.ndarray:
 class Peer:
     """A peer.py child process: another engine, in another Python process."""
 
-    def __init__(self, api: str, size: int, transport: str) -> None:
+    def __init__(self, api: str, size: int, transport: str, host: str = "127.0.0.1", netns=None) -> None:
         env = dict(os.environ)
         env.pop("MULTIRAIL_CONF", None)
+        inside = ["ip", "netns", "exec", netns] if netns else []
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "peer.py"), api, str(size), transport],
+            [*inside, sys.executable, os.path.join(HERE, "peer.py"), api, str(size), transport, host],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -61,8 +62,10 @@ class Peer:
 def spawn_peer():
     peers = []
 
-    def spawn(api: str = "native", size: int = 8 << 20, transport: str = "tcp") -> Peer:
-        p = Peer(api, size, transport)
+    def spawn(api: str = "native", size: int = 8 << 20, transport: str = "tcp", host: str = "127.0.0.1", netns=None) -> Peer:
+        """A peer process; `host` is the address it is named after, `netns` a network namespace
+        to run it in."""
+        p = Peer(api, size, transport, host, netns)
         peers.append(p)
         return p
 

@@ -1,15 +1,16 @@
 """The other process of the tests: an engine (native API or the Mooncake drop-in) that serves a
 buffer and obeys JSON commands, one per line on stdin, answering one JSON line on stdout.
 
-    python peer.py native|mooncake SIZE TRANSPORT
+    python peer.py native|mooncake SIZE TRANSPORT [HOST]
 
-First line out: {"name": segment name, "addr": buffer address, "size": SIZE}. Commands:
+HOST (default 127.0.0.1) is the address the engine is named after. First line out: {"name": segment name, "addr": buffer address, "size": SIZE}. Commands:
   {"op": "fill", "off", "len", "seed"}             fill a range with pattern(seed)
   {"op": "verify", "off", "len", "seed"}           -> {"ok": bool}: range equals pattern(seed)
   {"op": "write_to"|"read_from", "name", "remote", "off", "len"}
                                                    this process initiates a transfer -> {"rc": 0|...}
   {"op": "sha256", "off", "len"}                  -> {"sha256": hex digest of the range}
   {"op": "notifies"}                              -> {"notifies": [[name, msg], ...]}
+  {"op": "traffic"}                               -> {"traffic": {rail: bytes it carried}}
   {"op": "exit"}
 """
 
@@ -26,10 +27,12 @@ def pattern(seed: int, n: int) -> np.ndarray:
 
 def main() -> None:
     api, size, transport = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    host = sys.argv[4] if len(sys.argv) > 4 else "127.0.0.1"
     if api == "native":
         import multirail
 
-        engine = multirail.Engine(name="127.0.0.1", transport=transport)
+        engine = multirail.Engine(name=host, transport=transport)
+        stats = engine.traffic_stats
         buf = engine.allocate(size)
         arr = np.frombuffer(buf, dtype=np.uint8)
         name, addr = engine.name, buf.addr
@@ -49,12 +52,13 @@ def main() -> None:
         from multirail.mooncake import TransferEngine
 
         te = TransferEngine()
-        rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp" if transport == "tcp" else "rdma", "")
+        rc = te.initialize(host, "P2PHANDSHAKE", "tcp" if transport == "tcp" else "rdma", "")
         assert rc == 0, rc
+        stats = te.traffic_stats
         arr = np.zeros(size, dtype=np.uint8)
         addr = arr.ctypes.data
         assert te.register_memory(addr, size) == 0
-        name = f"127.0.0.1:{te.get_rpc_port()}"
+        name = f"{host}:{te.get_rpc_port()}"
 
         def transfer(op, peer, remote, off, length):
             f = te.transfer_sync_write if op == "write" else te.transfer_sync_read
@@ -82,6 +86,8 @@ def main() -> None:
                 out = {"notifies": [list(n) for n in engine.notifications()]}
             else:
                 out = {"notifies": [[n.name, n.msg] for n in te.get_notifies()]}
+        elif op == "traffic":
+            out = {"traffic": {rail: s["bytes"] for rail, s in stats().items()}}
         else:
             out = {"error": f"unknown op {op}"}
         print(json.dumps(out), flush=True)

@@ -659,6 +659,20 @@ class Engine:
             segment_name=segment_name,
         )
 
+    @classmethod
+    def _publishing(
+        cls, host: str, port: int, *, transport: Optional[str], metadata: Optional[str]
+    ) -> "Engine":
+        """An engine listening on every IPv4 address (port ``port``, 0 for a free one) that
+        publishes ``host`` (``local_hostname``, unless the configuration sets it), with the
+        configuration of ``MULTIRAIL_CONF``: every interface is a rail, where ``Engine(name=IP)``
+        would keep to the one holding that address. Raises what :class:`Engine` raises."""
+        engine = cls.__new__(cls)
+        engine._native = _native.NativeEngine(
+            f"0.0.0.0:{port}", local_hostname=host, transport=transport, metadata=metadata
+        )
+        return engine
+
     @property
     def name(self) -> str:
         """This engine's address, ``host:port``: what peers pass to ``open_segment`` unless it

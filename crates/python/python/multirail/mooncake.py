@@ -30,7 +30,9 @@ Differences from Mooncake, all documented on the methods:
   ``"rdma"`` uses the best transport multirail has (shared memory to same-host peers, RDMA when
   both ends have RDMA devices, else TCP) and logs so. Anything else returns -1.
 * ``device_name`` is ignored (logged): multirail picks its rails from the configuration
-  (``MULTIRAIL_CONF``) or the host's interfaces.
+  (``MULTIRAIL_CONF``) or the host's interfaces. ``local_hostname`` names the engine and does
+  not pin it to one interface: given an IPv4 address that is not loopback, the engine listens
+  on every address and publishes that one, so its TCP traffic is sprayed over every interface.
 * ``get_notifies()`` returns the notifications received since the last call; a
   notification's ``name`` is the sender's session id (``host:port``), whatever name the
   sender put in its ``TransferNotify`` (only ``msg`` travels).
@@ -43,6 +45,7 @@ Differences from Mooncake, all documented on the methods:
 from __future__ import annotations
 
 import enum
+import ipaddress
 import logging
 import os
 from typing import Any, Dict, List, Optional, Sequence
@@ -107,6 +110,18 @@ def _split_host(local_hostname: str) -> "tuple[str, int]":
     return local_hostname, 0
 
 
+def _every_interface(host: str) -> bool:
+    """Whether an engine named after ``host`` listens on every address, so that every interface
+    of this host is a rail: true for an IPv4 address that is neither loopback nor unspecified.
+    Loopback keeps everything on this host; a host name and the unspecified address already
+    listen everywhere; IPv6 has no rails but the one (TCP rails are IPv4 interfaces)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return ip.version == 4 and not ip.is_loopback and not ip.is_unspecified
+
+
 class TransferEngine:
     """Mooncake-compatible transfer engine. Call :meth:`initialize` first."""
 
@@ -121,8 +136,11 @@ class TransferEngine:
 
         ``local_hostname``: ``"host"`` or ``"host:port"``; as in Mooncake with P2PHANDSHAKE the
         port is ignored and a free one is picked (set ``MC_LEGACY_RPC_PORT_BINDING`` to use
-        it). The engine listens on ``host`` when it is an IP address, else on every address
-        and publishes ``host``. The session id peers use is ``f"{host}:{get_rpc_port()}"``.
+        it). The engine publishes ``host`` and listens on every address, so that every
+        interface of the host is a rail (``MULTIRAIL_CONF``'s ``rails`` chooses them by hand);
+        a loopback address (``"127.0.0.1"``) is listened on alone, which keeps everything on
+        this host, and so is an IPv6 address. The session id peers use is
+        ``f"{host}:{get_rpc_port()}"``.
         ``metadata_server``: ``"P2PHANDSHAKE"``, ``"http://HOST:PORT/PATH"``,
         ``"etcd://HOST:PORT[,...]"`` or a bare ``"HOST:PORT[,...]"`` (etcd). ``protocol``: ``"tcp"`` or ``"rdma"`` (see the module docstring).
         ``device_name``: ignored."""
@@ -160,9 +178,15 @@ class TransferEngine:
         host, port = _split_host(local_hostname)
         if not os.environ.get("MC_LEGACY_RPC_PORT_BINDING"):
             port = 0
-        name = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
-            self._engine = Engine(None, name, transport=transport, metadata=metadata_server)
+            if _every_interface(host):
+                # Mooncake's local_hostname names the engine; it does not choose its NICs (its
+                # RDMA transport takes every device). Listening on this one address would keep
+                # multirail to the one interface holding it.
+                self._engine = Engine._publishing(host, port, transport=transport, metadata=metadata_server)
+            else:
+                name = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+                self._engine = Engine(None, name, transport=transport, metadata=metadata_server)
         except Error as e:
             log.error("initialize: %s", e)
             return -1
