@@ -56,6 +56,11 @@ pub const DEFAULT_MIN_SAMPLE_BYTES: u64 = 1 << 20;
 /// holds (see [`DeviceSelector::on_delivered`]).
 const FIRST_SAMPLE_BUSY_FACTOR: u64 = 10;
 
+/// A pooled sample that spans FIRST_SAMPLE_BUSY_FACTOR × `min_sample_ns` of busy time and shows
+/// less than the estimate divided by this is taken whatever bytes it holds (see
+/// [`DeviceSelector::on_delivered`]).
+const SLOW_SAMPLE_DIVISOR: f64 = 4.0;
+
 /// Bytes per second in one Gbps.
 const BYTES_PER_S_PER_GBPS: f64 = 1e9 / 8.0;
 
@@ -724,10 +729,19 @@ impl DeviceSelector {
             // 10 Gbit/s all that while). Not after one millisecond: a fast rail's first
             // millisecond holds its start (threads waking, pages faulting in) and few bytes, and
             // such a sample read loopback at a tenth of its speed.
-            let first = cfg.estimator == BandwidthEstimator::Delivery
-                && r.filter.is_empty()
-                && busy >= min_sample_ns.saturating_mul(FIRST_SAMPLE_BUSY_FACTOR);
-            let enough_bytes = r.pooled_bytes >= min_sample_bytes || first;
+            let long = busy >= min_sample_ns.saturating_mul(FIRST_SAMPLE_BUSY_FACTOR);
+            let first =
+                cfg.estimator == BandwidthEstimator::Delivery && r.filter.is_empty() && long;
+            // Nor need a sample that shows the rail far slower than estimated: a policer's
+            // burst can only make a short sample read high, so one this far below the estimate
+            // is the rail slowing down. Waiting for a megabyte, a rail that fell from 600 to
+            // 0.1 Mbit/s (a grey failure, or a policer clamping down) kept its estimate, its
+            // window and its share of every batch for 80 s, and each batch waited seconds for
+            // the slices dealt to it.
+            let slow = long
+                && (r.pooled_bytes as f64) * NS_PER_S
+                    < r.ewma_bps * busy as f64 / SLOW_SAMPLE_DIVISOR;
+            let enough_bytes = r.pooled_bytes >= min_sample_bytes || first || slow;
             if busy >= min_sample_ns && enough_bytes {
                 let observed = r.pooled_bytes as f64 * NS_PER_S / busy as f64;
                 let mostly_limited = r.pooled_limited_bytes > r.pooled_bytes / 2;
@@ -1832,6 +1846,39 @@ mod tests {
         let t = followed_at.expect("followed and kept");
         assert!(t - drop_at <= 1_000 * MS, "after {} ms", (t - drop_at) / MS);
         assert!(t - drop_at <= DEFAULT_BANDWIDTH_WINDOW_NS + 5 * MS);
+    }
+
+    #[test]
+    fn delivery_follows_a_collapse_to_a_hundredth_within_tens_of_milliseconds() {
+        // 4 KiB slices on a 600 Mbit/s rail that falls to 6 Mbit/s: a megabyte, what a sample
+        // otherwise holds, would take 1.4 s of the fallen rail.
+        let mut sel = DeviceSelector::new(delivery(), &[gbps(0.6)], 1);
+        let drop_at = 500 * MS;
+        let mut followed_at = None;
+        saturate(
+            &mut sel,
+            4 * KIB,
+            17,
+            0.6,
+            (drop_at, 0.006),
+            0,
+            1_000 * MS,
+            |s, t| {
+                let e = s.rail_stats(0).unwrap().ewma_gbps;
+                if t < drop_at {
+                    // Learned from the first sample on (10 ms of busy time).
+                    assert!(t < 50 * MS || (e - 0.6).abs() <= 0.15 * 0.6, "{e} at {t}");
+                } else if (e - 0.006).abs() <= 0.15 * 0.006 {
+                    followed_at.get_or_insert(t);
+                } else {
+                    followed_at = None;
+                }
+            },
+        );
+        let t = followed_at.expect("followed and kept");
+        // The 17 slices in flight at the drop drain at the new rate (93 ms), and the sample
+        // that spans them is taken with the first completion after 10 ms of the slow rail.
+        assert!(t - drop_at <= 150 * MS, "after {} ms", (t - drop_at) / MS);
     }
 
     #[test]
