@@ -72,3 +72,22 @@ def spawn_peer():
     yield spawn
     for p in peers:
         p.close()
+
+
+RAILS = os.path.join(HERE, "..", "..", "..", "scripts", "rails")
+
+
+@pytest.fixture
+def two_rails():
+    """Two veth rails between two network namespaces (scripts/rails); skips where they cannot be
+    made (not root, no iproute2). Yields the prefix P: namespaces Pa and Pb, rail i is
+    10.77.i.1 (in Pa) <-> 10.77.i.2 (in Pb)."""
+    prefix = f"py{os.getpid() % 100000}"
+    up = subprocess.run([RAILS, "up", "2", "1gbit", "1gbit", "--prefix", prefix], capture_output=True, text=True)
+    if up.returncode == 77:
+        pytest.skip(f"no rails here: {up.stderr.strip()}")
+    assert up.returncode == 0, up.stderr
+    try:
+        yield prefix
+    finally:
+        subprocess.run([RAILS, "teardown", "--prefix", prefix], capture_output=True)

@@ -485,25 +485,6 @@ def test_transfer_failures(spawn_peer, te):
     assert te.transfer_sync_write(peer.name, a, peer.addr, MIB) == -1
 
 
-RAILS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "scripts", "rails")
-
-
-@pytest.fixture
-def two_rails():
-    """Two veth rails between two network namespaces (scripts/rails); skips where they cannot be
-    made (not root, no iproute2). Yields the prefix P: namespaces Pa and Pb, rail i is
-    10.77.i.1 (in Pa) <-> 10.77.i.2 (in Pb)."""
-    prefix = f"mc{os.getpid() % 100000}"
-    up = subprocess.run([RAILS, "up", "2", "1gbit", "1gbit", "--prefix", prefix], capture_output=True, text=True)
-    if up.returncode == 77:
-        pytest.skip(f"no rails here: {up.stderr.strip()}")
-    assert up.returncode == 0, up.stderr
-    try:
-        yield prefix
-    finally:
-        subprocess.run([RAILS, "teardown", "--prefix", prefix], capture_output=True)
-
-
 def test_a_host_address_names_the_engine_without_pinning_it_to_one_interface(spawn_peer, two_rails):
     # Mooncake's connectors pass the host's own address as local_hostname; that names the
     # engine, and the transfer is still sprayed over every interface.

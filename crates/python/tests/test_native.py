@@ -1,7 +1,11 @@
 """The Pythonic API between two Python processes, bytes checked with NumPy, and its errors."""
 
 import gc
+import json
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -9,7 +13,7 @@ import numpy as np
 import pytest
 
 import multirail
-from conftest import pattern
+from conftest import HERE, RAILS, pattern
 
 MIB = 1 << 20
 
@@ -459,3 +463,19 @@ def test_messages_arrive_in_order_and_a_waiting_recv_sleeps(transport):
         # The engine still works after the refused sends.
         tx.send(seg, b"still here")
         assert rx.recv(timeout=10) == (tx.name, b"still here")
+
+
+def test_a_write_retried_off_a_lost_rail_never_lands_late(spawn_peer, two_rails):
+    # Rail 0 goes down under a write: its slices are retried on rail 1 and the write completes.
+    # The connections given up on rail 0 must not deliver their old bytes once it is back,
+    # over the newer write of the same range.
+    target = spawn_peer("mooncake", 32 << 20, "tcp", host="10.77.0.1", netns=f"{two_rails}a")
+    out = subprocess.run(
+        ["ip", "netns", "exec", f"{two_rails}b", sys.executable, os.path.join(HERE, "lost_rail_writer.py"),
+         target.name, str(target.addr), RAILS, two_rails],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["rail0_errors"] > 0, f"rail 0 was never lost under the write: {got}"
+    assert got["not_b"] == 0, f"{got['a']} bytes of the older write landed after the newer one: {got}"

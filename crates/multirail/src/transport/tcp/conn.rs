@@ -343,6 +343,20 @@ impl Conn {
         }
     }
 
+    /// Kills the connection as [`kill`](Self::kill) does, and makes its close abortive: when
+    /// the last handle drops, the kernel discards what the socket still holds unsent and resets
+    /// the connection, instead of delivering it after a FIN. For a connection given up on while
+    /// its peer may still be there (a stalled rail, a link that went down, a silent peer): its
+    /// slices are retried on other connections, and bytes of an old WRITE that reached the
+    /// target afterwards (once the link came back) would land over whatever the range was
+    /// written with since.
+    pub(crate) fn abort(&self, err: Error) {
+        if let Err(e) = socket2::SockRef::from(&self.stream).set_linger(Some(Duration::ZERO)) {
+            tracing::debug!(peer = %self.peer, rail = self.rail, error = %e, "SO_LINGER refused: the close will not reset");
+        }
+        self.kill(err);
+    }
+
     /// Marks the connection dead with `err` and hands every slice in flight on it back to the
     /// owner. Idempotent: the first error wins and slices are handed back once.
     pub(crate) fn kill(&self, err: Error) {

@@ -389,11 +389,22 @@ impl Link for TcpLink {
         self.paths[p].link_down()
     }
 
-    /// Kills every connection of the path; each hands its slices back through
-    /// [`ConnOwner::slices_returned`] and counts its loss.
+    /// Aborts every connection of the path; each hands its slices back through
+    /// [`ConnOwner::slices_returned`] and counts its loss. The path lets go of them at once, so
+    /// each closes (with a reset, discarding what it had not sent) as soon as its two threads
+    /// have seen it die, rather than when the path is remade.
     fn drop_path(&self, _driver: &TcpPeer, p: PathId, err: &Error) {
-        for c in self.paths[p].conns().iter().filter(|c| !c.is_dead()) {
-            c.kill(err.clone());
+        let path = &self.paths[p];
+        for c in path.conns().iter().filter(|c| !c.is_dead()) {
+            c.abort(err.clone());
+        }
+        path.conns
+            .lock()
+            .expect("path poisoned")
+            .retain(|c| !c.is_dead());
+        let mut high = path.high.lock().expect("path poisoned");
+        if high.as_ref().is_some_and(|h| h.is_dead()) {
+            *high = None;
         }
     }
 
