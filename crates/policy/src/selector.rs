@@ -348,6 +348,8 @@ struct Rail {
     /// completion in it.
     segment_start_ns: Option<u64>,
     segment_end_ns: u64,
+    /// Start of the first busy period pooled towards the next sample.
+    pool_start_ns: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -521,6 +523,7 @@ impl DeviceSelector {
                     filter: MaxFilter::default(),
                     segment_start_ns: None,
                     segment_end_ns: 0,
+                    pool_start_ns: None,
                 };
                 rail.secs_per_byte = 1.0 / theoretical_bps;
                 rail
@@ -711,6 +714,7 @@ impl DeviceSelector {
             // reaped by several threads may report their times out of order; taking the
             // latest end and the period's fixed start keeps that from inventing bandwidth.
             let seg_start = *r.segment_start_ns.get_or_insert(posted_at_ns.min(now_ns));
+            let pool_start = *r.pool_start_ns.get_or_insert(seg_start);
             r.segment_end_ns = r.segment_end_ns.max(now_ns);
             r.pooled_bytes = r.pooled_bytes.saturating_add(bytes);
             r.pooled_limited_bytes = r.pooled_limited_bytes.saturating_add(limited);
@@ -743,8 +747,20 @@ impl DeviceSelector {
                     < r.ewma_bps * busy as f64 / SLOW_SAMPLE_DIVISOR;
             let enough_bytes = r.pooled_bytes >= min_sample_bytes || first || slow;
             if busy >= min_sample_ns && enough_bytes {
-                let observed = r.pooled_bytes as f64 * NS_PER_S / busy as f64;
                 let mostly_limited = r.pooled_limited_bytes > r.pooled_bytes / 2;
+                // An app-limited sample may raise the estimate, so it must not read high: it
+                // is timed from its first busy period's start to its end, idle gaps included.
+                // A rail held to a slice at a time by its window idles between answers, and a
+                // policer refills its bucket meanwhile; timed by busy time alone, every slice
+                // began with a burst at link speed, and a rail policed to 150 Mbit/s under a
+                // 16 KiB bucket read 0.2 Gbit/s and was dealt a third more than it carries.
+                // Over the gaps, a token bucket lets through at most its rate plus one bucket.
+                let span = if mostly_limited {
+                    r.segment_end_ns.saturating_sub(pool_start).max(busy)
+                } else {
+                    busy
+                };
+                let observed = r.pooled_bytes as f64 * NS_PER_S / span as f64;
                 let end = r.segment_end_ns;
                 r.learn(cfg, observed, mostly_limited, end);
                 r.pooled_bytes = 0;
@@ -753,6 +769,7 @@ impl DeviceSelector {
                 if r.segment_start_ns.is_some() {
                     r.segment_start_ns = Some(r.segment_end_ns);
                 }
+                r.pool_start_ns = r.segment_start_ns;
             }
             return Ok(());
         }
@@ -1879,6 +1896,51 @@ mod tests {
         // The 17 slices in flight at the drop drain at the new rate (93 ms), and the sample
         // that spans them is taken with the first completion after 10 ms of the slow rail.
         assert!(t - drop_at <= 150 * MS, "after {} ms", (t - drop_at) / MS);
+    }
+
+    #[test]
+    fn bursts_a_policer_refills_between_window_limited_slices_do_not_raise_the_estimate() {
+        // A 10 Gbps NIC policed to 150 Mbit/s by a 16 KiB token bucket. Kept busy at first (four
+        // 64 KiB slices in flight), then held to one slice by its window: each slice is posted
+        // 1 ms after the previous one's answer (app-limited), and in that millisecond the
+        // bucket refills, so a quarter of every slice leaves at link speed.
+        const BUCKET: u64 = 16 * KIB;
+        let (line, rate) = (10.0, 0.15);
+        let ns_for = |bytes: u64, gbps: f64| (bytes as f64 * 8.0 / gbps) as u64;
+        let mut sel = DeviceSelector::new(delivery(), &[gbps(line)], 1);
+        let mut t = 0;
+        while t < 300 * MS {
+            let posted = t;
+            for _ in 0..4 {
+                sel.select_one(&[&[0]], S).unwrap();
+            }
+            for _ in 0..4 {
+                let done = t + ns_for(S, rate);
+                sel.on_delivered(0, S, posted, done, false).unwrap();
+                t = done;
+            }
+        }
+        let learned = ewma_gbps(&sel, 0);
+        assert!(
+            (learned - rate).abs() <= 0.15 * rate,
+            "learned {learned} Gbps"
+        );
+        let mut highest = 0.0f64;
+        let mut tokens = BUCKET;
+        while t < 2_300 * MS {
+            sel.select_one(&[&[0]], S).unwrap();
+            let burst = tokens.min(S);
+            let done = t + ns_for(burst, line) + ns_for(S - burst, rate);
+            sel.on_delivered(0, S, t, done, true).unwrap();
+            let gap = MS;
+            tokens = (BUCKET as f64).min(gap as f64 * rate / 8.0) as u64;
+            t = done + gap;
+            highest = highest.max(ewma_gbps(&sel, 0));
+        }
+        assert!(
+            highest <= rate * 1.15,
+            "estimate up to {highest} Gbps of a {rate} Gbps rail"
+        );
     }
 
     #[test]
