@@ -29,9 +29,13 @@ def main() -> None:
     arr = np.frombuffer(buf, dtype=np.uint8)
     seg = engine.open_segment(target)
 
+    def submit_write() -> multirail.Batch:
+        return engine.submit(
+            [multirail.Request("write", buf.addr + i * MIB, seg, remote + i * MIB, MIB) for i in range(SIZE // MIB)]
+        )
+
     def write() -> None:
-        reqs = [multirail.Request("write", buf.addr + i * MIB, seg, remote + i * MIB, MIB) for i in range(SIZE // MIB)]
-        engine.submit(reqs).wait(60)
+        submit_write().wait(60)
 
     def rail0(action: str) -> None:
         subprocess.run([rails, action, "0", "--prefix", prefix], check=True, capture_output=True)
@@ -42,9 +46,7 @@ def main() -> None:
     arr[:] = 0xAA
     write()  # both rails connected and measured
     # Under the write: what rail 0's connections hold unsent waits for the link to come back.
-    batch = engine.submit(
-        [multirail.Request("write", buf.addr + i * MIB, seg, remote + i * MIB, MIB) for i in range(SIZE // MIB)]
-    )
+    batch = submit_write()
     rail0("down")
     try:
         batch.wait(60)
