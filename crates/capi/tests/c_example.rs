@@ -281,7 +281,12 @@ fn run_pair(
     let mut target = reap.0.take().expect("target");
     drop(target.stdin.take());
     let target = wait_for(target, limit, "the target");
-    target_lines.extend(rx.try_iter());
+    // Its stdout has ended, but the reader thread may not have handed over the last lines yet
+    // (the target's verdict among them): take them until it finishes.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        target_lines.push(line);
+    }
     let (i_out, i_err) = (
         String::from_utf8_lossy(&initiator.stdout).into_owned(),
         String::from_utf8_lossy(&initiator.stderr).into_owned(),
