@@ -590,23 +590,30 @@ impl Driver<RdmaLink> {
     }
 
     /// Takes in what the target sent since the last look, without waiting.
+    /// A control connection that closed ends the peer: the target holds its ends of the queue
+    /// pairs only while the connection lives (it exited, or dropped this engine), so every
+    /// slice in flight or queued fails now with why, instead of when the queue pairs' retries
+    /// or the peer's timeout run out; a later request opens the peer afresh.
     fn read_frames(&self) {
-        let Ok(mut cm) = self.link.cm.try_lock() else {
-            // A request is under way: its reader takes these in.
-            return;
-        };
-        loop {
-            match cm::try_recv_frame::<TargetFrame>(&mut cm) {
-                Ok(Some(f)) => self.on_frame(f),
-                Ok(None) => return,
-                Err(e) => {
-                    // The target closed it (it exited or shed us): its queue pairs go with it,
-                    // which the queue pairs themselves report.
-                    tracing::debug!(peer = %self.name, error = %e, "RDMA control connection lost");
-                    return;
+        let lost = {
+            let Ok(mut cm) = self.link.cm.try_lock() else {
+                // A request is under way: its reader takes these in.
+                return;
+            };
+            loop {
+                match cm::try_recv_frame::<TargetFrame>(&mut cm) {
+                    Ok(Some(f)) => self.on_frame(f),
+                    Ok(None) => return,
+                    Err(e) => break e,
                 }
             }
-        }
+        };
+        tracing::warn!(peer = %self.name, error = %lost, "RDMA control connection lost: the peer's requests fail");
+        // Closing takes the connection's lock again, so it was let go above.
+        self.close(&format!(
+            "lost its RDMA control connection ({lost}): the target exited or dropped this \
+             engine, and its queue pairs with it"
+        ));
     }
 
     /// What the poller reaped on path `p`.
