@@ -279,8 +279,7 @@ pub fn run(
             name
         }
     };
-    let server_pid = server.as_ref().map(|s| s.child.id());
-    let outcome = client(config, &args, &target, server_pid);
+    let outcome = client(config, &args, &target, server.as_mut());
     drop(server);
     outcome
 }
@@ -300,6 +299,17 @@ fn serve(config: Config, args: &PingpongArgs) -> Result<(), Failure> {
             peers.remove(&m.from);
             last = None;
             if args.once {
+                // The `--local` client reads this line after its goodbye: how this server's
+                // waits went (asleep, or polling ahead of a message due at the cadence).
+                let stats = engine.message_stats();
+                outln!(
+                    "{}",
+                    serde_json::json!({
+                        "recv_sleeps": stats.recv_sleeps,
+                        "recv_anticipated": stats.recv_anticipated,
+                        "received": stats.received,
+                    })
+                )?;
                 return Ok(());
             }
             continue;
@@ -326,9 +336,29 @@ fn serve(config: Config, args: &PingpongArgs) -> Result<(), Failure> {
 /// The `--local` server: a `pingpong --server --once` child, stopped when dropped.
 struct LocalServer {
     child: Guarded,
-    /// Kept open while the server runs.
-    _stdout: BufReader<ChildStdout>,
+    /// Kept open while the server runs; after the goodbye it carries the server's stats.
+    stdout: Option<BufReader<ChildStdout>>,
     name: String,
+}
+
+/// How long the client waits for the `--local` server's stats line after its goodbye.
+const SERVER_STATS_WAIT: Duration = Duration::from_secs(5);
+
+impl LocalServer {
+    /// The server's message stats line (JSON), printed as it exits after the client's
+    /// goodbye; `None` when it did not come within [`SERVER_STATS_WAIT`] or was not JSON
+    /// (the report then goes without it rather than hang on a stuck child).
+    fn stats(&mut self) -> Option<serde_json::Value> {
+        let mut stdout = self.stdout.take()?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = stdout.read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx.recv_timeout(SERVER_STATS_WAIT).ok()?;
+        serde_json::from_str(line.trim()).ok()
+    }
 }
 
 impl LocalServer {
@@ -357,20 +387,21 @@ impl LocalServer {
         }
         Ok(LocalServer {
             child,
-            _stdout: stdout,
+            stdout: Some(stdout),
             name,
         })
     }
 }
 
-/// Runs the round trips against `target`; `server_pid`, the `--local` server's process, has
-/// its CPU time over the gapped round trips reported.
+/// Runs the round trips against `target`; `server`, the `--local` server, has its CPU time
+/// over the gapped round trips and its message stats reported.
 fn client(
     config: Config,
     args: &PingpongArgs,
     target: &str,
-    server_pid: Option<u32>,
+    mut server: Option<&mut LocalServer>,
 ) -> Result<(), Failure> {
+    let server_pid = server.as_ref().map(|s| s.child.id());
     let receive = match args.transport {
         Transport::Shm => config.transports.shm.receive.clone(),
         Transport::Tcp => config.transports.tcp.receive.clone(),
@@ -463,6 +494,7 @@ fn client(
     });
     engine.send(seg, &[])?;
     let engine_sleeps = engine.message_stats().recv_sleeps;
+    let server_stats = server.as_mut().and_then(|s| s.stats());
     let ns_per_tick = clock.ns_per_tick();
     for v in rtt.iter_mut() {
         *v = (*v as f64 * ns_per_tick).round() as u64;
@@ -518,6 +550,7 @@ fn client(
                 "max_us": f.max_us,
             })),
             "client_recv_sleeps": engine_sleeps,
+            "server_messages": server_stats,
         });
         outln!("{}", serde_json::to_string_pretty(&json).expect("json"))
     } else {
@@ -535,6 +568,12 @@ fn client(
         }
         if let Some(pct) = server_cpu_pct {
             outln!("server CPU over the measured round trips: {pct:.2} % of a core")?;
+        }
+        if let Some(s) = &server_stats {
+            outln!(
+                "server's recv: {} messages, {} taken after sleeping on the doorbell, {} polled for ahead of their cadence",
+                s["received"], s["recv_sleeps"], s["recv_anticipated"]
+            )?;
         }
         Ok(())
     }

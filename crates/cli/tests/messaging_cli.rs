@@ -67,6 +67,12 @@ fn check_columns(v: &serde_json::Value, transport: &str) {
     assert!(f("p999_us") <= f("t_max_us"));
     assert!(f("t_stdev_us") >= 0.0);
     assert!(v["pattern"].is_string());
+    // The local server's own counters, read back after the goodbye: every warm-up and measured
+    // message and the goodbye itself.
+    let server = &v["server_messages"];
+    assert_eq!(server["received"], 200 + 3000 + 1, "{server}");
+    assert!(server["recv_sleeps"].is_u64(), "{server}");
+    assert!(server["recv_anticipated"].is_u64(), "{server}");
 }
 
 #[test]

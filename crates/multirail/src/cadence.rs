@@ -7,10 +7,17 @@
 //! of Linux's block layer (sleep for part of the expected completion time, then poll), keyed
 //! to the gaps between arrivals rather than a device's completion time.
 //!
-//! The policy is pure: it is told when messages arrived (ns on one clock) and answers when to
-//! wake and how long to poll. It anticipates only while the recent gaps are steady enough that
-//! the poll stays a small share of the gap ([`MAX_POLL_SHARE`]): messages at random times get
-//! no anticipation and cost nothing more than before.
+//! The policy is pure: it is told when messages arrived (ns on one clock) and how late its
+//! timer wakes came, and answers when to wake and how long to poll. It anticipates only while
+//! the recent gaps are steady enough that the poll stays a small share of the gap
+//! ([`MAX_POLL_SHARE`]): messages at random times get no anticipation and cost nothing more
+//! than before.
+//!
+//! A timer wakes a sleeping thread late, and by how much depends on the host: tens of µs on
+//! bare metal, 100-300 µs on a busy virtual machine whose halted vCPU the hypervisor must
+//! schedule again. A fixed lead shorter than that wakes after the message (which then pays the
+//! wake-up the anticipation was for), so the wait also learns how late its timer wakes have
+//! been ([`Cadence::woke_late`]) and wakes that much earlier on top of the lead.
 
 /// Gaps remembered: the last this many.
 pub(crate) const GAPS: usize = 8;
@@ -19,6 +26,8 @@ pub(crate) const MIN_GAPS: usize = 4;
 /// The poll window (the spread of the remembered gaps plus the lead on both sides) may be at
 /// most this share of the shortest gap: at a 10 ms cadence, at most 1.25 ms of polling.
 pub(crate) const MAX_POLL_SHARE: u64 = 8;
+/// Timer wakes remembered: how late the last this many came.
+pub(crate) const LATE_WAKES: usize = 8;
 
 /// When to wake before a message due at the cadence, and until when to poll for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,6 +50,12 @@ pub(crate) struct Cadence {
     /// Where the next gap goes in `gaps`.
     next: usize,
     last: Option<u64>,
+    /// How late (ns) the last timer wakes came after the time asked for.
+    late: [u64; LATE_WAKES],
+    /// Late wakes recorded, up to [`LATE_WAKES`].
+    late_len: usize,
+    /// Where the next one goes in `late`.
+    late_next: usize,
 }
 
 impl Cadence {
@@ -52,7 +67,31 @@ impl Cadence {
             len: 0,
             next: 0,
             last: None,
+            late: [0; LATE_WAKES],
+            late_len: 0,
+            late_next: 0,
         }
+    }
+
+    /// A sleep asked to wake at an [`Anticipation::wake_at`] ended `late_ns` after it (a sleep
+    /// that ended earlier, on a message, says nothing about the timer and is not recorded).
+    pub(crate) fn woke_late(&mut self, late_ns: u64) {
+        self.late[self.late_next] = late_ns;
+        self.late_next = (self.late_next + 1) % LATE_WAKES;
+        self.late_len = (self.late_len + 1).min(LATE_WAKES);
+    }
+
+    /// How much earlier than the lead a wait asks to wake: the upper quartile of the recent
+    /// timer wakes' lateness (a rare very late wake, the hypervisor busy elsewhere, does not
+    /// keep every later wait polling that much longer), 0 before any was recorded.
+    fn expected_lateness(&self) -> u64 {
+        if self.late_len == 0 {
+            return 0;
+        }
+        let mut late = self.late;
+        let late = &mut late[..self.late_len];
+        late.sort_unstable();
+        late[(self.late_len * 3) / 4]
     }
 
     /// A message arrived at `at` (ns): the gap since the last one is recorded. An arrival
@@ -84,7 +123,10 @@ impl Cadence {
         if shortest == 0 || window > shortest / MAX_POLL_SHARE {
             return None;
         }
-        let wake_at = (last + shortest).saturating_sub(self.lead);
+        // Earlier by what the timer has been late, but never by more than the poll's share of
+        // the gap: a host whose timers come later than that gets a late poll, not a long one.
+        let early = self.expected_lateness().min(shortest / MAX_POLL_SHARE);
+        let wake_at = (last + shortest).saturating_sub(self.lead + early);
         let poll_until = last.saturating_add(longest).saturating_add(self.lead);
         (now < poll_until).then_some(Anticipation {
             wake_at,
@@ -130,6 +172,48 @@ mod tests {
         // Still anticipated until the window closes; overdue after it.
         assert!(c.anticipate(a.poll_until - 1).is_some());
         assert_eq!(c.anticipate(a.poll_until), None);
+    }
+
+    #[test]
+    fn late_timer_wakes_move_the_wake_earlier_by_their_upper_quartile() {
+        let (mut c, last) = steady(200 * US, &[10 * MS; 8]);
+        let on_time = c.anticipate(last).expect("steady").wake_at;
+        assert_eq!(on_time, last + 10 * MS - 200 * US);
+        // This host's timers come 150 µs late: wake 150 µs earlier still.
+        for _ in 0..LATE_WAKES {
+            c.woke_late(150 * US);
+        }
+        let a = c.anticipate(last).expect("steady");
+        assert_eq!(a.wake_at, on_time - 150 * US);
+        // Polling still ends the lead after the latest gap: only the start moves.
+        assert_eq!(a.poll_until, last + 10 * MS + 200 * US);
+        // One wake far later than the rest (the hypervisor busy elsewhere) moves nothing.
+        c.woke_late(3 * MS);
+        assert_eq!(
+            c.anticipate(last).expect("steady").wake_at,
+            on_time - 150 * US
+        );
+        // Once most recent wakes come later, the wait follows them.
+        for _ in 0..LATE_WAKES / 2 {
+            c.woke_late(400 * US);
+        }
+        assert_eq!(
+            c.anticipate(last).expect("steady").wake_at,
+            on_time - 400 * US
+        );
+    }
+
+    #[test]
+    fn the_learned_lateness_never_wakes_earlier_than_the_polls_share_of_the_gap() {
+        let (mut c, last) = steady(200 * US, &[10 * MS; 8]);
+        for _ in 0..LATE_WAKES {
+            c.woke_late(5 * MS);
+        }
+        let a = c.anticipate(last).expect("steady");
+        assert_eq!(
+            a.wake_at,
+            last + 10 * MS - 200 * US - 10 * MS / MAX_POLL_SHARE
+        );
     }
 
     #[test]

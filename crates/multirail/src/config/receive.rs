@@ -53,7 +53,8 @@ pub struct ReceiveConfig {
     pub adaptive_spin: bool,
     /// Microseconds before a message due at a steady cadence that a sleeping `recv` (or
     /// notification wait) wakes to poll for it, so the message costs a poll instead of a
-    /// wake-up (default 200; 0 never). It anticipates only while the last gaps between
+    /// wake-up (default 200; 0 never). It wakes earlier still by how late its recent timer
+    /// wakes came (learned per engine). It anticipates only while the last gaps between
     /// arrivals were steady enough that the poll stays under an eighth of the gap. One wait
     /// covers every transport: 0 on any transport turns it off, otherwise the longest lead.
     pub cadence_lead_us: u64,
@@ -62,8 +63,9 @@ pub struct ReceiveConfig {
 /// Default of `spin_us`: a busy tcp ping-pong's round trip here is 20-30 µs, so its waits end
 /// within the spin and never pay a wake-up.
 pub const DEFAULT_SPIN_US: u64 = 200;
-/// Default of `cadence_lead_us`: on a virtual machine a timer wakes a sleeping thread up to
-/// ~80 µs late (the timer slack of 50 µs and the wake-up of a halted vCPU).
+/// Default of `cadence_lead_us`: the margin for a message's jitter around its cadence. How
+/// late the timer wakes the sleeping thread (the timer slack of 50 µs and the wake-up of a
+/// halted vCPU: 80-300 µs on a virtual machine) is learned and added by the wait.
 pub const DEFAULT_CADENCE_LEAD_US: u64 = 200;
 /// Largest `cadence_lead_us`: a tenth of a second.
 pub const MAX_CADENCE_LEAD_US: u64 = 100_000;

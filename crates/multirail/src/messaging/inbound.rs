@@ -687,19 +687,33 @@ impl Messaging {
             // Spun out: sleep, only until the next message is due if messages come steadily.
             let mut left = timeout.map(|t| t - waited);
             anticipated_until = None;
+            // When the timer is to wake this sleep for a message due at the cadence.
+            let mut timer_wake = None;
             if let Some((wake_at, until)) = self.anticipate(now) {
                 anticipated_until = Some(until);
                 if wake_at <= now {
                     continue;
                 }
                 let to_wake = wake_at - now;
+                if left.is_none_or(|l| to_wake <= l) {
+                    timer_wake = Some(wake_at);
+                }
                 left = Some(left.map_or(to_wake, |l| l.min(to_wake)));
             }
             let nap = quick_wakes >= doorbell::FRUITLESS_WAKES;
             if nap {
                 quick_wakes = 0;
             }
-            match self.sleep(left, nap, want) {
+            let woke = self.sleep(left, nap, want);
+            if let Some(wake_at) = timer_wake.filter(|_| matches!(woke, Woke::Slept)) {
+                // Ended at or after the time asked for: by the timer, or by a message that came
+                // after it, when the timer was later still. Either way the timer was this late.
+                let woke_at = Instant::now();
+                if woke_at >= wake_at {
+                    self.woke_late(woke_at - wake_at);
+                }
+            }
+            match woke {
                 Woke::Quick => quick_wakes += 1,
                 Woke::Slept | Woke::Ready | Woke::Followed => {}
             }
@@ -711,6 +725,14 @@ impl Messaging {
     fn arrived(&self, at: Instant) {
         let ns = at.saturating_duration_since(self.cadence_epoch).as_nanos() as u64;
         self.cadence.lock().expect("cadence poisoned").arrived(ns);
+    }
+
+    /// A sleep the cadence timed ended `late` after the time it asked to wake at.
+    fn woke_late(&self, late: Duration) {
+        self.cadence
+            .lock()
+            .expect("cadence poisoned")
+            .woke_late(late.as_nanos().min(u64::MAX as u128) as u64);
     }
 
     /// When a wait at `now` that spun out should wake to poll for a message due at the
