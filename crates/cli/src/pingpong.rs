@@ -359,9 +359,7 @@ impl LocalServer {
         let line = rx.recv_timeout(SERVER_STATS_WAIT).ok()?;
         serde_json::from_str(line.trim()).ok()
     }
-}
 
-impl LocalServer {
     fn start(config_path: Option<&Path>, args: &PingpongArgs) -> anyhow::Result<LocalServer> {
         let exe = std::env::current_exe().context("locating the multirail binary")?;
         let mut cmd = Command::new(exe);
