@@ -120,6 +120,21 @@ impl RailScheduler {
             .on_delivered(rail, bytes, p, n, app_limited);
     }
 
+    /// `rail` was given up on as stalled: a slice of `bytes` posted at `p` was still not
+    /// delivered at `n` (see [`DeviceSelector::on_stalled`]).
+    pub(crate) fn stalled_ns(&self, rail: RailId, bytes: u64, p: u64, n: u64) {
+        let mut selector = self.selector.lock().expect("scheduler poisoned");
+        let _ = selector.on_stalled(rail, bytes, p, n);
+        tracing::debug!(
+            rail,
+            bytes,
+            posted_ns = p,
+            now_ns = n,
+            estimate_gbps = selector.rail_stats(rail).map(|s| s.ewma_gbps),
+            "rail stalled"
+        );
+    }
+
     /// A slice on `rail` failed.
     pub(crate) fn failed(&self, rail: RailId, bytes: u64) {
         let _ = self

@@ -803,6 +803,45 @@ impl DeviceSelector {
         Ok(())
     }
 
+    /// Reports that `rail` was given up on as stalled at `now_ns`: a slice of `bytes` bytes
+    /// posted there at `posted_at_ns` had still not been delivered. The rail then carries at
+    /// most `bytes / (now − posted_at)`, and the estimate learns that bound as a sample that is
+    /// not app-limited (samples older than `bandwidth_window_ns` no longer hold it up; TENT's
+    /// EWMA stays within its clamp), and what was pooled towards the next sample is dropped:
+    /// the rail's connections are closed with the stall. Without it a rail that fell from
+    /// 600 to 0.1 Mbit/s delivered nothing more to learn from, kept its old estimate, and was
+    /// dealt slices again as soon as it was reconnected, each stalling the batch it held. The
+    /// bytes stay in flight until the slices come back ([`DeviceSelector::on_failed`]).
+    ///
+    /// Fails with [`SelectError::UnknownRail`] (changing nothing) if `rail` does not exist.
+    pub fn on_stalled(
+        &mut self,
+        rail: RailId,
+        bytes: u64,
+        posted_at_ns: u64,
+        now_ns: u64,
+    ) -> Result<(), SelectError> {
+        let cfg = &self.cfg;
+        let r = self
+            .rails
+            .get_mut(rail)
+            .ok_or(SelectError::UnknownRail(rail))?;
+        r.pooled_bytes = 0;
+        r.pooled_busy_ns = 0;
+        r.pooled_limited_bytes = 0;
+        r.segment_start_ns = None;
+        r.pool_start_ns = None;
+        r.last_sample = None;
+        let waited = now_ns.saturating_sub(posted_at_ns);
+        if bytes > 0 && waited > 0 {
+            let at_most = bytes as f64 * NS_PER_S / waited as f64;
+            if at_most < r.ewma_bps {
+                r.learn(cfg, at_most, false, now_ns);
+            }
+        }
+        Ok(())
+    }
+
     /// Reports that a slice of `bytes` bytes assigned to `rail` failed: the bytes leave the
     /// in-flight count and the rail's error count grows; the EWMA is untouched (rail health
     /// decides about pausing).
@@ -1691,6 +1730,61 @@ mod tests {
             posted.push_back(now);
         }
         now
+    }
+
+    #[test]
+    fn a_stall_lowers_the_estimate_to_what_the_undelivered_slice_shows_at_most() {
+        // Rail 0 carries 5 Gbit/s for 50 ms of virtual time, then nothing: a stalled slice of
+        // 64 KiB posted then is given up on half a second later.
+        let mut sel = DeviceSelector::new(delivery(), &[gbps(10.0), gbps(10.0)], 1);
+        let end = saturate(
+            &mut sel,
+            64 << 10,
+            4,
+            5.0,
+            (u64::MAX, 5.0),
+            0,
+            50 * MS,
+            |_, _| {},
+        );
+        let before = ewma_gbps(&sel, 0);
+        assert!(before > 4.0, "{before}");
+        sel.select_one(&[&[0]], 64 << 10).unwrap();
+        sel.on_stalled(0, 64 << 10, end, end + 500 * MS).unwrap();
+        // 64 KiB in 0.5 s is 1 Mbit/s; the smoothing keeps a hundredth of the old estimate.
+        let after = ewma_gbps(&sel, 0);
+        assert!(after < 0.1, "estimate {after} Gbit/s after the stall");
+        assert_eq!(ewma_gbps(&sel, 1), 10.0, "another rail moved");
+        // The slice comes back failed; the next delivery is learned from afresh, and one far
+        // above the bound raises the estimate again.
+        let held = inflight(&sel, 0);
+        sel.on_failed(0, 64 << 10).unwrap();
+        assert_eq!(inflight(&sel, 0), held - (64 << 10));
+        let t = end + 600 * MS;
+        saturate(
+            &mut sel,
+            64 << 10,
+            4,
+            5.0,
+            (u64::MAX, 5.0),
+            t,
+            t + 50 * MS,
+            |_, _| {},
+        );
+        assert!(ewma_gbps(&sel, 0) > 4.0, "{}", ewma_gbps(&sel, 0));
+        // A bound above the estimate says nothing new.
+        let est = ewma_gbps(&sel, 0);
+        sel.on_stalled(0, 1 << 30, t, t + 1).unwrap();
+        assert_eq!(ewma_gbps(&sel, 0), est);
+        assert_eq!(sel.on_stalled(7, 1, 0, 1), Err(SelectError::UnknownRail(7)));
+    }
+
+    #[test]
+    fn tent_estimate_after_a_stall_keeps_to_its_clamp() {
+        let mut sel = DeviceSelector::new(cfg(), &[gbps(10.0)], 1);
+        sel.on_stalled(0, 4096, 0, 500 * MS).unwrap();
+        let after = ewma_gbps(&sel, 0);
+        assert!((1.0 - 1e-9..10.0).contains(&after), "{after}");
     }
 
     #[test]

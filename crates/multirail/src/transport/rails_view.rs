@@ -88,6 +88,10 @@ impl<T: Payload + Located> Rails<T> for EngineRails<'_> {
         self.scheduler.failed(rail, bytes);
     }
 
+    fn stalled(&mut self, rail: RailId, bytes: u64, posted_ns: u64, now_ns: u64) {
+        self.scheduler.stalled_ns(rail, bytes, posted_ns, now_ns);
+    }
+
     fn unassigned(&mut self, rail: RailId, bytes: u64) {
         self.scheduler.unassigned(rail, bytes);
     }

@@ -54,6 +54,12 @@ impl PathLoad {
     pub fn on_time(&self, posted: u64, horizon: f64) -> bool {
         posted < self.probe_bytes || self.finish_s(posted).is_none_or(|f| f <= horizon)
     }
+
+    /// Whether the path takes one more slice on top of `posted` bytes only as a probe: it
+    /// would not finish it by `horizon`.
+    pub fn probe_only(&self, posted: u64, horizon: f64) -> bool {
+        posted < self.probe_bytes && self.finish_s(posted).is_some_and(|f| f > horizon)
+    }
 }
 
 /// Idle time after which a path kept off by the horizon takes a slice anyway, ns: often enough

@@ -60,6 +60,18 @@ const PAGE: u64 = 4096;
 /// 1.33–1.36 GB/s over two, an estimate that kept the first rule from ever spreading them.
 const SPREAD_MIN_BYTES_PER_SEC: f64 = 2e9;
 
+/// A path with slices in flight is overdue once it has answered nothing for this many times
+/// what its oldest slice takes alone (its bytes at the rail's bandwidth estimate, plus the
+/// path's fixed round trip), and at least [`OVERDUE_MIN_NS`]; it is then given up on if
+/// another path answered meanwhile (see [`Dispatcher::on_timeout`]). One slice's time, not
+/// the whole window's: a rail that moves answers a slice about every slice time however many
+/// it holds, and one that stopped answers none.
+const OVERDUE_FACTOR: f64 = 8.0;
+/// The least wait that makes a slice overdue, ns: longer than a TCP retransmission timeout
+/// (200 ms at least on Linux) and the round trip after it, so one lost segment is not taken
+/// for a stall. Never more than half the timeout, the rule that catches a rail with no estimate.
+const OVERDUE_MIN_NS: u64 = 500_000_000;
+
 /// Index of a path among the dispatcher's (the order given to [`Dispatcher::new`]).
 pub type PathId = usize;
 
@@ -129,6 +141,9 @@ pub trait Rails<T> {
     );
     /// A slice of `bytes` on `rail` failed or was refused by the target.
     fn failed(&mut self, rail: RailId, bytes: u64);
+    /// `rail` was given up on as stalled at `now_ns`: a slice of `bytes` posted at
+    /// `posted_ns` was still not delivered (its estimate should fall to at most that rate).
+    fn stalled(&mut self, rail: RailId, bytes: u64, posted_ns: u64, now_ns: u64);
     /// A slice of `bytes` charged to `rail` by `select` never went there.
     fn unassigned(&mut self, rail: RailId, bytes: u64);
     /// A slice of `priority` left the queue after `waited_ns` (statistics).
@@ -330,6 +345,9 @@ struct Path {
     /// longer than [`finish::PROBE_AFTER_NS`] (a 64 KiB slice on a 10 Mbit/s rail takes 52 ms)
     /// would otherwise leave the path "idle long" the moment it is answered.
     last_busy_ns: u64,
+    /// When the path last answered a slice (0 = never): an answer after another path's oldest
+    /// slice went out shows the peer alive while that path is stuck.
+    last_answer_ns: u64,
     /// Until when the path is probed whatever the finish horizon says (see
     /// [`finish::PathLoad::probe`]).
     probe_until_ns: u64,
@@ -363,7 +381,18 @@ impl Path {
     }
 
     fn oldest_posted_ns(&self) -> Option<u64> {
-        self.inflight.iter().find(|f| !f.done).map(|f| f.posted_ns)
+        self.oldest().map(|f| f.posted_ns)
+    }
+
+    /// The oldest slice in flight.
+    fn oldest(&self) -> Option<&InFlight> {
+        self.inflight.iter().find(|f| !f.done)
+    }
+
+    /// Since when the path, holding slices, has answered none: the later of its last answer
+    /// and the posting of its oldest slice. `None` with nothing in flight.
+    fn silent_since_ns(&self) -> Option<u64> {
+        self.oldest_posted_ns().map(|o| o.max(self.last_answer_ns))
     }
 
     /// Takes the record of `seq`, if it is in flight here, at `now`.
@@ -448,6 +477,7 @@ impl<T: Payload> Dispatcher<T> {
                 usable: false,
                 posted: 0,
                 last_busy_ns: 0,
+                last_answer_ns: 0,
                 probe_until_ns: 0,
                 inflight: VecDeque::new(),
                 rtt: RttEstimator::new(),
@@ -675,6 +705,7 @@ impl<T: Payload> Dispatcher<T> {
             return false;
         };
         let rail = path.rail;
+        path.last_answer_ns = now.max(1);
         if ok {
             let sent = sent.unwrap_or(rec.posted_ns);
             let rtt = now.saturating_sub(sent);
@@ -866,12 +897,17 @@ impl<T: Payload> Dispatcher<T> {
             self.expire_queue(now, rails);
             return;
         }
-        // A path that stalls while the others answer or stand idle is given up on after half
-        // the timeout when its slices may retry on another: answered there, they prove the peer
-        // alive before its deadline. Waiting the whole timeout would make a stalled rail look
-        // like a silent peer whenever the other paths went idle meanwhile (a batch waiting for
-        // the stalled path's last slices), and the peer's deadline would fail everything.
+        // A path that stalls while others answer is given up on when its slices may retry on
+        // another: answered there, they prove the peer alive before its deadline. Stalled
+        // means overdue (its oldest slice waited many times what the rail's estimate says its
+        // bytes take) while another path answered since that slice went out: a rail policed to
+        // a trickle under a batch then costs the batch half a second, not half the timeout.
+        // Without such an answer, half the timeout while the others answer or stand idle.
+        // Waiting the whole timeout would make a stalled rail look like a silent peer whenever
+        // the other paths went idle meanwhile (a batch waiting for the stalled path's last
+        // slices), and the peer's deadline would fail everything.
         let suspect = self.config.timeout_ns / 2;
+        let retries = self.config.max_retries > 0;
         for p in 0..self.paths.len() {
             let path = &self.paths[p];
             if path.dropping {
@@ -881,21 +917,29 @@ impl<T: Payload> Dispatcher<T> {
                 continue;
             };
             let waited = now.saturating_sub(oldest);
-            let elsewhere = self.config.max_retries > 0 && self.progress_elsewhere(p, now);
-            if (elsewhere && waited > suspect) || waited > self.config.timeout_ns {
+            let quiet_since = path.silent_since_ns().unwrap_or(oldest);
+            let quiet = now.saturating_sub(quiet_since);
+            let overdue = self.overdue_after(p);
+            let stalled = retries
+                && ((quiet > overdue && self.answered_elsewhere_since(p, quiet_since))
+                    || (waited > suspect && self.progress_elsewhere(p, now)));
+            if stalled || waited > self.config.timeout_ns {
+                if stalled {
+                    let path = &self.paths[p];
+                    let bytes = path.inflight.iter().find(|f| !f.done).map_or(0, |f| f.len);
+                    rails.stalled(path.rail, bytes, oldest, now);
+                }
                 let path = &mut self.paths[p];
                 path.dropping = true;
                 path.dropped_by_us = true;
                 path.health.on_error(now);
                 path.refresh_usable();
-                self.events.push_back(Event::DropPath {
-                    path: p,
-                    stalled: elsewhere,
-                });
-            } else if waited > suspect {
-                // Another path may start answering: look again a sixteenth of the timeout on.
-                self.paths[p].stall_recheck_ns =
-                    now.saturating_add((self.config.timeout_ns / 16).max(1));
+                self.events.push_back(Event::DropPath { path: p, stalled });
+            } else if quiet > overdue {
+                // Another path may answer yet: look again a little later (at most a sixteenth
+                // of the timeout on, so a timer never fires in a loop until the deadline).
+                let again = (self.config.timeout_ns / 16).min(overdue).max(1);
+                self.paths[p].stall_recheck_ns = now.saturating_add(again);
             }
         }
         for (p, path) in self.paths.iter_mut().enumerate() {
@@ -924,10 +968,13 @@ impl<T: Payload> Dispatcher<T> {
             }
         };
         earliest(self.silent_since().map(|s| s.saturating_add(timeout) + 1));
-        for p in &self.paths {
+        for (i, p) in self.paths.iter().enumerate() {
             if !p.dropping {
+                let overdue = self.overdue_after(i);
                 earliest(p.oldest_posted_ns().map(|o| {
-                    (o.saturating_add(timeout / 2) + 1)
+                    let quiet_since = p.silent_since_ns().unwrap_or(o);
+                    (quiet_since.saturating_add(overdue) + 1)
+                        .min(o.saturating_add(timeout / 2) + 1)
                         .max(p.stall_recheck_ns)
                         .min(o.saturating_add(timeout) + 1)
                 }));
@@ -951,6 +998,33 @@ impl<T: Payload> Dispatcher<T> {
     /// and the moment the outstanding work began.
     fn silent_since(&self) -> Option<u64> {
         Some(self.outstanding_since?.max(self.last_heard_ns))
+    }
+
+    /// How long `path`, holding slices, may answer none before it is overdue, ns:
+    /// [`OVERDUE_FACTOR`] times what its oldest slice takes at its rail's bandwidth estimate
+    /// plus the path's fixed round trip, at least [`OVERDUE_MIN_NS`], at most half the timeout
+    /// (also when the rail has no estimate yet).
+    fn overdue_after(&self, path: PathId) -> u64 {
+        let suspect = self.config.timeout_ns / 2;
+        let p = &self.paths[path];
+        let bw = self.estimate(p.rail);
+        let Some(oldest) = p.oldest().filter(|_| bw > 0.0) else {
+            return suspect;
+        };
+        let drain_ns = oldest.len as f64 / bw * 1e9;
+        let fixed_ns = p.rtt.min_fixed_ns().unwrap_or(0) as f64;
+        let expected = OVERDUE_FACTOR * (drain_ns + fixed_ns);
+        (expected.min(u64::MAX as f64) as u64)
+            .max(OVERDUE_MIN_NS)
+            .min(suspect)
+    }
+
+    /// True when a usable path other than `path` answered a slice after `since`: the peer
+    /// is alive and reachable, so `path`'s slices may be retried there.
+    fn answered_elsewhere_since(&self, path: PathId, since: u64) -> bool {
+        self.paths.iter().enumerate().any(|(q, other)| {
+            q != path && other.usable && !other.dropping && other.last_answer_ns > since
+        })
     }
 
     /// True when a usable path other than `path` can take retries: none of its slices has
@@ -1027,6 +1101,12 @@ impl<T: Payload> Dispatcher<T> {
             return u64::MAX;
         }
         (bw * finish::PROBE_SPAN_NS as f64 / 1e9).min(u64::MAX as f64) as u64
+    }
+
+    /// Largest slice a probe of path `p` takes (see `poll_post`): [`Self::probe_bytes`] in whole
+    /// pages, at least one page.
+    fn probe_piece(&self, p: PathId) -> u64 {
+        (self.probe_bytes(p) & !(PAGE - 1)).max(PAGE)
     }
 
     /// Largest bulk slice `rail` may carry while HIGH work is active: `high_wait_ns` of its
@@ -1193,7 +1273,12 @@ impl<T: Payload> Dispatcher<T> {
                         probe_bytes: if now < path.probe_until_ns
                             || path.idle_long(now, self.probe_after(p, slice))
                         {
-                            self.probe_bytes(p).max(slice)
+                            let piece = if split {
+                                slice
+                            } else {
+                                slice.min(self.probe_piece(p))
+                            };
+                            self.probe_bytes(p).max(piece)
                         } else {
                             0
                         },
@@ -1294,7 +1379,18 @@ impl<T: Payload> Dispatcher<T> {
                 // Where the slice is cut before it goes: to a bulk chunk beside HIGH, or (past
                 // the horizon for the whole slice) to the piece the path still finishes in
                 // time. The rest waits at the head.
-                let cut = if fits {
+                let probe_only = smart
+                    && loads
+                        .iter()
+                        .find(|(lp, _)| *lp == p)
+                        .is_some_and(|(_, load)| load.probe_only(self.paths[p].posted, horizon));
+                let cut = if fits && probe_only && !split {
+                    // A probe measures the rail; it need not hold a whole slice. On a rail far
+                    // slower than its estimate (one that collapsed, kept at the estimator's
+                    // floor) the batch behind a 64 KiB probe waited seconds for it.
+                    let piece = self.probe_piece(p);
+                    (q.item.item.len() > piece).then_some(piece)
+                } else if fits {
                     let chunk = self.bulk_chunk(rail);
                     (split && q.item.item.len() > chunk).then_some(chunk)
                 } else if !split {

@@ -121,6 +121,11 @@ impl Rails<Piece> for Host {
     fn failed(&mut self, rail: RailId, bytes: u64) {
         self.selector.on_failed(rail, bytes).unwrap();
     }
+    fn stalled(&mut self, rail: RailId, bytes: u64, posted_ns: u64, now_ns: u64) {
+        self.selector
+            .on_stalled(rail, bytes, posted_ns, now_ns)
+            .unwrap();
+    }
     fn unassigned(&mut self, rail: RailId, bytes: u64) {
         self.unassigned += bytes;
         self.selector.on_unassigned(rail, bytes).unwrap();
@@ -563,6 +568,197 @@ fn a_stalled_path_is_dropped_while_another_answers() {
     assert!(d.poll_failed().is_none(), "retried on path 1");
     let again = drain(&mut d, 600 * MS, &mut host);
     assert!(!again.is_empty() && again.iter().all(|p| p.path == 1));
+}
+
+/// A dispatcher of two paths (rails 0 and 1) with a 10 s timeout: the overdue rule, not half
+/// the timeout, is what gives a stuck path up.
+fn two_paths_ten_second_timeout() -> Dispatcher<Piece> {
+    let cfg = DispatchConfig {
+        timeout_ns: 10_000 * MS,
+        ..config()
+    };
+    let mut d = Dispatcher::new(cfg, &[0, 1]);
+    d.on_path(0, 0, 2);
+    d.on_path(0, 1, 2);
+    d
+}
+
+#[test]
+fn a_path_whose_slices_are_overdue_is_dropped_once_another_answered_since() {
+    // Both rails estimated at 10 Gbit/s: what path 0 has in flight should take well under a
+    // millisecond, so its oldest slice is overdue after the 500 ms floor, not 5 s.
+    let mut host = Host::new(&[10.0, 10.0], true);
+    let mut d = two_paths_ten_second_timeout();
+    d.on_submit(0, Priority::Low, pieces(0, 8, 64 << 10));
+    let posts = drain(&mut d, 0, &mut host);
+    let (stuck, answered): (Vec<_>, Vec<_>) = posts.into_iter().partition(|p| p.path == 0);
+    assert!(!stuck.is_empty() && !answered.is_empty());
+    for p in answered {
+        d.on_completed(MS, p.id, None, &mut host);
+    }
+    let due = d.poll_timeout().expect("a deadline for the stuck path");
+    assert!(due <= 500 * MS + 1, "looked at only at {due} ns");
+    d.on_timeout(400 * MS, &mut host);
+    assert_eq!(d.poll_event(), None, "dropped before it was overdue");
+    d.on_timeout(500 * MS + 1, &mut host);
+    assert_eq!(
+        d.poll_event(),
+        Some(Event::DropPath {
+            path: 0,
+            stalled: true
+        })
+    );
+    // The rail delivered nothing in half a second: its estimate falls from 10 Gbit/s to what a
+    // slice in that time is at most (64 KiB over 0.5 s: 1 Mbit/s).
+    let estimate = host.selector.rail_stats(0).unwrap().ewma_gbps;
+    assert!(
+        estimate < 0.01,
+        "rail 0 still estimated at {estimate} Gbit/s"
+    );
+    assert!(host.selector.rail_stats(1).unwrap().ewma_gbps > 1.0);
+    d.on_path(501 * MS, 0, 0);
+    for p in stuck {
+        d.on_failed(501 * MS, p.id, p.item, Cause::Timeout, &mut host);
+    }
+    assert!(d.poll_failed().is_none(), "retried on path 1");
+    let again = drain(&mut d, 501 * MS, &mut host);
+    assert!(!again.is_empty() && again.iter().all(|p| p.path == 1));
+}
+
+#[test]
+fn an_overdue_path_is_kept_while_no_other_answered_since_its_slice_went_out() {
+    let mut host = Host::new(&[10.0, 10.0], true);
+    let mut d = two_paths_ten_second_timeout();
+    d.on_submit(0, Priority::Low, pieces(0, 8, 64 << 10));
+    let posts = drain(&mut d, 0, &mut host);
+    assert!(posts.iter().any(|p| p.path == 0) && posts.iter().any(|p| p.path == 1));
+    // Nothing answers anywhere: the peer may be stuck as a whole, which only its own deadline
+    // decides. The dispatcher looks again now and then, never in a loop.
+    let mut now = 0;
+    let mut wakes = 0;
+    while now < 5_000 * MS {
+        let due = d.poll_timeout().expect("a deadline");
+        assert!(due > now, "deadline {due} not after {now}");
+        now = due;
+        wakes += 1;
+        d.on_timeout(now, &mut host);
+        assert_eq!(d.poll_event(), None, "a path dropped at {now} ns");
+    }
+    assert!(wakes <= 20, "{wakes} wakes before half the timeout");
+}
+
+#[test]
+fn a_slow_rail_that_moves_is_not_taken_for_a_stalled_one_until_it_stops() {
+    // Rail 0 estimated at 10 Mbit/s answers a 64 KiB slice every 52 ms, oldest first, while rail
+    // 1 answers at once: however long its queue, it is answering, so it stays. Round robin, so
+    // the slow rail takes its share.
+    let mut host = Host::new(&[0.01, 10.0], false);
+    let mut d = two_paths_ten_second_timeout();
+    d.on_submit(0, Priority::Low, pieces(0, 64, 64 << 10));
+    let mut slow: VecDeque<Post<Piece>> = VecDeque::new();
+    let mut now = 0;
+    let slice_ns = ((64 << 10) as f64 / (0.01e9 / 8.0) * 1e9) as u64;
+    let mut answered_slow = 0;
+    while now < 2_000 * MS {
+        for p in drain(&mut d, now, &mut host) {
+            if p.path == 0 {
+                slow.push_back(p);
+            } else {
+                d.on_completed(now + US, p.id, None, &mut host);
+            }
+        }
+        now += slice_ns;
+        if let Some(p) = slow.pop_front() {
+            d.on_completed(now, p.id, None, &mut host);
+            answered_slow += 1;
+        }
+        d.on_timeout(now, &mut host);
+        let events: Vec<Event> = std::iter::from_fn(|| d.poll_event()).collect();
+        assert!(
+            events.iter().all(|e| !matches!(e, Event::DropPath { .. })),
+            "rail 0 dropped at {now} ns while it answers: {events:?}"
+        );
+        if d.queue.depths().iter().all(|&n| n == 0) {
+            d.on_submit(now, Priority::Low, pieces(1, 16, 64 << 10));
+        }
+    }
+    assert!(answered_slow > 20, "{answered_slow} answered");
+    // Then it stops answering: given up on within the floor and a recheck, not half the
+    // timeout, as long as rail 1 keeps answering.
+    let stopped = now;
+    loop {
+        now += 10 * MS;
+        for p in drain(&mut d, now, &mut host) {
+            if p.path == 1 {
+                d.on_completed(now + US, p.id, None, &mut host);
+            }
+        }
+        if d.queue.depths().iter().all(|&n| n == 0) {
+            d.on_submit(now, Priority::Low, pieces(2, 4, 64 << 10));
+        }
+        d.on_timeout(now, &mut host);
+        if std::iter::from_fn(|| d.poll_event()).any(|e| {
+            e == Event::DropPath {
+                path: 0,
+                stalled: true,
+            }
+        }) {
+            break;
+        }
+        assert!(
+            now - stopped < 1_000 * MS,
+            "still not dropped after {} ns",
+            now - stopped
+        );
+    }
+    assert!(
+        now - stopped > 400 * MS,
+        "dropped {} ns after it stopped",
+        now - stopped
+    );
+}
+
+#[test]
+fn a_probe_of_a_rail_estimated_far_slower_than_the_rest_is_one_page() {
+    // Rail 0 estimated at 1 Mbit/s, rail 1 at 10 Gbit/s: the slow rail takes nothing of a batch
+    // (it would finish late) until it has been idle long enough for a probe, and the probe is
+    // cut to a page: a whole 64 KiB slice would hold the batch half a second at the estimate,
+    // and seconds on a rail slower still.
+    let mut host = Host::new(&[0.001, 10.0], true);
+    let mut d = two_paths_ten_second_timeout();
+    d.on_submit(0, Priority::Low, pieces(0, 16, 64 << 10));
+    let first = drain(&mut d, 0, &mut host);
+    assert!(
+        first.iter().all(|p| p.path == 1),
+        "the slow rail took part of the batch"
+    );
+    for p in &first {
+        d.on_completed(MS, p.id, None, &mut host);
+    }
+    assert!(drain(&mut d, MS, &mut host).iter().all(|p| p.path == 1));
+    let later = 11_000 * MS;
+    // More than rail 1's window holds: the probe goes to rail 0 once rail 1 is full.
+    d.on_submit(later, Priority::Low, pieces(1, 64, 64 << 10));
+    let posts = drain(&mut d, later, &mut host);
+    let probe: Vec<_> = posts.iter().filter(|p| p.path == 0).collect();
+    assert_eq!(probe.len(), 1, "one probe: {probe:?}");
+    assert_eq!(probe[0].item.len, PAGE);
+    // The rest of the probed slice is still dealt: nothing is lost.
+    let mut moved: u64 = posts.iter().map(|p| p.item.len).sum();
+    for p in &posts {
+        d.on_completed(later + MS, p.id, None, &mut host);
+    }
+    let mut now = later + MS;
+    while d.has_outstanding() {
+        let more = drain(&mut d, now, &mut host);
+        now += MS;
+        for p in &more {
+            moved += p.item.len;
+            d.on_completed(now, p.id, None, &mut host);
+        }
+        assert!(now < later + 1_000 * MS, "the batch never finished");
+    }
+    assert_eq!(moved, 64 * (64 << 10));
 }
 
 #[test]

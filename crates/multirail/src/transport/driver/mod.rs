@@ -532,6 +532,13 @@ impl<L: Link> Driver<L> {
                 while let Some(post) = d.poll_post(now_ns, &mut rails) {
                     out.push(post);
                 }
+                if !out.is_empty() {
+                    // Slices just posted on an idle path bring its stall deadline (see
+                    // `Dispatcher::on_timeout`) closer than what is armed: a request submitted
+                    // with nothing in flight armed only the peer's silence, and a rail that
+                    // stalled under a stream of such requests went unnoticed until that fired.
+                    self.arm(&mut d);
+                }
                 self.settle(&mut d);
             }
             if out.is_empty() || !self.hand_over(&mut out) {
