@@ -70,9 +70,11 @@ const BYTES_PER_S_PER_GBPS: f64 = 1e9 / 8.0;
 /// followed within a few tens of milliseconds.
 pub const DEFAULT_BANDWIDTH_WINDOW_NS: u64 = 20_000_000;
 
-/// Lowest estimate the delivery estimator reports, bytes/s (1 Mbit/s): below it a rail is as
-/// good as down, and a positive floor keeps scores and windows finite.
-pub const MIN_DELIVERY_BYTES_PER_SEC: f64 = 125_000.0;
+/// Lowest estimate the delivery estimator reports, bytes/s (10 kbit/s): a positive floor keeps
+/// scores and windows finite. Low, so a rail that collapsed (a grey failure: link up, a trickle
+/// through) reads as slow as it is. At a floor of 1 Mbit/s, a rail fallen to 0.1 Mbit/s was
+/// probed as if ten times faster: every 0.66 s, each probe holding a batch 0.33 s.
+pub const MIN_DELIVERY_BYTES_PER_SEC: f64 = 1_250.0;
 
 /// How a rail's bandwidth estimate learns from delivery-rate samples.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
