@@ -22,9 +22,12 @@
 //! - Timeouts are the peer's, not each slice's: a peer with work outstanding that answers
 //!   nothing on any path for `timeout_ns`, counted from the later of its last answer and the
 //!   moment that work began, is silent; everything of it fails with [`Verdict::Timeout`] and
-//!   no retry restarts that clock. Within it, a path whose oldest slice waits half the timeout
-//!   while another path answers or stands idle is dropped ([`Event::DropPath`]) and its slices
-//!   retried elsewhere, which tells a stalled rail from a silent peer.
+//!   no retry restarts that clock. Within it, a path that answers nothing for
+//!   `OVERDUE_FACTOR` × its oldest slice's time at the rail's estimate (at least
+//!   `OVERDUE_MIN_NS`) while another path answers, or whose oldest slice waits half the
+//!   timeout while another path answers or stands idle, is dropped ([`Event::DropPath`]), its
+//!   rail's estimate lowered to what the stall shows, and its slices retried elsewhere, which
+//!   tells a stalled rail from a silent peer.
 //! - A slice that comes back from a failed connection goes to the head of its level for
 //!   another rail, at most `max_retries` times; a path that keeps failing is paused and probed
 //!   back ([`crate::health`]).
@@ -899,10 +902,11 @@ impl<T: Payload> Dispatcher<T> {
         }
         // A path that stalls while others answer is given up on when its slices may retry on
         // another: answered there, they prove the peer alive before its deadline. Stalled
-        // means overdue (its oldest slice waited many times what the rail's estimate says its
-        // bytes take) while another path answered since that slice went out: a rail policed to
-        // a trickle under a batch then costs the batch half a second, not half the timeout.
-        // Without such an answer, half the timeout while the others answer or stand idle.
+        // means overdue (it answered nothing for many times what its oldest slice takes at the
+        // rail's estimate, see `overdue_after`) while another path answered meanwhile: a rail
+        // fallen to a trickle under a batch then costs the batch half a second, not half the
+        // timeout. Failing that, its oldest slice waited half the timeout while the others
+        // answer or stand idle.
         // Waiting the whole timeout would make a stalled rail look like a silent peer whenever
         // the other paths went idle meanwhile (a batch waiting for the stalled path's last
         // slices), and the peer's deadline would fail everything.
@@ -926,7 +930,7 @@ impl<T: Payload> Dispatcher<T> {
             if stalled || waited > self.config.timeout_ns {
                 if stalled {
                     let path = &self.paths[p];
-                    let bytes = path.inflight.iter().find(|f| !f.done).map_or(0, |f| f.len);
+                    let bytes = path.oldest().map_or(0, |f| f.len);
                     rails.stalled(path.rail, bytes, oldest, now);
                 }
                 let path = &mut self.paths[p];
