@@ -1367,27 +1367,20 @@ impl<T: Payload> Dispatcher<T> {
             for &rail in selected.iter() {
                 let mut q = self.queue.pop(level, now).expect("k slices queued");
                 let p = self.path_of(rail).expect("candidates have paths");
+                let posted = self.paths[p].posted;
+                let load = loads.iter().find(|(lp, _)| *lp == p).map(|(_, load)| load);
                 let fits = if smart {
                     // The selector spreads a run by predicted finish, which can heap more on
                     // the fastest path than its room, or more on a slow one than it finishes
                     // by the horizon: the excess waits for the next deal.
-                    let posted = self.paths[p].posted;
-                    posted < allowed[p]
-                        && loads
-                            .iter()
-                            .find(|(lp, _)| *lp == p)
-                            .is_none_or(|(_, load)| load.on_time(posted, horizon))
+                    posted < allowed[p] && load.is_none_or(|load| load.on_time(posted, horizon))
                 } else {
-                    self.paths[p].posted < self.window(p, len).full
+                    posted < self.window(p, len).full
                 };
-                // Where the slice is cut before it goes: to a bulk chunk beside HIGH, or (past
-                // the horizon for the whole slice) to the piece the path still finishes in
-                // time. The rest waits at the head.
-                let probe_only = smart
-                    && loads
-                        .iter()
-                        .find(|(lp, _)| *lp == p)
-                        .is_some_and(|(_, load)| load.probe_only(self.paths[p].posted, horizon));
+                // Where the slice is cut before it goes: to a probe's piece, to a bulk chunk
+                // beside HIGH, or (past the horizon for the whole slice) to the piece the path
+                // still finishes in time. The rest waits at the head.
+                let probe_only = smart && load.is_some_and(|load| load.probe_only(posted, horizon));
                 let cut = if fits && probe_only && !split {
                     // A probe measures the rail; it need not hold a whole slice. On a rail far
                     // slower than its estimate (one that collapsed, kept at the estimator's
