@@ -27,7 +27,9 @@
 //!   `OVERDUE_MIN_NS`) while another path answers, or whose oldest slice waits half the
 //!   timeout while another path answers or stands idle, is dropped ([`Event::DropPath`]), its
 //!   rail's estimate lowered to what the stall shows, and its slices retried elsewhere, which
-//!   tells a stalled rail from a silent peer.
+//!   tells a stalled rail from a silent peer. Back, a stalled path is on probation: one page
+//!   at a time, after an idle probe's wait while other paths can take the work, until it
+//!   answers; that answer is learned as the rail's rate even below the estimate.
 //! - A slice that comes back from a failed connection goes to the head of its level for
 //!   another rail, at most `max_retries` times; a path that keeps failing is paused and probed
 //!   back ([`crate::health`]).
@@ -365,6 +367,12 @@ struct Path {
     /// not further errors of the rail. Counted once, at the drop; cleared once the path goes
     /// from no live connection to some (remade).
     dropped_by_us: bool,
+    /// Given up on as stalled, and not answered a slice since: in smart mode it holds one
+    /// page at a time, dealt only when it was idle as long as a probe waits for (or no other
+    /// path can take the work), until it answers one. A rail that fell to a trickle beside
+    /// rails that are slow themselves still looked worth a whole slice after its stall, and
+    /// each slice dealt to it stalled its batch again.
+    probation: bool,
     /// When to look again at a path whose oldest slice waited past half the timeout while no
     /// other path could take its slices: its half-timeout deadline has passed and means
     /// nothing until another path answers, so it must not be reported again at once (the
@@ -487,6 +495,7 @@ impl<T: Payload> Dispatcher<T> {
                 controller: config.controller.build(),
                 dropping: false,
                 dropped_by_us: false,
+                probation: false,
                 stall_recheck_ns: 0,
             })
             .collect();
@@ -719,7 +728,11 @@ impl<T: Payload> Dispatcher<T> {
             // rule 8, BBR's app-limited samples). Whether more waits in the dispatcher's
             // queue does not matter: a batch dealt whole at once still keeps the rail busy
             // until its last slice, and those samples are the rail's speed.
-            let app_limited = !path.rtt.saw_queue(rtt, rec.len, bw);
+            // The first answer of a path on probation is what the stalled rail carries now,
+            // learned even below the estimate: held to the estimate, the rail was dealt whole
+            // slices again and stalled again.
+            let app_limited = !path.probation && !path.rtt.saw_queue(rtt, rec.len, bw);
+            path.probation = false;
             rails.delivered(rail, rec.len, sent, now, app_limited);
             path.rtt.on_sample(rtt, rec.len, bw);
             path.controller.on_completed(now, rec.len, rtt);
@@ -936,6 +949,7 @@ impl<T: Payload> Dispatcher<T> {
                 let path = &mut self.paths[p];
                 path.dropping = true;
                 path.dropped_by_us = true;
+                path.probation |= stalled;
                 path.health.on_error(now);
                 path.refresh_usable();
                 self.events.push_back(Event::DropPath { path: p, stalled });
@@ -1254,9 +1268,34 @@ impl<T: Payload> Dispatcher<T> {
             }
             let mut room = 0u64;
             loads.clear();
+            // Whether some path not on probation can take this priority: else a path on
+            // probation takes its page at once instead of waiting to be idle long.
+            let proven = self
+                .paths
+                .iter()
+                .any(|path| path.usable && !path.probation && rails.rail_admits(path.rail, prio));
             for (p, path) in self.paths.iter().enumerate() {
                 allowed[p] = 0;
                 if !path.usable || !rails.rail_admits(path.rail, prio) {
+                    continue;
+                }
+                if smart && path.probation {
+                    if path.posted > 0
+                        || (proven && !path.idle_long(now, self.probe_after(p, PAGE)))
+                    {
+                        continue;
+                    }
+                    allowed[p] = PAGE;
+                    loads.push((
+                        p,
+                        PathLoad {
+                            bytes_per_sec: self.estimate(path.rail),
+                            posted: 0,
+                            slice: len.min(PAGE),
+                            allowed: PAGE,
+                            probe_bytes: PAGE,
+                        },
+                    ));
                     continue;
                 }
                 let slice = if split {
@@ -1381,7 +1420,9 @@ impl<T: Payload> Dispatcher<T> {
                 // beside HIGH, or (past the horizon for the whole slice) to the piece the path
                 // still finishes in time. The rest waits at the head.
                 let probe_only = smart && load.is_some_and(|load| load.probe_only(posted, horizon));
-                let cut = if fits && probe_only && !split {
+                let cut = if smart && fits && self.paths[p].probation {
+                    (q.item.item.len() > PAGE).then_some(PAGE)
+                } else if fits && probe_only && !split {
                     // A probe measures the rail; it need not hold a whole slice. On a rail far
                     // slower than its estimate (one that collapsed, kept at the estimator's
                     // floor) the batch behind a 64 KiB probe waited seconds for it.

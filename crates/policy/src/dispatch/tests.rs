@@ -625,6 +625,111 @@ fn a_path_whose_slices_are_overdue_is_dropped_once_another_answered_since() {
     assert!(!again.is_empty() && again.iter().all(|p| p.path == 1));
 }
 
+/// Two paths at 10 Gbit/s; path 0 stalls under a batch and is given up on at 0.5 s, its slices
+/// retried and answered on path 1, and it is connected again at 0.6 s (answering the probe its
+/// health asks for).
+fn stalled_and_reconnected(host: &mut Host) -> Dispatcher<Piece> {
+    let mut d = two_paths_ten_second_timeout();
+    d.on_submit(0, Priority::Low, pieces(0, 8, 64 << 10));
+    let posts = drain(&mut d, 0, host);
+    let (stuck, answered): (Vec<_>, Vec<_>) = posts.into_iter().partition(|p| p.path == 0);
+    for p in answered {
+        d.on_completed(MS, p.id, None, host);
+    }
+    d.on_timeout(500 * MS + 1, host);
+    assert!(matches!(
+        d.poll_event(),
+        Some(Event::DropPath {
+            path: 0,
+            stalled: true
+        })
+    ));
+    d.on_path(501 * MS, 0, 0);
+    for p in stuck {
+        d.on_failed(501 * MS, p.id, p.item, Cause::Timeout, host);
+    }
+    for p in drain(&mut d, 501 * MS, host) {
+        assert_eq!(p.path, 1);
+        d.on_completed(502 * MS, p.id, None, host);
+    }
+    d.on_path(600 * MS, 0, 2);
+    d.on_timeout(600 * MS, host);
+    while let Some(ev) = d.poll_event() {
+        if let Event::Probe(p) = ev {
+            d.on_probe(600 * MS, p, true);
+        }
+    }
+    assert!(d.is_usable(0), "path 0 not back");
+    d
+}
+
+#[test]
+fn a_rail_given_up_on_as_stalled_takes_one_page_at_a_time_until_it_answers() {
+    let mut host = Host::new(&[10.0, 10.0], true);
+    let mut d = stalled_and_reconnected(&mut host);
+    // Just back: the batch goes to path 1 alone, though path 0 has room in any window.
+    d.on_submit(600 * MS, Priority::Low, pieces(1, 8, 64 << 10));
+    let posts = drain(&mut d, 600 * MS, &mut host);
+    assert!(!posts.is_empty() && posts.iter().all(|p| p.path == 1));
+    for p in posts {
+        d.on_completed(610 * MS, p.id, None, &mut host);
+    }
+    // Idle long enough for a probe (20 pages' time at the estimate of about 1 Mbit/s the
+    // stall left): one page, and no more while it is out.
+    let t = 1_500 * MS;
+    d.on_submit(t, Priority::Low, pieces(2, 64, 64 << 10));
+    let mut on_0 = Vec::new();
+    for round in 0..4 {
+        for p in drain(&mut d, t + round * MS, &mut host) {
+            if p.path == 0 {
+                on_0.push(p);
+            } else {
+                d.on_completed(t + round * MS + 1, p.id, None, &mut host);
+            }
+        }
+    }
+    assert_eq!(
+        on_0.len(),
+        1,
+        "path 0 took {} slices on probation",
+        on_0.len()
+    );
+    assert_eq!(on_0[0].item.len, 4096);
+    // It answers at 0.1 Mbit/s (a page in 0.33 s): that is learned, though the rail was idle
+    // before it, and the probation ends.
+    let page = on_0.pop().unwrap();
+    let limited = host.limited;
+    d.on_completed(t + 330 * MS, page.id, None, &mut host);
+    let estimate = host.selector.rail_stats(0).unwrap().ewma_gbps;
+    assert!(
+        (0.00005..0.0002).contains(&estimate),
+        "rail 0 estimated at {estimate} Gbit/s after its probe"
+    );
+    assert_eq!(
+        host.limited, limited,
+        "the probe's answer was taken as app-limited"
+    );
+}
+
+#[test]
+fn a_path_on_probation_takes_its_page_at_once_when_no_other_path_can() {
+    let mut host = Host::new(&[10.0, 10.0], true);
+    let mut d = stalled_and_reconnected(&mut host);
+    d.on_path(600 * MS, 1, 0);
+    assert!(!d.is_usable(1));
+    d.on_submit(600 * MS, Priority::Low, pieces(1, 8, 64 << 10));
+    let posts = drain(&mut d, 600 * MS, &mut host);
+    assert_eq!(posts.len(), 1);
+    assert_eq!((posts[0].path, posts[0].item.len), (0, 4096));
+    // Answered at its old speed: the probation ends and the rest goes in whole slices.
+    d.on_completed(600 * MS + 10 * US, posts[0].id, None, &mut host);
+    let rest = drain(&mut d, 600 * MS + 10 * US, &mut host);
+    assert!(!rest.is_empty() && rest.iter().all(|p| p.path == 0));
+    assert!(rest.iter().any(|p| p.item.len == 64 << 10));
+    let moved: u64 = rest.iter().map(|p| p.item.len).sum::<u64>() + 4096;
+    assert!(moved <= 8 * (64 << 10));
+}
+
 #[test]
 fn an_overdue_path_is_kept_while_no_other_answered_since_its_slice_went_out() {
     let mut host = Host::new(&[10.0, 10.0], true);
