@@ -27,9 +27,10 @@
 //!   `OVERDUE_MIN_NS`) while another path answers, or whose oldest slice waits half the
 //!   timeout while another path answers or stands idle, is dropped ([`Event::DropPath`]), its
 //!   rail's estimate lowered to what the stall shows, and its slices retried elsewhere, which
-//!   tells a stalled rail from a silent peer. Back, a stalled path is on probation: one page
-//!   at a time, after an idle probe's wait while other paths can take the work, until it
-//!   answers; that answer is learned as the rail's rate even below the estimate.
+//!   tells a stalled rail from a silent peer. Back, a stalled path is on probation while
+//!   other paths can take the work: one page at a time, after an idle probe's wait, until it
+//!   answered one and at least a second passed (doubled for each stall in a row, up to 64 s);
+//!   its answers are learned as the rail's rate even below the estimate.
 //! - A slice that comes back from a failed connection goes to the head of its level for
 //!   another rail, at most `max_retries` times; a path that keeps failing is paused and probed
 //!   back ([`crate::health`]).
@@ -76,6 +77,19 @@ const OVERDUE_FACTOR: f64 = 8.0;
 /// (200 ms at least on Linux) and the round trip after it, so one lost segment is not taken
 /// for a stall. Never more than half the timeout, the rule that catches a rail with no estimate.
 const OVERDUE_MIN_NS: u64 = 500_000_000;
+
+/// The shortest probation of a path given up on as stalled, ns: its first page answers within a
+/// second on any rail worth using again.
+const PROBATION_BASE_NS: u64 = 1_000_000_000;
+
+/// Most times a probation doubles for stalls in a row: a rail that keeps stalling does so about
+/// once a minute at most, and one that came back is dealt whole slices again within a minute.
+const PROBATION_MAX_DOUBLINGS: u32 = 6;
+
+/// Bytes a path answers after a stall before its stalls in a row are forgiven: a rail that
+/// came back carries a megabyte within milliseconds; one still at a trickle never does between
+/// two probations.
+const STALL_FORGIVEN_BYTES: u64 = 1 << 20;
 
 /// Index of a path among the dispatcher's (the order given to [`Dispatcher::new`]).
 pub type PathId = usize;
@@ -367,12 +381,23 @@ struct Path {
     /// not further errors of the rail. Counted once, at the drop; cleared once the path goes
     /// from no live connection to some (remade).
     dropped_by_us: bool,
-    /// Given up on as stalled, and not answered a slice since: in smart mode it holds one
-    /// page at a time, dealt only when it was idle as long as a probe waits for (or no other
-    /// path can take the work), until it answers one. A rail that fell to a trickle beside
-    /// rails that are slow themselves still looked worth a whole slice after its stall, and
-    /// each slice dealt to it stalled its batch again.
+    /// Given up on as stalled, and since then not both answered a slice and past
+    /// `probation_until_ns`: in smart mode, while another path can take the work, it holds one
+    /// page at a time, dealt only when it was idle as long as a probe waits for. A rail that
+    /// fell to a trickle beside rails that are slow themselves still looked worth a whole
+    /// slice after its stall, and each slice dealt to it stalled its batch again.
     probation: bool,
+    /// The earliest a probation ends: [`PROBATION_BASE_NS`] after the stall, doubled for each
+    /// stall before it that the path did not make up for (see `stalls`).
+    probation_until_ns: u64,
+    /// Stalls in a row: counted at each drop as stalled, cleared once the path has answered
+    /// [`STALL_FORGIVEN_BYTES`] since the last. A page through a policer's burst answers at
+    /// once whatever the rate behind it, so a rail that collapsed ends each probation looking
+    /// fast and stalls again: the probations lengthen, and such a rail stalls a batch about
+    /// once a minute instead of every few seconds.
+    stalls: u32,
+    /// Bytes answered since the last stall.
+    answered_since_stall: u64,
     /// When to look again at a path whose oldest slice waited past half the timeout while no
     /// other path could take its slices: its half-timeout deadline has passed and means
     /// nothing until another path answers, so it must not be reported again at once (the
@@ -496,6 +521,9 @@ impl<T: Payload> Dispatcher<T> {
                 dropping: false,
                 dropped_by_us: false,
                 probation: false,
+                probation_until_ns: 0,
+                stalls: 0,
+                answered_since_stall: 0,
                 stall_recheck_ns: 0,
             })
             .collect();
@@ -728,11 +756,17 @@ impl<T: Payload> Dispatcher<T> {
             // rule 8, BBR's app-limited samples). Whether more waits in the dispatcher's
             // queue does not matter: a batch dealt whole at once still keeps the rail busy
             // until its last slice, and those samples are the rail's speed.
-            // The first answer of a path on probation is what the stalled rail carries now,
-            // learned even below the estimate: held to the estimate, the rail was dealt whole
-            // slices again and stalled again.
+            // An answer of a path on probation is what the stalled rail carries now, learned
+            // even below the estimate: held to the estimate, the rail was dealt whole slices
+            // again and stalled again.
             let app_limited = !path.probation && !path.rtt.saw_queue(rtt, rec.len, bw);
-            path.probation = false;
+            if now >= path.probation_until_ns {
+                path.probation = false;
+            }
+            path.answered_since_stall = path.answered_since_stall.saturating_add(rec.len);
+            if path.answered_since_stall >= STALL_FORGIVEN_BYTES {
+                path.stalls = 0;
+            }
             rails.delivered(rail, rec.len, sent, now, app_limited);
             path.rtt.on_sample(rtt, rec.len, bw);
             path.controller.on_completed(now, rec.len, rtt);
@@ -949,7 +983,13 @@ impl<T: Payload> Dispatcher<T> {
                 let path = &mut self.paths[p];
                 path.dropping = true;
                 path.dropped_by_us = true;
-                path.probation |= stalled;
+                if stalled {
+                    path.probation = true;
+                    let backoff = PROBATION_BASE_NS << path.stalls.min(PROBATION_MAX_DOUBLINGS);
+                    path.probation_until_ns = now.saturating_add(backoff);
+                    path.stalls = path.stalls.saturating_add(1);
+                    path.answered_since_stall = 0;
+                }
                 path.health.on_error(now);
                 path.refresh_usable();
                 self.events.push_back(Event::DropPath { path: p, stalled });
@@ -1269,7 +1309,7 @@ impl<T: Payload> Dispatcher<T> {
             let mut room = 0u64;
             loads.clear();
             // Whether some path not on probation can take this priority: else a path on
-            // probation takes its page at once instead of waiting to be idle long.
+            // probation is dealt as any other (there is nowhere better for the work).
             let proven = self
                 .paths
                 .iter()
@@ -1279,10 +1319,8 @@ impl<T: Payload> Dispatcher<T> {
                 if !path.usable || !rails.rail_admits(path.rail, prio) {
                     continue;
                 }
-                if smart && path.probation {
-                    if path.posted > 0
-                        || (proven && !path.idle_long(now, self.probe_after(p, PAGE)))
-                    {
+                if smart && path.probation && proven {
+                    if !path.idle_long(now, self.probe_after(p, PAGE)) {
                         continue;
                     }
                     allowed[p] = PAGE;
@@ -1420,7 +1458,7 @@ impl<T: Payload> Dispatcher<T> {
                 // beside HIGH, or (past the horizon for the whole slice) to the piece the path
                 // still finishes in time. The rest waits at the head.
                 let probe_only = smart && load.is_some_and(|load| load.probe_only(posted, horizon));
-                let cut = if smart && fits && self.paths[p].probation {
+                let cut = if smart && proven && fits && self.paths[p].probation {
                     (q.item.item.len() > PAGE).then_some(PAGE)
                 } else if fits && probe_only && !split {
                     // A probe measures the rail; it need not hold a whole slice. On a rail far
