@@ -120,6 +120,19 @@ impl RailScheduler {
             .on_delivered(rail, bytes, p, n, app_limited);
     }
 
+    /// `rail`, on probation after a stall, answered a probe far faster than its estimate at `n`
+    /// (see [`DeviceSelector::on_recovered`]).
+    pub(crate) fn recovered_ns(&self, rail: RailId, n: u64) {
+        let mut selector = self.selector.lock().expect("scheduler poisoned");
+        let _ = selector.on_recovered(rail, n);
+        tracing::debug!(
+            rail,
+            now_ns = n,
+            estimate_gbps = selector.rail_stats(rail).map(|s| s.ewma_gbps),
+            "rail answered a probe at speed after a stall"
+        );
+    }
+
     /// `rail` was given up on as stalled: a slice of `bytes` posted at `p` was still not
     /// delivered at `n` (see [`DeviceSelector::on_stalled`]).
     pub(crate) fn stalled_ns(&self, rail: RailId, bytes: u64, p: u64, n: u64) {

@@ -352,6 +352,9 @@ struct Rail {
     segment_end_ns: u64,
     /// Start of the first busy period pooled towards the next sample.
     pool_start_ns: Option<u64>,
+    /// The highest estimate a stall lowered, restored by [`DeviceSelector::on_recovered`]; 0
+    /// before any stall.
+    before_stall_bps: f64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -526,6 +529,7 @@ impl DeviceSelector {
                     segment_start_ns: None,
                     segment_end_ns: 0,
                     pool_start_ns: None,
+                    before_stall_bps: 0.0,
                 };
                 rail.secs_per_byte = 1.0 / theoretical_bps;
                 rail
@@ -838,6 +842,7 @@ impl DeviceSelector {
         if bytes > 0 && waited > 0 {
             let at_most = bytes as f64 * NS_PER_S / waited as f64;
             if at_most < r.ewma_bps {
+                r.before_stall_bps = r.before_stall_bps.max(r.ewma_bps);
                 match cfg.estimator {
                     // The bound is a fact, not a noisy sample: smoothed, a hundredth of a
                     // 470 Mbit/s estimate (4.7 Mbit/s) outlived a fall to 0.1 Mbit/s.
@@ -850,6 +855,35 @@ impl DeviceSelector {
                     BandwidthEstimator::Tent => r.learn(cfg, at_most, false, now_ns),
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Reports that `rail`, given up on as stalled before, answered a probe far faster than its
+    /// lowered estimate: it may have come back. The estimate returns to the highest a stall
+    /// lowered (nothing changes if it is already above that, or the rail never stalled), and
+    /// what was pooled towards the next sample is dropped. Lowered, the estimate kept a rail
+    /// that had come back off every batch: its probes were a page each, seconds apart, and
+    /// never pooled into a sample. A rail behind a policer whose burst let the probe through
+    /// stalls again, and is given up on again within half a second.
+    ///
+    /// Fails with [`SelectError::UnknownRail`] (changing nothing) if `rail` does not exist.
+    pub fn on_recovered(&mut self, rail: RailId, now_ns: u64) -> Result<(), SelectError> {
+        let r = self
+            .rails
+            .get_mut(rail)
+            .ok_or(SelectError::UnknownRail(rail))?;
+        let restore = r.before_stall_bps;
+        if restore > r.ewma_bps {
+            r.filter = MaxFilter {
+                s: [(now_ns, restore); 3],
+            };
+            r.set_ewma(restore);
+            r.pooled_bytes = 0;
+            r.pooled_busy_ns = 0;
+            r.pooled_limited_bytes = 0;
+            r.pool_start_ns = r.segment_start_ns;
+            r.last_sample = None;
         }
         Ok(())
     }
@@ -1793,6 +1827,26 @@ mod tests {
         sel.on_stalled(0, 1 << 30, t, t + 1).unwrap();
         assert_eq!(ewma_gbps(&sel, 0), est);
         assert_eq!(sel.on_stalled(7, 1, 0, 1), Err(SelectError::UnknownRail(7)));
+    }
+
+    #[test]
+    fn a_rail_back_after_a_stall_gets_its_estimate_from_before_the_stall() {
+        let mut sel = DeviceSelector::new(delivery(), &[gbps(10.0), gbps(10.0)], 1);
+        // Never stalled: nothing to restore.
+        sel.on_recovered(0, MS).unwrap();
+        assert_eq!(ewma_gbps(&sel, 0), 10.0);
+        sel.on_stalled(0, 64 << 10, MS, 501 * MS).unwrap();
+        assert!(ewma_gbps(&sel, 0) < 0.01);
+        // A second stall in a row lowers it further; the restore goes to the first one's.
+        sel.on_stalled(0, 4096, 600 * MS, 1_100 * MS).unwrap();
+        sel.on_recovered(0, 1_200 * MS).unwrap();
+        assert_eq!(ewma_gbps(&sel, 0), 10.0);
+        assert_eq!(ewma_gbps(&sel, 1), 10.0);
+        assert_eq!(
+            sel.on_recovered(7, 0),
+            Err(SelectError::UnknownRail(7)),
+            "an unknown rail"
+        );
     }
 
     #[test]

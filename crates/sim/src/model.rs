@@ -165,6 +165,9 @@ impl Rails<Piece> for Host {
     fn failed(&mut self, rail: RailId, bytes: u64) {
         let _ = self.selector.on_failed(rail, bytes);
     }
+    fn recovered(&mut self, rail: RailId, now_ns: u64) {
+        let _ = self.selector.on_recovered(rail, now_ns);
+    }
     fn stalled(&mut self, rail: RailId, bytes: u64, posted_ns: u64, now_ns: u64) {
         let _ = self.selector.on_stalled(rail, bytes, posted_ns, now_ns);
     }

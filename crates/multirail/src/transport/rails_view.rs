@@ -92,6 +92,10 @@ impl<T: Payload + Located> Rails<T> for EngineRails<'_> {
         self.scheduler.stalled_ns(rail, bytes, posted_ns, now_ns);
     }
 
+    fn recovered(&mut self, rail: RailId, now_ns: u64) {
+        self.scheduler.recovered_ns(rail, now_ns);
+    }
+
     fn unassigned(&mut self, rail: RailId, bytes: u64) {
         self.scheduler.unassigned(rail, bytes);
     }

@@ -29,8 +29,9 @@
 //!   rail's estimate lowered to what the stall shows, and its slices retried elsewhere, which
 //!   tells a stalled rail from a silent peer. Back, a stalled path is on probation while
 //!   other paths can take the work: one page at a time, after an idle probe's wait, until it
-//!   answered one and at least a second passed (doubled for each stall in a row, up to 64 s);
-//!   its answers are learned as the rail's rate even below the estimate.
+//!   answers one far faster than its lowered estimate (which then returns to what it was) and
+//!   at least a second passed (doubled for each stall in a row, up to 64 s); its answers are
+//!   learned as the rail's rate even below the estimate.
 //! - A slice that comes back from a failed connection goes to the head of its level for
 //!   another rail, at most `max_retries` times; a path that keeps failing is paused and probed
 //!   back ([`crate::health`]).
@@ -90,6 +91,11 @@ const PROBATION_MAX_DOUBLINGS: u32 = 6;
 /// came back carries a megabyte within milliseconds; one still at a trickle never does between
 /// two probations.
 const STALL_FORGIVEN_BYTES: u64 = 1 << 20;
+
+/// How many times faster than its estimate a path on probation must answer a probe to count
+/// as possibly back: a page through a rail at its lowered estimate takes that long; one back at
+/// its old speed answers hundreds of times sooner.
+const RECOVERED_FACTOR: f64 = 4.0;
 
 /// Index of a path among the dispatcher's (the order given to [`Dispatcher::new`]).
 pub type PathId = usize;
@@ -163,6 +169,9 @@ pub trait Rails<T> {
     /// `rail` was given up on as stalled at `now_ns`: a slice of `bytes` posted at
     /// `posted_ns` was still not delivered (its estimate should fall to at most that rate).
     fn stalled(&mut self, rail: RailId, bytes: u64, posted_ns: u64, now_ns: u64);
+    /// `rail`, on probation after a stall, answered a probe far faster than its estimate at
+    /// `now_ns`: the estimate should return to what it was before the stall.
+    fn recovered(&mut self, rail: RailId, now_ns: u64);
     /// A slice of `bytes` charged to `rail` by `select` never went there.
     fn unassigned(&mut self, rail: RailId, bytes: u64);
     /// A slice of `priority` left the queue after `waited_ns` (statistics).
@@ -381,8 +390,9 @@ struct Path {
     /// not further errors of the rail. Counted once, at the drop; cleared once the path goes
     /// from no live connection to some (remade).
     dropped_by_us: bool,
-    /// Given up on as stalled, and since then not both answered a slice and past
-    /// `probation_until_ns`: in smart mode, while another path can take the work, it holds one
+    /// Given up on as stalled, and since then not answered a slice far faster than its
+    /// estimate (see `RECOVERED_FACTOR`; the estimate returns to before the stall) and then,
+    /// past `probation_until_ns`, one not far slower: in smart mode, while another path can take the work, it holds one
     /// page at a time, dealt only when it was idle as long as a probe waits for. A rail that
     /// fell to a trickle beside rails that are slow themselves still looked worth a whole
     /// slice after its stall, and each slice dealt to it stalled its batch again.
@@ -398,6 +408,9 @@ struct Path {
     stalls: u32,
     /// Bytes answered since the last stall.
     answered_since_stall: u64,
+    /// On probation, its latest answer that was not at its estimate's pace was far faster
+    /// (the estimate was restored then), not far slower.
+    answered_fast: bool,
     /// When to look again at a path whose oldest slice waited past half the timeout while no
     /// other path could take its slices: its half-timeout deadline has passed and means
     /// nothing until another path answers, so it must not be reported again at once (the
@@ -524,6 +537,7 @@ impl<T: Payload> Dispatcher<T> {
                 probation_until_ns: 0,
                 stalls: 0,
                 answered_since_stall: 0,
+                answered_fast: false,
                 stall_recheck_ns: 0,
             })
             .collect();
@@ -760,14 +774,42 @@ impl<T: Payload> Dispatcher<T> {
             // even below the estimate: held to the estimate, the rail was dealt whole slices
             // again and stalled again.
             let app_limited = !path.probation && !path.rtt.saw_queue(rtt, rec.len, bw);
-            if now >= path.probation_until_ns {
-                path.probation = false;
+            // A probation answer far faster than the estimate: the rail may be back (or a
+            // policer's burst let the page through; then it stalls again, and the next
+            // probation is longer). A slow one keeps the path on probation, whose pages are
+            // the only way its estimate, lowered by the stall, can come back up.
+            // Against what the slice should take at the estimate, the round trip included (a
+            // page on a fast rail is all round trip).
+            let (fast, slow) = if bw > 0.0 {
+                let fixed = path.rtt.min_fixed_ns().unwrap_or(0) as f64;
+                let expected = rec.len as f64 / bw * 1e9 + fixed;
+                let took = rtt as f64;
+                (
+                    took * RECOVERED_FACTOR <= expected,
+                    took >= expected * RECOVERED_FACTOR,
+                )
+            } else {
+                (true, false)
+            };
+            let recovered = path.probation && fast;
+            if path.probation {
+                if fast {
+                    path.answered_fast = true;
+                } else if slow {
+                    path.answered_fast = false;
+                }
+                if path.answered_fast && !slow && now >= path.probation_until_ns {
+                    path.probation = false;
+                }
             }
             path.answered_since_stall = path.answered_since_stall.saturating_add(rec.len);
             if path.answered_since_stall >= STALL_FORGIVEN_BYTES {
                 path.stalls = 0;
             }
             rails.delivered(rail, rec.len, sent, now, app_limited);
+            if recovered {
+                rails.recovered(rail, now);
+            }
             path.rtt.on_sample(rtt, rec.len, bw);
             path.controller.on_completed(now, rec.len, rtt);
         } else {
@@ -989,6 +1031,7 @@ impl<T: Payload> Dispatcher<T> {
                     path.probation_until_ns = now.saturating_add(backoff);
                     path.stalls = path.stalls.saturating_add(1);
                     path.answered_since_stall = 0;
+                    path.answered_fast = false;
                 }
                 path.health.on_error(now);
                 path.refresh_usable();
