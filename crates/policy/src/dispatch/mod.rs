@@ -425,6 +425,34 @@ impl Path {
         self.posted == 0 && now.saturating_sub(self.last_busy_ns) >= probe_after_ns
     }
 
+    /// A slice of `len` bytes answered after `rtt` ns on this path on probation, its rail
+    /// estimated at `bw` bytes/s, at `now`: judged against what it should take at the estimate,
+    /// the round trip included (a page on a fast rail is all round trip). Ends the probation
+    /// past its time once it answered fast and this answer was not slow; returns whether it
+    /// was fast (the rail may be back).
+    fn probation_answer(&mut self, len: u64, rtt: u64, bw: f64, now: u64) -> bool {
+        let (fast, slow) = if bw > 0.0 {
+            let fixed = self.rtt.min_fixed_ns().unwrap_or(0) as f64;
+            let expected = len as f64 / bw * 1e9 + fixed;
+            let took = rtt as f64;
+            (
+                took * RECOVERED_FACTOR <= expected,
+                took >= expected * RECOVERED_FACTOR,
+            )
+        } else {
+            (true, false)
+        };
+        if fast {
+            self.answered_fast = true;
+        } else if slow {
+            self.answered_fast = false;
+        }
+        if self.answered_fast && !slow && now >= self.probation_until_ns {
+            self.probation = false;
+        }
+        fast
+    }
+
     fn refresh_usable(&mut self) {
         self.usable = self.live > 0 && self.health.is_up();
     }
@@ -778,33 +806,12 @@ impl<T: Payload> Dispatcher<T> {
             // policer's burst let the page through; then it stalls again, and the next
             // probation is longer). A slow one keeps the path on probation, whose pages are
             // the only way its estimate, lowered by the stall, can come back up.
-            // Against what the slice should take at the estimate, the round trip included (a
-            // page on a fast rail is all round trip).
-            let (fast, slow) = if bw > 0.0 {
-                let fixed = path.rtt.min_fixed_ns().unwrap_or(0) as f64;
-                let expected = rec.len as f64 / bw * 1e9 + fixed;
-                let took = rtt as f64;
-                (
-                    took * RECOVERED_FACTOR <= expected,
-                    took >= expected * RECOVERED_FACTOR,
-                )
-            } else {
-                (true, false)
-            };
-            let recovered = path.probation && fast;
-            if path.probation {
-                if fast {
-                    path.answered_fast = true;
-                } else if slow {
-                    path.answered_fast = false;
+            let recovered = path.probation && path.probation_answer(rec.len, rtt, bw, now);
+            if path.stalls > 0 {
+                path.answered_since_stall = path.answered_since_stall.saturating_add(rec.len);
+                if path.answered_since_stall >= STALL_FORGIVEN_BYTES {
+                    path.stalls = 0;
                 }
-                if path.answered_fast && !slow && now >= path.probation_until_ns {
-                    path.probation = false;
-                }
-            }
-            path.answered_since_stall = path.answered_since_stall.saturating_add(rec.len);
-            if path.answered_since_stall >= STALL_FORGIVEN_BYTES {
-                path.stalls = 0;
             }
             rails.delivered(rail, rec.len, sent, now, app_limited);
             if recovered {
