@@ -352,8 +352,8 @@ struct Rail {
     segment_end_ns: u64,
     /// Start of the first busy period pooled towards the next sample.
     pool_start_ns: Option<u64>,
-    /// The highest estimate a stall lowered, restored by [`DeviceSelector::on_recovered`]; 0
-    /// before any stall.
+    /// The highest estimate the stalls since the last [`DeviceSelector::on_recovered`]
+    /// lowered, which that restores; 0 when none did.
     before_stall_bps: f64,
 }
 
@@ -419,6 +419,25 @@ impl MaxFilter {
 }
 
 impl Rail {
+    /// Sets the estimate to `bps` as of `now_ns`, the delivery estimator's recent bests with
+    /// it: a bound a stall showed, or the estimate a stall lowered, is a fact, not a sample to
+    /// smooth in or to be held up by older bests.
+    fn reset_estimate(&mut self, bps: f64, now_ns: u64) {
+        self.filter = MaxFilter {
+            s: [(now_ns, bps); 3],
+        };
+        self.set_ewma(bps);
+    }
+
+    /// Drops what was pooled towards the next sample (its busy period stays open).
+    fn drop_pool(&mut self) {
+        self.pooled_bytes = 0;
+        self.pooled_busy_ns = 0;
+        self.pooled_limited_bytes = 0;
+        self.pool_start_ns = self.segment_start_ns;
+        self.last_sample = None;
+    }
+
     fn set_ewma(&mut self, bps: f64) {
         // Not f64::clamp: it panics when min > max, which an odd config may produce.
         self.ewma_bps = bps.min(self.max_bps).max(self.min_bps);
@@ -832,12 +851,8 @@ impl DeviceSelector {
             .rails
             .get_mut(rail)
             .ok_or(SelectError::UnknownRail(rail))?;
-        r.pooled_bytes = 0;
-        r.pooled_busy_ns = 0;
-        r.pooled_limited_bytes = 0;
         r.segment_start_ns = None;
-        r.pool_start_ns = None;
-        r.last_sample = None;
+        r.drop_pool();
         let waited = now_ns.saturating_sub(posted_at_ns);
         if bytes > 0 && waited > 0 {
             let at_most = bytes as f64 * NS_PER_S / waited as f64;
@@ -846,12 +861,7 @@ impl DeviceSelector {
                 match cfg.estimator {
                     // The bound is a fact, not a noisy sample: smoothed, a hundredth of a
                     // 470 Mbit/s estimate (4.7 Mbit/s) outlived a fall to 0.1 Mbit/s.
-                    BandwidthEstimator::Delivery => {
-                        r.filter = MaxFilter {
-                            s: [(now_ns, at_most); 3],
-                        };
-                        r.set_ewma(at_most);
-                    }
+                    BandwidthEstimator::Delivery => r.reset_estimate(at_most, now_ns),
                     BandwidthEstimator::Tent => r.learn(cfg, at_most, false, now_ns),
                 }
             }
@@ -873,17 +883,11 @@ impl DeviceSelector {
             .rails
             .get_mut(rail)
             .ok_or(SelectError::UnknownRail(rail))?;
-        let restore = r.before_stall_bps;
+        // Taken, so a later stall starts from the estimate of its own time, not this one.
+        let restore = std::mem::take(&mut r.before_stall_bps);
         if restore > r.ewma_bps {
-            r.filter = MaxFilter {
-                s: [(now_ns, restore); 3],
-            };
-            r.set_ewma(restore);
-            r.pooled_bytes = 0;
-            r.pooled_busy_ns = 0;
-            r.pooled_limited_bytes = 0;
-            r.pool_start_ns = r.segment_start_ns;
-            r.last_sample = None;
+            r.reset_estimate(restore, now_ns);
+            r.drop_pool();
         }
         Ok(())
     }

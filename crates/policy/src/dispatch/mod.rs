@@ -1360,10 +1360,11 @@ impl<T: Payload> Dispatcher<T> {
             loads.clear();
             // Whether some path not on probation can take this priority: else a path on
             // probation is dealt as any other (there is nowhere better for the work).
-            let proven = self
-                .paths
-                .iter()
-                .any(|path| path.usable && !path.probation && rails.rail_admits(path.rail, prio));
+            // Asked only while some path is on probation: it costs a QoS look per path.
+            let proven = self.paths.iter().any(|path| path.probation)
+                && self.paths.iter().any(|path| {
+                    path.usable && !path.probation && rails.rail_admits(path.rail, prio)
+                });
             for (p, path) in self.paths.iter().enumerate() {
                 allowed[p] = 0;
                 if !path.usable || !rails.rail_admits(path.rail, prio) {
