@@ -136,3 +136,41 @@ fn a_rail_at_a_thousandth_of_its_nominal_speed_does_not_hold_the_others_back() {
         );
     }
 }
+
+#[test]
+fn rails_with_a_long_round_trip_keep_their_product_in_flight() {
+    // 2 and 10 ms round trips, as between zones. A window capped at a millisecond of the rail's
+    // bandwidth in all held a fifth of a 10 ms path's product; the rail delivered that, its
+    // estimate fell with it, and 10 Gbit/s rails carried 0.09 of their rate (0.72 at 2 ms).
+    for run in ["rtt-2ms", "rtt-10ms", "policed-rtt-10ms"] {
+        let r = run_with("long-rtt.json", run, |_| {});
+        assert!(
+            r.gb_per_s >= 0.9 * r.line_rate_gb_per_s,
+            "{run}: {} GB/s of {}",
+            r.gb_per_s,
+            r.line_rate_gb_per_s
+        );
+        for rail in &r.rails {
+            assert!(
+                (rail.estimate_gb_per_s - rail.gb_per_s).abs() <= 0.15 * rail.gb_per_s,
+                "{run}: {} estimated at {} GB/s, carries {}",
+                rail.name,
+                rail.estimate_gb_per_s,
+                rail.gb_per_s
+            );
+        }
+    }
+    // One writer of 16 x 64 KiB batches, 10 ms away: a batch takes about one round trip (it
+    // took four), and the rails keep the estimate of their speed, not of the batch's.
+    let r = run_with("long-rtt.json", "batches-rtt-10ms", |_| {});
+    let p50 = r.classes[0].latency_us.p50;
+    assert!(p50 <= 12_000.0, "batch p50 {p50} us");
+    for rail in &r.rails {
+        assert!(
+            rail.estimate_gb_per_s >= 0.9 * 10.0 / 8.0,
+            "{} estimated at {} GB/s",
+            rail.name,
+            rail.estimate_gb_per_s
+        );
+    }
+}

@@ -81,7 +81,8 @@ impl WorkersConfig {
 #[serde(rename_all = "lowercase")]
 pub enum WindowControllerKind {
     /// A few bandwidth-delay products (the rail's EWMA bandwidth times the path's smallest
-    /// round trip), capped at `max_queue_us` of the bandwidth.
+    /// round trip), capped at what the path holds (its propagation delay's worth) plus
+    /// `max_queue_us` of the bandwidth.
     #[default]
     Bdp,
     /// `fixed_bytes` whatever the path measures.
@@ -99,8 +100,10 @@ pub struct WindowConfig {
     pub bdps: f64,
     /// Bandwidth-delay products bulk keeps in flight beside HIGH work (default 1; 0.1..=bdps).
     pub lean_bdps: f64,
-    /// Most microseconds of the rail's bandwidth a window holds (default 1000; 1..=1000000),
-    /// so a slow rail's queue never holds more than that for a HIGH slice to wait behind.
+    /// Most microseconds of the rail's bandwidth a window holds beyond what the path itself
+    /// holds, its propagation delay's worth (default 1000; 1..=1000000): a slow rail's queue
+    /// never holds more than that (or one slice) for a HIGH slice to wait behind, and a long
+    /// path still keeps its whole bandwidth-delay product in flight.
     pub max_queue_us: u64,
     /// Window before a path has measured a round trip, bytes (default 1 MiB; 4096..=1 GiB).
     /// The `bdp` window then grows from it by the bytes the path answered (slow start).

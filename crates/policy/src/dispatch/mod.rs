@@ -350,6 +350,8 @@ impl<T: Payload> Queued<T> {
 struct InFlight {
     seq: u64,
     len: u64,
+    /// Bytes the path held in flight when this slice was posted, ahead of it.
+    ahead: u64,
     posted_ns: u64,
     since_ns: u64,
     priority: Priority,
@@ -801,7 +803,14 @@ impl<T: Payload> Dispatcher<T> {
             // An answer of a path on probation is what the stalled rail carries now, learned
             // even below the estimate: held to the estimate, the rail was dealt whole slices
             // again and stalled again.
-            let app_limited = !path.probation && !path.rtt.saw_queue(rtt, rec.len, bw);
+            // On a long path a batch smaller than the rail's bandwidth-delay product also
+            // queues behind itself at the sender, but the rail then idles for most of the round
+            // trip: if the slice came back as soon as the estimate says it should have, it
+            // shows the path's length, not the rail's rate (a 10 ms path read a 10 Gbit/s rail
+            // at 0.4 Gbit/s from one writer's 1 MiB batches).
+            let app_limited = !path.probation
+                && (!path.rtt.saw_queue(rtt, rec.len, bw)
+                    || path.rtt.kept_up(rtt, rec.ahead.saturating_add(rec.len), bw));
             // A probation answer far faster than the estimate: the rail may be back (or a
             // policer's burst let the page through; then it stalls again, and the next
             // probation is longer). A slow one keeps the path on probation, whose pages are
@@ -1260,11 +1269,13 @@ impl<T: Payload> Dispatcher<T> {
             Priority::High => Connection::Reserved,
             _ => Connection::Shared,
         };
+        let ahead = path.posted;
         path.posted += len;
         path.last_busy_ns = now;
         path.inflight.push_back(InFlight {
             seq,
             len,
+            ahead,
             posted_ns: now,
             since_ns: q.since_ns,
             priority,

@@ -680,7 +680,7 @@ fn a_rail_given_up_on_as_stalled_takes_one_page_at_a_time_until_it_answers() {
     // Idle long enough for a probe (20 pages' time at the estimate of about 1 Mbit/s the
     // stall left): one page, and no more while it is out.
     let t = 1_500 * MS;
-    d.on_submit(t, Priority::Low, pieces(2, 64, 64 << 10));
+    d.on_submit(t, Priority::Low, pieces(2, 256, 64 << 10));
     let mut on_0 = Vec::new();
     for round in 0..4 {
         for p in drain(&mut d, t + round * MS, &mut host) {
@@ -942,8 +942,9 @@ fn a_probe_of_a_rail_estimated_far_slower_than_the_rest_is_one_page() {
     }
     assert!(drain(&mut d, MS, &mut host).iter().all(|p| p.path == 1));
     let later = 11_000 * MS;
-    // More than rail 1's window holds: the probe goes to rail 0 once rail 1 is full.
-    d.on_submit(later, Priority::Low, pieces(1, 64, 64 << 10));
+    // More than rail 1's window holds (a millisecond's round trip and a millisecond of queue
+    // at 10 Gbit/s): the probe goes to rail 0 once rail 1 is full.
+    d.on_submit(later, Priority::Low, pieces(1, 256, 64 << 10));
     let posts = drain(&mut d, later, &mut host);
     let probe: Vec<_> = posts.iter().filter(|p| p.path == 0).collect();
     assert_eq!(probe.len(), 1, "one probe: {probe:?}");
@@ -963,7 +964,7 @@ fn a_probe_of_a_rail_estimated_far_slower_than_the_rest_is_one_page() {
         }
         assert!(now < later + 1_000 * MS, "the batch never finished");
     }
-    assert_eq!(moved, 64 * (64 << 10));
+    assert_eq!(moved, 256 * (64 << 10));
 }
 
 #[test]
@@ -1281,6 +1282,48 @@ fn a_trickle_with_nothing_queued_reports_app_limited_samples() {
     }
     assert_eq!(host.limited, 50);
     assert_eq!(host.selector.rail_stats(0).unwrap().ewma_gbps, 100.0);
+}
+
+#[test]
+fn batches_below_a_long_paths_product_do_not_lower_the_estimate() {
+    // One writer of 16 x 64 KiB batches on a 10 Gbps rail 10 ms away (12.5 MB on the way):
+    // each batch queues behind itself at the sender, but the rail idles for most of the round
+    // trip, and a batch's delivery rate is its size over the path's length (a tenth of a
+    // Gbps). The slices come back when the estimate says they should: app-limited samples.
+    let mut host = Host::new(&[10.0], true);
+    let mut d = dispatcher(1);
+    let ser = (65536.0 / (10.0 * 1e9 / 8.0) * 1e9) as u64;
+    let mut t = 0;
+    for batch in 0..20 {
+        d.on_submit(t, Priority::Low, pieces(batch, 16, 64 << 10));
+        let posts = drain(&mut d, t, &mut host);
+        assert_eq!(posts.len(), 16, "the batch is dealt whole");
+        let mut answered = t;
+        for (k, p) in posts.iter().enumerate() {
+            answered = t + 10 * MS + (k as u64 + 1) * ser;
+            d.on_completed(answered, p.id, Some(t), &mut host);
+        }
+        t = answered + 10 * US;
+    }
+    // The first batch's slices found no product to compare with; every later one kept up.
+    assert!(host.limited >= 19 * 16, "{} app-limited", host.limited);
+    assert_eq!(host.selector.rail_stats(0).unwrap().ewma_gbps, 10.0);
+    // A rail that really carries a tenth of that, 10 ms away: its slices come back late for
+    // the estimate, and it falls.
+    let mut slow = Host::new(&[10.0], true);
+    let mut d = dispatcher(1);
+    let mut t = 0;
+    for batch in 0..20 {
+        d.on_submit(t, Priority::Low, pieces(batch, 16, 64 << 10));
+        let mut answered = t;
+        for (k, p) in drain(&mut d, t, &mut slow).iter().enumerate() {
+            answered = t + 10 * MS + (k as u64 + 1) * 10 * ser;
+            d.on_completed(answered, p.id, Some(t), &mut slow);
+        }
+        t = answered + 10 * US;
+    }
+    let fell = slow.selector.rail_stats(0).unwrap().ewma_gbps;
+    assert!(fell < 2.0, "estimate {fell} Gbps");
 }
 
 #[test]

@@ -20,9 +20,11 @@ pub const DEFAULT_WINDOW_BDPS: f64 = 8.0;
 /// also holds at least one *pipe* (a product plus the slice being put on the wire; see
 /// [`BdpController`]), so one product means one pipe.
 pub const DEFAULT_LEAN_BDPS: f64 = 1.0;
-/// Most time's worth of a rail's bandwidth a window holds: a slow rail's queue (a shaped
-/// link's, a switch's) then never holds more than a millisecond's worth, which is what a HIGH
-/// slice could find ahead of it.
+/// Most time's worth of a rail's bandwidth a window holds beyond what the path itself holds
+/// (its propagation delay's worth): a slow rail's queue (a shaped link's, a switch's) then
+/// never holds more than a millisecond's worth, which is what a HIGH slice could find ahead of
+/// it, while a path with a long round trip (another building, another zone) still keeps its
+/// whole product in flight.
 pub const DEFAULT_MAX_QUEUE_NS: u64 = 1_000_000;
 
 /// What one path may hold in flight, bytes.
@@ -50,6 +52,10 @@ pub struct RttEstimator {
     smoothed_ns: Option<u64>,
     var_ns: u64,
     latest_ns: u64,
+    /// The smallest round trip seen, whole, with its slice's length: the path's propagation
+    /// delay is what is left of it at the rail's bandwidth as estimated *now* (see
+    /// [`propagation_ns`](RttEstimator::propagation_ns)).
+    min_rtt: Option<(u64, u64)>,
     /// Bytes of every slice answered so far: how far the window has grown from its initial
     /// size (see [`BdpController::window`]).
     answered_bytes: u64,
@@ -70,6 +76,9 @@ impl RttEstimator {
             return;
         }
         self.latest_ns = rtt_ns;
+        if self.min_rtt.is_none_or(|(min, _)| rtt_ns < min) {
+            self.min_rtt = Some((rtt_ns, bytes));
+        }
         let serialization_ns = if bytes_per_sec > 0.0 {
             (bytes as f64 * 1e9 / bytes_per_sec) as u64
         } else {
@@ -102,6 +111,48 @@ impl RttEstimator {
     /// Smallest fixed part of a round trip seen, ns; `None` before the first sample.
     pub fn min_fixed_ns(&self) -> Option<u64> {
         self.min_fixed_ns
+    }
+
+    /// Whether a slice answered after `rtt_ns`, the last of `flight` bytes the path held in
+    /// flight when it was posted (itself included), on a rail estimated at `bytes_per_sec`,
+    /// says nothing against the estimate: the flight was below the path's bandwidth-delay
+    /// product, so the rail idled for part of the round trip whatever its rate, and the slice
+    /// came back within the path's [propagation delay](Self::propagation_ns) plus
+    /// [`KEPT_UP_FACTOR`] times the flight's time on the wire at the estimate. Such a slice
+    /// waited behind the others of its batch and still shows no rail slower than estimated;
+    /// its delivery rate is the batch's size over the path's length. False when the
+    /// estimate or the propagation delay is unknown.
+    pub fn kept_up(&self, rtt_ns: u64, flight: u64, bytes_per_sec: f64) -> bool {
+        if bytes_per_sec <= 0.0 {
+            return false;
+        }
+        let propagation = self.propagation_ns(bytes_per_sec) as f64;
+        let product = bytes_per_sec * propagation / 1e9;
+        let on_wire = flight as f64 * 1e9 / bytes_per_sec;
+        propagation > 0.0
+            && (flight as f64) < product
+            && rtt_ns as f64 <= propagation + KEPT_UP_FACTOR * on_wire
+    }
+
+    /// How long the path holds a byte whatever is queued on it (its propagation delay and the
+    /// ends' fixed costs), ns, at a rail of `bytes_per_sec`: the smallest round trip less its
+    /// slice's time on the wire at that bandwidth, at most the smallest fixed part, 0 before
+    /// the first sample. Unlike the fixed part, it is worked out with today's estimate: the
+    /// first answers of a rail policed far below its assumed speed put the whole time of a
+    /// slice on the wire down to the path (a 64 KiB slice at 150 Mbit/s, 3.5 ms), and a
+    /// window sized on that would keep a slice more queued on it for good.
+    pub fn propagation_ns(&self, bytes_per_sec: f64) -> u64 {
+        let Some((rtt_ns, bytes)) = self.min_rtt else {
+            return 0;
+        };
+        let serialization_ns = if bytes_per_sec > 0.0 {
+            (bytes as f64 * 1e9 / bytes_per_sec).min(u64::MAX as f64) as u64
+        } else {
+            0
+        };
+        rtt_ns
+            .saturating_sub(serialization_ns)
+            .min(self.min_fixed_ns.unwrap_or(0))
     }
 
     /// Smoothed round trip, ns; `None` before the first sample.
@@ -139,6 +190,12 @@ impl RttEstimator {
         rtt_ns as f64 > fixed as f64 + 1.5 * serialization_ns
     }
 }
+
+/// How many times its time on the wire at the estimate a flight below the bandwidth-delay
+/// product may take, beyond the path's propagation delay, and still count as kept up with the
+/// estimate (see [`RttEstimator::kept_up`]). Two: a sample must show the rail at under half its
+/// estimate before it can lower it.
+pub const KEPT_UP_FACTOR: f64 = 2.0;
 
 /// Turns a path's round-trip estimate and its rail's bandwidth into a window. One per path;
 /// `Send` so a dispatcher can live behind a lock shared by threads.
@@ -200,8 +257,9 @@ impl WindowController for BdpController {
     /// trip) and at least [`FULL_PIPES`] pipes of a slice of at least
     /// [`pipe_slice`](Self::pipe_slice), `lean` is `lean_bdps` of them and at least one
     /// *pipe* (one product plus the slice: what keeps the rail busy, since a slice is answered
-    /// only after its whole length went on the wire), then at most `max_queue_ns` of the
-    /// bandwidth, and at least one slice.
+    /// only after its whole length went on the wire), then at most what the path holds (the
+    /// bandwidth times its [propagation delay](RttEstimator::propagation_ns)) plus a queue of
+    /// `max_queue_ns` of the bandwidth or one slice, whichever is more, and at least one slice.
     /// The margin of `full` covers what the estimate misses on a CPU-bound link such as
     /// loopback; the time cap keeps a slow rail's queue short.
     ///
@@ -233,7 +291,14 @@ impl WindowController for BdpController {
         // it on a slow rail.
         let full_pipe = bdp + slice.max(self.pipe_slice) as f64;
         let grown = self.initial_window.saturating_add(rtt.answered_bytes()) as f64;
-        let cap = (bytes_per_sec * self.max_queue_ns as f64 / 1e9).min(grown);
+        // The time cap bounds the queue, not what the path holds: on a round trip of 5 ms a
+        // cap of 1 ms of the bandwidth kept a fifth of the product in flight, the rail
+        // delivered that, and the estimate and the window fell together (10 Gbit/s rails at
+        // 0.05 of their rate in the simulator). A queue of one slice at least: less leaves
+        // the rail idle between answers.
+        let held = bytes_per_sec * rtt.propagation_ns(bytes_per_sec) as f64 / 1e9;
+        let queue = (bytes_per_sec * self.max_queue_ns as f64 / 1e9).max(slice as f64);
+        let cap = (held + queue).min(grown);
         let bound = |bdps: f64, pipes: f64| ((bdps * bdp).max(pipes).min(cap) as u64).max(slice);
         Window {
             full: bound(self.window_bdps, FULL_PIPES * full_pipe),
@@ -366,10 +431,13 @@ mod tests {
             ..c
         };
         assert_eq!(two.window(&rtt, 1e9, 65536).lean, 200_000);
-        // 1 ms fixed: 8 BDPs would be 8 MB; the cap holds it to 1 ms = 1 MB.
+        // 1 ms fixed: 8 BDPs would be 8 MB; the cap holds it to the product (1 MB) and 1 ms of
+        // queue (1 MB), once slow start has let it grow that far.
         let mut slow = RttEstimator::new();
         slow.on_sample(1_000_000, 0, 1e9);
-        assert_eq!(c.window(&slow, 1e9, 65536).full, 1_000_000);
+        assert_eq!(c.window(&slow, 1e9, 65536).full, DEFAULT_INITIAL_WINDOW);
+        slow.answered_bytes = 64 << 20;
+        assert_eq!(c.window(&slow, 1e9, 65536).full, 2_000_000);
     }
 
     #[test]
@@ -392,8 +460,9 @@ mod tests {
         rtt.answered_bytes = 8 << 20;
         let big = c.window(&rtt, 3e9, 1 << 20);
         assert_eq!(big.full, 2 * (12_000 + (1 << 20)));
-        // The time cap still wins on a slow rail: 1 ms of 10 MB/s is 10 kB (one slice at least).
-        assert_eq!(c.window(&rtt, 10e6, 4096).full, 10_000);
+        // The time cap still wins on a slow rail: 4 µs of 10 MB/s held by the path and 1 ms of
+        // queue, 10 kB (one slice at least).
+        assert_eq!(c.window(&rtt, 10e6, 4096).full, 10_040);
     }
 
     #[test]
@@ -425,6 +494,71 @@ mod tests {
     }
 
     #[test]
+    fn a_path_with_a_long_round_trip_keeps_its_product_in_flight() {
+        // 10 Gbit/s (1.25 GB/s) to another zone, 10 ms there and back: 12.5 MB on the way.
+        let c = BdpController::default();
+        let bw = 1.25e9;
+        let mut rtt = RttEstimator::new();
+        rtt.on_sample(10_052_428, 65536, bw);
+        rtt.answered_bytes = 1 << 30;
+        assert_eq!(rtt.propagation_ns(bw), 10_000_000);
+        let w = c.window(&rtt, bw, 65536);
+        // A pipe at least (the product and a slice), and no more than a millisecond queued
+        // beyond the product. Capped at a millisecond of the bandwidth in all, the window held
+        // a tenth of the product and the rail carried a tenth of its rate.
+        assert!(w.pipe >= 12_500_000 + 65536, "{w:?}");
+        assert!(w.full >= w.pipe, "{w:?}");
+        assert_eq!(w.full, 12_500_000 + 1_250_000);
+        // Bulk alone gets two windows: the rail stays busy.
+        assert!(allowance_for_bulk_alone(w) >= w.pipe);
+    }
+
+    fn allowance_for_bulk_alone(w: Window) -> u64 {
+        crate::dispatch::allowance(crate::qos::Priority::Low, w, false, true)
+    }
+
+    #[test]
+    fn propagation_is_worked_out_at_the_estimate_of_now() {
+        // A rail assumed at 10 Gbit/s and policed at 150 Mbit/s (18.75 MB/s): its first slice
+        // of 64 KiB spent 3.5 ms on the wire and 50 µs on the path. At the assumed speed all
+        // of the 3.5 ms looks like path; at the rate learned since, 50 µs does.
+        let mut rtt = RttEstimator::new();
+        let on_wire = (65536.0 * 1e9 / 18.75e6) as u64;
+        rtt.on_sample(on_wire + 50_000, 65536, 1.25e9);
+        assert!(rtt.propagation_ns(1.25e9) > 3_000_000);
+        let now = rtt.propagation_ns(18.75e6);
+        assert!((49_000..=51_000).contains(&now), "{now}");
+        // A window sized on the first would keep a slice more queued on the rail for good.
+        rtt.answered_bytes = 64 << 20;
+        let w = BdpController::default().window(&rtt, 18.75e6, 65536);
+        assert!(w.full < 65536 + 2_000, "{w:?}");
+        // Never more than the smallest fixed part, nor anything before a sample.
+        assert_eq!(RttEstimator::new().propagation_ns(1e9), 0);
+        assert!(rtt.propagation_ns(0.0) <= rtt.min_fixed_ns().unwrap());
+    }
+
+    #[test]
+    fn a_flight_below_the_product_that_kept_up_with_the_estimate_is_told_apart() {
+        // 8 x 64 KiB dealt at once on a 10 ms path at 10 Gbit/s: the last waits behind seven
+        // others (it saw a queue), yet it came back when the estimate says it should have.
+        let bw = 1.25e9;
+        let mut rtt = RttEstimator::new();
+        rtt.on_sample(10_052_428, 65536, bw);
+        let flight = 8 * 65536;
+        let last = 10_000_000 + 8 * 52_429;
+        assert!(rtt.saw_queue(last, 65536, bw));
+        assert!(rtt.kept_up(last, flight, bw));
+        // The same slice on a rail policed at 150 Mbit/s behind that estimate: 28 ms on the
+        // wire, far beyond twice the estimate's 0.4 ms. It shows the rail slower.
+        assert!(!rtt.kept_up(10_000_000 + 28_000_000, flight, bw));
+        // A flight above the product keeps the rail busy: its samples are the rail's rate.
+        assert!(!rtt.kept_up(last, 13_000_000, bw));
+        // Nothing to go by.
+        assert!(!rtt.kept_up(last, flight, 0.0));
+        assert!(!RttEstimator::new().kept_up(last, flight, bw));
+    }
+
+    #[test]
     fn fixed_window_ignores_the_path() {
         let c = FixedController { bytes: 65536 };
         let mut rtt = RttEstimator::new();
@@ -434,8 +568,8 @@ mod tests {
     }
 
     proptest! {
-        /// Whatever was measured, a window never exceeds its time cap unless one slice does,
-        /// and always admits one slice.
+        /// Whatever was measured, a window never exceeds what the path holds plus its time
+        /// cap (or one slice, if more) and always admits one slice.
         #[test]
         fn a_window_never_exceeds_its_cap(
             samples in proptest::collection::vec((1u64..50_000_000, 0u64..(8 << 20)), 1..20),
@@ -449,8 +583,11 @@ mod tests {
                 rtt.on_sample(r, b, bytes_per_sec);
             }
             let w = c.window(&rtt, bytes_per_sec, slice);
-            let cap = (bytes_per_sec * c.max_queue_ns as f64 / 1e9) as u64;
-            prop_assert!(w.full <= cap.max(slice));
+            let propagation = rtt.propagation_ns(bytes_per_sec);
+            prop_assert!(propagation <= rtt.min_fixed_ns().unwrap_or(0));
+            let held = bytes_per_sec * propagation as f64 / 1e9;
+            let queue = (bytes_per_sec * c.max_queue_ns as f64 / 1e9).max(slice as f64);
+            prop_assert!(w.full as f64 <= held + queue + 1.0);
             prop_assert!(w.lean <= w.full);
             prop_assert!(w.full >= slice && w.lean >= slice);
         }
