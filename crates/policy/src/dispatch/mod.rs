@@ -808,9 +808,8 @@ impl<T: Payload> Dispatcher<T> {
             // trip: if the slice came back as soon as the estimate says it should have, it
             // shows the path's length, not the rail's rate (a 10 ms path read a 10 Gbit/s rail
             // at 0.4 Gbit/s from one writer's 1 MiB batches).
-            let app_limited = !path.probation
-                && (!path.rtt.saw_queue(rtt, rec.len, bw)
-                    || path.rtt.kept_up(rtt, rec.ahead.saturating_add(rec.len), bw));
+            let flight = rec.ahead.saturating_add(rec.len);
+            let app_limited = !path.probation && !path.rtt.rail_limited(rtt, rec.len, flight, bw);
             // A probation answer far faster than the estimate: the rail may be back (or a
             // policer's burst let the page through; then it stalls again, and the next
             // probation is longer). A slow one keeps the path on probation, whose pages are

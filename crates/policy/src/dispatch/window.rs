@@ -79,11 +79,7 @@ impl RttEstimator {
         if self.min_rtt.is_none_or(|(min, _)| rtt_ns < min) {
             self.min_rtt = Some((rtt_ns, bytes));
         }
-        let serialization_ns = if bytes_per_sec > 0.0 {
-            (bytes as f64 * 1e9 / bytes_per_sec) as u64
-        } else {
-            0
-        };
+        let serialization_ns = on_wire_ns(bytes, bytes_per_sec) as u64;
         // At most half a round trip is put down to the wire: the time on the wire comes from
         // the bandwidth *estimate*, and one that fell below the link's (a stall on a CPU-bound
         // link, a burst of scheduling delay) would put all of it there. The smallest fixed part
@@ -113,6 +109,16 @@ impl RttEstimator {
         self.min_fixed_ns
     }
 
+    /// Whether a slice of `bytes` answered after `rtt_ns`, the last of `flight` bytes the path
+    /// held in flight when it was posted (itself included), on a rail estimated at
+    /// `bytes_per_sec`, shows the rail's rate: it [waited behind other bytes on the
+    /// rail](Self::saw_queue), and not only behind its own batch on a path longer than the
+    /// batch ([`kept_up`](Self::kept_up)). A slice that does not is app-limited (BBR's rule):
+    /// its sample may raise the estimate but not lower it.
+    pub fn rail_limited(&self, rtt_ns: u64, bytes: u64, flight: u64, bytes_per_sec: f64) -> bool {
+        self.saw_queue(rtt_ns, bytes, bytes_per_sec) && !self.kept_up(rtt_ns, flight, bytes_per_sec)
+    }
+
     /// Whether a slice answered after `rtt_ns`, the last of `flight` bytes the path held in
     /// flight when it was posted (itself included), on a rail estimated at `bytes_per_sec`,
     /// says nothing against the estimate: the flight was below the path's bandwidth-delay
@@ -128,10 +134,9 @@ impl RttEstimator {
         }
         let propagation = self.propagation_ns(bytes_per_sec) as f64;
         let product = bytes_per_sec * propagation / 1e9;
-        let on_wire = flight as f64 * 1e9 / bytes_per_sec;
         propagation > 0.0
             && (flight as f64) < product
-            && rtt_ns as f64 <= propagation + KEPT_UP_FACTOR * on_wire
+            && rtt_ns as f64 <= propagation + KEPT_UP_FACTOR * on_wire_ns(flight, bytes_per_sec)
     }
 
     /// How long the path holds a byte whatever is queued on it (its propagation delay and the
@@ -145,13 +150,8 @@ impl RttEstimator {
         let Some((rtt_ns, bytes)) = self.min_rtt else {
             return 0;
         };
-        let serialization_ns = if bytes_per_sec > 0.0 {
-            (bytes as f64 * 1e9 / bytes_per_sec).min(u64::MAX as f64) as u64
-        } else {
-            0
-        };
         rtt_ns
-            .saturating_sub(serialization_ns)
+            .saturating_sub(on_wire_ns(bytes, bytes_per_sec) as u64)
             .min(self.min_fixed_ns.unwrap_or(0))
     }
 
@@ -182,12 +182,16 @@ impl RttEstimator {
         let Some(fixed) = self.min_fixed_ns else {
             return false;
         };
-        let serialization_ns = if bytes_per_sec > 0.0 {
-            bytes as f64 * 1e9 / bytes_per_sec
-        } else {
-            0.0
-        };
-        rtt_ns as f64 > fixed as f64 + 1.5 * serialization_ns
+        rtt_ns as f64 > fixed as f64 + 1.5 * on_wire_ns(bytes, bytes_per_sec)
+    }
+}
+
+/// Time `bytes` take on the wire at `bytes_per_sec`, ns; 0 when the bandwidth is unknown (0).
+fn on_wire_ns(bytes: u64, bytes_per_sec: f64) -> f64 {
+    if bytes_per_sec > 0.0 {
+        (bytes as f64 * 1e9 / bytes_per_sec).min(u64::MAX as f64)
+    } else {
+        0.0
     }
 }
 
@@ -510,11 +514,8 @@ mod tests {
         assert!(w.full >= w.pipe, "{w:?}");
         assert_eq!(w.full, 12_500_000 + 1_250_000);
         // Bulk alone gets two windows: the rail stays busy.
-        assert!(allowance_for_bulk_alone(w) >= w.pipe);
-    }
-
-    fn allowance_for_bulk_alone(w: Window) -> u64 {
-        crate::dispatch::allowance(crate::qos::Priority::Low, w, false, true)
+        let bulk_alone = crate::dispatch::allowance(crate::qos::Priority::Low, w, false, true);
+        assert!(bulk_alone >= w.pipe);
     }
 
     #[test]
@@ -548,9 +549,11 @@ mod tests {
         let last = 10_000_000 + 8 * 52_429;
         assert!(rtt.saw_queue(last, 65536, bw));
         assert!(rtt.kept_up(last, flight, bw));
+        assert!(!rtt.rail_limited(last, 65536, flight, bw));
         // The same slice on a rail policed at 150 Mbit/s behind that estimate: 28 ms on the
         // wire, far beyond twice the estimate's 0.4 ms. It shows the rail slower.
         assert!(!rtt.kept_up(10_000_000 + 28_000_000, flight, bw));
+        assert!(rtt.rail_limited(10_000_000 + 28_000_000, 65536, flight, bw));
         // A flight above the product keeps the rail busy: its samples are the rail's rate.
         assert!(!rtt.kept_up(last, 13_000_000, bw));
         // Nothing to go by.
