@@ -210,7 +210,7 @@ def main():
     ap.add_argument("--strangers", type=int, default=40)
     ap.add_argument("--token", help="membership token (default: MULTIRAIL_TOKEN, else none)")
     ap.add_argument("--interval", type=float, default=5.0, help="seconds between status lines (default 5)")
-    ap.add_argument("--protocol-version", type=int, default=2, help="PROTOCOL_VERSION in segment.rs (default 2)")
+    ap.add_argument("--protocol-version", type=int, default=3, help="PROTOCOL_VERSION in segment.rs (default 3)")
     args = ap.parse_args()
     token = (args.token or os.environ.get("MULTIRAIL_TOKEN") or "").encode() or None
     pool = Pool(args.addr, args.members, args.strangers, token, args.protocol_version)

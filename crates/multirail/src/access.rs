@@ -346,20 +346,24 @@ mod tests {
         let granted = table.grant(5).unwrap();
         let access = peer_side(&table, &granted, 5);
         let held = access.hold().unwrap();
+        // Timed from here, before the revoker starts: a revoker thread scheduled late would
+        // otherwise measure less than the copy's 100 ms.
+        let start = Instant::now();
         let revoker = {
             let table = table.clone();
             std::thread::spawn(move || {
-                let start = Instant::now();
                 assert!(table.revoke(granted.entry));
-                start.elapsed()
+                Instant::now()
             })
         };
         std::thread::sleep(Duration::from_millis(100));
         // Revoked meanwhile: no new copy starts.
         assert!(access.hold().is_err());
+        let released = Instant::now();
         drop(held);
-        let waited = revoker.join().unwrap();
-        assert!(waited >= Duration::from_millis(100), "{waited:?}");
+        let revoked = revoker.join().unwrap();
+        assert!(revoked >= released, "revoke returned before the copy ended");
+        assert!(revoked - start >= Duration::from_millis(100));
     }
 
     #[test]

@@ -119,6 +119,26 @@ impl Task {
         }
     }
 
+    /// A task of no batch, for transfers nobody waits on (a probe of a rail): its one part
+    /// finishing wakes no one and counts in no engine counter.
+    pub(crate) fn detached() -> Arc<Task> {
+        Arc::new(Task {
+            remaining: AtomicU32::new(1),
+            failed: AtomicBool::new(false),
+            error: OnceLock::new(),
+            signal: Arc::new(BatchSignal {
+                unfinished: AtomicUsize::new(1),
+                lock: Mutex::new(Vec::new()),
+                cond: Condvar::new(),
+                sleepers: AtomicUsize::new(0),
+                expected_ns: AtomicU64::new(0),
+                expected_slices: AtomicU64::new(0),
+                counters: Arc::default(),
+            }),
+            requests: 1,
+        })
+    }
+
     /// Adds parts while at least one part is still outstanding (so the task cannot have
     /// finished): a request is set up with one part and grows as its slices are dealt out, and
     /// a slice not yet posted may be cut in two.

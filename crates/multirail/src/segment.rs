@@ -60,7 +60,8 @@ impl<'de> Deserialize<'de> for Location {
 
 /// Version of the descriptor format and of the wire protocol it advertises.
 /// 2: connections open with the membership handshake.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// 3: data connections carry probes (`RequestOp::Probe`).
+pub const PROTOCOL_VERSION: u16 = 3;
 
 /// Handle a same-host peer uses to map an engine-allocated buffer (`/proc/PID/fd/FD`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -30,12 +30,14 @@ use crate::scenario::{Arrival, Run, ScenarioError};
 /// `slots::ACTIVE_NS`): a stream of requests that never queues is still traffic.
 const ACTIVE_NS: u64 = 10_000_000;
 
-/// A piece of request `req`.
+/// A piece of request `req`, or a probe of a rail (which belongs to no request), as the
+/// engine's tcp transport sends them.
 #[derive(Debug)]
 struct Piece {
     req: usize,
     len: u64,
     numa_node: i32,
+    probe: bool,
 }
 
 impl Payload for Piece {
@@ -48,9 +50,27 @@ impl Payload for Piece {
             req: self.req,
             len: self.len - at,
             numa_node: self.numa_node,
+            probe: self.probe,
         };
         self.len = at;
         rest
+    }
+
+    fn has_probes(&self) -> bool {
+        true
+    }
+
+    fn probe(&self, len: u64) -> Option<Piece> {
+        Some(Piece {
+            req: usize::MAX,
+            len,
+            numa_node: self.numa_node,
+            probe: true,
+        })
+    }
+
+    fn is_probe(&self) -> bool {
+        self.probe
     }
 }
 
@@ -500,6 +520,7 @@ impl<'a> Sim<'a> {
                 req,
                 len: s.length,
                 numa_node,
+                probe: false,
             }),
         );
     }
@@ -573,7 +594,9 @@ impl<'a> Sim<'a> {
         if let Some(s) = self.samples.get_mut(sample) {
             s[rail] += piece.len;
         }
-        self.finish(piece.req, piece.len, false);
+        if !piece.probe {
+            self.finish(piece.req, piece.len, false);
+        }
     }
 
     fn finish(&mut self, req: usize, bytes: u64, failed: bool) {

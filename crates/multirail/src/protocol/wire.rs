@@ -83,7 +83,15 @@ pub enum RequestOp {
     Write = 1,
     /// The target answers with `len` bytes read at `addr`.
     Read = 2,
+    /// Payload of `len` bytes (at most [`MAX_PROBE_LEN`]) follows; the target discards it and
+    /// answers. It measures a rail without carrying anyone's bytes: a rail given up on as
+    /// stalled is tried with probes, so no request waits on a rail that may still be down.
+    /// `addr` and `key` are not looked at.
+    Probe = 3,
 }
+
+/// Largest probe payload: a probe measures a rail, it need not be long.
+pub const MAX_PROBE_LEN: u32 = 64 << 10;
 
 /// A request header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -115,8 +123,8 @@ impl RequestHeader {
         out[24..32].copy_from_slice(&self.key.to_le_bytes());
     }
 
-    /// Parses a header; an unknown op or priority, or a length of 0 or above [`MAX_SLICE_LEN`],
-    /// is malformed.
+    /// Parses a header; an unknown op or priority, a length of 0 or above [`MAX_SLICE_LEN`], or
+    /// a probe above [`MAX_PROBE_LEN`] is malformed.
     pub fn decode(b: &[u8]) -> Result<Self, String> {
         let b: &[u8; REQUEST_LEN] = b
             .get(..REQUEST_LEN)
@@ -125,6 +133,7 @@ impl RequestHeader {
         let op = match b[0] {
             1 => RequestOp::Write,
             2 => RequestOp::Read,
+            3 => RequestOp::Probe,
             op => return Err(format!("unknown request op {op}")),
         };
         let priority =
@@ -132,6 +141,9 @@ impl RequestHeader {
         let len = u32::from_le_bytes(b[4..8].try_into().unwrap());
         if len == 0 || len > MAX_SLICE_LEN {
             return Err(format!("request length {len} outside 1..={MAX_SLICE_LEN}"));
+        }
+        if op == RequestOp::Probe && len > MAX_PROBE_LEN {
+            return Err(format!("probe length {len} above {MAX_PROBE_LEN}"));
         }
         Ok(RequestHeader {
             priority,
@@ -348,6 +360,13 @@ mod tests {
         let mut op = b;
         op[0] = 9;
         assert!(RequestHeader::decode(&op).is_err());
+        let mut probe = b;
+        probe[0] = RequestOp::Probe as u8;
+        probe[4..8].copy_from_slice(&MAX_PROBE_LEN.to_le_bytes());
+        assert_eq!(RequestHeader::decode(&probe).unwrap().op, RequestOp::Probe);
+        probe[4..8].copy_from_slice(&(MAX_PROBE_LEN + 1).to_le_bytes());
+        let err = RequestHeader::decode(&probe).unwrap_err();
+        assert!(err.contains("probe length"), "{err}");
         assert!(RequestHeader::decode(&b[..10]).is_err());
     }
 

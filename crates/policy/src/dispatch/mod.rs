@@ -28,7 +28,8 @@
 //!   timeout while another path answers or stands idle, is dropped ([`Event::DropPath`]), its
 //!   rail's estimate lowered to what the stall shows, and its slices retried elsewhere, which
 //!   tells a stalled rail from a silent peer. Back, a stalled path is on probation while
-//!   other paths can take the work: one page at a time, after an idle probe's wait, until it
+//!   other paths can take the work: one probe of a page at a time ([`Payload::probe`]; a page
+//!   of a request, after an idle probe's wait, where the transport has none), until it
 //!   answers one far faster than its lowered estimate (which then returns to what it was) and
 //!   at least a second passed (doubled for each stall in a row, up to 64 s); its answers are
 //!   learned as the rail's rate even below the estimate.
@@ -56,6 +57,8 @@ use finish::PathLoad;
 
 /// Bulk chunks beside HIGH and tail pieces are cut in whole pages of this many bytes.
 const PAGE: u64 = 4096;
+/// Bytes of a probe a path on probation is tried with ([`Payload::probe`]): a page.
+pub const PROBE_LEN: u64 = PAGE;
 
 /// A HIGH transfer spreads over a path's connections (see [`Connection::Spread`]) only on a rail
 /// estimated at least this fast, or whose link is (its theoretical bandwidth), bytes/s
@@ -122,6 +125,29 @@ pub trait Payload {
     /// Cuts the slice after `at` bytes (0 < `at` < `len`) and returns the rest, a slice of the
     /// same request.
     fn split_off(&mut self, at: u64) -> Self;
+
+    /// Whether [`probe`](Self::probe) makes probes: the slice's transport has them.
+    fn has_probes(&self) -> bool {
+        false
+    }
+
+    /// A probe of `len` bytes in place of this slice: it travels as the slice would (same
+    /// level, same memory's rail ranking) but carries nobody's bytes, and nothing waits for
+    /// it. A path on probation after a stall is tried with probes, so no request waits on a
+    /// rail that may still be collapsed. `None` (the default) when the transport has no
+    /// probes: the path is then tried with a page cut off the slice.
+    fn probe(&self, _len: u64) -> Option<Self>
+    where
+        Self: Sized,
+    {
+        None
+    }
+
+    /// True for a probe made by [`probe`](Self::probe): when its connection fails it is
+    /// dropped, not retried elsewhere.
+    fn is_probe(&self) -> bool {
+        false
+    }
 }
 
 /// The engine-wide view the dispatcher consults: the rail selector shared by every peer, the
@@ -892,6 +918,13 @@ impl<T: Payload> Dispatcher<T> {
             path.dropping = false;
         }
         rails.failed(rail, rec.len);
+        if item.is_probe() {
+            // It measured the rail, and the rail failed it: nothing to retry.
+            if !self.has_outstanding() {
+                self.outstanding_since = None;
+            }
+            return;
+        }
         let attempts = rec.attempts + 1;
         let timed_out = cause == Cause::Timeout;
         let verdict = if self.silent {
@@ -1375,13 +1408,23 @@ impl<T: Payload> Dispatcher<T> {
                 && self.paths.iter().any(|path| {
                     path.usable && !path.probation && rails.rail_admits(path.rail, prio)
                 });
+            // A probe holds no request back, so a path on probation is probed as soon as its
+            // last probe is answered and it idled the shortest probe wait; a page of a request
+            // waits the probe-cost rule's twenty pages' time at the rail's estimate (6.6 s at
+            // 0.1 Mbit/s), which a rail that came back also waited before it was seen.
+            let probes = proven && head.item.has_probes();
             for (p, path) in self.paths.iter().enumerate() {
                 allowed[p] = 0;
                 if !path.usable || !rails.rail_admits(path.rail, prio) {
                     continue;
                 }
                 if smart && path.probation && proven {
-                    if !path.idle_long(now, self.probe_after(p, PAGE)) {
+                    let wait = if probes {
+                        finish::PROBE_AFTER_NS
+                    } else {
+                        self.probe_after(p, PAGE)
+                    };
+                    if !path.idle_long(now, wait) {
                         continue;
                     }
                     allowed[p] = PAGE;
@@ -1519,7 +1562,24 @@ impl<T: Payload> Dispatcher<T> {
                 // beside HIGH, or (past the horizon for the whole slice) to the piece the path
                 // still finishes in time. The rest waits at the head.
                 let probe_only = smart && load.is_some_and(|load| load.probe_only(posted, horizon));
-                let cut = if smart && proven && fits && self.paths[p].probation {
+                let on_probation = smart && proven && fits && self.paths[p].probation;
+                if let Some(probe) = on_probation.then(|| q.item.item.probe(PROBE_LEN)).flatten() {
+                    // The path is tried with a probe of a page, and the slice waits for a
+                    // path that has not stalled: a request held by a page on a collapsed
+                    // rail (4 KiB at 0.1 Mbit/s, a third of a second) stalled its batch at
+                    // every probation.
+                    rails.unassigned(rail, len.saturating_sub(PROBE_LEN));
+                    back.push((q.item, q.waited_ns));
+                    let probe = Queued {
+                        item: probe,
+                        rail: None,
+                        attempts: 0,
+                        since_ns: now,
+                    };
+                    self.post_on(p, probe, prio, now);
+                    continue;
+                }
+                let cut = if on_probation {
                     (q.item.item.len() > PAGE).then_some(PAGE)
                 } else if fits && probe_only && !split {
                     // A probe measures the rail; it need not hold a whole slice. On a rail far

@@ -13,7 +13,12 @@ struct Piece {
     req: u32,
     offset: u64,
     len: u64,
+    /// Whether its transport has probes ([`Payload::probe`]).
+    probes: bool,
 }
+
+/// The request a probe stands for: none.
+const PROBE_REQ: u32 = u32::MAX;
 
 impl Payload for Piece {
     fn len(&self) -> u64 {
@@ -22,13 +27,32 @@ impl Payload for Piece {
 
     fn split_off(&mut self, at: u64) -> Piece {
         assert!(at > 0 && at < self.len, "split {at} of {}", self.len);
+        assert!(!self.is_probe(), "a probe was cut");
         let rest = Piece {
             req: self.req,
             offset: self.offset + at,
             len: self.len - at,
+            probes: self.probes,
         };
         self.len = at;
         rest
+    }
+
+    fn has_probes(&self) -> bool {
+        self.probes
+    }
+
+    fn probe(&self, len: u64) -> Option<Piece> {
+        self.probes.then_some(Piece {
+            req: PROBE_REQ,
+            offset: 0,
+            len,
+            probes: true,
+        })
+    }
+
+    fn is_probe(&self) -> bool {
+        self.req == PROBE_REQ
     }
 }
 
@@ -161,8 +185,18 @@ fn pieces(req: u32, count: u64, len: u64) -> Vec<Piece> {
             req,
             offset: i * len,
             len,
+            probes: false,
         })
         .collect()
+}
+
+/// [`pieces`] of a transport that has probes.
+fn probing_pieces(req: u32, count: u64, len: u64) -> Vec<Piece> {
+    let mut v = pieces(req, count, len);
+    for p in &mut v {
+        p.probes = true;
+    }
+    v
 }
 
 fn drain(d: &mut Dispatcher<Piece>, now: u64, host: &mut Host) -> Vec<Post<Piece>> {
@@ -714,6 +748,72 @@ fn a_rail_given_up_on_as_stalled_takes_one_page_at_a_time_until_it_answers() {
     );
     // Slow, it does not end the probation: the next page is the way back for this rail.
     assert!(d.paths[0].probation);
+}
+
+/// With a transport that has probes, a path on probation is tried with a probe of a page and
+/// takes none of the requests' bytes: every slice of the batch goes to the path that did not
+/// stall, the probe's answer is learned as the page's would be, and a probe whose connection
+/// fails is dropped, neither retried nor failed as anyone's work.
+#[test]
+fn a_rail_on_probation_is_tried_with_probes_and_no_request_waits_on_it() {
+    let mut host = Host::new(&[10.0, 10.0], true);
+    let mut d = stalled_and_reconnected(&mut host);
+    let t = 1_500 * MS;
+    let n = 256;
+    d.on_submit(t, Priority::Low, probing_pieces(2, n, 64 << 10));
+    let mut on_0 = Vec::new();
+    let mut carried = 0;
+    for round in 0..400 {
+        for p in drain(&mut d, t + round * MS, &mut host) {
+            if p.path == 0 {
+                on_0.push(p);
+            } else {
+                assert_eq!(p.item.req, 2);
+                carried += p.item.len;
+                d.on_completed(t + round * MS + 1, p.id, None, &mut host);
+            }
+        }
+    }
+    assert_eq!(carried, n * (64 << 10), "path 1 carried the whole request");
+    assert_eq!(
+        on_0.len(),
+        1,
+        "path 0 took {} posts on probation",
+        on_0.len()
+    );
+    let probe = on_0.pop().unwrap();
+    assert!(probe.item.is_probe() && probe.item.len == 4096, "{probe:?}");
+    // Its slow answer (0.1 Mbit/s) is learned, and keeps the path on probation.
+    d.on_completed(t + 400 * MS, probe.id, None, &mut host);
+    let estimate = host.selector.rail_stats(0).unwrap().ewma_gbps;
+    assert!(
+        (0.00005..0.0002).contains(&estimate),
+        "rail 0 estimated at {estimate} Gbit/s after its probe"
+    );
+    assert!(d.paths[0].probation);
+    // The next probe's connection fails: it is gone for good.
+    let t = 3_000 * MS;
+    d.on_submit(t, Priority::Low, probing_pieces(3, n, 64 << 10));
+    let mut probes = Vec::new();
+    for round in 0..400 {
+        for p in drain(&mut d, t + round * MS, &mut host) {
+            if p.item.is_probe() {
+                probes.push(p);
+            } else {
+                assert_eq!(p.path, 1);
+                d.on_completed(t + round * MS + 1, p.id, None, &mut host);
+            }
+        }
+    }
+    assert_eq!(probes.len(), 1);
+    let probe = probes.pop().unwrap();
+    d.on_failed(t + 400 * MS, probe.id, probe.item, Cause::Lost, &mut host);
+    assert!(d.poll_failed().is_none(), "a probe failed as work");
+    let again = drain(&mut d, t + 400 * MS, &mut host);
+    assert!(
+        again.iter().all(|p| !p.item.is_probe() || p.path == 0),
+        "a failed probe was retried elsewhere: {again:?}"
+    );
 }
 
 #[test]

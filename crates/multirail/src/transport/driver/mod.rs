@@ -59,7 +59,21 @@ pub(crate) struct OutSlice<K> {
     pub priority: Priority,
     /// Why its last path failed, if one did: what it fails with when it cannot be retried.
     pub last_error: Option<Error>,
+    /// A probe of its rail ([`Payload::probe`]): a payload of zeros the target drops, for no
+    /// request (its task is detached).
+    pub probe: bool,
 }
+
+/// What a transport presents for a probe ([`Payload::probe`]), if it has probes.
+pub(crate) trait ProbeKey: Clone {
+    /// The key a probe carries, or `None` when the transport has no probes (its paths on
+    /// probation are then tried with a page of a request).
+    fn for_probe(&self) -> Option<Self>;
+}
+
+/// A probe's payload: what a probe carries is never looked at.
+static PROBE_PAYLOAD: [u8; multirail_policy::dispatch::PROBE_LEN as usize] =
+    [0; multirail_policy::dispatch::PROBE_LEN as usize];
 
 impl<K: Clone> OutSlice<K> {
     /// The `len` bytes of `req` from `offset`, presenting `key`.
@@ -75,11 +89,12 @@ impl<K: Clone> OutSlice<K> {
             location: req.location,
             priority: req.priority,
             last_error: None,
+            probe: false,
         }
     }
 }
 
-impl<K: Clone> Payload for OutSlice<K> {
+impl<K: ProbeKey> Payload for OutSlice<K> {
     fn len(&self) -> u64 {
         u64::from(self.len)
     }
@@ -106,9 +121,36 @@ impl<K: Clone> Payload for OutSlice<K> {
             location: self.location,
             priority: self.priority,
             last_error: None,
+            probe: self.probe,
         };
         self.len = at;
         rest
+    }
+
+    fn has_probes(&self) -> bool {
+        self.key.for_probe().is_some()
+    }
+
+    fn probe(&self, len: u64) -> Option<OutSlice<K>> {
+        let key = self.key.for_probe()?;
+        let len = len.min(PROBE_PAYLOAD.len() as u64) as u32;
+        Some(OutSlice {
+            op: Opcode::Write,
+            local: PROBE_PAYLOAD.as_ptr() as usize,
+            remote: 0,
+            len,
+            key,
+            task: Task::detached(),
+            id: self.id,
+            location: self.location,
+            priority: self.priority,
+            last_error: None,
+            probe: true,
+        })
+    }
+
+    fn is_probe(&self) -> bool {
+        self.probe
     }
 }
 
@@ -181,7 +223,7 @@ pub(crate) enum ProbeNeed {
 /// called with the dispatcher's lock held.
 pub(crate) trait Link: Send + Sync + Sized + 'static {
     /// What a slice presents to reach the target memory.
-    type Key: Clone + Send + Sync + 'static;
+    type Key: ProbeKey + Send + Sync + 'static;
 
     /// How errors and logs name this transport's paths ("rail", "RDMA path").
     const PATH: &'static str;

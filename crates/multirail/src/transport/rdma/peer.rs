@@ -256,6 +256,14 @@ impl RdmaLink {
     }
 }
 
+/// RDMA has no probe yet: a one-sided WRITE lands in the target's memory and a READ in ours,
+/// so a path on probation is tried with a page of a request.
+impl crate::transport::driver::ProbeKey for RdmaKeys {
+    fn for_probe(&self) -> Option<RdmaKeys> {
+        None
+    }
+}
+
 impl Link for RdmaLink {
     type Key = RdmaKeys;
 

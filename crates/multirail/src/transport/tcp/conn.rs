@@ -263,11 +263,7 @@ impl Conn {
             let seq = st.next_seq;
             st.next_seq += 1;
             RequestHeader {
-                op: if is_write {
-                    RequestOp::Write
-                } else {
-                    RequestOp::Read
-                },
+                op: request_op(&slice),
                 len: slice.len,
                 id: seq,
                 addr: slice.remote,
@@ -524,12 +520,8 @@ fn sender_loop(conn: &Arc<Conn>, rx: Receiver<Msg>) {
             for (i, s) in batch.drain(..).enumerate() {
                 let seq = st.next_seq;
                 st.next_seq += 1;
-                let op = match s.op {
-                    Opcode::Write => RequestOp::Write,
-                    Opcode::Read => RequestOp::Read,
-                };
                 RequestHeader {
-                    op,
+                    op: request_op(&s),
                     len: s.len,
                     id: seq,
                     addr: s.remote,
@@ -568,6 +560,15 @@ fn sender_loop(conn: &Arc<Conn>, rx: Receiver<Msg>) {
         }
     }
     conn.hand_back(rest, conn.dead_error());
+}
+
+/// The wire op of `slice`: a probe travels as one, its payload dropped by the target.
+fn request_op(slice: &Outgoing) -> RequestOp {
+    match slice.op {
+        _ if slice.probe => RequestOp::Probe,
+        Opcode::Write => RequestOp::Write,
+        Opcode::Read => RequestOp::Read,
+    }
 }
 
 /// Reads until staging holds a response header and takes it. While READs are outstanding a

@@ -334,6 +334,13 @@ impl TcpLink {
     }
 }
 
+/// Over tcp a probe is a frame of its own (`RequestOp::Probe`): its key is never looked at.
+impl crate::transport::driver::ProbeKey for u64 {
+    fn for_probe(&self) -> Option<u64> {
+        Some(0)
+    }
+}
+
 impl Link for TcpLink {
     type Key = u64;
 

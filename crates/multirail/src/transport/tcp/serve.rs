@@ -237,6 +237,8 @@ struct Payload {
     priority: Priority,
     /// When its request frame was read.
     read_at: Instant,
+    /// A probe's payload: dropped, answered `Ok`, counted as neither served nor refused.
+    probe: bool,
 }
 
 /// The kind of the latest request on a connection, which says what probably follows.
@@ -372,6 +374,22 @@ impl DataConn {
                         status,
                         priority: h.priority,
                         read_at: self.read_at,
+                        probe: false,
+                    });
+                    self.take_staged_payload();
+                }
+                RequestOp::Probe => {
+                    // Read through scratch and dropped: a probe touches no memory.
+                    self.last = LastRequest::SmallWrite;
+                    self.payload = Some(Payload {
+                        dst: None,
+                        len: h.len as usize,
+                        done: 0,
+                        id: h.id,
+                        status: Status::Ok,
+                        priority: h.priority,
+                        read_at: self.read_at,
+                        probe: true,
                     });
                     self.take_staged_payload();
                 }
@@ -459,7 +477,9 @@ impl DataConn {
     /// Acknowledges the payload under way, whose last byte arrived at `now`.
     fn finish_payload(&mut self, now: Instant) {
         let p = self.payload.take().expect("payload under way");
-        if p.dst.is_some() {
+        if p.probe {
+            // Neither served nor refused: nobody's bytes.
+        } else if p.dst.is_some() {
             self.served.served(
                 ServedOp::Write,
                 p.priority,
@@ -664,6 +684,41 @@ mod tests {
             );
         }
         assert!(b.iter().all(|&x| x == 0xEE), "the large write landed");
+    }
+
+    /// A probe's payload lands nowhere: it is read, dropped and answered `Ok` in its turn,
+    /// whatever its address says (here a registered buffer's), and the WRITE behind it lands.
+    #[test]
+    fn a_probe_is_answered_and_touches_no_memory() {
+        let registry = MemoryRegistry::default();
+        let buf = registry.allocate(2 * PAYLOAD, Location::Any).unwrap();
+        let mut requests = write_of(PAYLOAD, 1, buf.addr(), buf.key(), Priority::Low, 0x33);
+        // Rewritten as a probe aimed at the same buffer.
+        requests[0] = RequestOp::Probe as u8;
+        requests.extend(write_request(
+            2,
+            buf.addr() + 64,
+            buf.key(),
+            Priority::Low,
+            0x44,
+        ));
+        // SAFETY: nothing serves this buffer yet.
+        let before = unsafe { buf.as_slice().to_vec() };
+        assert!(before.iter().all(|&x| x == 0));
+        let answers = serve_all(&registry, requests, 2);
+        assert_eq!((answers[0].id, answers[0].status), (1, Status::Ok));
+        assert_eq!((answers[1].id, answers[1].status), (2, Status::Ok));
+        // SAFETY: the turns that wrote this buffer have returned.
+        let after = unsafe { buf.as_slice().to_vec() };
+        assert!(
+            after[..64].iter().all(|&x| x == 0),
+            "the probe wrote nothing"
+        );
+        assert!(
+            after[64..64 + PAYLOAD].iter().all(|&x| x == 0x44),
+            "the write behind it landed"
+        );
+        assert!(after[64 + PAYLOAD..].iter().all(|&x| x == 0));
     }
 
     /// A refused WRITE whose payload is longer than the scratch buffer it is read into is read
