@@ -93,7 +93,8 @@ pub struct BenchArgs {
     #[arg(long, value_parser = limits::size(1, MAX_TOTAL))]
     total: Option<u64>,
     /// Also report throughput per interval of this length (e.g. 250ms; 1ms to 24h and, without
-    /// --total, at most --duration), counted per slice as the rails deliver them. Default: off.
+    /// --total, at most --duration), counted per slice as the rails deliver them, in all and
+    /// (with --json) per rail. Default: off.
     #[arg(long, value_parser = limits::duration(MIN_DURATION, MAX_DURATION))]
     interval: Option<Duration>,
     /// After the run, check every byte that landed. With --op read, the target's regions are
@@ -771,7 +772,14 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         .interval
         .unwrap_or(Duration::from_millis(100))
         .min(Duration::from_millis(100));
-    let rail_bytes = |e: &Engine| e.traffic_stats().rails.iter().map(|r| r.bytes).sum::<u64>();
+    // What each rail has carried so far: an interval's figure is the whole and each rail's.
+    let rail_bytes = |e: &Engine| {
+        e.traffic_stats()
+            .rails
+            .iter()
+            .map(|r| r.bytes)
+            .collect::<Vec<u64>>()
+    };
     let mut timeline = Vec::new();
     let (mut mark, mut mark_bytes) = (start, rail_bytes(&engine));
     // A line that could not be printed ends the run, after the threads have stopped.
@@ -784,14 +792,26 @@ pub fn run(config: Config, config_path: Option<&Path>, args: BenchArgs) -> Resul
         if let Some(interval) = args.interval {
             if mark.elapsed() >= interval {
                 let (now, bytes) = (Instant::now(), rail_bytes(&engine));
-                let gbps =
-                    (bytes - mark_bytes) as f64 / now.duration_since(mark).as_secs_f64() / 1e9;
+                let secs = now.duration_since(mark).as_secs_f64();
+                let per_rail: Vec<f64> = bytes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &b)| {
+                        b.saturating_sub(mark_bytes.get(i).copied().unwrap_or(0)) as f64
+                            / secs
+                            / 1e9
+                    })
+                    .collect();
+                let gbps = per_rail.iter().sum::<f64>();
                 let t = now.duration_since(start).as_secs_f64();
-                timeline.push(serde_json::json!({"t": t, "gb_per_s": gbps}));
+                let point =
+                    serde_json::json!({"t": t, "gb_per_s": gbps, "rails_gb_per_s": per_rail});
                 if args.json {
                     // Live, one JSON object per line, for scripts that act during the run.
-                    eprintln!("{}", serde_json::json!({"t": t, "gb_per_s": gbps}));
-                } else {
+                    eprintln!("{point}");
+                }
+                timeline.push(point);
+                if !args.json {
                     printed = progress.suspend(|| {
                         outln!("t={t:7.2}s {:8.3} GB/s {:9.1} Mbit/s", gbps, gbps * 8000.0)
                     });
