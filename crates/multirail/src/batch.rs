@@ -66,6 +66,19 @@ pub(crate) struct BatchSignal {
 }
 
 impl BatchSignal {
+    /// A signal with `unfinished` requests outstanding, counting finished ones in `counters`.
+    fn new(unfinished: usize, counters: Arc<TransferCounters>) -> BatchSignal {
+        BatchSignal {
+            unfinished: AtomicUsize::new(unfinished),
+            lock: Mutex::new(Vec::new()),
+            cond: Condvar::new(),
+            sleepers: AtomicUsize::new(0),
+            expected_ns: AtomicU64::new(0),
+            expected_slices: AtomicU64::new(0),
+            counters,
+        }
+    }
+
     /// `requests` requests finished (a task's).
     fn tasks_finished(&self, requests: usize) {
         if self.unfinished.fetch_sub(requests, Ordering::AcqRel) == requests {
@@ -126,15 +139,7 @@ impl Task {
             remaining: AtomicU32::new(1),
             failed: AtomicBool::new(false),
             error: OnceLock::new(),
-            signal: Arc::new(BatchSignal {
-                unfinished: AtomicUsize::new(1),
-                lock: Mutex::new(Vec::new()),
-                cond: Condvar::new(),
-                sleepers: AtomicUsize::new(0),
-                expected_ns: AtomicU64::new(0),
-                expected_slices: AtomicU64::new(0),
-                counters: Arc::default(),
-            }),
+            signal: Arc::new(BatchSignal::new(1, Arc::default())),
             requests: 1,
         })
     }
@@ -194,15 +199,7 @@ impl Batch {
             id,
             capacity,
             tasks: Mutex::new(Vec::with_capacity(capacity)),
-            signal: Arc::new(BatchSignal {
-                unfinished: AtomicUsize::new(0),
-                lock: Mutex::new(Vec::new()),
-                cond: Condvar::new(),
-                sleepers: AtomicUsize::new(0),
-                expected_ns: AtomicU64::new(0),
-                expected_slices: AtomicU64::new(0),
-                counters,
-            }),
+            signal: Arc::new(BatchSignal::new(0, counters)),
         }
     }
 
