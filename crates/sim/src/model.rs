@@ -37,8 +37,10 @@ struct Piece {
     req: usize,
     len: u64,
     numa_node: i32,
-    probe: bool,
 }
+
+/// The request a probe stands for: none.
+const PROBE_REQ: usize = usize::MAX;
 
 impl Payload for Piece {
     fn len(&self) -> u64 {
@@ -50,7 +52,6 @@ impl Payload for Piece {
             req: self.req,
             len: self.len - at,
             numa_node: self.numa_node,
-            probe: self.probe,
         };
         self.len = at;
         rest
@@ -62,15 +63,14 @@ impl Payload for Piece {
 
     fn probe(&self, len: u64) -> Option<Piece> {
         Some(Piece {
-            req: usize::MAX,
+            req: PROBE_REQ,
             len,
             numa_node: self.numa_node,
-            probe: true,
         })
     }
 
     fn is_probe(&self) -> bool {
-        self.probe
+        self.req == PROBE_REQ
     }
 }
 
@@ -520,7 +520,6 @@ impl<'a> Sim<'a> {
                 req,
                 len: s.length,
                 numa_node,
-                probe: false,
             }),
         );
     }
@@ -594,7 +593,7 @@ impl<'a> Sim<'a> {
         if let Some(s) = self.samples.get_mut(sample) {
             s[rail] += piece.len;
         }
-        if !piece.probe {
+        if !piece.is_probe() {
             self.finish(piece.req, piece.len, false);
         }
     }
