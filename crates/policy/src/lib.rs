@@ -6,6 +6,7 @@
 
 pub mod backoff;
 pub mod coalesce;
+pub mod delivery;
 pub mod dispatch;
 pub mod health;
 pub mod lanes;

@@ -34,6 +34,7 @@ use std::fmt::{self, Write as _};
 use rand::rngs::SmallRng;
 use rand::{RngCore, SeedableRng};
 
+use crate::delivery::DeliveryLog;
 use crate::slicing::Slices;
 
 /// Index of a rail in the list given to [`DeviceSelector::new`].
@@ -355,6 +356,9 @@ struct Rail {
     /// The highest estimate the stalls since the last [`DeviceSelector::on_recovered`]
     /// lowered, which that restores; 0 when none did.
     before_stall_bps: f64,
+    /// Recent deliveries, which bound a pooled sample by what the rail delivered since its
+    /// closing slice was posted (see [`crate::delivery`]).
+    log: DeliveryLog,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -549,6 +553,7 @@ impl DeviceSelector {
                     segment_end_ns: 0,
                     pool_start_ns: None,
                     before_stall_bps: 0.0,
+                    log: DeliveryLog::new(),
                 };
                 rail.secs_per_byte = 1.0 / theoretical_bps;
                 rail
@@ -732,6 +737,7 @@ impl DeviceSelector {
         if bytes == 0 {
             return Ok(());
         }
+        r.log.record(now_ns, bytes, r.inflight == 0);
         let limited = if app_limited { bytes } else { 0 };
         if min_sample_ns > 0 {
             // Delivery rate over the rail's busy periods: a period opens when a slice is
@@ -785,7 +791,15 @@ impl DeviceSelector {
                 } else {
                     busy
                 };
-                let observed = r.pooled_bytes as f64 * NS_PER_S / span as f64;
+                let pooled = r.pooled_bytes as f64 * NS_PER_S / span as f64;
+                // Nor more than the rail delivered since the closing slice was posted: a pool
+                // that began inside a burst of answers released together (a stall, answers
+                // written in one go) holds their bytes over a fraction of the time the rail
+                // took to carry them.
+                let observed = r
+                    .log
+                    .rate_since_post(posted_at_ns, now_ns)
+                    .map_or(pooled, |since_post| pooled.min(since_post));
                 let end = r.segment_end_ns;
                 r.learn(cfg, observed, mostly_limited, end);
                 r.pooled_bytes = 0;
@@ -2104,6 +2118,60 @@ mod tests {
             highest <= rate * 1.15,
             "estimate up to {highest} Gbps of a {rate} Gbps rail"
         );
+    }
+
+    /// The highest delivery estimate, after its first 300 ms, of a rail carrying `rate`
+    /// Gbit/s with `depth` slices of 128 KiB in flight (refilled at each answer), whose answers
+    /// stop for 30 ms in every 100 ms and then come back together, a microsecond apart, as a
+    /// stalled reader or a target answering many slices in one write returns them. With
+    /// `bounded` false the rail's delivery log is wiped after every answer, so pools are timed
+    /// by busy time alone.
+    fn highest_estimate_with_answers_held_back(rate: f64, depth: usize, bounded: bool) -> f64 {
+        const SLICE: u64 = 128 * KIB;
+        let ser = (SLICE as f64 * 8.0 / rate) as u64;
+        let (period, held) = (100 * MS, 30 * MS);
+        let mut sel = DeviceSelector::new(delivery(), &[gbps(10.0)], 1);
+        let mut posted: std::collections::VecDeque<u64> = (0..depth).map(|_| 0).collect();
+        for _ in 0..depth {
+            sel.select_one(&[&[0]], SLICE).unwrap();
+        }
+        let (mut wire_free, mut last_answer, mut highest) = (0u64, 0u64, 0.0f64);
+        while last_answer < 2_000 * MS {
+            let p = posted.pop_front().unwrap();
+            wire_free = wire_free.max(p) + ser;
+            let mut answer = wire_free + 2 * US;
+            let in_period = answer % period;
+            if in_period < held {
+                // Held back until the stall ends, then released right behind the others.
+                answer = answer - in_period + held;
+            }
+            answer = answer.max(last_answer + US);
+            last_answer = answer;
+            sel.on_delivered(0, SLICE, p, answer, false).unwrap();
+            if !bounded {
+                sel.rails[0].log = DeliveryLog::new();
+            }
+            if answer > 300 * MS {
+                highest = highest.max(ewma_gbps(&sel, 0));
+            }
+            sel.select_one(&[&[0]], SLICE).unwrap();
+            posted.push_back(answer);
+        }
+        highest
+    }
+
+    #[test]
+    fn answers_released_together_after_a_stall_do_not_inflate_the_estimate() {
+        // A 400 Mbit/s rail with 2 MiB in flight (42 ms of queue).
+        let highest = highest_estimate_with_answers_held_back(0.4, 16, true);
+        assert!(
+            highest <= 0.4 * 1.15,
+            "estimate up to {highest} Gbit/s of a 0.4 Gbit/s rail"
+        );
+        // Timed by busy time alone, pools begun inside a burst read far above the rate: the
+        // check has teeth.
+        let ungated = highest_estimate_with_answers_held_back(0.4, 16, false);
+        assert!(ungated > 0.4 * 1.5, "busy time alone read {ungated} Gbit/s");
     }
 
     #[test]
