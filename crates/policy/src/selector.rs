@@ -792,14 +792,19 @@ impl DeviceSelector {
                     busy
                 };
                 let pooled = r.pooled_bytes as f64 * NS_PER_S / span as f64;
-                // Nor more than the rail delivered since the closing slice was posted: a pool
-                // that began inside a burst of answers released together (a stall, answers
-                // written in one go) holds their bytes over a fraction of the time the rail
-                // took to carry them.
+                // Nor above the estimate by more than the rail delivered since the closing
+                // slice was posted: a pool that began inside a burst of answers released
+                // together (a stall, answers written in one go) holds their bytes over a
+                // fraction of the time the rail took to carry them. The bound only keeps a
+                // sample from raising the estimate: its interval holds the gaps a window too
+                // small for the host's delays leaves between slices, and lowering the estimate
+                // for those would shrink the window further. Before the first sample the
+                // estimate is an assumption, and the bound applies whole.
+                let floor = if r.filter.is_empty() { 0.0 } else { r.ewma_bps };
                 let observed = r
                     .log
                     .rate_since_post(posted_at_ns, now_ns)
-                    .map_or(pooled, |since_post| pooled.min(since_post));
+                    .map_or(pooled, |since_post| pooled.min(since_post.max(floor)));
                 let end = r.segment_end_ns;
                 r.learn(cfg, observed, mostly_limited, end);
                 r.pooled_bytes = 0;

@@ -379,6 +379,9 @@ struct InFlight {
     /// Bytes the path held in flight when this slice was posted, ahead of it.
     ahead: u64,
     posted_ns: u64,
+    /// The rail's bandwidth estimate when this slice was posted, bytes/s (0 when unknown):
+    /// what the slice was dealt on, and so how soon it is overdue (see `overdue_after`).
+    posted_bps: f64,
     since_ns: u64,
     priority: Priority,
     attempts: u32,
@@ -1151,15 +1154,24 @@ impl<T: Payload> Dispatcher<T> {
 
     /// How long `path`, holding slices, may answer none before it is overdue, ns:
     /// [`OVERDUE_FACTOR`] times what its oldest slice takes at its rail's bandwidth estimate
-    /// plus the path's fixed round trip, at least [`OVERDUE_MIN_NS`], at most half the timeout
-    /// (also when the rail has no estimate yet).
+    /// (the one it was dealt on, or today's if higher) plus the path's fixed round trip, at
+    /// least [`OVERDUE_MIN_NS`], at most half the timeout (also when the rail has no estimate).
+    ///
+    /// Why the estimate it was dealt on: a rail that collapses while holding a slice delivers
+    /// the first bytes of a policer's bucket and then a trickle, and a pooled sample of that
+    /// trickle lowers its estimate before the slice is overdue. Timed at the lowered estimate
+    /// (a 128 KiB slice at 0.1 Mbit/s takes ten seconds), the slice was overdue only at half
+    /// the timeout, and the batch holding it waited 2.5 s instead of half a second.
     fn overdue_after(&self, path: PathId) -> u64 {
         let suspect = self.config.timeout_ns / 2;
         let p = &self.paths[path];
-        let bw = self.estimate(p.rail);
-        let Some(oldest) = p.oldest().filter(|_| bw > 0.0) else {
+        let Some(oldest) = p.oldest() else {
             return suspect;
         };
+        let bw = self.estimate(p.rail).max(oldest.posted_bps);
+        if bw <= 0.0 {
+            return suspect;
+        }
         let drain_ns = oldest.len as f64 / bw * 1e9;
         let fixed_ns = p.rtt.min_fixed_ns().unwrap_or(0) as f64;
         let expected = OVERDUE_FACTOR * (drain_ns + fixed_ns);
@@ -1285,6 +1297,7 @@ impl<T: Payload> Dispatcher<T> {
         // latency-bound one.
         let more_high = self.queue.level_len(Priority::High) > 0;
         let probe_after = self.probe_after(p, len);
+        let posted_bps = self.estimate(self.paths[p].rail);
         let path = &mut self.paths[p];
         if path.idle_long(now, probe_after) {
             path.probe_until_ns = now.saturating_add(finish::PROBE_SPAN_NS);
@@ -1309,6 +1322,7 @@ impl<T: Payload> Dispatcher<T> {
             len,
             ahead,
             posted_ns: now,
+            posted_bps,
             since_ns: q.since_ns,
             priority,
             attempts: q.attempts,

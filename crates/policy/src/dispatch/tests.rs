@@ -662,6 +662,41 @@ fn a_path_whose_slices_are_overdue_is_dropped_once_another_answered_since() {
     assert!(!again.is_empty() && again.iter().all(|p| p.path == 1));
 }
 
+#[test]
+fn a_slice_is_overdue_by_the_estimate_it_was_dealt_on_not_one_lowered_since() {
+    // Rail 0 at 10 Gbit/s when its slices went out; then a sample of a trickle lowers its
+    // estimate to 80 kbit/s (a rail collapsing under a policer) before any of them is overdue.
+    // At that estimate its oldest 64 KiB slice takes 6.5 s, and it would be given up on only
+    // at half the timeout (5 s): the batch holding it would wait that long.
+    let mut host = Host::new(&[10.0, 10.0], true);
+    let mut d = two_paths_ten_second_timeout();
+    d.on_submit(0, Priority::Low, pieces(0, 8, 64 << 10));
+    let posts = drain(&mut d, 0, &mut host);
+    let (stuck, answered): (Vec<_>, Vec<_>) = posts.into_iter().partition(|p| p.path == 0);
+    assert!(!stuck.is_empty() && !answered.is_empty());
+    for p in answered {
+        d.on_completed(MS, p.id, None, &mut host);
+    }
+    host.selector.on_stalled(0, 1_000, 0, 100 * MS).unwrap();
+    assert!(host.selector.rail_stats(0).unwrap().ewma_gbps < 1e-4);
+    // The dispatcher takes the lowered estimate when it next deals.
+    d.on_submit(100 * MS, Priority::Low, pieces(1, 1, 4096));
+    for p in drain(&mut d, 100 * MS, &mut host) {
+        if p.path == 1 {
+            d.on_completed(101 * MS, p.id, None, &mut host);
+        }
+    }
+    d.on_timeout(500 * MS + 1, &mut host);
+    assert_eq!(
+        d.poll_event(),
+        Some(Event::DropPath {
+            path: 0,
+            stalled: true
+        }),
+        "not overdue at the floor"
+    );
+}
+
 /// Two paths at 10 Gbit/s; path 0 stalls under a batch and is given up on at 0.5 s, its slices
 /// retried and answered on path 1, and it is connected again at 0.6 s (answering the probe its
 /// health asks for).
