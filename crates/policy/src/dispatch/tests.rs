@@ -620,10 +620,9 @@ fn two_paths_ten_second_timeout() -> Dispatcher<Piece> {
     d
 }
 
-#[test]
-fn a_path_whose_slices_are_overdue_is_dropped_once_another_answered_since() {
-    // Both rails estimated at 10 Gbit/s: what path 0 has in flight should take well under a
-    // millisecond, so its oldest slice is overdue after the 500 ms floor, not 5 s.
+/// Both rails at 10 Gbit/s under [`two_paths_ten_second_timeout`]: a batch of 8 × 64 KiB dealt
+/// at 0, path 1's share answered at 1 ms, path 0's (returned) still in flight.
+fn path_0_stuck_under_a_batch() -> (Dispatcher<Piece>, Host, Vec<Post<Piece>>) {
     let mut host = Host::new(&[10.0, 10.0], true);
     let mut d = two_paths_ten_second_timeout();
     d.on_submit(0, Priority::Low, pieces(0, 8, 64 << 10));
@@ -633,6 +632,14 @@ fn a_path_whose_slices_are_overdue_is_dropped_once_another_answered_since() {
     for p in answered {
         d.on_completed(MS, p.id, None, &mut host);
     }
+    (d, host, stuck)
+}
+
+#[test]
+fn a_path_whose_slices_are_overdue_is_dropped_once_another_answered_since() {
+    // Both rails estimated at 10 Gbit/s: what path 0 has in flight should take well under a
+    // millisecond, so its oldest slice is overdue after the 500 ms floor, not 5 s.
+    let (mut d, mut host, stuck) = path_0_stuck_under_a_batch();
     let due = d.poll_timeout().expect("a deadline for the stuck path");
     assert!(due <= 500 * MS + 1, "looked at only at {due} ns");
     d.on_timeout(400 * MS, &mut host);
@@ -668,15 +675,7 @@ fn a_slice_is_overdue_by_the_estimate_it_was_dealt_on_not_one_lowered_since() {
     // estimate to 80 kbit/s (a rail collapsing under a policer) before any of them is overdue.
     // At that estimate its oldest 64 KiB slice takes 6.5 s, and it would be given up on only
     // at half the timeout (5 s): the batch holding it would wait that long.
-    let mut host = Host::new(&[10.0, 10.0], true);
-    let mut d = two_paths_ten_second_timeout();
-    d.on_submit(0, Priority::Low, pieces(0, 8, 64 << 10));
-    let posts = drain(&mut d, 0, &mut host);
-    let (stuck, answered): (Vec<_>, Vec<_>) = posts.into_iter().partition(|p| p.path == 0);
-    assert!(!stuck.is_empty() && !answered.is_empty());
-    for p in answered {
-        d.on_completed(MS, p.id, None, &mut host);
-    }
+    let (mut d, mut host, _stuck) = path_0_stuck_under_a_batch();
     host.selector.on_stalled(0, 1_000, 0, 100 * MS).unwrap();
     assert!(host.selector.rail_stats(0).unwrap().ewma_gbps < 1e-4);
     // The dispatcher takes the lowered estimate when it next deals.
