@@ -737,9 +737,9 @@ impl DeviceSelector {
         if bytes == 0 {
             return Ok(());
         }
-        r.log.record(now_ns, bytes, r.inflight == 0);
         let limited = if app_limited { bytes } else { 0 };
         if min_sample_ns > 0 {
+            r.log.record(now_ns, bytes, r.inflight == 0);
             // Delivery rate over the rail's busy periods: a period opens when a slice is
             // posted on an idle rail and closes when nothing is left in flight. Completions
             // reaped by several threads may report their times out of order; taking the

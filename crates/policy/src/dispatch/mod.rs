@@ -1159,9 +1159,10 @@ impl<T: Payload> Dispatcher<T> {
     ///
     /// Why the estimate it was dealt on: a rail that collapses while holding a slice delivers
     /// the first bytes of a policer's bucket and then a trickle, and a pooled sample of that
-    /// trickle lowers its estimate before the slice is overdue. Timed at the lowered estimate
-    /// (a 128 KiB slice at 0.1 Mbit/s takes ten seconds), the slice was overdue only at half
-    /// the timeout, and the batch holding it waited 2.5 s instead of half a second.
+    /// trickle can lower its estimate before the slice is overdue. Timed at the lowered
+    /// estimate (a 128 KiB slice at 0.1 Mbit/s takes ten seconds), the slice is overdue only at
+    /// half the timeout, and the batch holding it waits that long instead of half a second
+    /// (one `bench/rails` collapse run held a batch 2.55 s, the half-timeout rule).
     fn overdue_after(&self, path: PathId) -> u64 {
         let suspect = self.config.timeout_ns / 2;
         let p = &self.paths[path];
