@@ -216,7 +216,7 @@ struct Plan {
 
 /// Which block of a batch of `batch` goes `k`-th: in address order, or scattered (the odd
 /// blocks, then the even ones: no block comes right after the block before it in memory).
-fn block_order(k: u64, batch: u64, scatter: bool) -> u64 {
+pub(crate) fn block_order(k: u64, batch: u64, scatter: bool) -> u64 {
     if !scatter {
         return k;
     }

@@ -13,7 +13,9 @@ pub struct ShmConfig {
     /// Requests of at most this many bytes are copied by the thread that submits them instead
     /// of a copy worker (0: never). A hand-off to a worker costs a few µs of locking and
     /// wake-ups on both sides, more than copying 16 KiB; small writes (notifications,
-    /// multicast rings and counters, KV-cache block headers) gain that back.
+    /// multicast rings and counters, KV-cache block headers) gain that back. When one submit
+    /// holds 1 MiB or more of such requests (a thousand scattered KV-cache blocks), they go to
+    /// the workers in groups of about 256 KiB instead, so every core copies.
     pub inline_bytes: u64,
     /// Copies of at least 4 KiB write their destination with non-temporal (streaming) stores,
     /// which skip reading each destination line before overwriting it and leave the caches to

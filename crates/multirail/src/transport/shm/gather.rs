@@ -194,6 +194,7 @@ mod tests {
                 access: None,
                 batch: 1,
                 task: task.clone(),
+                then: Vec::new(),
             };
             gather.push(pid, job, HIGH, &mut tally, &rail);
         }
@@ -259,20 +260,21 @@ mod tests {
 
     #[test]
     fn only_the_request_whose_range_is_not_mapped_fails() {
-        // A page that was mapped and is no longer: the kernel refuses it.
-        // SAFETY: a fresh anonymous private mapping of one page, unmapped at once; nothing
-        // else uses the address range.
+        // A page reserved with no access: the kernel refuses to copy into it. It stays mapped
+        // until the end, so no other test's allocation can land at that address meanwhile
+        // (a page merely unmapped could be reused by one running at the same time).
+        // SAFETY: a fresh anonymous private mapping of one page that nothing else uses; it is
+        // unmapped once, at the end of the test.
         let hole = unsafe {
             let p = libc::mmap(
                 std::ptr::null_mut(),
                 4096,
-                libc::PROT_READ | libc::PROT_WRITE,
+                libc::PROT_NONE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
                 -1,
                 0,
             );
             assert_ne!(p, libc::MAP_FAILED);
-            assert_eq!(libc::munmap(p, 4096), 0);
             p as u64
         };
         let src = vec![5u8; 4 * 1024];
@@ -302,6 +304,8 @@ mod tests {
         assert_eq!(&dst[2048..], &src[2048..]);
         assert_eq!(tally.bytes[HIGH.index()], 3 * 1024);
         drop(rail);
+        // SAFETY: the page mapped above, unmapped once; nothing refers to it any more.
+        assert_eq!(unsafe { libc::munmap(hole as *mut libc::c_void, 4096) }, 0);
     }
 
     #[test]

@@ -17,6 +17,10 @@ pub(super) struct CopyJob {
     /// Id of the request's batch, which a thread waiting for it may copy itself.
     pub(super) batch: u64,
     pub(super) task: Arc<Task>,
+    /// Small requests of the same post and priority copied after this one, each whole, by the
+    /// same thread (see [`SMALL_GROUP_BYTES`]): one hand-off for the group instead of one per
+    /// request. Empty for every other job.
+    pub(super) then: Vec<CopyJob>,
 }
 
 /// What the copy workers share, under [`Shared::state`].
@@ -63,6 +67,16 @@ impl CopyJob {
         self.local += n;
         self.remote += n as u64;
         self.len -= n;
+    }
+
+    /// Fails the job and every request grouped behind it with `err()`, as one that no thread
+    /// will run.
+    pub(super) fn fail(self, rail: &RailCounters, err: impl Fn() -> Error) {
+        let tasks = std::iter::once(self.task).chain(self.then.into_iter().map(|job| job.task));
+        for task in tasks {
+            rail.record_error();
+            task.part_done(Err(err()));
+        }
     }
 }
 
@@ -124,6 +138,32 @@ impl Shared {
         }
     }
 
+    /// Copies the small requests grouped behind a job (`rest`, each whole, in order),
+    /// recording each and completing its part. Between them it gives the rest back to the
+    /// head of level `prio`, keeping `queued_ns` as its queueing time, when work of a higher
+    /// level waits, as a bulk copy yields between steps; returns whether it did.
+    pub(super) fn run_group(&self, rest: Vec<CopyJob>, prio: Priority, queued_ns: u64) -> bool {
+        let mut rest = rest.into_iter();
+        while let Some(job) = rest.next() {
+            if self.higher_waiting(prio) {
+                let mut head = job;
+                head.then = rest.collect();
+                let now_ns = self.ns(Instant::now());
+                let mut st = self.lock();
+                st.jobs.push_front(head, prio, queued_ns, now_ns);
+                self.report_depths(&mut st);
+                return true;
+            }
+            let outcome = run(&job, 0, job.len, self.nontemporal);
+            match &outcome {
+                Ok(()) => self.rail.record_at(prio, job.len as u64, job.slices),
+                Err(_) => self.rail.record_error(),
+            }
+            job.task.part_done(outcome);
+        }
+        false
+    }
+
     /// Tells the workers to finish what is queued and exit.
     pub(super) fn stop(&self) {
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
@@ -157,8 +197,7 @@ impl Drop for Exit<'_> {
         shared.report_depths(&mut st);
         drop(st);
         for (job, _) in left {
-            shared.rail.record_error();
-            job.task.part_done(Err(stopped_error()));
+            job.fail(&shared.rail, stopped_error);
         }
     }
 }
@@ -204,8 +243,11 @@ pub(super) fn copy_worker(shared: &Shared) {
             st = match outcome {
                 Some(outcome) => {
                     job.task.part_done(outcome);
+                    let rest = std::mem::take(&mut job.then);
                     // Drop the job (its task and mapping references) before taking the lock.
                     drop(job);
+                    let queued_ns = shared.ns(now).saturating_sub(taken.waited_ns);
+                    shared.run_group(rest, prio, queued_ns);
                     shared.lock()
                 }
                 None => {
