@@ -235,7 +235,9 @@ pub unsafe extern "C" fn multirail_batch_request_error(
 
 /// Stores the status of the whole batch `batch` in `*status_out`: MULTIRAIL_STATUS_FAILED
 /// when any request failed (`multirail_last_error()` then says why although the call returns
-/// MULTIRAIL_OK), else PENDING while any runs, else COMPLETED.
+/// MULTIRAIL_OK), else PENDING while any runs, else COMPLETED. When the next same-host copy
+/// the copy workers would take is one of the batch's, the calling thread does it first (at
+/// most 1 MiB, tens to hundreds of µs), so a thread polling its batch moves it on.
 ///
 /// Returns MULTIRAIL_OK; MULTIRAIL_ERR_NULL_POINTER when `status_out` is NULL;
 /// MULTIRAIL_ERR_UNKNOWN_HANDLE for an unknown engine or batch.

@@ -751,9 +751,17 @@ impl Engine {
     }
 
     /// `Failed` if any request of the batch failed, else `Pending` while any runs, else
-    /// `Completed`.
+    /// `Completed`; fails with `UnknownBatch` for a batch this engine does not hold. When
+    /// the next same-host copy the copy workers would take is one of the batch's, the calling
+    /// thread does it first (at most 1 MiB, or one group of small requests): a thread that
+    /// polls its batch, as NIXL's `check_xfer_state` does, moves it on instead of spinning on
+    /// a core the workers need.
     pub fn overall_status(&self, batch: BatchId) -> Result<Status> {
-        Ok(self.batch(batch)?.overall_status())
+        let b = self.batch(batch)?;
+        if b.unfinished() > 0 {
+            self.inner.shm.help_once(batch.0);
+        }
+        Ok(b.overall_status())
     }
 
     /// Blocks until every request of the batch finished or `timeout` passed (`None`: no

@@ -519,32 +519,46 @@ impl ShmTransport {
     /// for the workers. Returns when the next job is not the batch's, or once `until` has
     /// passed.
     pub(crate) fn help(&self, batch: u64, until: Option<Instant>, finished: impl Fn() -> bool) {
-        let shared = &*self.shared;
-        while shared.queued() > 0 && !finished() {
+        while self.shared.queued() > 0 && !finished() {
             let now = Instant::now();
-            if until.is_some_and(|until| now >= until) {
+            if until.is_some_and(|until| now >= until) || !self.copy_next_of(batch, now) {
                 return;
             }
-            let mut st = shared.lock();
-            let Some((taken, priority)) =
-                shared.take_head(&mut st, shared.ns(now), |job| job.batch == batch)
-            else {
-                return;
-            };
-            drop(st);
-            shared.qos.host_dequeued(priority, taken.waited_ns, now);
-            let mut job = taken.item;
-            let outcome = run(&job, 0, job.len, shared.nontemporal);
-            match &outcome {
-                Ok(()) => shared.rail.record_at(priority, job.len as u64, job.slices),
-                Err(_) => shared.rail.record_error(),
-            }
-            job.task.part_done(outcome);
-            let rest = std::mem::take(&mut job.then);
-            drop(job);
-            let queued_ns = shared.ns(now).saturating_sub(taken.waited_ns);
-            shared.run_group(rest, priority, queued_ns);
         }
+    }
+
+    /// Copies one queued job of batch `batch` (a piece of at most [`MAX_JOB_BYTES`], or a group
+    /// of small requests) on the calling thread when it is the job a worker would take next,
+    /// as [`help`](Self::help) does: for a thread that polls its batch's status rather than
+    /// waiting, which otherwise spins on a core the workers need. Returns whether it copied.
+    pub(crate) fn help_once(&self, batch: u64) -> bool {
+        self.shared.queued() > 0 && self.copy_next_of(batch, Instant::now())
+    }
+
+    /// Takes the head of the queue if it is a job of `batch` and copies it (its group too);
+    /// returns whether it did.
+    fn copy_next_of(&self, batch: u64, now: Instant) -> bool {
+        let shared = &*self.shared;
+        let mut st = shared.lock();
+        let Some((taken, priority)) =
+            shared.take_head(&mut st, shared.ns(now), |job| job.batch == batch)
+        else {
+            return false;
+        };
+        drop(st);
+        shared.qos.host_dequeued(priority, taken.waited_ns, now);
+        let mut job = taken.item;
+        let outcome = run(&job, 0, job.len, shared.nontemporal);
+        match &outcome {
+            Ok(()) => shared.rail.record_at(priority, job.len as u64, job.slices),
+            Err(_) => shared.rail.record_error(),
+        }
+        job.task.part_done(outcome);
+        let rest = std::mem::take(&mut job.then);
+        drop(job);
+        let queued_ns = shared.ns(now).saturating_sub(taken.waited_ns);
+        shared.run_group(rest, priority, queued_ns);
+        true
     }
 }
 
@@ -719,6 +733,9 @@ mod tests {
         // A deadline already past stops the help before it copies anything.
         shm.help(8, Some(Instant::now()), || false);
         assert_eq!(their_dst, [0u8; 64]);
+        // A poll for batch 7 copies nothing while batch 8's job is next.
+        assert!(!shm.help_once(7));
+        assert_eq!(dsts[1..], [[0u8; 64]; 2]);
         shm.help(8, None, || theirs.unfinished() == 0);
         assert_eq!(their_dst, their_src);
         assert_eq!(
@@ -726,8 +743,14 @@ mod tests {
             [[0u8; 64]; 2],
             "batch 8's waiter copies only its own"
         );
+        // A poll copies one job of its batch, then the waiter the rest.
+        assert!(shm.help_once(7));
+        assert_eq!(dsts[1], srcs[1]);
+        assert_eq!(dsts[2], [0u8; 64], "one job per poll");
+        assert_eq!(ours.unfinished(), 1);
         shm.help(7, None, || ours.unfinished() == 0);
         assert_eq!(dsts, srcs);
+        assert!(!shm.help_once(7), "nothing left to copy");
         ours.wait(Some(Duration::from_secs(5)), Duration::ZERO)
             .unwrap();
         let rail = stats
