@@ -572,6 +572,25 @@ mod tests {
         Arc::new(Qos::new(&RdmaConfig::default(), Instant::now()).unwrap())
     }
 
+    /// The shm rail's counters.
+    fn shm_rail(stats: &TrafficStats) -> crate::stats::RailTraffic {
+        stats
+            .snapshot()
+            .into_iter()
+            .find(|r| r.name == "shm")
+            .unwrap()
+    }
+
+    /// Queues `job` at `prio` as a poster would, and wakes the workers.
+    fn push(shm: &ShmTransport, job: CopyJob, prio: Priority) {
+        let mut st = shm.shared.lock();
+        let now = shm.shared.ns(Instant::now());
+        st.jobs.push_back(job, prio, now);
+        shm.shared.report_depths(&mut st);
+        drop(st);
+        shm.shared.ready.notify_all();
+    }
+
     /// A job that copies `src` over the start of `dst` within this process.
     fn direct_job(src: &[u8], dst: &mut [u8], task: Arc<Task>) -> CopyJob {
         CopyJob {
@@ -624,11 +643,7 @@ mod tests {
             .priorities
             .iter()
             .all(|p| p.dequeued == 1 && p.queued == 0));
-        let rail = stats
-            .snapshot()
-            .into_iter()
-            .find(|r| r.name == "shm")
-            .unwrap();
+        let rail = shm_rail(&stats);
         assert_eq!((rail.bytes, rail.slices), (6, 3));
         assert_eq!(rail.priority_bytes, [3, 2, 1]);
     }
@@ -647,20 +662,12 @@ mod tests {
         let src: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
         let mut dst = vec![0u8; len];
         let (high_src, mut high_dst) = ([9u8; 4096], [0u8; 4096]);
-        let push = |job: CopyJob, prio: Priority| {
-            let mut st = shm.shared.lock();
-            let now = shm.shared.ns(Instant::now());
-            st.jobs.push_back(job, prio, now);
-            shm.shared.report_depths(&mut st);
-            drop(st);
-            shm.shared.ready.notify_all();
-        };
-        push(direct_job(&src, &mut dst, bulk_task), LOW);
+        push(&shm, direct_job(&src, &mut dst, bulk_task), LOW);
         // Once the worker has taken the bulk job, HIGH arrives.
         while shm.shared.queued() > 0 {
             thread::yield_now();
         }
-        push(direct_job(&high_src, &mut high_dst, high_task), HIGH);
+        push(&shm, direct_job(&high_src, &mut high_dst, high_task), HIGH);
         high_batch
             .wait(Some(Duration::from_secs(60)), Duration::ZERO)
             .unwrap();
@@ -673,11 +680,7 @@ mod tests {
             .wait(Some(Duration::from_secs(60)), Duration::ZERO)
             .unwrap();
         assert!(dst == src, "the bulk copy resumed where it stopped");
-        let rail = stats
-            .snapshot()
-            .into_iter()
-            .find(|r| r.name == "shm")
-            .unwrap();
+        let rail = shm_rail(&stats);
         // Resumed work is not counted twice: every byte once, the bulk job's slice once.
         assert_eq!(rail.bytes, (len + 4096) as u64);
         assert_eq!(rail.slices, 2);
@@ -753,11 +756,7 @@ mod tests {
         assert!(!shm.help_once(7), "nothing left to copy");
         ours.wait(Some(Duration::from_secs(5)), Duration::ZERO)
             .unwrap();
-        let rail = stats
-            .snapshot()
-            .into_iter()
-            .find(|r| r.name == "shm")
-            .unwrap();
+        let rail = shm_rail(&stats);
         assert_eq!((rail.bytes, rail.slices), (256, 4));
         assert_eq!(rail.priority_bytes, [64, 64, 128]);
     }
@@ -808,11 +807,7 @@ mod tests {
         let s = qos.snapshot();
         assert_eq!(s.priorities[LOW.index()].dequeued, 7);
         assert_eq!(s.priorities[HIGH.index()].dequeued, 7);
-        let rail = stats
-            .snapshot()
-            .into_iter()
-            .find(|r| r.name == "shm")
-            .unwrap();
+        let rail = shm_rail(&stats);
         assert_eq!((rail.bytes, rail.slices), ((block * n) as u64, n as u64));
         let half = (block * n / 2) as u64;
         assert_eq!(rail.priority_bytes, [half, 0, half]);
@@ -854,11 +849,7 @@ mod tests {
             .unwrap_err();
         assert!(matches!(err, Error::TransportUnavailable { .. }), "{err:?}");
         assert_eq!(batch.unfinished(), 0, "every request of every group failed");
-        let rail = stats
-            .snapshot()
-            .into_iter()
-            .find(|r| r.name == "shm")
-            .unwrap();
+        let rail = shm_rail(&stats);
         assert_eq!(rail.errors, n as u64);
     }
 
@@ -878,20 +869,12 @@ mod tests {
         head.then = jobs.map(|(job, _)| job).collect();
         let (high_src, mut high_dst) = ([9u8; 4096], [0u8; 4096]);
         let high_task = high_batch.add_tasks(1).unwrap().pop().unwrap();
-        let push = |job: CopyJob, prio: Priority| {
-            let mut st = shm.shared.lock();
-            let now = shm.shared.ns(Instant::now());
-            st.jobs.push_back(job, prio, now);
-            shm.shared.report_depths(&mut st);
-            drop(st);
-            shm.shared.ready.notify_all();
-        };
-        push(head, LOW);
+        push(&shm, head, LOW);
         // Once the worker has taken the group, HIGH arrives.
         while shm.shared.queued() > 0 {
             thread::yield_now();
         }
-        push(direct_job(&high_src, &mut high_dst, high_task), HIGH);
+        push(&shm, direct_job(&high_src, &mut high_dst, high_task), HIGH);
         high_batch
             .wait(Some(Duration::from_secs(60)), Duration::ZERO)
             .unwrap();
@@ -904,11 +887,7 @@ mod tests {
             .wait(Some(Duration::from_secs(60)), Duration::ZERO)
             .unwrap();
         assert!(dst == src, "the group resumed where it stopped");
-        let rail = stats
-            .snapshot()
-            .into_iter()
-            .find(|r| r.name == "shm")
-            .unwrap();
+        let rail = shm_rail(&stats);
         assert_eq!(rail.bytes, (member * n + 4096) as u64);
         assert_eq!(rail.slices, n as u64 + 1);
     }
