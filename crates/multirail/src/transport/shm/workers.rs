@@ -141,8 +141,8 @@ impl Shared {
     /// Copies the small requests grouped behind a job (`rest`, each whole, in order),
     /// recording each and completing its part. Between them it gives the rest back to the
     /// head of level `prio`, keeping `queued_ns` as its queueing time, when work of a higher
-    /// level waits, as a bulk copy yields between steps; returns whether it did.
-    pub(super) fn run_group(&self, rest: Vec<CopyJob>, prio: Priority, queued_ns: u64) -> bool {
+    /// level waits, as a bulk copy yields between steps.
+    pub(super) fn run_group(&self, rest: Vec<CopyJob>, prio: Priority, queued_ns: u64) {
         let mut rest = rest.into_iter();
         while let Some(job) = rest.next() {
             if self.higher_waiting(prio) {
@@ -152,7 +152,7 @@ impl Shared {
                 let mut st = self.lock();
                 st.jobs.push_front(head, prio, queued_ns, now_ns);
                 self.report_depths(&mut st);
-                return true;
+                return;
             }
             let outcome = run(&job, 0, job.len, self.nontemporal);
             match &outcome {
@@ -161,7 +161,6 @@ impl Shared {
             }
             job.task.part_done(outcome);
         }
-        false
     }
 
     /// Tells the workers to finish what is queued and exit.
