@@ -591,6 +591,19 @@ mod tests {
         shm.shared.ready.notify_all();
     }
 
+    /// Queues `low` at LOW, and once the worker has taken it, `high` at HIGH; returns when
+    /// `high_batch` is done. The HIGH job arrives while the LOW work is being copied.
+    fn high_arrives_during(shm: &ShmTransport, low: CopyJob, high: CopyJob, high_batch: &Batch) {
+        push(shm, low, LOW);
+        while shm.shared.queued() > 0 {
+            thread::yield_now();
+        }
+        push(shm, high, HIGH);
+        high_batch
+            .wait(Some(Duration::from_secs(60)), Duration::ZERO)
+            .unwrap();
+    }
+
     /// A job that copies `src` over the start of `dst` within this process.
     fn direct_job(src: &[u8], dst: &mut [u8], task: Arc<Task>) -> CopyJob {
         CopyJob {
@@ -662,15 +675,11 @@ mod tests {
         let src: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
         let mut dst = vec![0u8; len];
         let (high_src, mut high_dst) = ([9u8; 4096], [0u8; 4096]);
-        push(&shm, direct_job(&src, &mut dst, bulk_task), LOW);
-        // Once the worker has taken the bulk job, HIGH arrives.
-        while shm.shared.queued() > 0 {
-            thread::yield_now();
-        }
-        push(&shm, direct_job(&high_src, &mut high_dst, high_task), HIGH);
-        high_batch
-            .wait(Some(Duration::from_secs(60)), Duration::ZERO)
-            .unwrap();
+        let (bulk, high) = (
+            direct_job(&src, &mut dst, bulk_task),
+            direct_job(&high_src, &mut high_dst, high_task),
+        );
+        high_arrives_during(&shm, bulk, high, &high_batch);
         assert_eq!(high_dst, high_src);
         assert!(
             !bulk_batch.overall_status().is_completed(),
@@ -869,15 +878,8 @@ mod tests {
         head.then = jobs.map(|(job, _)| job).collect();
         let (high_src, mut high_dst) = ([9u8; 4096], [0u8; 4096]);
         let high_task = high_batch.add_tasks(1).unwrap().pop().unwrap();
-        push(&shm, head, LOW);
-        // Once the worker has taken the group, HIGH arrives.
-        while shm.shared.queued() > 0 {
-            thread::yield_now();
-        }
-        push(&shm, direct_job(&high_src, &mut high_dst, high_task), HIGH);
-        high_batch
-            .wait(Some(Duration::from_secs(60)), Duration::ZERO)
-            .unwrap();
+        let high = direct_job(&high_src, &mut high_dst, high_task);
+        high_arrives_during(&shm, head, high, &high_batch);
         assert_eq!(high_dst, high_src);
         assert!(
             group_batch.unfinished() > 0,
