@@ -273,6 +273,12 @@ impl Access {
         unsafe { entry_at(self.table.base(), self.entry) }
     }
 
+    /// Whether `other` is a handle on the same entry of the same table with the same key: a
+    /// hold of one lets a copy into the other's buffer run.
+    pub(crate) fn same_entry(&self, other: &Access) -> bool {
+        Arc::ptr_eq(&self.table, &other.table) && self.entry == other.entry && self.key == other.key
+    }
+
     /// Holds the entry for one copy: until the returned guard drops, the owner's
     /// unregistration of the buffer waits. Fails with `RemoteRejected` when the buffer is no
     /// longer served.

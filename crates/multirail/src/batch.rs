@@ -79,6 +79,19 @@ impl BatchSignal {
         }
     }
 
+    /// Tasks standing for `completed` requests finished well and for `failed` requests
+    /// failed: counted in the engine's counters, and taken off the batch's unfinished.
+    fn report(&self, completed: u64, failed: u64) {
+        let c = &self.counters;
+        if failed > 0 {
+            c.failed.fetch_add(failed, Ordering::Relaxed);
+        }
+        if completed > 0 {
+            c.completed.fetch_add(completed, Ordering::Relaxed);
+        }
+        self.tasks_finished((completed + failed) as usize);
+    }
+
     /// `requests` requests finished (a task's).
     fn tasks_finished(&self, requests: usize) {
         if self.unfinished.fetch_sub(requests, Ordering::AcqRel) == requests {
@@ -100,6 +113,59 @@ impl BatchSignal {
     }
 }
 
+/// Tasks a thread finished whose batch it has not told yet: a thread completing many small
+/// requests of one batch in a row (a group of shm copies) tells the batch and the engine's
+/// counters once for them all, instead of moving those shared cache lines between cores for
+/// every request. Each task's own status changes at once; the batch's count of unfinished
+/// requests (and so its waiters) hears at [`Finished::flush`], or when a task of another
+/// batch finishes, or when this drops.
+#[derive(Default)]
+pub(crate) struct Finished {
+    signal: Option<Arc<BatchSignal>>,
+    completed: u64,
+    failed: u64,
+}
+
+impl Finished {
+    /// Records one part of `task` as done with `outcome`, as [`Task::part_done`] does, but
+    /// holds back what the task's finishing tells its batch.
+    pub(crate) fn part_done(&mut self, task: &Task, outcome: Result<()>) {
+        let Some(failed) = task.part_finished(outcome) else {
+            return;
+        };
+        if !self
+            .signal
+            .as_ref()
+            .is_some_and(|s| Arc::ptr_eq(s, &task.signal))
+        {
+            self.flush();
+            self.signal = Some(task.signal.clone());
+        }
+        let requests = u64::from(task.requests);
+        if failed {
+            self.failed += requests;
+        } else {
+            self.completed += requests;
+        }
+    }
+
+    /// Tells the batch what was held back.
+    pub(crate) fn flush(&mut self) {
+        if let Some(signal) = &self.signal {
+            if self.completed + self.failed > 0 {
+                signal.report(self.completed, self.failed);
+            }
+        }
+        (self.completed, self.failed) = (0, 0);
+    }
+}
+
+impl Drop for Finished {
+    fn drop(&mut self) {
+        self.flush();
+    }
+}
+
 /// One request in flight, or a run of adjacent requests moved as one (see
 /// [`Batch::add_runs`]): finished when every part it was split into has reported, and then
 /// every request it stands for is finished with its outcome.
@@ -116,20 +182,25 @@ pub(crate) struct Task {
 impl Task {
     /// Records one part as done (`Ok`) or failed; the first failure is the task's error.
     pub(crate) fn part_done(&self, outcome: Result<()>) {
+        if let Some(failed) = self.part_finished(outcome) {
+            let requests = u64::from(self.requests);
+            if failed {
+                self.signal.report(0, requests);
+            } else {
+                self.signal.report(requests, 0);
+            }
+        }
+    }
+
+    /// Records one part's outcome on the task itself (its status shows it at once); when it
+    /// was the last part, whether the task failed, for the caller to tell its batch.
+    fn part_finished(&self, outcome: Result<()>) -> Option<bool> {
         if let Err(e) = outcome {
             let _ = self.error.set(e);
             self.failed.store(true, Ordering::Release);
         }
-        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
-            let c = &self.signal.counters;
-            let requests = u64::from(self.requests);
-            if self.failed.load(Ordering::Acquire) {
-                c.failed.fetch_add(requests, Ordering::Relaxed);
-            } else {
-                c.completed.fetch_add(requests, Ordering::Relaxed);
-            }
-            self.signal.tasks_finished(self.requests as usize);
-        }
+        (self.remaining.fetch_sub(1, Ordering::AcqRel) == 1)
+            .then(|| self.failed.load(Ordering::Acquire))
     }
 
     /// A task of no batch, for transfers nobody waits on (a probe of a rail): its one part
@@ -512,6 +583,43 @@ mod tests {
         t[0].expect(4096, 1, (4u64 << 30) as f64);
         assert_eq!(b.expected().1, 1);
         assert!(b.expected().0 < Duration::from_micros(2));
+    }
+
+    #[test]
+    fn finished_tasks_tell_their_batch_at_flush_or_when_another_batchs_task_finishes() {
+        let counters = Arc::new(TransferCounters::default());
+        let a = Batch::with_counters(1, 3, counters.clone());
+        let b = Batch::with_counters(2, 1, counters.clone());
+        let (ta, tb) = (a.add_tasks(3).unwrap(), b.add_tasks(1).unwrap());
+        let mut finished = Finished::default();
+        finished.part_done(&ta[0], Ok(()));
+        let gone = || Error::TransportUnavailable {
+            transport: "shm",
+            reason: "test".into(),
+        };
+        finished.part_done(&ta[1], Err(gone()));
+        // Each task's status shows at once; the batch has not heard yet.
+        assert!(matches!(a.status(0).unwrap(), Status::Completed));
+        assert!(matches!(a.status(1).unwrap(), Status::Failed(_)));
+        assert_eq!(a.unfinished(), 3);
+        assert_eq!(counters.snapshot(), (0, 0));
+        finished.flush();
+        assert_eq!(a.unfinished(), 1);
+        assert_eq!(counters.snapshot(), (1, 1));
+        // A task of another batch: what was held back for the first is told first.
+        finished.part_done(&ta[2], Ok(()));
+        finished.part_done(&tb[0], Ok(()));
+        assert_eq!(a.unfinished(), 0);
+        assert_eq!(b.unfinished(), 1);
+        // Done, with its one failure.
+        let waited = a.wait(Some(Duration::from_secs(1)), Duration::ZERO);
+        assert!(
+            matches!(waited, Err(Error::TransportUnavailable { .. })),
+            "{waited:?}"
+        );
+        drop(finished);
+        assert_eq!(b.unfinished(), 0);
+        assert_eq!(counters.snapshot(), (3, 1));
     }
 
     #[test]

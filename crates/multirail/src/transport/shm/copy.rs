@@ -35,47 +35,74 @@ pub(super) fn probe_process_vm(pid: i32, addr: u64) -> bool {
 /// for the copy while it runs.
 pub(super) fn run(job: &CopyJob, skip: usize, len: usize, nontemporal: bool) -> Result<()> {
     let _held = job.access.as_ref().map(Access::hold).transpose()?;
-    let remote_ptr = match &job.reach {
-        Reach::Direct => job.remote as usize,
+    debug_assert!(skip + len <= job.len);
+    let skipped = skip as u64;
+    copy_held(
+        &job.reach,
+        job.op,
+        job.local + skip,
+        job.remote + skipped,
+        len,
+        nontemporal,
+    )
+}
+
+/// Copies `len` bytes between `local` and the peer's `remote` through `reach` (`op` says
+/// which way), the caller holding the buffer's access entry, if it has one, for the copy.
+/// Fails only when process_vm_readv/writev does.
+pub(super) fn copy_held(
+    reach: &Reach,
+    op: Opcode,
+    local: usize,
+    remote: u64,
+    len: usize,
+    nontemporal: bool,
+) -> Result<()> {
+    let remote_ptr = match reach {
+        Reach::Direct => remote as usize,
         Reach::Mapped {
             mapping,
             buffer_addr,
-        } => mapping.base() + (job.remote - buffer_addr) as usize,
-        Reach::ProcessVm { pid } => return process_vm(job, *pid, skip, len),
+        } => mapping.base() + (remote - buffer_addr) as usize,
+        Reach::ProcessVm { pid } => return process_vm(op, local, remote, *pid, len),
     };
-    debug_assert!(skip + len <= job.len);
-    let (src, dst) = match job.op {
-        Opcode::Write => (job.local + skip, remote_ptr + skip),
-        Opcode::Read => (remote_ptr + skip, job.local + skip),
+    let (src, dst) = match op {
+        Opcode::Write => (local, remote_ptr),
+        Opcode::Read => (remote_ptr, local),
     };
-    // SAFETY: the engine checked that `local..local+job.len` lies in locally registered memory
-    // and `remote..remote+job.len` in a buffer the peer published, and `skip + len <= job.len`
-    // (callers copy a job in consecutive parts); `remote_ptr` maps that range (our own address
-    // space, or our mapping of the peer's memfd held alive by `job.reach`). The ranges belong
-    // to different buffers or the caller asked for overlapping ones, which a transfer engine,
-    // like RDMA, leaves to the caller; `copy` tolerates overlap.
+    // SAFETY: the engine checked that `local..local+len` lies in locally registered memory
+    // and `remote..remote+len` in a buffer the peer published (callers pass a job's range or
+    // consecutive parts of it); `remote_ptr` maps that range (our own address space, or our
+    // mapping of the peer's memfd held alive by `reach`, which the caller borrows from its
+    // job). The ranges belong to different buffers or the caller asked for overlapping ones,
+    // which a transfer engine, like RDMA, leaves to the caller; `copy` tolerates overlap.
     unsafe { nontemporal::copy(dst as *mut u8, src as *const u8, len, nontemporal) };
     Ok(())
 }
 
-/// Copies `len` bytes of `job` starting `skip` bytes into it, with process_vm_readv/writev
-/// into process `pid`, resuming after short copies.
-pub(super) fn process_vm(job: &CopyJob, pid: i32, skip: usize, len: usize) -> Result<()> {
-    let mut done = skip;
-    let end = skip + len;
-    while done < end {
+/// Copies `len` bytes between `local` and `remote` in process `pid` (`op` says which way)
+/// with process_vm_readv/writev, resuming after short copies.
+pub(super) fn process_vm(
+    op: Opcode,
+    local: usize,
+    remote: u64,
+    pid: i32,
+    len: usize,
+) -> Result<()> {
+    let mut done = 0;
+    while done < len {
         let local = libc::iovec {
-            iov_base: (job.local + done) as *mut libc::c_void,
-            iov_len: end - done,
+            iov_base: (local + done) as *mut libc::c_void,
+            iov_len: len - done,
         };
         let remote = libc::iovec {
-            iov_base: (job.remote as usize + done) as *mut libc::c_void,
-            iov_len: end - done,
+            iov_base: (remote as usize + done) as *mut libc::c_void,
+            iov_len: len - done,
         };
         // SAFETY: `local` lies in locally registered memory checked by the engine; the kernel
         // validates `remote` against the other process's mappings and fails with EFAULT.
         let rc = unsafe {
-            match job.op {
+            match op {
                 Opcode::Write => libc::process_vm_writev(pid, &local, 1, &remote, 1, 0),
                 Opcode::Read => libc::process_vm_readv(pid, &local, 1, &remote, 1, 0),
             }

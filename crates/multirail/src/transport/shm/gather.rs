@@ -144,7 +144,13 @@ impl VmGather {
                 Err(err.clone())
             } else {
                 let from = copied.saturating_sub(start);
-                process_vm(&job, self.pid, from, job.len - from)
+                process_vm(
+                    job.op,
+                    job.local + from,
+                    job.remote + from as u64,
+                    self.pid,
+                    job.len - from,
+                )
             };
             start += job.len;
             if let Some(access) = &job.access {

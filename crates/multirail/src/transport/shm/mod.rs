@@ -42,7 +42,7 @@ use multirail_policy::qos::{Priority, PriorityQueues, HIGH, LEVELS};
 use multirail_policy::slicing::{job_pieces, job_spans, JobSpan, SlicePlan};
 
 use crate::access::Access;
-use crate::batch::Task;
+use crate::batch::{Finished, Task};
 use crate::error::{Error, Result};
 use crate::mapping::PeerMapping;
 use crate::peer::Peer;
@@ -87,6 +87,12 @@ pub(crate) const SMALL_GROUPS_FROM: u64 = 1 << 20;
 /// ([`SMALL_GROUPS_FROM`]): a copy of 20-30 µs, against a hand-off of a few µs, and short
 /// enough that the waiting thread and every worker get a share of a batch of a few MiB.
 pub(crate) const SMALL_GROUP_BYTES: u64 = 256 << 10;
+
+/// Groups of small requests a post fills at once: requests into different buffers (a KV cache
+/// registered as one buffer per layer, keys and values apart) go to groups of their own, each
+/// copied under its buffer's access entry, and a post alternating between a few buffers still
+/// fills whole groups. Past this many, the oldest open group takes no more.
+const OPEN_GROUPS: usize = 8;
 
 /// Where [`ShmTransport::take`] puts what it takes of a request.
 struct Taken<'a> {
@@ -162,6 +168,28 @@ enum Reach {
     },
     /// With process_vm_readv/writev into process `pid`.
     ProcessVm { pid: i32 },
+}
+
+impl Reach {
+    /// Whether `self` and `other` reach the same buffer the same way (the same mapping of it,
+    /// or the same process), so one may copy for the other.
+    fn same_as(&self, other: &Reach) -> bool {
+        match (self, other) {
+            (Reach::Direct, Reach::Direct) => true,
+            (
+                Reach::Mapped {
+                    mapping: a,
+                    buffer_addr: x,
+                },
+                Reach::Mapped {
+                    mapping: b,
+                    buffer_addr: y,
+                },
+            ) => Arc::ptr_eq(a, b) && x == y,
+            (Reach::ProcessVm { pid: a }, Reach::ProcessVm { pid: b }) => a == b,
+            _ => false,
+        }
+    }
 }
 
 /// How to reach a buffer, and its access entry, which every copy into it holds.
@@ -444,32 +472,46 @@ impl ShmTransport {
     /// Copies the post's small requests (each at most `inline_bytes`, its task part already
     /// added). On this thread, one after the other, while they come to less than
     /// [`SMALL_GROUPS_FROM`] bytes: a hand-off costs more than such a copy. Else as groups of
-    /// about [`SMALL_GROUP_BYTES`] of one priority each, queued for the workers (and the
+    /// about [`SMALL_GROUP_BYTES`] of one priority and one buffer each (see [`Member`]), queued for the workers (and the
     /// thread that waits for the batch): a thousand 16 KiB blocks scattered over a KV cache
     /// then take every core the copies can use, not only the poster's.
     fn copy_small(&self, small: Vec<(CopyJob, Priority)>, tally: &mut Tally) {
         let bytes: usize = small.iter().map(|(job, _)| job.len).sum();
         if self.workers == 0 || (bytes as u64) < SMALL_GROUPS_FROM {
+            let mut finished = Finished::default();
             for (job, priority) in small {
                 let outcome = run(&job, 0, job.len, self.shared.nontemporal);
                 match &outcome {
                     Ok(()) => tally.add(priority, job.len as u64, job.slices),
                     Err(_) => self.shared.rail.record_error(),
                 }
-                job.task.part_done(outcome);
+                finished.part_done(&job.task, outcome);
             }
             return;
         }
         let mut groups: Vec<(CopyJob, Priority)> = Vec::new();
-        let mut open = 0;
+        // The groups still taking members, most recent last: (index in `groups`, bytes).
+        let mut open: Vec<(usize, usize)> = Vec::with_capacity(OPEN_GROUPS);
         for (job, priority) in small {
-            match groups.last_mut() {
-                Some((head, p)) if *p == priority && (open as u64) < SMALL_GROUP_BYTES => {
-                    open += job.len;
-                    head.then.push(job);
+            let fits = open.iter().rposition(|&(g, _)| {
+                let (head, p) = &groups[g];
+                *p == priority && job.shares_buffer_with(head)
+            });
+            match fits {
+                Some(o) => {
+                    let (g, bytes) = &mut open[o];
+                    *bytes += job.len;
+                    let full = *bytes as u64 >= SMALL_GROUP_BYTES;
+                    groups[*g].0.then.push(Member::from(job));
+                    if full {
+                        open.remove(o);
+                    }
                 }
-                _ => {
-                    open = job.len;
+                None => {
+                    if open.len() == OPEN_GROUPS {
+                        open.remove(0);
+                    }
+                    open.push((groups.len(), job.len));
                     groups.push((job, priority));
                 }
             }
@@ -547,17 +589,15 @@ impl ShmTransport {
         };
         drop(st);
         shared.qos.host_dequeued(priority, taken.waited_ns, now);
-        let mut job = taken.item;
+        let job = taken.item;
         let outcome = run(&job, 0, job.len, shared.nontemporal);
         match &outcome {
             Ok(()) => shared.rail.record_at(priority, job.len as u64, job.slices),
             Err(_) => shared.rail.record_error(),
         }
         job.task.part_done(outcome);
-        let rest = std::mem::take(&mut job.then);
-        drop(job);
         let queued_ns = shared.ns(now).saturating_sub(taken.waited_ns);
-        shared.run_group(rest, priority, queued_ns);
+        shared.run_group(job, priority, queued_ns);
         true
     }
 }
@@ -565,7 +605,7 @@ impl ShmTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::batch::Batch;
+    use crate::batch::{Batch, Status};
     use crate::config::RdmaConfig;
     use multirail_policy::qos::{LOW, MEDIUM};
     fn qos() -> Arc<Qos> {
@@ -823,6 +863,61 @@ mod tests {
     }
 
     #[test]
+    fn small_copies_into_two_buffers_are_grouped_by_buffer_and_a_revoked_one_fails_alone() {
+        let stats = TrafficStats::default();
+        let qos = qos();
+        let shm = ShmTransport::new(1, false, 16 << 10, true, &stats, qos.clone()).unwrap();
+        // Two buffers of a peer, each with its own access entry; the second is unregistered
+        // (its entry revoked) before the post.
+        let table = crate::access::AccessTable::new().unwrap();
+        let (kept, gone) = (table.grant(11).unwrap(), table.grant(12).unwrap());
+        let mapping = Access::map_table(&kept, "peer:1").unwrap();
+        let access = |d: &crate::segment::AccessDescriptor, key| {
+            let owner = (Arc::from("peer:1"), Arc::default());
+            Access::new(mapping.clone(), d, key, owner).unwrap()
+        };
+        assert!(table.revoke(gone.entry));
+        // 136 blocks of 16 KiB (2.1 MiB, grouped), alternating between the two buffers.
+        let (block, n) = (16 << 10, 136);
+        let src: Vec<u8> = (0..block * n).map(|i| (i * 7 + i / block) as u8).collect();
+        let mut dst = vec![0u8; block * n];
+        let batch = Batch::new(1, n);
+        let mut jobs = small_jobs(&src, &mut dst, block, &batch, |_| LOW);
+        for (i, (job, _)) in jobs.iter_mut().enumerate() {
+            job.access = Some(if i % 2 == 0 {
+                access(&kept, 11)
+            } else {
+                access(&gone, 12)
+            });
+        }
+        let mut tally = Tally::default();
+        shm.copy_small(jobs, &mut tally);
+        while batch.unfinished() > 0 {
+            thread::sleep(Duration::from_millis(1));
+        }
+        // 68 blocks a buffer, 16 to a group: 5 groups each (groups taking blocks of both
+        // buffers would be 9; closing a group at each change of buffer, 136).
+        assert_eq!(qos.snapshot().priorities[LOW.index()].dequeued, 10);
+        for i in 0..n {
+            let (s, d) = (&src[i * block..][..block], &dst[i * block..][..block]);
+            let status = batch.status(i).unwrap();
+            if i % 2 == 0 {
+                assert!(matches!(status, Status::Completed), "block {i}: {status:?}");
+                assert!(s == d, "block {i} landed whole");
+            } else {
+                assert!(
+                    matches!(&status, Status::Failed(Error::RemoteRejected { .. })),
+                    "block {i}: {status:?}"
+                );
+                assert!(d.iter().all(|&b| b == 0), "block {i} untouched");
+            }
+        }
+        let rail = shm_rail(&stats);
+        assert_eq!(rail.errors, (n / 2) as u64, "one error each");
+        assert_eq!(rail.bytes, (block * n / 2) as u64);
+    }
+
+    #[test]
     fn a_few_small_copies_are_done_by_the_poster_before_it_returns() {
         let stats = TrafficStats::default();
         let qos = qos();
@@ -875,7 +970,7 @@ mod tests {
         let mut dst = vec![0u8; member * n];
         let mut jobs = small_jobs(&src, &mut dst, member, &group_batch, |_| LOW).into_iter();
         let (mut head, _) = jobs.next().unwrap();
-        head.then = jobs.map(|(job, _)| job).collect();
+        head.then = jobs.map(|(job, _)| Member::from(job)).collect();
         let (high_src, mut high_dst) = ([9u8; 4096], [0u8; 4096]);
         let high_task = high_batch.add_tasks(1).unwrap().pop().unwrap();
         let high = direct_job(&high_src, &mut high_dst, high_task);

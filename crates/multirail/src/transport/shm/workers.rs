@@ -17,10 +17,39 @@ pub(super) struct CopyJob {
     /// Id of the request's batch, which a thread waiting for it may copy itself.
     pub(super) batch: u64,
     pub(super) task: Arc<Task>,
-    /// Small requests of the same post and priority copied after this one, each whole, by the
-    /// same thread (see [`SMALL_GROUP_BYTES`]): one hand-off for the group instead of one per
-    /// request. Empty for every other job.
-    pub(super) then: Vec<CopyJob>,
+    /// Small requests of the same post and priority, into the same buffer, copied after this
+    /// one, each whole, by the same thread (see [`SMALL_GROUP_BYTES`]): one hand-off for the
+    /// group instead of one per request. Empty for every other job.
+    pub(super) then: Vec<Member>,
+}
+
+/// A small request grouped behind a [`CopyJob`]: copied through the head's reach and under
+/// the head's access entry, which it shares, so that a worker running a group touches one
+/// entry and one set of reference counts for all of it, not a set each request the poster
+/// cloned and the worker drops on another core.
+pub(super) struct Member {
+    pub(super) op: Opcode,
+    pub(super) local: usize,
+    pub(super) remote: u64,
+    pub(super) len: usize,
+    pub(super) slices: u64,
+    pub(super) task: Arc<Task>,
+}
+
+impl From<CopyJob> for Member {
+    /// The member `job` (whole, heading no group) becomes behind a head it shares its buffer
+    /// with ([`CopyJob::shares_buffer_with`]): its own reach and access go, the head's serve.
+    fn from(job: CopyJob) -> Member {
+        debug_assert!(job.then.is_empty(), "a group's head is no member");
+        Member {
+            op: job.op,
+            local: job.local,
+            remote: job.remote,
+            len: job.len,
+            slices: job.slices,
+            task: job.task,
+        }
+    }
 }
 
 /// What the copy workers share, under [`Shared::state`].
@@ -62,6 +91,18 @@ pub(super) struct Shared {
 }
 
 impl CopyJob {
+    /// Whether `self` reaches the same buffer the same way as `head` (the same mapping of it,
+    /// or the same process) under the same access entry, or neither has one: it may then be
+    /// copied as a [`Member`] of `head`'s group.
+    pub(super) fn shares_buffer_with(&self, head: &CopyJob) -> bool {
+        let same_access = match (&self.access, &head.access) {
+            (None, None) => true,
+            (Some(a), Some(b)) => a.same_entry(b),
+            _ => false,
+        };
+        same_access && self.reach.same_as(&head.reach)
+    }
+
     /// Drops the first `n` bytes (already copied) from the job.
     pub(super) fn advance(&mut self, n: usize) {
         self.local += n;
@@ -72,7 +113,7 @@ impl CopyJob {
     /// Fails the job and every request grouped behind it with `err()`, as one that no thread
     /// will run.
     pub(super) fn fail(self, rail: &RailCounters, err: impl Fn() -> Error) {
-        let tasks = std::iter::once(self.task).chain(self.then.into_iter().map(|job| job.task));
+        let tasks = std::iter::once(self.task).chain(self.then.into_iter().map(|m| m.task));
         for task in tasks {
             rail.record_error();
             task.part_done(Err(err()));
@@ -138,29 +179,73 @@ impl Shared {
         }
     }
 
-    /// Copies the small requests grouped behind a job (`rest`, each whole, in order),
-    /// recording each and completing its part. Between them it gives the rest back to the
-    /// head of level `prio`, keeping `queued_ns` as its queueing time, when work of a higher
-    /// level waits, as a bulk copy yields between steps.
-    pub(super) fn run_group(&self, rest: Vec<CopyJob>, prio: Priority, queued_ns: u64) {
+    /// Copies the small requests grouped behind `head` (its `then`, each whole, in order;
+    /// `head` itself is done), through its reach and under one hold of its access entry,
+    /// completing each member's part and counting their bytes on the rail once. Between
+    /// members it gives the rest back to the head of level `prio`, keeping `queued_ns` as its
+    /// queueing time, when work of a higher level waits, as a bulk copy yields between steps.
+    /// When the buffer's entry is revoked every member fails with that error.
+    pub(super) fn run_group(&self, mut head: CopyJob, prio: Priority, queued_ns: u64) {
+        let rest = std::mem::take(&mut head.then);
+        if rest.is_empty() {
+            return;
+        }
+        let mut finished = Finished::default();
+        let held = match head.access.as_ref().map(Access::hold).transpose() {
+            Ok(held) => held,
+            Err(e) => {
+                for m in rest {
+                    self.rail.record_error();
+                    finished.part_done(&m.task, Err(e.clone()));
+                }
+                return;
+            }
+        };
+        let (mut bytes, mut slices) = (0u64, 0u64);
         let mut rest = rest.into_iter();
-        while let Some(job) = rest.next() {
+        while let Some(m) = rest.next() {
             if self.higher_waiting(prio) {
-                let mut head = job;
-                head.then = rest.collect();
+                drop(held);
+                self.rail.record_at(prio, bytes, slices);
+                finished.flush();
+                let next = CopyJob {
+                    op: m.op,
+                    local: m.local,
+                    remote: m.remote,
+                    len: m.len,
+                    slices: m.slices,
+                    reach: head.reach.clone(),
+                    access: head.access.clone(),
+                    batch: head.batch,
+                    task: m.task,
+                    then: rest.collect(),
+                };
+                drop(head);
                 let now_ns = self.ns(Instant::now());
                 let mut st = self.lock();
-                st.jobs.push_front(head, prio, queued_ns, now_ns);
+                st.jobs.push_front(next, prio, queued_ns, now_ns);
                 self.report_depths(&mut st);
                 return;
             }
-            let outcome = run(&job, 0, job.len, self.nontemporal);
+            let outcome = copy_held(
+                &head.reach,
+                m.op,
+                m.local,
+                m.remote,
+                m.len,
+                self.nontemporal,
+            );
             match &outcome {
-                Ok(()) => self.rail.record_at(prio, job.len as u64, job.slices),
+                Ok(()) => {
+                    bytes += m.len as u64;
+                    slices += m.slices;
+                }
                 Err(_) => self.rail.record_error(),
             }
-            job.task.part_done(outcome);
+            finished.part_done(&m.task, outcome);
         }
+        drop(held);
+        self.rail.record_at(prio, bytes, slices);
     }
 
     /// Tells the workers to finish what is queued and exit.
@@ -242,11 +327,10 @@ pub(super) fn copy_worker(shared: &Shared) {
             st = match outcome {
                 Some(outcome) => {
                     job.task.part_done(outcome);
-                    let rest = std::mem::take(&mut job.then);
-                    // Drop the job (its task and mapping references) before taking the lock.
-                    drop(job);
                     let queued_ns = shared.ns(now).saturating_sub(taken.waited_ns);
-                    shared.run_group(rest, prio, queued_ns);
+                    // Copies the members grouped behind it, if any, and drops the job (its
+                    // task and mapping references) before the lock is taken again.
+                    shared.run_group(job, prio, queued_ns);
                     shared.lock()
                 }
                 None => {
