@@ -163,7 +163,9 @@ pub unsafe extern "C" fn multirail_batch_submit(
 
 /// Stores the status of request `index` of batch `batch` (in submission order) in
 /// `*status_out`: MULTIRAIL_STATUS_PENDING, _COMPLETED or _FAILED. When it is FAILED,
-/// `multirail_last_error()` says why although the call returns MULTIRAIL_OK.
+/// `multirail_last_error()` says why although the call returns MULTIRAIL_OK. While it is
+/// pending and the next same-host copy the copy workers would take is one of the batch's, the
+/// calling thread does it first (at most 1 MiB), as `multirail_batch_overall_status` does.
 ///
 /// Returns MULTIRAIL_OK; MULTIRAIL_ERR_NULL_POINTER when `status_out` is NULL;
 /// MULTIRAIL_ERR_INVALID_ARGUMENT when `index` is not below the number of requests
@@ -196,7 +198,9 @@ pub unsafe extern "C" fn multirail_batch_status(
 /// nothing within `transports.tcp.timeout_ms`, MULTIRAIL_ERR_PEER when the peer refused it or
 /// went away, and so on; MULTIRAIL_OK while the request is pending or once it completed. When
 /// it failed, `multirail_last_error()` gives the message although the call returns
-/// MULTIRAIL_OK. Adjacent requests moved as one run share their run's failure.
+/// MULTIRAIL_OK. Adjacent requests moved as one run share their run's failure. Like
+/// `multirail_batch_status`, a call on a pending request may first do one of the batch's
+/// same-host copies.
 ///
 /// Returns MULTIRAIL_OK; MULTIRAIL_ERR_NULL_POINTER when `code_out` is NULL;
 /// MULTIRAIL_ERR_INVALID_ARGUMENT when `index` is not below the number of requests

@@ -372,18 +372,25 @@ impl NativeBatch {
     fn id(&self) -> u64 {
         self.id.0
     }
-    /// `(status, error)` of request `index`; error is None unless status is "failed".
+    /// `(status, error)` of request `index`; error is None unless status is "failed". A poll
+    /// of a pending request may first do one of the batch's same-host copies (GIL released).
     fn status(&self, py: Python<'_>, index: usize) -> PyResult<(&'static str, Option<PyErr>)> {
-        let s = self.engine.status(self.id, index).map_err(to_py)?;
-        let _ = py;
+        let (engine, id) = (self.engine.clone(), self.id);
+        let s = py
+            .allow_threads(move || engine.status(id, index))
+            .map_err(to_py)?;
         Ok(match s {
             Status::Failed(e) => ("failed", Some(to_py(e))),
             other => (status_str(&other), None),
         })
     }
     /// `(status, error)` of the whole batch: failed if any failed, else pending while any runs.
-    fn overall_status(&self) -> PyResult<(&'static str, Option<PyErr>)> {
-        let s = self.engine.overall_status(self.id).map_err(to_py)?;
+    /// A poll may first do one of the batch's same-host copies (GIL released).
+    fn overall_status(&self, py: Python<'_>) -> PyResult<(&'static str, Option<PyErr>)> {
+        let (engine, id) = (self.engine.clone(), self.id);
+        let s = py
+            .allow_threads(move || engine.overall_status(id))
+            .map_err(to_py)?;
         Ok(match s {
             Status::Failed(e) => ("failed", Some(to_py(e))),
             other => (status_str(&other), None),

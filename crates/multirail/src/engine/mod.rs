@@ -745,9 +745,19 @@ impl Engine {
         Ok(())
     }
 
-    /// Status of request `index` of `batch`, in submission order.
+    /// Status of request `index` of `batch`, in submission order; fails with `UnknownBatch`
+    /// for a batch this engine does not hold and `InvalidArgument` for an index past its
+    /// requests. While the request is pending, the calling thread first does the batch's next
+    /// same-host copy when it is the one the copy workers would take next, as
+    /// [`Engine::overall_status`] does: a thread polling each request of its batch in turn (as
+    /// Mooncake's `getTransferStatus` loop does) moves the batch on instead of spinning.
     pub fn status(&self, batch: BatchId, index: usize) -> Result<Status> {
-        self.batch(batch)?.status(index)
+        let b = self.batch(batch)?;
+        let status = b.status(index)?;
+        if matches!(status, Status::Pending) && self.inner.shm.help_once(batch.0) {
+            return b.status(index);
+        }
+        Ok(status)
     }
 
     /// `Failed` if any request of the batch failed, else `Pending` while any runs, else
