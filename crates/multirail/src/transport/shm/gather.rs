@@ -137,6 +137,7 @@ impl VmGather {
             }
         };
         let mut start = 0usize;
+        let mut finished = Finished::default();
         for (job, priority) in self.jobs.drain(..) {
             let outcome = if start + job.len <= copied {
                 Ok(())
@@ -160,7 +161,7 @@ impl VmGather {
                 Ok(()) => tally.add(priority, job.len as u64, job.slices),
                 Err(_) => rail.record_error(),
             }
-            job.task.part_done(outcome);
+            finished.part_done(&job.task, outcome);
         }
         self.bytes = 0;
     }
