@@ -1,7 +1,7 @@
 /* bench/wake_floor.c: the floor of "the first message after a silence" on this host, for
  * bench/idle. A client thread sends a 128-byte message, then busy-polls for the answer; a
  * server thread asleep in epoll_wait wakes, reads it and answers. Nothing else runs: no
- * engine, no buffers, a few cache lines. Two modes, as multirail's lanes ring:
+ * engine, no buffers, a few cache lines. Three modes, as multirail's lanes carry a message:
  *   eventfd  the message is an eventfd write (how an shm sender rings a sleeping receiver)
  *   tcp      one loopback TCP connection, TCP_NODELAY, 128 bytes each way
  *   memory   a counter stored into a shared cache line each way, read by a polling peer (how
@@ -19,7 +19,7 @@
  * The server runs in its own process by default, as `multirail pingpong --local`'s does: on a
  * virtual machine a wake-up that switches address spaces costs more (~1.3 x here) than one
  * between two threads of a process, which `threads` measures.
- * Usage: wake_floor eventfd|tcp [N=300] [GAP_MS=10] [sleep|poll|wake] [procs|threads]
+ * Usage: wake_floor eventfd|tcp|memory [N=300] [GAP_MS=10] [sleep|poll|wake] [procs|threads]
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -105,12 +105,13 @@ static void *server(void *arg) {
   int anticipating = 0;
   for (;;) {
     if (!*server_polls) {
-      if (wake_gap_us && anticipating) {
+      if (!wake_gap_us) {
+        struct epoll_event o;
+        epoll_wait(ep, &o, 1, -1);
+      } else if (anticipating) {
+        /* once per message: sleep until the lead before it is due, then poll */
         clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &due, NULL);
         anticipating = 0;
-      } else if (!wake_gap_us || !anticipating) {
-        struct epoll_event o;
-        if (!wake_gap_us) epoll_wait(ep, &o, 1, -1);
       }
     }
     if (take(in, buf)) {

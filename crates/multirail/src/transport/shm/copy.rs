@@ -36,15 +36,8 @@ pub(super) fn probe_process_vm(pid: i32, addr: u64) -> bool {
 pub(super) fn run(job: &CopyJob, skip: usize, len: usize, nontemporal: bool) -> Result<()> {
     let _held = job.access.as_ref().map(Access::hold).transpose()?;
     debug_assert!(skip + len <= job.len);
-    let skipped = skip as u64;
-    copy_held(
-        &job.reach,
-        job.op,
-        job.local + skip,
-        job.remote + skipped,
-        len,
-        nontemporal,
-    )
+    let (local, remote) = (job.local + skip, job.remote + skip as u64);
+    copy_held(&job.reach, job.op, local, remote, len, nontemporal)
 }
 
 /// Copies `len` bytes between `local` and the peer's `remote` through `reach` (`op` says

@@ -892,9 +892,13 @@ mod tests {
         }
         let mut tally = Tally::default();
         shm.copy_small(jobs, &mut tally);
-        while batch.unfinished() > 0 {
-            thread::sleep(Duration::from_millis(1));
-        }
+        // Fails with the revoked buffer's error once every request finished.
+        let waited = batch.wait(Some(Duration::from_secs(30)), Duration::ZERO);
+        assert!(
+            matches!(waited, Err(Error::RemoteRejected { .. })),
+            "{waited:?}"
+        );
+        assert_eq!(batch.unfinished(), 0, "every request finished");
         // 68 blocks a buffer, 16 to a group: 5 groups each (groups taking blocks of both
         // buffers would be 9; closing a group at each change of buffer, 136).
         assert_eq!(qos.snapshot().priorities[LOW.index()].dequeued, 10);

@@ -208,19 +208,17 @@ impl Shared {
                 drop(held);
                 self.rail.record_at(prio, bytes, slices);
                 finished.flush();
+                // The next member heads the rest, through the same reach and access.
                 let next = CopyJob {
                     op: m.op,
                     local: m.local,
                     remote: m.remote,
                     len: m.len,
                     slices: m.slices,
-                    reach: head.reach.clone(),
-                    access: head.access.clone(),
-                    batch: head.batch,
                     task: m.task,
                     then: rest.collect(),
+                    ..head
                 };
-                drop(head);
                 let now_ns = self.ns(Instant::now());
                 let mut st = self.lock();
                 st.jobs.push_front(next, prio, queued_ns, now_ns);
