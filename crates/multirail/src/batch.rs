@@ -2,7 +2,7 @@
 //! unfinished tasks and wakes waiters when the count reaches zero.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -46,6 +46,23 @@ impl TransferCounters {
 /// Run once when a batch next has no unfinished request (see [`Batch::when_idle`]).
 pub(crate) type IdleHook = Box<dyn FnOnce() + Send>;
 
+/// Where the answer finishing a task will arrive, readable by the thread waiting for it (a tcp
+/// connection a small HIGH slice was written on directly). A waiter that reads its own answer
+/// runs when the answer arrives, instead of after a transport thread has read it and then woken
+/// it: on a host whose cores are busy moving bulk, each of those wake-ups is a wait for a core.
+pub(crate) trait AnswerSource: Send + Sync {
+    /// Reads answers on the calling thread until `task` has finished or `until` passes:
+    /// between answers it sleeps until the socket is readable, or with `poll` looks again at
+    /// once (a waiter with a core to spare). Returns false, leaving the rest to the transport's
+    /// own thread, when this thread cannot read them (that thread is reading already, the
+    /// connection died, or the source does not share its reading now) or `until` passed; the
+    /// caller then waits as it would have.
+    fn read_until_finished(&self, task: &Task, until: Option<Instant>, poll: bool) -> bool;
+}
+
+/// The last task of a batch whose answer a waiter can read itself, and where.
+type DirectAnswer = (Weak<Task>, Weak<dyn AnswerSource>);
+
 /// Shared by a batch and its tasks so the last finishing task can wake waiters.
 pub(crate) struct BatchSignal {
     unfinished: AtomicUsize,
@@ -62,6 +79,9 @@ pub(crate) struct BatchSignal {
     expected_ns: AtomicU64,
     /// The slices those transfers were cut into. Cleared with `expected_ns`.
     expected_slices: AtomicU64,
+    /// The task whose one slice was last written directly by the submitting thread, and the
+    /// connection its answer comes back on (see [`Task::answered_on`]).
+    direct: Mutex<Option<DirectAnswer>>,
     counters: Arc<TransferCounters>,
 }
 
@@ -75,6 +95,7 @@ impl BatchSignal {
             sleepers: AtomicUsize::new(0),
             expected_ns: AtomicU64::new(0),
             expected_slices: AtomicU64::new(0),
+            direct: Mutex::new(None),
             counters,
         }
     }
@@ -235,6 +256,18 @@ impl Task {
         }
     }
 
+    /// Notes that this task's one outstanding slice was written on `source`, whose answer a
+    /// thread waiting for the batch may read itself ([`Batch::direct_answer`]).
+    pub(crate) fn answered_on(self: &Arc<Self>, source: Weak<dyn AnswerSource>) {
+        *self.signal.direct.lock().expect("batch lock poisoned") =
+            Some((Arc::downgrade(self), source));
+    }
+
+    /// Whether every part has reported.
+    pub(crate) fn is_finished(&self) -> bool {
+        self.remaining.load(Ordering::Acquire) == 0
+    }
+
     fn status(&self) -> Status {
         if self.failed.load(Ordering::Acquire) {
             if let Some(e) = self.error.get() {
@@ -348,6 +381,24 @@ impl Batch {
 
     pub(crate) fn unfinished(&self) -> usize {
         self.signal.unfinished.load(Ordering::Acquire)
+    }
+
+    /// When the batch's one unfinished request is a task whose one outstanding slice was
+    /// written directly on a connection ([`Task::answered_on`]): that task and where its
+    /// answer arrives, for the waiting thread to read it itself.
+    pub(crate) fn direct_answer(&self) -> Option<(Arc<Task>, Arc<dyn AnswerSource>)> {
+        if self.unfinished() != 1 {
+            return None;
+        }
+        let (task, source) = self
+            .signal
+            .direct
+            .lock()
+            .expect("batch lock poisoned")
+            .clone()?;
+        let task = task.upgrade()?;
+        (task.remaining.load(Ordering::Acquire) == 1).then_some(())?;
+        Some((task, source.upgrade()?))
     }
 
     /// How long what is posted of the batch is expected to take, and in how many slices (see

@@ -92,6 +92,23 @@ impl Staging {
         Ok(n)
     }
 
+    /// As [`read_from`](Self::read_from) without blocking: `Ok(None)` when the socket holds
+    /// nothing now, `Ok(Some(0))` when the peer closed.
+    pub(crate) fn read_nonblocking(
+        &mut self,
+        fd: RawFd,
+        want: usize,
+    ) -> std::io::Result<Option<usize>> {
+        self.compact();
+        let tail = self.tail();
+        let want = want.min(tail.len());
+        let got = sockio::recv_nonblocking(fd, &mut tail[..want])?;
+        if let Some(n) = got {
+            self.filled(n);
+        }
+        Ok(got)
+    }
+
     /// Reads from `fd` (blocking) until at least `n` bytes are staged (`n` at most the
     /// capacity): only the missing bytes when `exact`, else whatever each read brings, which
     /// may be more. Fails with `UnexpectedEof` when the peer closes first (`what` says inside

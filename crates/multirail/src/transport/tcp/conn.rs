@@ -21,9 +21,12 @@ use crate::stats::RailCounters;
 use crate::transport::cpu_priority::{NiceTable, ThreadNice};
 use crate::transport::handshake::{self, Membership};
 use crate::transport::sockio::{self, iovec};
-use crate::transport::staging::Staging;
-use crate::transport::wire::{self, ConnKind, RequestHeader, RequestOp, ResponseHeader};
+use crate::transport::wire::{self, ConnKind, RequestHeader, RequestOp};
 use crate::transport::Opcode;
+
+mod reap;
+
+use reap::{reader_loop, Reaping};
 
 /// Most slices one `writev` carries.
 const SLICES_PER_WRITE: usize = 64;
@@ -112,6 +115,12 @@ pub(crate) struct Conn {
     /// go out in sequence order.
     writer: Mutex<()>,
     inflight_bytes: AtomicU64,
+    /// What the taker of answers keeps between them: locked by whichever thread takes them.
+    reaping: Mutex<Reaping>,
+    /// Set once a submitting thread wrote a slice here directly: from then on the reader thread
+    /// leaves the socket free between answers, so a thread waiting for that slice may take its
+    /// answer itself (see [`reap`]).
+    shared_reading: AtomicBool,
     /// Highest priority (lowest level) in the sender's last write; the reader thread takes on
     /// the same CPU priority, since it completes those slices.
     carrying: AtomicU8,
@@ -192,6 +201,8 @@ impl Conn {
             }),
             writer: Mutex::new(()),
             inflight_bytes: AtomicU64::new(0),
+            reaping: Mutex::new(Reaping::new(settings.nontemporal_copies)),
+            shared_reading: AtomicBool::new(false),
             carrying: AtomicU8::new(0),
             reads_outstanding: AtomicU32::new(0),
             dead: AtomicBool::new(false),
@@ -237,7 +248,7 @@ impl Conn {
     /// [`send`](Self::send). This spares a
     /// HIGH slice the sender thread's wake-up, which on a host whose cores are busy moving bulk
     /// bytes can cost more than the write. Hands the slice back when the connection is dead.
-    pub(crate) fn send_now(&self, slice: Outgoing) -> std::result::Result<(), Outgoing> {
+    pub(crate) fn send_now(self: &Arc<Self>, slice: Outgoing) -> std::result::Result<(), Outgoing> {
         let len = u64::from(slice.len);
         // Only a small slice on an idle connection: the write then costs one system call that
         // returns at once. A stream of slices is better served by the sender thread, which
@@ -255,6 +266,7 @@ impl Conn {
         let mut header = [0u8; wire::REQUEST_LEN];
         let is_write = slice.op == Opcode::Write;
         let payload = (slice.local as *const u8, slice.len as usize);
+        let task = slice.task.clone();
         let seq = {
             let mut st = self.state.lock().expect("conn poisoned");
             if st.dead.is_some() {
@@ -327,7 +339,13 @@ impl Conn {
                 if let Err(e) = sockio::write_all_vectored(self.fd, rest) {
                     drop(writing);
                     self.kill(self.io_failure("send failed: ", &e));
+                    return Ok(());
                 }
+                drop(writing);
+                // The thread waiting for this slice may take its answer itself.
+                self.shared_reading.store(true, Ordering::Release);
+                let source: Weak<Conn> = Arc::downgrade(self);
+                task.answered_on(source);
                 Ok(())
             }
             Err(e) => {
@@ -568,165 +586,5 @@ fn request_op(slice: &Outgoing) -> RequestOp {
         _ if slice.probe => RequestOp::Probe,
         Opcode::Write => RequestOp::Write,
         Opcode::Read => RequestOp::Read,
-    }
-}
-
-/// Reads until staging holds a response header and takes it. While READs are outstanding a
-/// read stops at the header, so a large payload behind it goes straight to its destination,
-/// unless `bulk_ok` (the latest READ answer was small: more like it probably follow).
-fn fill_header(
-    staging: &mut Staging,
-    fd: RawFd,
-    reads_outstanding: bool,
-    bulk_ok: bool,
-) -> std::io::Result<[u8; wire::RESPONSE_LEN]> {
-    let exact = reads_outstanding && !bulk_ok;
-    staging.fill_to(fd, wire::RESPONSE_LEN, exact, "between answers")?;
-    let h: [u8; wire::RESPONSE_LEN] = staging
-        .peek(wire::RESPONSE_LEN)
-        .try_into()
-        .expect("length checked");
-    staging.consume(wire::RESPONSE_LEN);
-    Ok(h)
-}
-
-fn reader_loop(conn: &Arc<Conn>) {
-    let mut staging = Staging::new(64 * 1024, &[]).streaming(conn.settings.nontemporal_copies);
-    let result = reap(conn, &mut staging);
-    if let Err(err) = result {
-        conn.kill(err);
-    }
-}
-
-fn reap(conn: &Arc<Conn>, staging: &mut Staging) -> Result<()> {
-    let peer = || conn.peer.clone();
-    // Responses that arrive in one read share one arrival time, so the selector sees them as
-    // delivered together rather than as a burst of impossibly short intervals.
-    let mut now = Instant::now();
-    let mut nice = ThreadNice::for_this_thread(conn.settings.nice);
-    let mut small_reads = false;
-    loop {
-        nice.follow(
-            Priority::from_u8(conn.carrying.load(Ordering::Relaxed)).unwrap_or(Priority::High),
-        );
-        let reads = conn.reads_outstanding.load(Ordering::Acquire) > 0;
-        let must_read = staging.available() < wire::RESPONSE_LEN;
-        let raw = fill_header(staging, conn.fd, reads, small_reads).map_err(|e| {
-            // A connection this end killed was shut down first, which ends its stream too.
-            if !conn.is_dead()
-                && matches!(
-                    e.kind(),
-                    std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
-                )
-            {
-                if let Some(owner) = conn.owner.upgrade() {
-                    owner.closed_by_peer();
-                }
-            }
-            conn.io_failure("", &e)
-        })?;
-        if must_read {
-            now = Instant::now();
-        }
-        let header = ResponseHeader::decode(&raw).map_err(|reason| Error::Protocol {
-            peer: peer(),
-            reason,
-        })?;
-        let inflight = {
-            let mut st = conn.state.lock().expect("conn poisoned");
-            match st.queue.front() {
-                Some(f) if f.seq == header.id => st.queue.pop_front().expect("front exists"),
-                Some(f) => {
-                    return Err(Error::Protocol {
-                        peer: peer(),
-                        reason: format!(
-                            "response for slice {} while {} is oldest",
-                            header.id, f.seq
-                        ),
-                    })
-                }
-                None => {
-                    return Err(Error::Protocol {
-                        peer: peer(),
-                        reason: format!("response for slice {} with nothing in flight", header.id),
-                    })
-                }
-            }
-        };
-        // A failure below leaves the slice unanswered: put it back so `kill` hands it back.
-        let requeue = |inflight: Inflight, err: Error| {
-            conn.state
-                .lock()
-                .expect("conn poisoned")
-                .queue
-                .push_front(inflight);
-            err
-        };
-        let slice = &inflight.slice;
-        let ok = match header.status {
-            wire::Status::Ok if slice.op == Opcode::Read => {
-                if header.len != slice.len {
-                    let reason = format!("read returned {} bytes, asked {}", header.len, slice.len);
-                    return Err(requeue(
-                        inflight,
-                        Error::Protocol {
-                            peer: peer(),
-                            reason,
-                        },
-                    ));
-                }
-                let dst = slice.local as *mut u8;
-                let len = slice.len as usize;
-                small_reads = len <= SMALL_READ;
-                if small_reads && staging.available() < len {
-                    // Through staging (it holds 64 KiB), with whatever answers follow.
-                    if let Err(e) = staging.fill_to(conn.fd, len, false, "inside a read answer") {
-                        return Err(requeue(inflight, conn.io_failure("", &e)));
-                    }
-                    now = Instant::now();
-                }
-                // SAFETY: `dst..dst+len` is this READ slice's destination in registered memory,
-                // which the submitter keeps registered until the slice completes, and which
-                // nothing else writes meanwhile; it is not the staging buffer.
-                let staged = unsafe { staging.take_into(dst, len) };
-                // SAFETY: as above; `staged <= len`.
-                if let Err(e) =
-                    sockio::read_exact_raw(conn.fd, unsafe { dst.add(staged) }, len - staged)
-                {
-                    return Err(requeue(inflight, conn.io_failure("", &e)));
-                }
-                if staged < len {
-                    now = Instant::now();
-                }
-                true
-            }
-            wire::Status::Ok => true,
-            _ => false,
-        };
-        if slice.op == Opcode::Read {
-            conn.reads_outstanding.fetch_sub(1, Ordering::AcqRel);
-        }
-        let before = conn
-            .inflight_bytes
-            .fetch_sub(slice.len as u64, Ordering::AcqRel);
-        if before > conn.settings.max_inflight_bytes / 2 {
-            if let Some(t) = conn.sender.get() {
-                t.unpark();
-            }
-        }
-        if let Some(owner) = conn.owner.upgrade() {
-            owner.answered(slice.id, inflight.posted, now, ok);
-        }
-        let Inflight { slice, .. } = inflight;
-        if ok {
-            conn.counters.record_at(slice.priority, slice.len as u64, 1);
-            slice.task.part_done(Ok(()));
-        } else {
-            conn.counters.record_error();
-            slice.task.part_done(Err(Error::RemoteRejected {
-                peer: peer(),
-                reason: header.status.reason().to_owned(),
-            }));
-        }
     }
 }
