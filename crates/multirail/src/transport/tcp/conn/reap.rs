@@ -19,6 +19,7 @@ use multirail_policy::qos::Priority;
 use super::{Conn, Inflight, SMALL_READ};
 use crate::batch::{AnswerSource, Task};
 use crate::error::{Error, Result};
+use crate::spin::YIELD_AFTER;
 use crate::transport::cpu_priority::ThreadNice;
 use crate::transport::sockio;
 use crate::transport::staging::Staging;
@@ -289,6 +290,7 @@ impl AnswerSource for Conn {
         // for the staging buffer), so an answer cannot be taken between a look at the task and
         // the wait for the socket.
         let mut looks = 0u32;
+        let yield_from = Instant::now() + YIELD_AFTER;
         loop {
             if task.is_finished() {
                 return true;
@@ -308,8 +310,16 @@ impl AnswerSource for Conn {
             if poll {
                 looks = looks.wrapping_add(1);
                 // Reading the clock every look would cost more than the look.
-                if looks.is_multiple_of(16) && until.is_some_and(|u| Instant::now() >= u) {
-                    return false;
+                if looks.is_multiple_of(16) {
+                    let now = Instant::now();
+                    if until.is_some_and(|u| now >= u) {
+                        return false;
+                    }
+                    if now >= yield_from {
+                        // As a polling batch wait does: whatever else is runnable on this
+                        // core (the target's thread, another process's bulk) gets it.
+                        std::thread::yield_now();
+                    }
                 }
                 std::hint::spin_loop();
                 continue;
