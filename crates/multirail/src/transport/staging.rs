@@ -36,6 +36,11 @@ impl Staging {
         self
     }
 
+    /// Bytes a read can bring once what is staged is moved to the front.
+    pub(crate) fn room(&self) -> usize {
+        self.buf.len() - self.available()
+    }
+
     /// Bytes staged and not consumed.
     pub(crate) fn available(&self) -> usize {
         self.end - self.start

@@ -42,6 +42,8 @@ pub(super) struct Reaping {
     /// time, so the selector sees them delivered together rather than as a burst of impossibly
     /// short intervals.
     arrived: Instant,
+    /// The latest read took less than it was offered: the socket was empty after it.
+    drained: bool,
 }
 
 impl Reaping {
@@ -50,6 +52,7 @@ impl Reaping {
             staging: Staging::new(64 * 1024, &[]).streaming(nontemporal),
             small_reads: false,
             arrived: Instant::now(),
+            drained: false,
         }
     }
 }
@@ -94,16 +97,25 @@ fn read_answers(conn: &Conn) -> Result<()> {
 /// when the socket has nothing more for now.
 fn take_ready(conn: &Conn, r: &mut Reaping) -> Result<bool> {
     if r.staging.available() < wire::RESPONSE_LEN {
+        if std::mem::take(&mut r.drained) {
+            return Ok(false);
+        }
         // While READs are outstanding a read stops at the header, so a large payload behind
         // it goes straight to its destination, unless the latest READ answer was small.
         let exact = conn.reads_outstanding.load(Ordering::Acquire) > 0 && !r.small_reads;
         let want = if exact {
             wire::RESPONSE_LEN - r.staging.available()
         } else {
-            usize::MAX
+            r.staging.room()
         };
         match r.staging.read_nonblocking(conn.fd, want) {
             Ok(None) => return Ok(false),
+            // A read that did not fill what it was offered emptied the socket: the next look
+            // waits for it rather than find it empty with one more system call.
+            Ok(Some(n)) if n > 0 && !exact && n < want => {
+                r.drained = true;
+                r.arrived = Instant::now();
+            }
             Ok(Some(0)) => {
                 let eof = std::io::Error::new(
                     std::io::ErrorKind::UnexpectedEof,
