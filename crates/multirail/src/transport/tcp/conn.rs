@@ -93,6 +93,9 @@ struct Inflight {
     seq: u64,
     slice: Outgoing,
     posted: Instant,
+    /// Written by the submitting thread itself ([`Conn::send_now`]), which happens only with
+    /// nothing else in flight: such a slice is always at the front of the queue.
+    direct: bool,
 }
 
 struct ConnState {
@@ -117,10 +120,6 @@ pub(crate) struct Conn {
     inflight_bytes: AtomicU64,
     /// What the taker of answers keeps between them: locked by whichever thread takes them.
     reaping: Mutex<Reaping>,
-    /// Set once a submitting thread wrote a slice here directly: from then on the reader thread
-    /// leaves the socket free between answers, so a thread waiting for that slice may take its
-    /// answer itself (see [`reap`]).
-    shared_reading: AtomicBool,
     /// Highest priority (lowest level) in the sender's last write; the reader thread takes on
     /// the same CPU priority, since it completes those slices.
     carrying: AtomicU8,
@@ -202,7 +201,6 @@ impl Conn {
             writer: Mutex::new(()),
             inflight_bytes: AtomicU64::new(0),
             reaping: Mutex::new(Reaping::new(settings.nontemporal_copies)),
-            shared_reading: AtomicBool::new(false),
             carrying: AtomicU8::new(0),
             reads_outstanding: AtomicU32::new(0),
             dead: AtomicBool::new(false),
@@ -289,6 +287,7 @@ impl Conn {
                 seq,
                 slice,
                 posted: now,
+                direct: true,
             });
             seq
         };
@@ -343,7 +342,6 @@ impl Conn {
                 }
                 drop(writing);
                 // The thread waiting for this slice may take its answer itself.
-                self.shared_reading.store(true, Ordering::Release);
                 let source: Weak<Conn> = Arc::downgrade(self);
                 task.answered_on(source);
                 Ok(())
@@ -557,6 +555,7 @@ fn sender_loop(conn: &Arc<Conn>, rx: Receiver<Msg>) {
                     seq,
                     slice: s,
                     posted: now,
+                    direct: false,
                 });
             }
         }

@@ -1,13 +1,14 @@
 //! The answers of one initiator-side connection, taken off the socket in order: READ payloads
 //! go straight into registered memory, and each answer finishes its slice.
 //!
-//! The connection's reader thread takes them. On a connection a submitting thread has written
-//! a small HIGH slice on directly ([`Conn::send_now`]), the thread waiting for that slice's
-//! batch may take them too ([`AnswerSource`]): the reader thread then waits for the socket to
-//! become readable without holding the staging buffer, and reads only what is there, so
-//! whichever of the two runs first when the answer arrives takes it. Beside bulk, where every
-//! wake-up waits for a core, the waiter no longer waits for the reader thread to run and then
-//! for its own wake-up in turn.
+//! The connection's reader thread takes them. A small HIGH slice on an idle connection is
+//! written by the submitting thread itself ([`Conn::send_now`]), and the thread then waiting
+//! for that slice's batch may take its answer too ([`AnswerSource`]): while nothing is in
+//! flight, or such a slice is, the reader thread waits for the socket to become readable
+//! without holding the staging buffer, and reads only what is there, so a waiter holding the
+//! buffer takes the answer as it lands. Beside bulk, where every wake-up waits for a core, the
+//! waiter no longer waits for the reader thread to run and then for its own wake-up in turn.
+//! Behind slices the sender thread wrote, the reader thread blocks in the read itself.
 
 use std::os::fd::RawFd;
 use std::sync::atomic::Ordering;
@@ -70,26 +71,25 @@ fn read_answers(conn: &Conn) -> Result<()> {
         nice.follow(
             Priority::from_u8(conn.carrying.load(Ordering::Relaxed)).unwrap_or(Priority::High),
         );
-        if conn.shared_reading.load(Ordering::Acquire) {
-            {
-                let mut r = conn.reaping.lock().expect("conn poisoned");
-                while take_ready(conn, &mut r)? {}
-            }
+        let mut r = conn.reaping.lock().expect("conn poisoned");
+        if r.staging.available() < wire::RESPONSE_LEN && conn.leaves_socket_free() {
+            while take_ready(conn, &mut r)? {}
+            drop(r);
             wait_readable(conn.fd, None).map_err(|e| conn.io_failure("", &e))?;
-        } else {
-            // Nobody else reads this connection: block in the read itself.
-            let mut r = conn.reaping.lock().expect("conn poisoned");
-            let reads = conn.reads_outstanding.load(Ordering::Acquire) > 0;
-            let must_read = r.staging.available() < wire::RESPONSE_LEN;
-            let exact = reads && !r.small_reads;
-            r.staging
-                .fill_to(conn.fd, wire::RESPONSE_LEN, exact, "between answers")
-                .map_err(|e| read_failure(conn, &e))?;
-            if must_read {
-                r.arrived = Instant::now();
-            }
-            take_staged(conn, &mut r)?;
+            continue;
         }
+        // Answers to slices the sender thread wrote are due: nobody else waits for them on
+        // the socket, so block in the read itself.
+        let reads = conn.reads_outstanding.load(Ordering::Acquire) > 0;
+        let must_read = r.staging.available() < wire::RESPONSE_LEN;
+        let exact = reads && !r.small_reads;
+        r.staging
+            .fill_to(conn.fd, wire::RESPONSE_LEN, exact, "between answers")
+            .map_err(|e| read_failure(conn, &e))?;
+        if must_read {
+            r.arrived = Instant::now();
+        }
+        take_staged(conn, &mut r)?;
     }
 }
 
@@ -279,6 +279,15 @@ fn wait_readable(fd: RawFd, timeout: Option<Duration>) -> std::io::Result<bool> 
 }
 
 impl Conn {
+    /// Whether the reader thread waits for the socket without holding the staging buffer:
+    /// while nothing is in flight (the next slice may be written directly) and while a slice
+    /// written directly is (its waiter may take the answer). A direct write happens only with
+    /// nothing in flight, so the reader never blocks in a read a waiter would need.
+    fn leaves_socket_free(&self) -> bool {
+        let st = self.state.lock().expect("conn poisoned");
+        st.queue.front().is_none_or(|f| f.direct)
+    }
+
     /// Whether a slice of `task` is in flight here (among the first [`WAITER_SCAN`]).
     fn carries(&self, task: &Task) -> bool {
         let st = self.state.lock().expect("conn poisoned");
@@ -291,9 +300,6 @@ impl Conn {
 
 impl AnswerSource for Conn {
     fn read_until_finished(&self, task: &Task, until: Option<Instant>, poll: bool) -> bool {
-        if !self.shared_reading.load(Ordering::Acquire) {
-            return false;
-        }
         // Held by the reader thread: it is taking answers now, ours perhaps among them.
         let Ok(mut r) = self.reaping.try_lock() else {
             return false;
@@ -508,9 +514,8 @@ mod tests {
 
     const SECOND: Duration = Duration::from_secs(1);
 
-    /// The first direct slice is answered to the reader thread, which then leaves the socket
-    /// free between answers.
-    fn first_direct_write(rig: &Rig, buf: &mut [u8]) {
+    /// A direct slice nobody waits for on the socket: the reader thread takes its answer.
+    fn unwaited_direct_write(rig: &Rig, buf: &mut [u8]) {
         let (batch, s) = slice(Opcode::Write, buf, 1);
         assert!(rig.conn.send_now(s).is_ok());
         rig.requests.recv_timeout(SECOND).unwrap();
@@ -522,7 +527,7 @@ mod tests {
     fn a_waiter_takes_the_answer_to_its_direct_slice_itself_and_the_reader_thread_the_rest() {
         let rig = rig();
         let mut buf = vec![0u8; LEN];
-        first_direct_write(&rig, &mut buf);
+        unwaited_direct_write(&rig, &mut buf);
         // A READ, answered only once its waiter waits on the socket.
         let (batch, s) = slice(Opcode::Read, &mut buf, 2);
         assert!(rig.conn.send_now(s).is_ok());
@@ -569,7 +574,7 @@ mod tests {
     fn a_waiter_whose_connection_closes_returns_and_its_slice_is_handed_back() {
         let rig = rig();
         let mut buf = vec![0u8; LEN];
-        first_direct_write(&rig, &mut buf);
+        unwaited_direct_write(&rig, &mut buf);
         let (batch, s) = slice(Opcode::Write, &mut buf, 2);
         assert!(rig.conn.send_now(s).is_ok());
         rig.requests.recv_timeout(SECOND).unwrap();
