@@ -21,7 +21,6 @@ mod etcd;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -137,11 +136,8 @@ struct HttpServer {
 
 impl HttpServer {
     fn new() -> HttpServer {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        // Restarted on the same port: one no outgoing connection can take meanwhile.
+        let port = etcd::free_port();
         let dir = std::env::temp_dir().join(format!(
             "multirail-fault-meta-{}-{port}",
             std::process::id()

@@ -64,7 +64,29 @@ fn spawn(dir: &std::path::Path, port: u16, peer: u16) -> Child {
         })
 }
 
-fn free_port() -> u16 {
+/// A loopback port free now, for a server a test stops and starts again on it: below the
+/// kernel's ephemeral range where that range leaves room (32768 and up by default), because
+/// while the server is stopped a port from that range can become the source port of any
+/// outgoing connection on the host (an engine's), and the restart then finds it in use.
+pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const SPAN: u32 = 10_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(0);
+    if low >= 2048 + SPAN {
+        // Test processes running at once start at different places of the span.
+        let start = std::process::id().wrapping_mul(7919) % SPAN;
+        for _ in 0..SPAN {
+            let k = (start + NEXT.fetch_add(1, Ordering::Relaxed)) % SPAN;
+            let port = (low - SPAN + k) as u16;
+            if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return port;
+            }
+        }
+    }
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("a free loopback port")
