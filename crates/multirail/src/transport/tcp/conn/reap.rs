@@ -357,6 +357,7 @@ impl AnswerSource for Conn {
 mod tests {
     use std::io::{Read, Write};
     use std::net::TcpListener;
+    use std::sync::atomic::AtomicBool;
     use std::sync::mpsc;
     use std::sync::{Mutex, Weak};
 
@@ -514,11 +515,49 @@ mod tests {
 
     const SECOND: Duration = Duration::from_secs(1);
 
-    /// A direct slice nobody waits for on the socket: the reader thread takes its answer.
-    fn unwaited_direct_write(rig: &Rig, buf: &mut [u8]) {
-        let (batch, s) = slice(Opcode::Write, buf, 1);
+    /// Writes a slice of `op` directly and waits until the target has read its request (it
+    /// answers only when told). Returns its batch, its task and where its answer will arrive.
+    fn direct(
+        rig: &Rig,
+        op: Opcode,
+        buf: &mut [u8],
+        seq: u64,
+    ) -> (Batch, Arc<Task>, Arc<dyn AnswerSource>) {
+        let (batch, s) = slice(op, buf, seq);
         assert!(rig.conn.send_now(s).is_ok());
         rig.requests.recv_timeout(SECOND).unwrap();
+        let (task, source) = batch
+            .direct_answer()
+            .expect("the slice was written directly");
+        (batch, task, source)
+    }
+
+    /// A thread waiting for `task` on `source` until it finished. The reader thread may still
+    /// hold the staging buffer for a moment after an earlier answer, and a waiter then leaves
+    /// the answer to it, so the thread tries until it holds the buffer. Returns a flag to set
+    /// just before the target answers (or closes), and the thread, which returns whether the
+    /// call that saw the task finish began before that.
+    fn waiter(
+        task: Arc<Task>,
+        source: Arc<dyn AnswerSource>,
+    ) -> (Arc<AtomicBool>, std::thread::JoinHandle<bool>) {
+        let answered = Arc::new(AtomicBool::new(false));
+        let flag = answered.clone();
+        let thread = std::thread::spawn(move || loop {
+            let before_answer = !flag.load(Ordering::SeqCst);
+            let deadline = Instant::now() + 10 * SECOND;
+            if source.read_until_finished(&task, Some(deadline), false) {
+                return before_answer;
+            }
+            assert!(!task.is_finished(), "the reader thread took the answer");
+            std::thread::sleep(Duration::from_millis(1));
+        });
+        (answered, thread)
+    }
+
+    /// A direct slice nobody waits for on the socket: the reader thread takes its answer.
+    fn unwaited_direct_write(rig: &Rig, buf: &mut [u8], seq: u64) {
+        let (batch, _, _) = direct(rig, Opcode::Write, buf, seq);
         rig.answers.send(Some(0)).unwrap();
         batch.wait(Some(10 * SECOND), Duration::ZERO).unwrap();
     }
@@ -527,27 +566,10 @@ mod tests {
     fn a_waiter_takes_the_answer_to_its_direct_slice_itself_and_the_reader_thread_the_rest() {
         let rig = rig();
         let mut buf = vec![0u8; LEN];
-        unwaited_direct_write(&rig, &mut buf);
+        unwaited_direct_write(&rig, &mut buf, 1);
         // A READ, answered only once its waiter waits on the socket.
-        let (batch, s) = slice(Opcode::Read, &mut buf, 2);
-        assert!(rig.conn.send_now(s).is_ok());
-        rig.requests.recv_timeout(SECOND).unwrap();
-        let (task, source) = batch
-            .direct_answer()
-            .expect("the slice was written directly");
-        let sent = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let answer_sent = sent.clone();
-        let waiter = std::thread::spawn(move || loop {
-            // The reader thread may still hold the staging buffer for a moment after the
-            // first answer: a waiter then leaves the answer to it, so try until it does not.
-            let before_answer = !answer_sent.load(Ordering::SeqCst);
-            let deadline = Instant::now() + 10 * SECOND;
-            if source.read_until_finished(&task, Some(deadline), false) {
-                return before_answer;
-            }
-            assert!(!task.is_finished(), "the reader thread took the answer");
-            std::thread::sleep(Duration::from_millis(1));
-        });
+        let (batch, task, source) = direct(&rig, Opcode::Read, &mut buf, 2);
+        let (sent, waiter) = waiter(task, source);
         std::thread::sleep(Duration::from_millis(100));
         assert_eq!(batch.unfinished(), 1, "nothing answered it yet");
         sent.store(true, Ordering::SeqCst);
@@ -562,11 +584,7 @@ mod tests {
             Some(&SliceId { path: 0, seq: 2 })
         );
         // With no waiter, the reader thread takes the next answer.
-        let (batch, s) = slice(Opcode::Write, &mut buf, 3);
-        assert!(rig.conn.send_now(s).is_ok());
-        rig.requests.recv_timeout(SECOND).unwrap();
-        rig.answers.send(Some(0)).unwrap();
-        batch.wait(Some(10 * SECOND), Duration::ZERO).unwrap();
+        unwaited_direct_write(&rig, &mut buf, 3);
         assert_eq!(rig.owner.answered.lock().unwrap().len(), 3);
     }
 
@@ -574,22 +592,21 @@ mod tests {
     fn a_waiter_whose_connection_closes_returns_and_its_slice_is_handed_back() {
         let rig = rig();
         let mut buf = vec![0u8; LEN];
-        unwaited_direct_write(&rig, &mut buf);
-        let (batch, s) = slice(Opcode::Write, &mut buf, 2);
-        assert!(rig.conn.send_now(s).is_ok());
-        rig.requests.recv_timeout(SECOND).unwrap();
-        let (task, source) = batch.direct_answer().unwrap();
-        let waiter = std::thread::spawn(move || {
-            let started = Instant::now();
-            let took = source.read_until_finished(&task, Some(started + 10 * SECOND), false);
-            (took, started.elapsed())
-        });
+        unwaited_direct_write(&rig, &mut buf, 1);
+        let (batch, task, source) = direct(&rig, Opcode::Write, &mut buf, 2);
+        let (sent, waiter) = waiter(task, source);
         std::thread::sleep(Duration::from_millis(100));
         // The target closes instead of answering.
+        sent.store(true, Ordering::SeqCst);
+        let closed = Instant::now();
         rig.answers.send(None).unwrap();
-        let (finished, waited) = waiter.join().unwrap();
-        // Handed back to an owner that cannot retry it, the slice failed its task.
-        assert!(finished, "the waiter saw its task end");
+        // Handed back to an owner that cannot retry it, the slice failed its task, which the
+        // waiter, reading since before the close, saw end.
+        assert!(
+            waiter.join().unwrap(),
+            "the waiter was reading when it closed"
+        );
+        let waited = closed.elapsed();
         assert!(
             waited < 5 * SECOND,
             "the close woke the waiter ({waited:?})"
