@@ -55,7 +55,7 @@ pub(crate) trait AnswerSource: Send + Sync {
     /// between answers it sleeps until the socket is readable, or with `poll` looks again at
     /// once (a waiter with a core to spare). Returns false, leaving the rest to the transport's
     /// own thread, when this thread cannot read them (that thread is reading already, the
-    /// connection died, or the source does not share its reading now) or `until` passed; the
+    /// connection died, or the task's slice is not in flight there) or `until` passed; the
     /// caller then waits as it would have.
     fn read_until_finished(&self, task: &Task, until: Option<Instant>, poll: bool) -> bool;
 }
