@@ -307,6 +307,7 @@ fn serve(config: Config, args: &PingpongArgs) -> Result<(), Failure> {
                     serde_json::json!({
                         "recv_sleeps": stats.recv_sleeps,
                         "recv_anticipated": stats.recv_anticipated,
+                        "recv_cpu_moves": stats.recv_cpu_moves,
                         "received": stats.received,
                     })
                 )?;
@@ -569,8 +570,8 @@ fn client(
         }
         if let Some(s) = &server_stats {
             outln!(
-                "server's recv: {} messages, {} taken after sleeping on the doorbell, {} polled for ahead of their cadence",
-                s["received"], s["recv_sleeps"], s["recv_anticipated"]
+                "server's recv: {} messages, {} taken after sleeping on the doorbell, {} polled for ahead of their cadence, {} moves off a CPU another task took meanwhile",
+                s["received"], s["recv_sleeps"], s["recv_anticipated"], s["recv_cpu_moves"]
             )?;
         }
         Ok(())

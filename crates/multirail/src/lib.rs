@@ -21,6 +21,7 @@ pub(crate) mod access;
 pub mod batch;
 pub(crate) mod cadence;
 pub mod config;
+pub(crate) mod core_share;
 pub mod engine;
 pub mod error;
 pub mod group;

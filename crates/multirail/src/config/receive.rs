@@ -58,6 +58,12 @@ pub struct ReceiveConfig {
     /// arrivals were steady enough that the poll stays under an eighth of the gap. One wait
     /// covers every transport: 0 on any transport turns it off, otherwise the longest lead.
     pub cadence_lead_us: u64,
+    /// A wait that woke to poll ahead of a message due at the cadence, and found that another
+    /// task took its CPU meanwhile (on a small host, often the message's sender, which the
+    /// kernel keeps waking there), moves its thread to another CPU its affinity allows before
+    /// it next sleeps, at most once in 10 ms; the affinity is restored as it was (default
+    /// true). False on any transport turns it off.
+    pub leave_shared_cpu: bool,
 }
 
 /// Default of `spin_us`: a busy tcp ping-pong's round trip here is 20-30 µs, so its waits end
@@ -86,6 +92,7 @@ impl Default for ReceiveConfig {
             spin_us: DEFAULT_SPIN_US,
             adaptive_spin: true,
             cadence_lead_us: DEFAULT_CADENCE_LEAD_US,
+            leave_shared_cpu: true,
         }
     }
 }

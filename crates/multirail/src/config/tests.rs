@@ -1359,6 +1359,7 @@ fn receive_spin_defaults_and_is_checked_naming_its_key() {
     ] {
         assert_eq!((r.spin_us, r.adaptive_spin), (200, true));
         assert_eq!(r.cadence_lead_us, 200);
+        assert!(r.leave_shared_cpu);
     }
     let c = parse(
         r#"{"transports": {"shm": {"receive": {"spin_us": 0, "adaptive_spin": false}},
@@ -1381,4 +1382,9 @@ fn receive_spin_defaults_and_is_checked_naming_its_key() {
     }
     let c = parse(r#"{"transports": {"rdma": {"receive": {"cadence_lead_us": 0}}}}"#).unwrap();
     assert_eq!(c.transports.rdma.receive.cadence_lead_us, 0);
+    let c = parse(r#"{"transports": {"shm": {"receive": {"leave_shared_cpu": false}}}}"#).unwrap();
+    assert!(!c.transports.shm.receive.leave_shared_cpu);
+    assert!(c.transports.tcp.receive.leave_shared_cpu);
+    let e = parse_err(r#"{"transports": {"shm": {"receive": {"leave_shared_cpu": 1}}}}"#);
+    assert!(e.key.contains("leave_shared_cpu"), "{}", e.key);
 }

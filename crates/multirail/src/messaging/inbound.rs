@@ -700,6 +700,9 @@ impl Messaging {
                 }
                 left = Some(left.map_or(to_wake, |l| l.min(to_wake)));
             }
+            if self.leave_shared_cpu && core_share::leave_if_shared() {
+                self.cpu_moves.fetch_add(1, Ordering::Relaxed);
+            }
             let nap = quick_wakes >= doorbell::FRUITLESS_WAKES;
             if nap {
                 quick_wakes = 0;
@@ -711,6 +714,10 @@ impl Messaging {
                 let woke_at = Instant::now();
                 if woke_at >= wake_at {
                     self.woke_late(woke_at - wake_at);
+                    if self.leave_shared_cpu {
+                        // Polling ahead of the message now, on a CPU it should have to itself.
+                        core_share::watch();
+                    }
                 }
             }
             match woke {

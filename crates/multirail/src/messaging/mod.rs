@@ -66,6 +66,7 @@ use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTime
 
 use crate::cadence::Cadence;
 use crate::config::{Config, TransportChoice};
+use crate::core_share;
 use crate::error::{Error, Result};
 use crate::mapping::PeerMapping;
 use crate::memory::{Buffer, Location, MemoryRegistry};
@@ -139,6 +140,11 @@ pub struct MessageStats {
     /// came, having woken on a timer shortly before they were due at the cadence messages had
     /// been arriving (see `transports.<tcp|shm|rdma>.receive.cadence_lead_us`).
     pub recv_anticipated: u64,
+    /// Times a waiting `recv` (or notification wait) that had polled ahead of a message found
+    /// that another task had taken its CPU meanwhile, and moved its thread to another CPU the
+    /// thread may run on before sleeping (see
+    /// `transports.<tcp|shm|rdma>.receive.leave_shared_cpu`).
+    pub recv_cpu_moves: u64,
 }
 
 /// The engine's message counters; received messages are counted under the receive lock
@@ -163,6 +169,7 @@ impl MessageCounters {
             received_bytes: 0,
             recv_sleeps: 0,
             recv_anticipated: 0,
+            recv_cpu_moves: 0,
         }
     }
 }
@@ -396,6 +403,11 @@ pub(crate) struct Messaging {
     cadence_epoch: Instant,
     /// Messages taken by a wait polling ahead of them, for [`MessageStats::recv_anticipated`].
     anticipated: AtomicU64,
+    /// Whether a wait that polled ahead of a message and found its CPU taken meanwhile moves
+    /// off it before it next sleeps (see `crate::core_share`).
+    leave_shared_cpu: bool,
+    /// Such moves, for [`MessageStats::recv_cpu_moves`].
+    cpu_moves: AtomicU64,
 }
 
 /// Bytes of an opening after the sender's name: its lane (u8) and the lane's epoch (u32).
@@ -461,6 +473,7 @@ impl Messaging {
         s.received_bytes += rx.received.1;
         s.recv_sleeps = self.bell.sleeps.load(Ordering::Relaxed);
         s.recv_anticipated = self.anticipated.load(Ordering::Relaxed);
+        s.recv_cpu_moves = self.cpu_moves.load(Ordering::Relaxed);
         s
     }
 
@@ -530,6 +543,10 @@ impl Messaging {
             },
             cadence_epoch: Instant::now(),
             anticipated: AtomicU64::new(0),
+            leave_shared_cpu: [&t.tcp.receive, &t.shm.receive, &t.rdma.receive]
+                .iter()
+                .all(|r| r.leave_shared_cpu),
+            cpu_moves: AtomicU64::new(0),
         })
     }
 }

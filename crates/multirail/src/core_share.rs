@@ -1,0 +1,274 @@
+//! A waiting receiver that polls ahead of a message due at its cadence expects its CPU to
+//! itself. On a small host the kernel often puts the message's sender on that very CPU: the
+//! sender's timer fires where it last ran, and a doorbell wake places the woken thread beside
+//! its waker, after which both keep waking where they last ran while another CPU idles. The
+//! two then take turns on one CPU, and each first message after a silence pays two or three
+//! context switches: over shm on a 2-vCPU VM, 26–30 µs p50 where the same pair on separate
+//! CPUs took 12–19 µs (see docs/benchmarks.md, "Waiting receivers").
+//!
+//! So a thread's involuntary context switches are read (`getrusage(RUSAGE_THREAD)`) when its
+//! wait wakes on the cadence's timer and again before it next sleeps: if another task took its
+//! CPU in between, the thread moves off that CPU before sleeping, so that its next timer fires,
+//! and it wakes, elsewhere. Moving narrows its affinity to every allowed CPU but this one (the
+//! kernel migrates it at once) and restores the affinity exactly; a thread allowed one CPU
+//! stays. Both reads and the move happen off the message's path, while the thread has nothing
+//! to receive.
+
+use std::cell::Cell;
+use std::io;
+use std::time::{Duration, Instant};
+
+/// A thread moves at most once in this long: on a host with more busy threads than CPUs every
+/// window finds its CPU shared and moving cannot help; a move costs two system calls and a
+/// migration (tens of µs), so this bounds it to a fraction of a percent of a core.
+pub(crate) const MOVE_INTERVAL: Duration = Duration::from_millis(10);
+
+#[derive(Clone, Copy)]
+struct Watch {
+    /// The thread's involuntary switches when its window began; `None` when not watching.
+    since: Option<u64>,
+    /// When it last moved.
+    last_move: Option<Instant>,
+}
+
+thread_local! {
+    static WATCH: Cell<Watch> = const { Cell::new(Watch { since: None, last_move: None }) };
+}
+
+/// Starts watching the calling thread's CPU: its wait has just woken to poll ahead of a
+/// message. Without a switch count from the kernel, nothing is watched.
+pub(crate) fn watch() {
+    let mut w = WATCH.get();
+    w.since = involuntary_switches();
+    WATCH.set(w);
+}
+
+/// Before the calling thread's wait sleeps: if [`watch`] began a window and another task has
+/// taken this thread's CPU since, moves the thread off that CPU (see the module). Ends the
+/// window. True when it moved; false when it had no reason or no other CPU, or the kernel
+/// refused (logged: the thread keeps its CPU, and its affinity as it was unless restoring it
+/// failed, which is logged as a warning).
+pub(crate) fn leave_if_shared() -> bool {
+    let mut w = WATCH.get();
+    let Some(since) = w.since.take() else {
+        return false;
+    };
+    let now = Instant::now();
+    let preempted = involuntary_switches().is_some_and(|n| n > since);
+    let due = should_move(preempted, w.last_move, now);
+    if due {
+        w.last_move = Some(now);
+    }
+    WATCH.set(w);
+    if !due {
+        return false;
+    }
+    match move_off_current_cpu() {
+        Ok(moved) => moved.is_some(),
+        Err(e) => {
+            tracing::debug!(error = %e, "moving a waiting thread off a shared CPU");
+            false
+        }
+    }
+}
+
+/// Whether a thread whose window saw it `preempted` moves now, having last moved at
+/// `last_move`: at most once in [`MOVE_INTERVAL`].
+fn should_move(preempted: bool, last_move: Option<Instant>, now: Instant) -> bool {
+    preempted && last_move.is_none_or(|t| now.saturating_duration_since(t) >= MOVE_INTERVAL)
+}
+
+/// The calling thread's involuntary context switches so far (a task of the same or higher
+/// priority took its CPU); `None` if the kernel would not say.
+pub(crate) fn involuntary_switches() -> Option<u64> {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: `usage` is a writable rusage the kernel fills; RUSAGE_THREAD asks for this
+    // thread's counts only.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_THREAD, usage.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: getrusage succeeded, so it filled `usage` (and it was zeroed before anyway).
+    let usage = unsafe { usage.assume_init() };
+    u64::try_from(usage.ru_nivcsw).ok()
+}
+
+/// The CPUs the calling thread may run on.
+fn affinity() -> io::Result<libc::cpu_set_t> {
+    // SAFETY: cpu_set_t is a plain bit set; all zeroes is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a writable cpu_set_t of the size passed; pid 0 is the calling thread.
+    let rc = unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(set)
+}
+
+/// Lets the calling thread run only on `set`; the kernel migrates it at once if its CPU is
+/// not in `set`.
+fn set_affinity(set: &libc::cpu_set_t) -> io::Result<()> {
+    // SAFETY: `set` is a valid cpu_set_t of the size passed; pid 0 is the calling thread.
+    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(set), set) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The CPU the calling thread runs on.
+fn current_cpu() -> io::Result<usize> {
+    // SAFETY: sched_getcpu takes no arguments and only reads this thread's CPU.
+    let cpu = unsafe { libc::sched_getcpu() };
+    usize::try_from(cpu).map_err(|_| io::Error::last_os_error())
+}
+
+/// Moves the calling thread off the CPU it runs on to another its affinity allows, then
+/// restores its affinity as it was. `Ok(Some(cpu))`: the CPU it moved to; `Ok(None)`: its
+/// affinity allows no other CPU (or it was not on one its affinity names), so it stayed.
+/// Fails when the kernel refuses to read or narrow the affinity (the thread then stays, its
+/// affinity untouched), or to restore it (the error says so: the thread is then kept off
+/// the CPU it left).
+pub(crate) fn move_off_current_cpu() -> io::Result<Option<usize>> {
+    let allowed = affinity()?;
+    let from = current_cpu()?;
+    // SAFETY: CPU_ISSET and CPU_COUNT only read the set; CPU_ISSET checks its index.
+    if !unsafe { libc::CPU_ISSET(from, &allowed) } || unsafe { libc::CPU_COUNT(&allowed) } < 2 {
+        return Ok(None);
+    }
+    let mut elsewhere = allowed;
+    // SAFETY: `from` < CPU_SETSIZE, since CPU_ISSET found it in the set above.
+    unsafe { libc::CPU_CLR(from, &mut elsewhere) };
+    set_affinity(&elsewhere)?;
+    let to = current_cpu();
+    set_affinity(&allowed).map_err(|e| {
+        io::Error::new(
+            e.kind(),
+            format!("restoring the thread's CPU affinity after moving it off CPU {from}: {e}"),
+        )
+    })?;
+    Ok(to.ok().filter(|&cpu| cpu != from))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_preempted_thread_moves_at_most_once_an_interval() {
+        let t0 = Instant::now();
+        assert!(should_move(true, None, t0));
+        assert!(
+            !should_move(false, None, t0),
+            "not preempted: no reason to move"
+        );
+        let soon = t0 + MOVE_INTERVAL / 2;
+        assert!(!should_move(true, Some(t0), soon));
+        assert!(should_move(true, Some(t0), t0 + MOVE_INTERVAL));
+    }
+
+    /// The set of exactly `cpus`.
+    fn set_of(cpus: &[usize]) -> libc::cpu_set_t {
+        // SAFETY: cpu_set_t is a plain bit set; all zeroes is the empty set.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        for &c in cpus {
+            // SAFETY: CPU_SET writes one bit of `set`, and checks its index.
+            unsafe { libc::CPU_SET(c, &mut set) };
+        }
+        set
+    }
+
+    fn cpus_of(set: &libc::cpu_set_t) -> Vec<usize> {
+        (0..libc::CPU_SETSIZE as usize)
+            // SAFETY: CPU_ISSET only reads the set, and the index is below CPU_SETSIZE.
+            .filter(|&c| unsafe { libc::CPU_ISSET(c, set) })
+            .collect()
+    }
+
+    #[test]
+    fn moving_takes_the_thread_to_another_allowed_cpu_and_restores_its_affinity() {
+        // In a thread of its own: the test harness's threads keep their affinity.
+        std::thread::spawn(|| {
+            let allowed = cpus_of(&affinity().unwrap());
+            if allowed.len() < 2 {
+                // One CPU: the thread must stay, its affinity as it was.
+                assert_eq!(move_off_current_cpu().unwrap(), None);
+                assert_eq!(cpus_of(&affinity().unwrap()), allowed);
+                return;
+            }
+            let pair = [allowed[0], allowed[1]];
+            set_affinity(&set_of(&pair)).unwrap();
+            for _ in 0..4 {
+                let from = current_cpu().unwrap();
+                let to = move_off_current_cpu()
+                    .unwrap()
+                    .expect("a second CPU is allowed");
+                assert_ne!(to, from);
+                assert!(pair.contains(&to), "moved to CPU {to}, outside {pair:?}");
+                assert_eq!(cpus_of(&affinity().unwrap()), pair.to_vec());
+            }
+            // Allowed one CPU: it stays there, affinity untouched.
+            set_affinity(&set_of(&pair[..1])).unwrap();
+            assert_eq!(move_off_current_cpu().unwrap(), None);
+            assert_eq!(cpus_of(&affinity().unwrap()), vec![pair[0]]);
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn a_thread_that_shared_its_cpu_during_the_window_leaves_it_and_one_that_did_not_stays() {
+        std::thread::spawn(|| {
+            let allowed = cpus_of(&affinity().unwrap());
+            if allowed.len() < 2 {
+                return;
+            }
+            let (home, other) = (allowed[0], allowed[1]);
+            // Not watched: nothing to leave.
+            assert!(!leave_if_shared());
+            // Watched, and nothing took the CPU since (a switch count that did not move).
+            WATCH.set(Watch {
+                since: Some(u64::MAX),
+                last_move: None,
+            });
+            assert!(!leave_if_shared());
+            // Start on `home`, then share it with a thread pinned there that spins.
+            set_affinity(&set_of(&[home])).unwrap();
+            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let hog = {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    set_affinity(&set_of(&[home])).unwrap();
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        std::hint::spin_loop();
+                    }
+                })
+            };
+            watch();
+            let start = involuntary_switches().unwrap();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while involuntary_switches().unwrap() == start {
+                assert!(
+                    Instant::now() < deadline,
+                    "never preempted by a spinning thread"
+                );
+                std::hint::spin_loop();
+            }
+            // Now allowed both: the window saw the CPU taken, so the thread leaves the CPU it
+            // is on (`home`, unless the kernel has just moved it itself).
+            set_affinity(&set_of(&[home, other])).unwrap();
+            assert!(leave_if_shared(), "preempted and did not move");
+            assert_eq!(cpus_of(&affinity().unwrap()), vec![home, other]);
+            // Within the interval a second window that saw the CPU taken does not move it.
+            WATCH.set(Watch {
+                since: Some(0),
+                last_move: WATCH.get().last_move.or(Some(Instant::now())),
+            });
+            assert!(!leave_if_shared());
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            hog.join().unwrap();
+        })
+        .join()
+        .unwrap();
+    }
+}
