@@ -59,10 +59,10 @@ pub struct ReceiveConfig {
     /// covers every transport: 0 on any transport turns it off, otherwise the longest lead.
     pub cadence_lead_us: u64,
     /// A wait that woke to poll ahead of a message due at the cadence, and found that another
-    /// task took its CPU meanwhile (on a small host, often the message's sender, which the
-    /// kernel keeps waking there), moves its thread to another CPU its affinity allows before
-    /// it next sleeps, at most once in 10 ms; the affinity is restored as it was (default
-    /// true). False on any transport turns it off.
+    /// task took its CPU meanwhile, as in the window before (on a small host, often the
+    /// message's sender, which the kernel keeps waking there), moves its thread to another CPU
+    /// its affinity allows before it next sleeps, at most once in 10 ms; the affinity is
+    /// restored as it was (default true). False on any transport turns it off.
     pub leave_shared_cpu: bool,
 }
 

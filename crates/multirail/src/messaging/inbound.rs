@@ -684,6 +684,12 @@ impl Messaging {
                 }
                 continue;
             }
+            if self.leave_shared_cpu && core_share::leave_if_shared() {
+                self.cpu_moves.fetch_add(1, Ordering::Relaxed);
+                // The move took a while (a migration onto a halted vCPU: 0.25-1.2 ms here):
+                // poll again, and time the sleep from now.
+                continue;
+            }
             // Spun out: sleep, only until the next message is due if messages come steadily.
             let mut left = timeout.map(|t| t - waited);
             anticipated_until = None;
@@ -699,9 +705,6 @@ impl Messaging {
                     timer_wake = Some(wake_at);
                 }
                 left = Some(left.map_or(to_wake, |l| l.min(to_wake)));
-            }
-            if self.leave_shared_cpu && core_share::leave_if_shared() {
-                self.cpu_moves.fetch_add(1, Ordering::Relaxed);
             }
             let nap = quick_wakes >= doorbell::FRUITLESS_WAKES;
             if nap {
