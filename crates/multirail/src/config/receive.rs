@@ -61,8 +61,9 @@ pub struct ReceiveConfig {
     /// A wait that woke to poll ahead of a message due at the cadence, and found that another
     /// task took its CPU meanwhile, as in the window before (on a small host, often the
     /// message's sender, which the kernel keeps waking there), moves its thread to another CPU
-    /// its affinity allows before it next sleeps, at most once in 10 ms; the affinity is
-    /// restored as it was (default true). False on any transport turns it off.
+    /// its affinity allows before it next sleeps, at most once in 10 ms (less often while moves
+    /// do not help, up to once a second); the affinity is restored as it was (default true).
+    /// False on any transport turns it off.
     pub leave_shared_cpu: bool,
 }
 
