@@ -73,6 +73,7 @@ fn check_columns(v: &serde_json::Value, transport: &str) {
     assert_eq!(server["received"], 200 + 3000 + 1, "{server}");
     assert!(server["recv_sleeps"].is_u64(), "{server}");
     assert!(server["recv_anticipated"].is_u64(), "{server}");
+    assert!(server["recv_cpu_moves"].is_u64(), "{server}");
 }
 
 #[test]
