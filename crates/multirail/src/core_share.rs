@@ -21,19 +21,19 @@ use std::time::{Duration, Instant};
 /// A thread moves at most once in this long. A move costs two system calls and a migration,
 /// and its thread waits for the migration (0.25–1.2 ms on a 2-vCPU VM, whose other vCPU is
 /// halted), so this bounds it to a fraction of a percent of the thread's time.
-pub(crate) const MOVE_INTERVAL: Duration = Duration::from_millis(10);
+const MOVE_INTERVAL: Duration = Duration::from_millis(10);
 
 /// On a host with more busy threads than CPUs every window finds the CPU taken wherever the
 /// thread goes, and moving cannot help: each move doubles the interval before the next, up to
 /// this, until a window finds the CPU to itself (which sets it back to [`MOVE_INTERVAL`]).
-pub(crate) const MAX_MOVE_INTERVAL: Duration = Duration::from_secs(1);
+const MAX_MOVE_INTERVAL: Duration = Duration::from_secs(1);
 
 /// A thread moves after this many windows in a row found its CPU taken. The thread's own
 /// process has other threads (an engine's serving and timer threads) that wake now and then
 /// and take the CPU for a few µs: 13–20 % of the windows of a `pingpong --server` whose client
 /// ran elsewhere saw such a switch, and on two CPUs moving off one means moving onto the
 /// sender's. A sender that shares the CPU takes it in every window.
-pub(crate) const MOVE_AFTER_WINDOWS: u32 = 2;
+const MOVE_AFTER_WINDOWS: u32 = 2;
 
 #[derive(Clone, Copy)]
 struct Watch {
@@ -77,7 +77,6 @@ pub(crate) fn leave_if_shared() -> bool {
     let Some(since) = w.since.take() else {
         return false;
     };
-    let now = Instant::now();
     let preempted = involuntary_switches().is_some_and(|n| n > since);
     if preempted {
         w.taken += 1;
@@ -85,6 +84,7 @@ pub(crate) fn leave_if_shared() -> bool {
         w.taken = 0;
         w.interval = MOVE_INTERVAL;
     }
+    let now = Instant::now();
     let due = should_move(w.taken, w.last_move, w.interval, now);
     if due {
         w.last_move = Some(now);
@@ -114,7 +114,7 @@ fn should_move(taken: u32, last_move: Option<Instant>, interval: Duration, now: 
 
 /// The calling thread's involuntary context switches so far (a task of the same or higher
 /// priority took its CPU); `None` if the kernel would not say.
-pub(crate) fn involuntary_switches() -> Option<u64> {
+fn involuntary_switches() -> Option<u64> {
     let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
     // SAFETY: `usage` is a writable rusage the kernel fills; RUSAGE_THREAD asks for this
     // thread's counts only.
@@ -163,7 +163,7 @@ fn current_cpu() -> io::Result<usize> {
 /// Fails when the kernel refuses to read or narrow the affinity (the thread then stays, its
 /// affinity untouched), or to restore it (the error says so: the thread is then kept off
 /// the CPU it left).
-pub(crate) fn move_off_current_cpu() -> io::Result<Option<usize>> {
+fn move_off_current_cpu() -> io::Result<Option<usize>> {
     let allowed = affinity()?;
     let from = current_cpu()?;
     // SAFETY: CPU_ISSET and CPU_COUNT only read the set; CPU_ISSET checks its index.

@@ -486,6 +486,8 @@ impl Messaging {
         verbs: std::result::Result<Arc<MessageVerbs>, String>,
     ) -> Result<Messaging> {
         let t = &config.transports;
+        // One wait covers every transport, so its settings combine the three.
+        let receives = [&t.tcp.receive, &t.shm.receive, &t.rdma.receive];
         Ok(Messaging {
             registry,
             tcp: t.tcp.receive.settings(),
@@ -523,29 +525,29 @@ impl Messaging {
             counters: MessageCounters::default(),
             bell: Doorbell::new().map_err(|e| Error::io("creating the message doorbell", e))?,
             spin: {
-                // One wait covers every transport: the longest spin, adaptive unless a
-                // transport says otherwise.
-                let r = [&t.tcp.receive, &t.shm.receive, &t.rdma.receive];
-                // The floor: a receiver whose peer was descheduled now and then must not fall
-                // into sleeping between the messages of a ping-pong (a quarter of the default
-                // stays above a busy tcp round trip).
-                let cap = Duration::from_micros(r.iter().map(|r| r.spin_us).max().unwrap_or(0));
-                Spin::new(cap, cap / 4, r.iter().all(|r| r.adaptive_spin))
+                // The longest spin, adaptive unless a transport says otherwise. The floor: a
+                // receiver whose peer was descheduled now and then must not fall into sleeping
+                // between the messages of a ping-pong (a quarter of the default stays above a
+                // busy tcp round trip).
+                let cap = receives.iter().map(|r| r.spin_us).max().unwrap_or(0);
+                let cap = Duration::from_micros(cap);
+                Spin::new(cap, cap / 4, receives.iter().all(|r| r.adaptive_spin))
             },
             cadence: {
-                let r = [&t.tcp.receive, &t.shm.receive, &t.rdma.receive];
-                let lead = if r.iter().any(|r| r.cadence_lead_us == 0) {
+                let lead = if receives.iter().any(|r| r.cadence_lead_us == 0) {
                     0
                 } else {
-                    r.iter().map(|r| r.cadence_lead_us).max().unwrap_or(0)
+                    receives
+                        .iter()
+                        .map(|r| r.cadence_lead_us)
+                        .max()
+                        .unwrap_or(0)
                 };
                 Mutex::new(Cadence::new(lead.saturating_mul(1000)))
             },
             cadence_epoch: Instant::now(),
             anticipated: AtomicU64::new(0),
-            leave_shared_cpu: [&t.tcp.receive, &t.shm.receive, &t.rdma.receive]
-                .iter()
-                .all(|r| r.leave_shared_cpu),
+            leave_shared_cpu: receives.iter().all(|r| r.leave_shared_cpu),
             cpu_moves: AtomicU64::new(0),
         })
     }
