@@ -9,10 +9,10 @@
 //! So a thread's involuntary context switches are read (`getrusage(RUSAGE_THREAD)`) when its
 //! wait wakes on the cadence's timer and again before it next sleeps: if another task took its
 //! CPU in between, in [`MOVE_AFTER_WINDOWS`] such windows in a row, the thread moves off that
-//! CPU before sleeping, so that its next timer fires, and it wakes, elsewhere. Moving narrows its affinity to every allowed CPU but this one (the
-//! kernel migrates it at once) and restores the affinity exactly; a thread allowed one CPU
-//! stays. Both reads and the move happen off the message's path, while the thread has nothing
-//! to receive.
+//! CPU before sleeping, so that its next timer fires, and it wakes, elsewhere. Moving narrows
+//! its affinity to every allowed CPU but this one (the kernel migrates it at once) and restores
+//! the affinity exactly; a thread allowed one CPU stays. Both reads and the move happen off the
+//! message's path, while the thread has nothing to receive.
 
 use std::cell::Cell;
 use std::io;
