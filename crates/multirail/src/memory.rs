@@ -420,6 +420,26 @@ impl MemoryRegistry {
         }
     }
 
+    /// Stops serving every region, as `unregister` of each would: its access entry revoked
+    /// (waiting for same-host peers' copies into it to end) and its RDMA registrations gone.
+    /// For an engine whose caller has let go of it, and may free the memory it registered.
+    pub(crate) fn close(&self) {
+        let removed = {
+            let mut map = self.regions.write().expect("memory registry poisoned");
+            if !map.is_empty() {
+                self.generation
+                    .fetch_add(1, std::sync::atomic::Ordering::Release);
+            }
+            std::mem::take(&mut *map)
+        };
+        for region in removed.values() {
+            self.revoke(region);
+            if let Some(hook) = self.hook.get() {
+                hook.unregistered(region.id);
+            }
+        }
+    }
+
     /// How many unregistrations there have been: a range found registered stays registered
     /// while this does not change.
     pub(crate) fn generation(&self) -> u64 {

@@ -141,7 +141,7 @@ impl Engine {
             .spawn(move || {
                 while let Ok(done) = rx.recv() {
                     let Some(inner) = inner.upgrade() else { return };
-                    let engine = Engine { inner };
+                    let engine = Engine::momentary(inner);
                     match done.batch.overall_status() {
                         Status::Failed(e) => {
                             tracing::warn!(error = %e, "batch failed; notification not sent")
@@ -210,13 +210,13 @@ pub(super) fn spawn_lanes_driver(inner: Weak<Inner>) {
             // Receive polls when the last wait ended: any since were the application's.
             let mut seen_polls: Option<u64> = None;
             let shared_lane = match inner.upgrade() {
-                Some(inner) => Engine { inner }.messaging().shared_lane_fd(),
+                Some(inner) => Engine::momentary(inner).messaging().shared_lane_fd(),
                 None => return,
             };
             loop {
                 let (active, due, tick, polls, attended) = {
                     let Some(inner) = inner.upgrade() else { return };
-                    let engine = Engine { inner };
+                    let engine = Engine::momentary(inner);
                     let polled = seen_polls.is_some_and(|s| s != engine.messaging().polls());
                     let (active, due) = engine.messaging().drive_lanes(&engine);
                     let m = engine.messaging();
@@ -279,7 +279,7 @@ fn wait_serving_the_shared_lane(
             let Some(inner) = inner.upgrade() else {
                 return polls;
             };
-            let m = Engine { inner }.messaging().clone();
+            let m = Engine::momentary(inner).messaging().clone();
             if m.polls() != polls {
                 // The application polls: its polls read the lane.
                 drop(m);

@@ -200,10 +200,32 @@ struct Inner {
 
 /// A transfer engine: one segment, named `host:port` after its control port.
 ///
-/// Cloning gives another handle to the same engine; it stops when the last handle drops.
+/// Cloning gives another handle to the same engine; it stops when the last handle drops, and
+/// from then on no peer writes its buffers: the memory registered with it may be freed.
 #[derive(Clone)]
 pub struct Engine {
+    /// Held by the handles the caller has (not by those the engine's own threads make for a
+    /// moment): the last one to go closes the engine's memory at once. `None` on those
+    /// momentary handles.
+    _caller: Option<Arc<CallerHold>>,
     inner: Arc<Inner>,
+}
+
+/// The caller's hold on an engine. The engine's threads hold it weakly and take a strong
+/// handle for the moment they work, so the engine itself (`Inner`) may outlive the caller's
+/// last handle by that moment; its buffers must not: once the caller's last handle is
+/// dropped, the caller may free the memory it registered.
+struct CallerHold(Weak<Inner>);
+
+impl Drop for CallerHold {
+    fn drop(&mut self) {
+        if let Some(inner) = self.0.upgrade() {
+            // Lookups stop finding the engine, and no peer (over shm, tcp or RDMA) writes its
+            // buffers from now on.
+            inner.withdraw_descriptor();
+            inner.local.registry.close();
+        }
+    }
 }
 
 fn advertised_host(config: &Config, listen: &SocketAddr, rails: &[RailDescriptor]) -> String {
@@ -416,7 +438,19 @@ impl Engine {
             }));
         // Now that the engine has its name and serves its port, peers may look it up.
         inner.publish_descriptor();
-        Ok(Engine { inner })
+        Ok(Engine {
+            _caller: Some(Arc::new(CallerHold(Arc::downgrade(&inner)))),
+            inner,
+        })
+    }
+
+    /// A handle the engine's own threads take for the moment they work on it: it does not
+    /// count as the caller's.
+    fn momentary(inner: Arc<Inner>) -> Engine {
+        Engine {
+            _caller: None,
+            inner,
+        }
     }
 
     /// This engine's segment name, `host:port`.
@@ -919,5 +953,75 @@ fn spawn_upkeep(inner: Weak<Inner>) -> Option<thread::Thread> {
             tracing::error!(error = %e, "cannot spawn the upkeep thread: no timeouts or probes");
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Location, Opcode, Request, TransportChoice, PRIO_HIGH};
+
+    const LEN: usize = 64 << 10;
+
+    fn write(
+        peer: &Engine,
+        transport: TransportChoice,
+        seg: SegmentId,
+        source: u64,
+        target: u64,
+    ) -> Result<()> {
+        let batch = peer.allocate_batch(1)?;
+        peer.submit(
+            batch,
+            &[Request {
+                opcode: Opcode::Write,
+                source,
+                target: seg,
+                target_offset: target,
+                length: 4096,
+                priority: PRIO_HIGH,
+                transport: Some(transport),
+            }],
+        )?;
+        let out = peer.wait(batch, Some(Duration::from_secs(30)));
+        peer.free_batch(batch)?;
+        out
+    }
+
+    /// The engine's own threads hold it for a moment now and then (a timer, a notification, a
+    /// metrics scrape); the caller dropping its last handle in such a moment must still stop
+    /// peers writing its buffers at once, as it may free the memory it registered next.
+    #[test]
+    fn the_callers_last_handle_closes_the_buffers_while_an_engine_thread_holds_the_engine() {
+        let owner = Engine::new(Config::default(), "127.0.0.1:0").unwrap();
+        let peer = Engine::new(Config::default(), "127.0.0.1:0").unwrap();
+        let mut memory = vec![0u8; LEN];
+        let registered = owner
+            .register(memory.as_mut_ptr(), LEN, Location::Any)
+            .unwrap();
+        let allocated = owner.allocate(LEN, Location::Any).unwrap();
+        let src = peer.allocate(LEN, Location::Any).unwrap();
+        let seg = peer.open_segment(&owner.name()).unwrap();
+        for transport in [TransportChoice::Shm, TransportChoice::Tcp] {
+            for target in [registered.addr(), allocated.addr()] {
+                write(&peer, transport, seg, src.addr(), target).unwrap();
+            }
+        }
+        let engine_thread = Engine::momentary(owner.inner.clone());
+        drop(owner);
+        for transport in [TransportChoice::Shm, TransportChoice::Tcp] {
+            for target in [registered.addr(), allocated.addr()] {
+                match write(&peer, transport, seg, src.addr(), target) {
+                    Err(Error::RemoteRejected { reason, .. })
+                        if reason.contains("no buffer at that address") => {}
+                    Err(Error::TargetOutOfRange { .. } | Error::SegmentUnreachable { .. }) => {}
+                    other => panic!(
+                        "{transport:?} write at {target:#x} after the caller let go: {other:?}"
+                    ),
+                }
+            }
+        }
+        drop(engine_thread);
+        drop(registered);
     }
 }

@@ -168,9 +168,7 @@ impl Engine {
         let inner = Arc::downgrade(&self.inner);
         MetricsServer::start(addr, move || {
             // The handle lives only while the figures are read, not while they are encoded.
-            let engine = Engine {
-                inner: inner.upgrade()?,
-            };
+            let engine = Engine::momentary(inner.upgrade()?);
             Some(engine.metrics_snapshot())
         })
     }
