@@ -900,7 +900,7 @@ fn a_rail_that_stalls_again_stays_on_probation_twice_as_long() {
     let mut now = 1_200 * MS;
     let mut pages = 0;
     while now < 1_500 * MS {
-        for p in deal_and_answer_path_1(&mut d, &mut host, now, 1, 16) {
+        for p in deal_and_answer_path_1(&mut d, &mut host, now, 1, 64) {
             assert_eq!(p.item.len, 4096, "a slice of {} on probation", p.item.len);
             pages += 1;
             d.on_completed(now + 100 * US, p.id, None, &mut host);
