@@ -4,11 +4,21 @@
 //! Behaviour only: how fast a sleeping receiver wakes is `multirail pingpong --gap-ms`'s to
 //! measure.
 
-use std::sync::{Arc, Barrier};
+use std::sync::{Arc, Barrier, Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use multirail::{Config, Engine};
+
+/// Held by each test for its whole run: these tests time sleeps and wake-ups, and the one that
+/// checks a receiver anticipates a steady cadence saw its gaps made uneven, and anticipated
+/// nothing, while the file's stress test ran beside it on a 2-core host.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn one_at_a_time() -> MutexGuard<'static, ()> {
+    // A test that failed holding it leaves it poisoned; the others still run, one at a time.
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// The lane kinds: transport and whether dynamic lanes are on (shm's shared lane is then the
 /// shared ring; without them each sender has a ring of its own).
@@ -58,6 +68,7 @@ fn receive_in_order(rx: &Engine, name: &str, s: u64, n: u64) {
 
 #[test]
 fn a_receiver_asleep_on_the_doorbell_wakes_and_gets_the_message() {
+    let _alone = one_at_a_time();
     for (name, transport, dynamic) in LANES {
         // No spin: every wait sleeps at once.
         let rx = engine(transport, dynamic, 0);
@@ -84,6 +95,7 @@ fn a_receiver_asleep_on_the_doorbell_wakes_and_gets_the_message() {
 
 #[test]
 fn no_wakeup_is_lost_while_senders_and_receiver_keep_sleeping_and_waking() {
+    let _alone = one_at_a_time();
     const SENDERS: u64 = 2;
     const PER_SENDER: u64 = 1500;
     for (name, transport, dynamic) in LANES {
@@ -156,6 +168,7 @@ fn no_wakeup_is_lost_while_senders_and_receiver_keep_sleeping_and_waking() {
 
 #[test]
 fn a_sleeping_receive_keeps_its_timeout() {
+    let _alone = one_at_a_time();
     for (name, transport, dynamic) in LANES {
         for spin_us in [0, 200] {
             let rx = engine(transport, dynamic, spin_us);
@@ -203,6 +216,7 @@ fn a_sleeping_receive_keeps_its_timeout() {
 
 #[test]
 fn two_threads_waiting_on_one_engine_both_get_messages() {
+    let _alone = one_at_a_time();
     for (name, transport, dynamic) in LANES {
         let rx = engine(transport, dynamic, 0);
         let tx = engine(transport, dynamic, 0);
@@ -234,6 +248,7 @@ fn two_threads_waiting_on_one_engine_both_get_messages() {
 
 #[test]
 fn a_notification_wait_sleeps_wakes_on_each_notification_and_leaves_messages_to_recv() {
+    let _alone = one_at_a_time();
     for (name, transport, dynamic) in LANES {
         let rx = engine(transport, dynamic, 0);
         let tx = engine(transport, dynamic, 0);
@@ -286,49 +301,66 @@ fn a_notification_wait_sleeps_wakes_on_each_notification_and_leaves_messages_to_
     }
 }
 
+/// Messages sent every 50 ms from `tx` to `rx`, on a schedule; the receiver's statistics once
+/// all arrived, in order.
+fn receive_at_a_cadence(
+    name: &str,
+    transport: &str,
+    dynamic: bool,
+    lead_us: u64,
+    messages: u64,
+) -> multirail::MessageStats {
+    let rx = engine_with_lead(transport, dynamic, 50, lead_us);
+    let tx = engine_with_lead(transport, dynamic, 50, lead_us);
+    let rx_name = rx.name();
+    let sender = thread::spawn(move || {
+        let seg = tx.open_segment(&rx_name).unwrap();
+        let start = Instant::now();
+        for i in 0..messages {
+            // On a schedule, not after a sleep each: the gaps stay even.
+            let due = start + Duration::from_millis(50 * (i + 1));
+            thread::sleep(due.saturating_duration_since(Instant::now()));
+            tx.send(seg, &message(1, i)).unwrap();
+        }
+        tx
+    });
+    receive_in_order(&rx, name, 1, messages);
+    let tx = sender.join().unwrap();
+    let stats = rx.message_stats();
+    assert_eq!(stats.received, messages, "{name}");
+    drop(tx);
+    stats
+}
+
 #[test]
 fn a_receiver_of_messages_at_a_steady_cadence_is_polling_when_the_next_one_comes() {
+    let _alone = one_at_a_time();
     // One message every 50 ms: after a few gaps the receiver wakes shortly before each is due
     // and polls for it; with the lead at 0 it sleeps until each message wakes it. Every
-    // message arrives, in order, either way. (A loaded host can make the gaps too uneven to
-    // anticipate for a while, so only "at least one" is asked of the anticipating receiver.)
+    // message arrives, in order, either way. A loaded host (CI builds the Python package and
+    // boots a VM beside these tests) can make the gaps too uneven to anticipate for a while,
+    // so the anticipating receiver is asked for at least one message polled for ahead in up
+    // to three rounds.
     const MESSAGES: u64 = 16;
+    const ROUNDS: usize = 3;
     for (name, transport, dynamic) in LANES {
-        for lead_us in [500, 0] {
-            let rx = engine_with_lead(transport, dynamic, 50, lead_us);
-            let tx = engine_with_lead(transport, dynamic, 50, lead_us);
-            let rx_name = rx.name();
-            let sender = thread::spawn(move || {
-                let seg = tx.open_segment(&rx_name).unwrap();
-                let start = Instant::now();
-                for i in 0..MESSAGES {
-                    // On a schedule, not after a sleep each: the gaps stay even.
-                    let due = start + Duration::from_millis(50 * (i + 1));
-                    thread::sleep(due.saturating_duration_since(Instant::now()));
-                    tx.send(seg, &message(1, i)).unwrap();
-                }
-                tx
-            });
-            receive_in_order(&rx, name, 1, MESSAGES);
-            let tx = sender.join().unwrap();
-            let stats = rx.message_stats();
-            assert_eq!(stats.received, MESSAGES, "{name}");
-            if lead_us == 0 {
-                assert_eq!(
-                    stats.recv_anticipated, 0,
-                    "{name}: no lead, no anticipation"
-                );
-            } else {
-                assert!(
-                    stats.recv_anticipated >= 1,
-                    "{name}: none of {MESSAGES} messages 50 ms apart was polled for ahead"
-                );
-                assert!(
-                    stats.recv_anticipated < MESSAGES - 3,
-                    "{name}: the first gaps teach"
-                );
-            }
-            drop(tx);
+        let stats = receive_at_a_cadence(name, transport, dynamic, 0, MESSAGES);
+        assert_eq!(
+            stats.recv_anticipated, 0,
+            "{name}: no lead, no anticipation"
+        );
+        let mut anticipated = Vec::new();
+        while anticipated.len() < ROUNDS && !anticipated.iter().any(|&a| a >= 1) {
+            let stats = receive_at_a_cadence(name, transport, dynamic, 500, MESSAGES);
+            assert!(
+                stats.recv_anticipated < MESSAGES - 3,
+                "{name}: the first gaps teach"
+            );
+            anticipated.push(stats.recv_anticipated);
         }
+        assert!(
+            anticipated.iter().any(|&a| a >= 1),
+            "{name}: none of {MESSAGES} messages 50 ms apart was polled for ahead, in {ROUNDS} rounds: {anticipated:?}"
+        );
     }
 }
