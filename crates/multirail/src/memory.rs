@@ -407,10 +407,7 @@ impl MemoryRegistry {
         match removed {
             Some(region) => {
                 // Not under the lock: the wait for peers' copies takes as long as a copy.
-                self.revoke(&region);
-                if let Some(hook) = self.hook.get() {
-                    hook.unregistered(region.id);
-                }
+                self.retire(&region);
                 Ok(())
             }
             None => Err(Error::invalid(
@@ -433,10 +430,16 @@ impl MemoryRegistry {
             std::mem::take(&mut *map)
         };
         for region in removed.values() {
-            self.revoke(region);
-            if let Some(hook) = self.hook.get() {
-                hook.unregistered(region.id);
-            }
+            self.retire(region);
+        }
+    }
+
+    /// Ends the serving of `region`, already out of the map: its access entry revoked
+    /// (waiting for same-host peers' copies into it) and its RDMA registrations gone.
+    fn retire(&self, region: &Region) {
+        self.revoke(region);
+        if let Some(hook) = self.hook.get() {
+            hook.unregistered(region.id);
         }
     }
 

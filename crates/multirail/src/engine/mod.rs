@@ -959,7 +959,7 @@ fn spawn_upkeep(inner: Weak<Inner>) -> Option<thread::Thread> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Location, Opcode, Request, TransportChoice, PRIO_HIGH};
+    use crate::{Location, TransportChoice};
 
     const LEN: usize = 64 << 10;
 
@@ -971,18 +971,11 @@ mod tests {
         target: u64,
     ) -> Result<()> {
         let batch = peer.allocate_batch(1)?;
-        peer.submit(
-            batch,
-            &[Request {
-                opcode: Opcode::Write,
-                source,
-                target: seg,
-                target_offset: target,
-                length: 4096,
-                priority: PRIO_HIGH,
-                transport: Some(transport),
-            }],
-        )?;
+        let request = Request {
+            transport: Some(transport),
+            ..Request::write(source, seg, target, 4096)
+        };
+        peer.submit(batch, &[request])?;
         let out = peer.wait(batch, Some(Duration::from_secs(30)));
         peer.free_batch(batch)?;
         out

@@ -259,11 +259,12 @@ impl WindowController for BdpController {
 
     /// `full` is `window_bdps` bandwidth-delay products (bandwidth × the smallest fixed round
     /// trip) and at least [`FULL_PIPES`] pipes of a slice of at least
-    /// [`pipe_slice`](Self::pipe_slice) and the `initial_window`, `lean` is `lean_bdps` of them and at least one
-    /// *pipe* (one product plus the slice: what keeps the rail busy, since a slice is answered
-    /// only after its whole length went on the wire), then at most what the path holds (the
-    /// bandwidth times its [propagation delay](RttEstimator::propagation_ns)) plus a queue of
-    /// `max_queue_ns` of the bandwidth or one slice, whichever is more, and at least one slice.
+    /// [`pipe_slice`](Self::pipe_slice) and the `initial_window`, `lean` is `lean_bdps` of
+    /// them and at least one *pipe* (one product plus the slice: what keeps the rail busy,
+    /// since a slice is answered only after its whole length went on the wire), then at most
+    /// what the path holds (the bandwidth times its
+    /// [propagation delay](RttEstimator::propagation_ns)) plus a queue of `max_queue_ns` of the
+    /// bandwidth or one slice, whichever is more, and at least one slice.
     /// The margin of `full` covers what the estimate misses on a CPU-bound link such as
     /// loopback; the time cap keeps a slow rail's queue short.
     ///
@@ -304,13 +305,13 @@ impl WindowController for BdpController {
         let queue = (bytes_per_sec * self.max_queue_ns as f64 / 1e9).max(slice as f64);
         let cap = (held + queue).min(grown);
         let bound = |bdps: f64, pipes: f64| ((bdps * bdp).max(pipes).min(cap) as u64).max(slice);
-        // Where the time cap allows it, the full window keeps the initial window in flight
-        // however small the product. A path of small slices that nothing merges (scattered
+        // The full window keeps the initial window in flight however small the product (the
+        // time cap still bounds it). A path of small slices that nothing merges (scattered
         // KV blocks) is bound by what each slice costs the threads, a wake-up and an answer,
         // not by the link: with two pipes in flight (160 kB on loopback, 10 slices of 16 KiB)
         // every write carried a few slices and every round trip paid the wake-ups, and
         // scattered 16 KiB requests moved 1.9 GB/s where 1 MiB in flight moved 2.8.
-        let floor = (self.initial_window as f64).min(cap);
+        let floor = self.initial_window as f64;
         Window {
             full: bound(self.window_bdps, (FULL_PIPES * full_pipe).max(floor)),
             lean: bound(self.lean_bdps, pipe),
